@@ -1,0 +1,17 @@
+"""jaxmoe: a Megatron-Core-compatible Mixture-of-Experts layer for JAX/Flax.
+
+Data path: route -> plan -> dispatch -> grouped expert MLP -> combine (+ shared expert).
+"""
+
+from jaxmoe import mxfp8, ops
+from jaxmoe.config import MoEConfig
+from jaxmoe.dispatch import combine, dispatch, gather_slots
+from jaxmoe.moe import MoE, MoEAux, ExpertBias, to_linen
+from jaxmoe.plan import Plan, make_plan
+from jaxmoe.routing import Routing, route, router_logits, update_expert_bias
+
+__all__ = [
+    "MoEConfig", "MoE", "MoEAux", "ExpertBias", "to_linen", "Routing", "route", "router_logits",
+    "update_expert_bias", "Plan", "make_plan", "dispatch", "combine", "gather_slots", "mxfp8",
+    "ops",
+]

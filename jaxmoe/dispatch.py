@@ -1,0 +1,97 @@
+"""Dispatch (token rows -> expert buffer) and combine (expert buffer -> token rows).
+
+Both are gathers and each is the other's transpose, so neither the forward nor the backward pass
+has a scatter-add:
+  * dispatch(x)[r] = x[token(r)] (zero for padding rows); its VJP is combine.
+  * combine(rows)[t] = sum of the token's kept rows in ascending expert order, accumulated in
+    fp32 and rounded once; its VJP is dispatch.
+  * gather_slots(p)[r] = p[slot(r)] moves per-slot values (the routing probabilities) into the
+    buffer; each slot owns at most one row, so its VJP is the gather back along `slot_row`.
+A token's combined value depends only on its own rows, in a fixed order: batch invariant.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxmoe.plan import Plan
+
+F32 = jnp.float32
+
+
+def _with_zero_row(a: jax.Array) -> jax.Array:
+    """a with one zero entry appended along axis 0 (the target of padding indices)."""
+    return jnp.concatenate([a, jnp.zeros((1,) + a.shape[1:], a.dtype)], axis=0)
+
+
+def _dispatch(x, plan):
+    return jnp.take(_with_zero_row(x), plan.row_token(), axis=0)
+
+
+def _combine(rows, plan, out_dtype):
+    padded = _with_zero_row(rows)
+    ordered_rows = jnp.take_along_axis(plan.slot_row, plan.combine_slot, axis=1)   # [T, k]
+    total = None
+    for j in range(plan.top_k):
+        row = ordered_rows[:, j]
+        term = jnp.take(padded, row, axis=0).astype(F32)
+        if total is None:
+            total = term
+        else:
+            total = jnp.where((row < plan.num_rows)[:, None], total + term, total)
+    return total.astype(out_dtype)
+
+
+@jax.custom_vjp
+def dispatch(x: jax.Array, plan: Plan) -> jax.Array:
+    """Gather token rows x[T, H] into the expert buffer [M, H] laid out by `plan`."""
+    return _dispatch(x, plan)
+
+
+def _dispatch_fwd(x, plan):
+    return _dispatch(x, plan), (plan, jnp.zeros((0,), x.dtype))
+
+
+def _dispatch_bwd(residuals, grad):
+    plan, dtype_carrier = residuals
+    return _combine(grad, plan, dtype_carrier.dtype), None
+
+
+dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def combine(rows: jax.Array, plan: Plan) -> jax.Array:
+    """y[t] = sum over token t's kept rows in ascending expert order (fp32 accumulation, one
+    rounding to rows.dtype) -> [T, H]."""
+    return _combine(rows, plan, rows.dtype)
+
+
+def _combine_fwd(rows, plan):
+    return _combine(rows, plan, rows.dtype), (plan, jnp.zeros((0,), rows.dtype))
+
+
+def _combine_bwd(residuals, grad):
+    plan, dtype_carrier = residuals
+    return _dispatch(grad, plan).astype(dtype_carrier.dtype), None
+
+
+combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+@jax.custom_vjp
+def gather_slots(values: jax.Array, plan: Plan) -> jax.Array:
+    """Per-slot values [T, k] -> per-row values [M] (zero for padding rows)."""
+    return jnp.take(_with_zero_row(values.reshape(-1)), plan.row_slot)
+
+
+def _gather_slots_fwd(values, plan):
+    return gather_slots(values, plan), plan
+
+
+def _gather_slots_bwd(plan, grad):
+    return jnp.take(_with_zero_row(grad), plan.slot_row), None
+
+
+gather_slots.defvjp(_gather_slots_fwd, _gather_slots_bwd)

@@ -1,0 +1,263 @@
+"""`jaxmoe.MoE`: the Megatron-style MoE layer as a `flax.nnx` module (+ a linen adapter).
+
+    x[..., H] -> router -> plan -> dispatch -> grouped expert MLP -> combine (+ shared expert)
+
+Parameters use the flax [in, out] convention (Megatron stores [out, in]; bridge/ transposes):
+  router.kernel [H, E], router.bias [E], router.expert_bias [E] (fp32, not trained by gradients),
+  experts.fc1_kernel [E, H, 2F] (GLU: [..., :F] gate, [..., F:] up) or [E, H, F],
+  experts.fc1_bias [E, 2F|F], experts.fc2_kernel [E, F, H], experts.fc2_bias [E, H],
+  shared_experts.fc1_kernel [H, 2Fs|Fs], shared_experts.fc2_kernel [Fs, H],
+  shared_experts.gate_kernel [H, 1].
+Initialisation follows Megatron: N(0, init_std) for the router, fc1 and the shared gate,
+N(0, init_std / sqrt(2 * num_layers)) for fc2, zero biases and expert bias.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jaxmoe import routing as routing_lib
+from jaxmoe.config import MoEConfig
+from jaxmoe.dispatch import combine, dispatch, gather_slots
+from jaxmoe.experts import grouped_mlp, shared_mlp
+from jaxmoe.plan import make_plan
+
+F32 = jnp.float32
+
+
+class ExpertBias(nnx.Variable):
+    """The fp32 aux-loss-free routing bias. Not an `nnx.Param`: optimizers leave it alone; update
+    it with `jaxmoe.update_expert_bias` once per step."""
+
+
+class AuxLossState(nnx.Variable):
+    """Running per-expert token counts and call count for `global_aux_loss` (Megatron's
+    `global_tokens_per_expert` / `ga_steps`); reset with `MoE.reset_global_aux_state`."""
+
+
+@struct.dataclass
+class MoEAux:
+    """What the layer returns besides its output.
+
+    load_balancing_loss: fp32 scalar, coefficient applied (0 when disabled).
+    z_loss: fp32 scalar, coefficient applied (0 when disabled).
+    tokens_per_expert: [E] int32 kept (token, expert) pairs, padding tokens excluded; accumulate
+      these over a step for `update_expert_bias`.
+    The caller adds the losses to its objective: jaxmoe never adds them silently."""
+
+    load_balancing_loss: jax.Array
+    z_loss: jax.Array
+    tokens_per_expert: jax.Array
+
+    @property
+    def total_loss(self) -> jax.Array:
+        """load_balancing_loss + z_loss."""
+        return self.load_balancing_loss + self.z_loss
+
+
+def _normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
+    return (jax.random.normal(rngs.params(), shape, F32) * std).astype(dtype)
+
+
+class TopKRouter(nnx.Module):
+    """Router: logits = x @ kernel (+ bias), then Megatron top-k routing with capacity."""
+
+    def __init__(self, config: MoEConfig, hidden_size: int, *, param_dtype: Any,
+                 init_std: float, rngs: nnx.Rngs):
+        self.config = config
+        num_experts = config.num_experts
+        self.kernel = nnx.Param(_normal(rngs, (hidden_size, num_experts), init_std, param_dtype))
+        self.bias = (nnx.Param(jnp.zeros((num_experts,), param_dtype))
+                     if config.add_bias_linear else None)
+        self.expert_bias = (ExpertBias(jnp.zeros((num_experts,), F32))
+                            if config.enable_expert_bias else None)
+        self.jitter_rngs = (rngs["jitter"].fork()
+                            if config.input_jitter_eps is not None else nnx.data(None))
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """[T, E] logits in the router dtype (input jitter applied when configured)."""
+        eps = self.config.input_jitter_eps
+        if eps is not None:
+            noise = jax.random.uniform(self.jitter_rngs(), x.shape, F32, 1.0 - eps, 1.0 + eps)
+            x = (x.astype(F32) * noise).astype(x.dtype)
+        router_dtype = F32 if self.config.router_dtype == "fp32" else x.dtype
+        bias = None if self.bias is None else self.bias[...]
+        return routing_lib.router_logits(x, self.kernel[...], bias, router_dtype)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, routing_lib.Routing]:
+        logits = self.logits(x)
+        expert_bias = (None if self.expert_bias is None
+                       else jax.lax.stop_gradient(self.expert_bias[...]))
+        return logits, routing_lib.route(logits, self.config, expert_bias)
+
+
+class GroupedMLP(nnx.Module):
+    """The E routed experts' weights, applied to the expert buffer with grouped matmuls."""
+
+    def __init__(self, config: MoEConfig, hidden_size: int, *, param_dtype: Any,
+                 init_std: float, output_std: float, rngs: nnx.Rngs):
+        self.config = config
+        e, f1, f = config.num_experts, config.fc1_output_size, config.ffn_hidden_size
+        self.fc1_kernel = nnx.Param(_normal(rngs, (e, hidden_size, f1), init_std, param_dtype))
+        self.fc2_kernel = nnx.Param(_normal(rngs, (e, f, hidden_size), output_std, param_dtype))
+        bias = config.add_bias_linear
+        self.fc1_bias = nnx.Param(jnp.zeros((e, f1), param_dtype)) if bias else None
+        self.fc2_bias = nnx.Param(jnp.zeros((e, hidden_size), param_dtype)) if bias else None
+
+    def __call__(self, rows, row_probs, plan, *, gmm_impl: str):
+        value = lambda p: None if p is None else p[...]
+        return grouped_mlp(rows, row_probs, plan.group_sizes, plan.row_expert,
+                           self.fc1_kernel[...], self.fc2_kernel[...], value(self.fc1_bias),
+                           value(self.fc2_bias), self.config, gmm_impl=gmm_impl)
+
+
+class SharedExpertMLP(nnx.Module):
+    """The shared expert (every token), optionally gated by sigmoid(x @ gate_kernel)."""
+
+    def __init__(self, config: MoEConfig, hidden_size: int, *, param_dtype: Any,
+                 init_std: float, output_std: float, rngs: nnx.Rngs):
+        self.config = config
+        fs = config.shared_expert_intermediate_size
+        fs1 = 2 * fs if config.gated_linear_unit else fs
+        self.fc1_kernel = nnx.Param(_normal(rngs, (hidden_size, fs1), init_std, param_dtype))
+        self.fc2_kernel = nnx.Param(_normal(rngs, (fs, hidden_size), output_std, param_dtype))
+        self.gate_kernel = (nnx.Param(_normal(rngs, (hidden_size, 1), init_std, param_dtype))
+                            if config.shared_expert_gate else None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = None if self.gate_kernel is None else self.gate_kernel[...]
+        return shared_mlp(x, self.fc1_kernel[...], self.fc2_kernel[...], gate, self.config)
+
+
+class MoE(nnx.Module):
+    """Megatron-Core MoE layer (routing, dropless or capacity dispatch, grouped experts,
+    deterministic combine, shared expert).
+
+    Args:
+      config: the `MoEConfig`.
+      hidden_size: H, the model width.
+      param_dtype: parameter dtype (bf16 or fp32); the expert bias is always fp32.
+      dtype: compute dtype (default: param_dtype); inputs and weights are cast to it.
+      init_std, num_layers: Megatron's init_method_std and the model depth (fc2 init scaling).
+      gmm_impl: grouped-matmul implementation for `jaxmoe.ops.gmm` ("auto" or "xla").
+      rngs: `nnx.Rngs`; "params" initialises weights, "jitter" drives the input jitter.
+    """
+
+    def __init__(self, config: MoEConfig, hidden_size: int, *, param_dtype: Any = jnp.bfloat16,
+                 dtype: Any = None, init_std: float = 0.02, num_layers: int = 1,
+                 gmm_impl: str = "auto", rngs: nnx.Rngs):
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"MoE: config must be a MoEConfig, got {type(config).__name__}")
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"MoE: hidden_size must be a positive int, got {hidden_size!r}")
+        if "mxfp8" in (config.expert_precision, config.dispatch_dtype, config.combine_bwd_dtype):
+            raise NotImplementedError(
+                "MoE: MXFP8 expert GEMMs / dispatch are not implemented yet; use 'bf16' "
+                "(MoEConfig validates the MXFP8 options; the layer path is a separate work item)")
+        for name, dt in (("param_dtype", param_dtype), ("dtype", dtype)):
+            if dt is not None and not jnp.issubdtype(jnp.dtype(dt), jnp.floating):
+                raise TypeError(f"MoE: {name} must be a floating dtype, got {dt}")
+        self.config = config
+        self.hidden_size = hidden_size
+        self.dtype = jnp.dtype(dtype if dtype is not None else param_dtype)
+        self.gmm_impl = gmm_impl
+        output_std = init_std / math.sqrt(2.0 * num_layers)
+        kw = dict(param_dtype=param_dtype, init_std=init_std, rngs=rngs)
+        self.router = TopKRouter(config, hidden_size, **kw)
+        self.experts = GroupedMLP(config, hidden_size, output_std=output_std, **kw)
+        self.shared_experts = (SharedExpertMLP(config, hidden_size, output_std=output_std, **kw)
+                               if config.shared_expert_intermediate_size else None)
+        use_global = config.load_balancing_type == "global_aux_loss"
+        self.global_tokens_per_expert = (AuxLossState(jnp.zeros((config.num_experts,), F32))
+                                         if use_global else None)
+        self.global_aux_steps = AuxLossState(jnp.zeros((), jnp.int32)) if use_global else None
+
+    def _check_input(self, x, padding_mask):
+        if not hasattr(x, "shape") or not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"MoE: x must be a floating-point array, got "
+                            f"{getattr(x, 'dtype', type(x))}")
+        if x.ndim < 1 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"MoE: x must be [..., {self.hidden_size}] (hidden_size), "
+                             f"got {x.shape}")
+        if x.size == 0:
+            raise ValueError(f"MoE: x has no tokens (shape {x.shape})")
+        if self.config.load_balancing_type == "seq_aux_loss" and x.ndim < 2:
+            raise ValueError("MoE: seq_aux_loss needs x as [..., S, H] (a sequence axis)")
+        if padding_mask is not None:
+            if padding_mask.shape != x.shape[:-1] or padding_mask.dtype != jnp.bool_:
+                raise ValueError(f"MoE: padding_mask must be bool {x.shape[:-1]}, got "
+                                 f"{padding_mask.dtype} {padding_mask.shape}")
+
+    def reset_global_aux_state(self) -> None:
+        """Start a new accumulation window for `global_aux_loss` (call once per optimizer step)."""
+        if self.global_aux_steps is not None:
+            self.global_tokens_per_expert[...] = jnp.zeros_like(self.global_tokens_per_expert[...])
+            self.global_aux_steps[...] = jnp.zeros_like(self.global_aux_steps[...])
+
+    def __call__(self, x: jax.Array, *, padding_mask: jax.Array | None = None
+                 ) -> tuple[jax.Array, MoEAux]:
+        """y, aux = moe(x): x [..., H] -> y [..., H] in the compute dtype.
+
+        padding_mask: optional bool [...] (True = padding token). Padding tokens are still routed
+        and computed, as in Megatron; they only leave the losses and the token counts.
+        A token whose input holds NaN/Inf gets a non-finite output; other tokens are unaffected."""
+        y, aux, _ = self.forward_with_stages(x, padding_mask=padding_mask)
+        return y, aux
+
+    def forward_with_stages(self, x: jax.Array, *, padding_mask: jax.Array | None = None
+                            ) -> tuple[jax.Array, MoEAux, dict[str, Any]]:
+        """Like `__call__`, plus a dict of the intermediate values (for stage-by-stage
+        comparisons): router_logits [T,E], probs/indices/kept [T,k] (Megatron's top-k order),
+        plan, dispatched_rows [M,H], row_probs [M], fc1_output, activation, fc2_output [M,...],
+        combined [T,H] (before the shared expert), shared_output [T,H] or None. Unused entries
+        cost nothing under jit."""
+        self._check_input(x, padding_mask)
+        config = self.config
+        tokens = x.reshape(-1, self.hidden_size).astype(self.dtype)
+        flat_mask = None if padding_mask is None else padding_mask.reshape(-1)
+
+        logits, routing = self.router(tokens)
+        plan = make_plan(routing, config)
+        rows = dispatch(tokens, plan)
+        row_probs = gather_slots(routing.probs, plan)
+        expert = self.experts(rows, row_probs, plan, gmm_impl=self.gmm_impl)
+        combined = combine(expert.output, plan)
+        shared = None if self.shared_experts is None else self.shared_experts(tokens)
+        y = combined if shared is None else combined + shared
+
+        aux = MoEAux(load_balancing_loss=self._load_balancing_loss(logits, x.shape[:-1],
+                                                                   flat_mask),
+                     z_loss=routing_lib.z_loss(logits, config.z_loss_coeff, flat_mask),
+                     tokens_per_expert=routing_lib.tokens_per_expert(
+                         routing, config.num_experts, flat_mask))
+        stages = dict(router_logits=logits, probs=routing.probs, indices=routing.indices,
+                      kept=routing.kept, plan=plan, dispatched_rows=rows, row_probs=row_probs,
+                      fc1_output=expert.fc1_output, activation=expert.activation,
+                      fc2_output=expert.output, combined=combined, shared_output=shared)
+        return y.reshape(x.shape[:-1] + (self.hidden_size,)), aux, stages
+
+    def _load_balancing_loss(self, logits, sequence_shape, padding_mask):
+        config = self.config
+        if self.global_aux_steps is None:
+            return routing_lib.load_balancing_loss(logits, config, sequence_shape, padding_mask)
+        _, routing_map = routing_lib.aux_loss_scores(logits, config)
+        if padding_mask is not None:
+            routing_map = routing_map & ~padding_mask[:, None]
+        counts = self.global_tokens_per_expert[...] + jnp.sum(routing_map, axis=0).astype(F32)
+        steps = self.global_aux_steps[...] + 1
+        self.global_tokens_per_expert[...] = counts
+        self.global_aux_steps[...] = steps
+        return routing_lib.load_balancing_loss(logits, config, sequence_shape, padding_mask,
+                                               token_counts=counts / steps.astype(F32))
+
+
+def to_linen(config: MoEConfig, hidden_size: int, **kwargs):
+    """A `flax.linen` module wrapping `MoE` (via `flax.nnx.bridge.to_linen`) for linen users.
+
+    `module.init(rngs, x)` / `module.apply(variables, x)` return (y, MoEAux) like `MoE`."""
+    return nnx.bridge.to_linen(MoE, config, hidden_size, **kwargs)

@@ -1,0 +1,186 @@
+"""Grouped matmul: `gmm` (rows of each group times that group's matrix) and its weight-gradient
+form `tgmm`, with a custom VJP so that the backward pass also runs through these two ops.
+
+Groups are consecutive row blocks of `lhs`: group g owns rows [offset_g, offset_g + group_sizes[g]),
+offset_g = sum(group_sizes[:g]). Rows at or past sum(group_sizes) produce zeros (gmm) and are left
+out (tgmm). Sizes must be >= 0 and add up to at most M (checked when they are concrete).
+
+Implementations (`impl=`):
+  "xla"    the readable reference (`jax.lax.ragged_dot`, fp32 accumulation) every kernel is tested
+           against. On XLA:CPU a row's result does not depend on the other rows once M >= 2
+           (tested); cuBLAS on GPU may pick M-dependent algorithms.
+  "pallas" the Hopper Mosaic GPU kernels (ops/pallas/gmm_hopper.py, tgmm_hopper.py): bf16/fp16
+           operands, K and N multiples of 64; batch-invariant by construction. Any other
+           problem raises ValueError. On a machine without a Hopper GPU it runs only inside
+           `plgpu.force_gpu_interpret_mode` (the CPU interpreter used by the tests).
+  "auto"   "pallas" on a Hopper GPU when the problem qualifies, else "xla".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxmoe.ops.pallas.gmm_hopper import GmmConfig, gmm_pallas
+from jaxmoe.ops.pallas.tgmm_hopper import TgmmConfig, tgmm_pallas
+
+_IMPLS = ("auto", "xla", "pallas")
+_PALLAS_DTYPES = (jnp.bfloat16, jnp.float16)
+_PALLAS_ROW_MULTIPLE = 8
+_PALLAS_MIN_ROWS = 128
+
+
+def _check_impl(impl, op):
+    if impl not in _IMPLS:
+        raise ValueError(f"{op}: impl must be one of {_IMPLS}, got {impl!r}")
+
+
+def _check_concrete_sizes(group_sizes, num_rows, op):
+    """Reject negative sizes or sizes adding up to more than M when they are known (not traced)."""
+    if isinstance(group_sizes, jax.core.Tracer):
+        return
+    sizes = jax.device_get(group_sizes)
+    if (sizes < 0).any() or sizes.sum() > num_rows:
+        raise ValueError(f"{op}: group_sizes must be >= 0 and add up to at most M={num_rows}; "
+                         f"got {sizes.tolist()} (sum {int(sizes.sum())})")
+
+
+def _check_group_sizes(group_sizes, num_groups, num_rows, op):
+    if group_sizes.ndim != 1 or (num_groups is not None and group_sizes.shape[0] != num_groups):
+        raise ValueError(f"{op}: group_sizes must be [G={num_groups}], got {group_sizes.shape}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"{op}: group_sizes must be integers, got {group_sizes.dtype}")
+    _check_concrete_sizes(group_sizes, num_rows, op)
+
+
+def _check_floating(op, **arrays):
+    for name, a in arrays.items():
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise TypeError(f"{op}: {name} must be floating point, got {a.dtype}")
+
+
+def on_hopper() -> bool:
+    """Whether the default JAX device is an NVIDIA Hopper GPU (sm_90)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"
+
+
+def _pallas_problem_error(lhs, rhs, k, n) -> str | None:
+    """Why the Pallas kernels cannot run this problem (None when they can)."""
+    if lhs.dtype != rhs.dtype or lhs.dtype not in _PALLAS_DTYPES:
+        return f"operands must both be bf16 or fp16, got {lhs.dtype} and {rhs.dtype}"
+    if k % 64 or n % 64:
+        return f"K={k} and N={n} must be multiples of 64"
+    return None
+
+
+def _resolve(impl, lhs, rhs, k, n, op) -> str:
+    """Pick "xla" or "pallas" for this call."""
+    if impl == "xla":
+        return "xla"
+    error = _pallas_problem_error(lhs, rhs, k, n)
+    if impl == "pallas":
+        if error:
+            raise ValueError(f"{op}(impl='pallas'): {error}; use impl='xla' or 'auto'")
+        return "pallas"
+    return "pallas" if error is None and on_hopper() else "xla"
+
+
+def _pad_rows(x, num_rows):
+    """x with zero rows appended up to num_rows (a no-op when it already has them)."""
+    extra = num_rows - x.shape[0]
+    return x if extra <= 0 else jnp.pad(x, ((0, extra), (0, 0)))
+
+
+def _pallas_rows(num_rows):
+    """Row count the Pallas kernels run on: a multiple of 8, at least one full tile."""
+    padded = -(-num_rows // _PALLAS_ROW_MULTIPLE) * _PALLAS_ROW_MULTIPLE
+    return max(padded, _PALLAS_MIN_ROWS)
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
+        impl: str = "auto", preferred_element_type=jnp.float32,
+        config: GmmConfig | None = None) -> jax.Array:
+    """out[m] = lhs[m] @ rhs[g(m)] for lhs [M, K], rhs [G, K, N] (or [G, N, K] with
+    `transpose_rhs`), group_sizes [G] int; fp32 accumulation, result in
+    `preferred_element_type`. Differentiable: dgrad is a gmm, wgrad a `tgmm`, both on the same
+    implementation as the forward. `config` tiles the Pallas forward (None: the shape heuristic;
+    the backward kernels use their heuristics); no config changes the result bits."""
+    _check_impl(impl, "gmm")
+    if lhs.ndim != 2 or rhs.ndim != 3:
+        raise ValueError(f"gmm: lhs must be [M, K] and rhs [G, K, N]; got {lhs.shape}, {rhs.shape}")
+    _check_floating("gmm", lhs=lhs, rhs=rhs)
+    _check_group_sizes(group_sizes, rhs.shape[0], lhs.shape[0], "gmm")
+    k_rhs, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
+    if lhs.shape[1] != k_rhs:
+        raise ValueError(f"gmm: contraction sizes differ: lhs K={lhs.shape[1]}, rhs K={k_rhs}")
+    resolved = _resolve(impl, lhs, rhs, k_rhs, n, "gmm")
+    return _gmm_differentiable(lhs, rhs, group_sizes.astype(jnp.int32), transpose_rhs,
+                               jnp.dtype(preferred_element_type), resolved, config)
+
+
+def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, impl: str = "auto",
+         preferred_element_type=jnp.float32, config: TgmmConfig | None = None) -> jax.Array:
+    """Weight-gradient form: out[g] = lhs[rows_g]^T @ rhs[rows_g] -> [G, K, N] for lhs [M, K] and
+    rhs [M, N]; fp32 accumulation. Groups with no rows give zeros."""
+    _check_impl(impl, "tgmm")
+    if lhs.ndim != 2 or rhs.ndim != 2 or lhs.shape[0] != rhs.shape[0]:
+        raise ValueError(f"tgmm: lhs [M, K] and rhs [M, N] must share M; got {lhs.shape}, "
+                         f"{rhs.shape}")
+    _check_floating("tgmm", lhs=lhs, rhs=rhs)
+    _check_group_sizes(group_sizes, None, lhs.shape[0], "tgmm")
+    resolved = _resolve(impl, lhs, rhs, lhs.shape[1], rhs.shape[1], "tgmm")
+    return _tgmm(lhs, rhs, group_sizes.astype(jnp.int32), jnp.dtype(preferred_element_type),
+                 resolved, config)
+
+
+def _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config=None):
+    """Forward product on the chosen implementation (no argument checks)."""
+    if impl == "pallas":
+        num_rows = lhs.shape[0]
+        out = gmm_pallas(_pad_rows(lhs, _pallas_rows(num_rows)), rhs, group_sizes,
+                         transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=config)
+        return out[:num_rows]
+    if transpose_rhs:
+        rhs = jnp.swapaxes(rhs, 1, 2)
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def _tgmm(lhs, rhs, group_sizes, out_dtype, impl, config=None):
+    """Weight-gradient product on the chosen implementation (no argument checks)."""
+    if impl == "pallas":
+        return tgmm_pallas(lhs, rhs, group_sizes, out_dtype=out_dtype, config=config)
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (0,)), ((), ())),
+        lhs_ragged_dimensions=[1], rhs_group_dimensions=[])
+    out = jax.lax.ragged_dot_general(lhs.T, rhs, group_sizes, dims,
+                                     preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _gmm_differentiable(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config):
+    return _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config)
+
+
+def _gmm_fwd(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config):
+    out = _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config)
+    return out, (lhs, rhs, group_sizes)
+
+
+def _gmm_bwd(transpose_rhs, out_dtype, impl, config, residuals, grad):
+    lhs, rhs, group_sizes = residuals
+    grad = grad.astype(lhs.dtype)
+    # dgrad: d lhs = grad @ rhs[g]^T, i.e. a gmm against the other orientation of rhs.
+    d_lhs = _gmm(grad, rhs, group_sizes, not transpose_rhs, lhs.dtype, impl)
+    if transpose_rhs:
+        d_rhs = _tgmm(grad, lhs, group_sizes, rhs.dtype, impl)
+    else:
+        d_rhs = _tgmm(lhs, grad, group_sizes, rhs.dtype, impl)
+    return d_lhs, d_rhs, None
+
+
+_gmm_differentiable.defvjp(_gmm_fwd, _gmm_bwd)

@@ -1,0 +1,266 @@
+"""Grouped matmul forward / dgrad kernel for Hopper (Pallas Mosaic GPU), bf16/fp16 in, fp32 acc.
+
+out[rows of group g] = lhs[rows of g] @ rhs[g]  (rhs[g] is [K, N], or [N, K] with transpose_rhs).
+
+Structure (warp specialised, persistent):
+  * a grid of one CTA per SM walks a static list of (row tile, column tile) work items;
+    row tiles come from `tiles.row_tiles` (each tile inside one group, starting at the group's
+    first row + a multiple of tile_m, so a row's result never depends on the other groups);
+  * per CTA: one memory warpgroup issues TMA loads of lhs / rhs tiles into a ring of
+    `max_concurrent_steps` SMEM slots; two compute warpgroups each own half of the CTA's columns
+    and run wgmma into an fp32 register accumulator;
+  * the K loop is a plain ascending loop and each wgmma adds its 16-wide K slice into the
+    accumulator in order, so the reduction order of an output element depends only on K: not on
+    the config, the group sizes, M or the row's position (batch invariance);
+  * epilogue (per 64-column chunk): cast, SMEM, then TMA stores of exactly the tile's valid rows (a ladder of
+    power-of-two row counts, since TMA boxes are static). Tiles of the zero region store zeros.
+No atomics; every output element is written by exactly one tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxmoe.ops.pallas.tiles import row_tiles
+
+HOPPER_NUM_SMS = 132      # H100/H200 SXM
+INTERPRET_NUM_SMS = 4     # persistent-grid size when not on a GPU (CPU interpret mode)
+NUM_COMPUTE_WGS = 2
+ROW_ALIGN = 8   # TMA loads into swizzled SMEM tiles need row offsets that are multiples of 8
+SMEM_BUDGET = 227 * 1024   # bytes of shared memory per CTA on sm_90, minus barrier headroom
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmConfig:
+    """Tiling of the forward/dgrad kernel. The CTA computes tile_m x (2 * tile_n) outputs; each
+    compute warpgroup owns tile_m x tile_n. None of these change the K-reduction order."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    max_concurrent_steps: int = 4
+    grid_tile_width: int = 4
+    epilogue_tile_n: int = 64
+    num_sms: int = HOPPER_NUM_SMS
+
+    def smem_bytes(self, in_dtype, out_dtype) -> int:
+        """Shared memory used: the TMA ring of lhs/rhs tiles plus the epilogue buffers."""
+        ring = (self.tile_m + NUM_COMPUTE_WGS * self.tile_n) * self.tile_k
+        epilogue = NUM_COMPUTE_WGS * self.tile_m * self.epilogue_tile_n
+        return (self.max_concurrent_steps * ring * jnp.dtype(in_dtype).itemsize
+                + epilogue * jnp.dtype(out_dtype).itemsize)
+
+    def validate(self, num_rows: int, k: int, n: int, in_dtype=jnp.bfloat16,
+                 out_dtype=jnp.bfloat16) -> None:
+        """Raise ValueError when this config cannot run on the given problem."""
+        if self.smem_bytes(in_dtype, out_dtype) > SMEM_BUDGET:
+            raise ValueError(f"gmm pallas: {self} needs {self.smem_bytes(in_dtype, out_dtype)} "
+                             f"bytes of shared memory (> {SMEM_BUDGET}); use fewer "
+                             "max_concurrent_steps or smaller tiles")
+        if self.tile_k % 64:
+            raise ValueError(f"gmm pallas: tile_k={self.tile_k} must be a multiple of 64")
+        if self.tile_m not in (64, 128) or self.tile_n % 8 or not 8 <= self.tile_n <= 256:
+            raise ValueError(f"gmm pallas: unsupported tiles {self}")
+        if k % self.tile_k:
+            raise ValueError(f"gmm pallas: K={k} must be a multiple of tile_k={self.tile_k}")
+        if n % (NUM_COMPUTE_WGS * self.tile_n):
+            raise ValueError(f"gmm pallas: N={n} must be a multiple of "
+                             f"{NUM_COMPUTE_WGS * self.tile_n} (2 x tile_n)")
+        if self.tile_n % self.epilogue_tile_n:
+            raise ValueError(f"gmm pallas: tile_n={self.tile_n} must be a multiple of "
+                             f"epilogue_tile_n={self.epilogue_tile_n}")
+        if num_rows < self.tile_m or num_rows % ROW_ALIGN:
+            raise ValueError(f"gmm pallas: M={num_rows} must be >= tile_m={self.tile_m} and a "
+                             f"multiple of {ROW_ALIGN}")
+
+
+def default_num_sms() -> int:
+    """SM count of the GPU (the persistent grid size), or a small grid in CPU interpret mode.
+    Never reads core_count from a CPU device."""
+    device = jax.devices()[0]
+    return device.core_count if device.platform == "gpu" else INTERPRET_NUM_SMS
+
+
+def default_config(num_rows: int, k: int, n: int, num_groups: int, in_dtype=jnp.bfloat16,
+                   out_dtype=jnp.bfloat16) -> GmmConfig:
+    """Shape-based heuristic: the widest column tile that divides N, tile_k 64, as many
+    pipeline stages (up to 4) as shared memory holds."""
+    for tile_n in (128, 64, 32):
+        if n % (NUM_COMPUTE_WGS * tile_n) == 0:
+            break
+    else:
+        raise ValueError(f"gmm pallas: N={n} must be a multiple of 64")
+    if k % 64:
+        raise ValueError(f"gmm pallas: K={k} must be a multiple of 64")
+    tile_m = 128 if num_rows >= 128 else 64
+    config = GmmConfig(tile_m=tile_m, tile_n=tile_n, epilogue_tile_n=min(64, tile_n),
+                       num_sms=default_num_sms())
+    while config.smem_bytes(in_dtype, out_dtype) > SMEM_BUDGET:
+        config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
+    return config
+
+
+def _swizzled(dtype, minor_elems: int):
+    swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def gmm_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool,
+               out_dtype, config: GmmConfig | None = None, interpret=None) -> jax.Array:
+    """The kernel behind `jaxmoe.ops.gmm(impl="pallas")`; see the module docstring."""
+    num_rows, k = lhs.shape
+    num_groups = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    if lhs.dtype != rhs.dtype or lhs.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"gmm pallas: lhs and rhs must both be bf16 or fp16, got {lhs.dtype}, "
+                         f"{rhs.dtype}")
+    config = config or default_config(num_rows, k, n, num_groups, lhs.dtype, out_dtype)
+    config.validate(num_rows, k, n, lhs.dtype, out_dtype)
+    tiles = row_tiles(group_sizes, num_rows, config.tile_m, ROW_ALIGN)
+    kernel = _build_kernel(num_rows, k, n, num_groups, tiles.num_tiles, lhs.dtype,
+                           jnp.dtype(out_dtype), transpose_rhs, config, interpret)
+    return kernel(tiles.group, tiles.row, tiles.rows, lhs, rhs)
+
+
+@functools.lru_cache(maxsize=None)
+def _build_kernel(num_rows, k, n, num_groups, num_tiles, dtype, out_dtype, transpose_rhs,
+                  config: GmmConfig, interpret):
+    tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
+    epi_n = config.epilogue_tile_n
+    cta_n = NUM_COMPUTE_WGS * tile_n
+    grid_n = n // cta_n
+    k_steps = k // tile_k
+    in_transforms = _swizzled(dtype, tile_k)
+
+    def body(tile_group_gmem, tile_row_gmem, tile_rows_gmem, lhs_gmem, rhs_gmem, out_gmem):
+        def pipeline(mma_body, compute_context):
+            rhs_block = (cta_n, tile_k) if transpose_rhs else (tile_k, cta_n)
+            return plgpu.emit_pipeline_warp_specialized(
+                mma_body,
+                grid=(k_steps,),
+                memory_registers=40,
+                in_specs=[
+                    plgpu.BlockSpec((tile_m, tile_k), lambda ki: (0, ki),
+                                    transforms=in_transforms, memory_space=plgpu.SMEM),
+                    plgpu.BlockSpec(rhs_block,
+                                    (lambda ki: (0, ki)) if transpose_rhs
+                                    else (lambda ki: (ki, 0)),
+                                    transforms=in_transforms, memory_space=plgpu.SMEM),
+                ],
+                wg_axis="wg",
+                num_compute_wgs=NUM_COMPUTE_WGS,
+                max_concurrent_steps=config.max_concurrent_steps,
+                compute_context=compute_context,
+            )
+
+        ignore = lambda *_, **__: None
+        lhs_view = lhs_gmem.at[pl.ds(0, tile_m), :]
+        rhs_view = (rhs_gmem.at[0, pl.ds(0, cta_n), :] if transpose_rhs
+                    else rhs_gmem.at[0, :, pl.ds(0, cta_n)])
+
+        @functools.partial(
+            pl.run_scoped,
+            allocations=pipeline(ignore, ignore).get_allocations(lhs_view, rhs_view),
+            out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, tile_m, epi_n), out_dtype),
+            collective_axes="wg",
+        )
+        def _scope(allocations, out_smem):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
+            def _work_loop(loop_info: plgpu.NDLoopInfo):
+                (item,) = loop_info.index
+                tile, ni = plgpu.planar_snake(item, (num_tiles, grid_n), 1,
+                                              config.grid_tile_width)
+                group = tile_group_gmem[tile]
+                first_row = tile_row_gmem[tile]
+                valid_rows = tile_rows_gmem[tile]
+                # Load tile_m rows from the 8-aligned row at or below the tile's first row; near
+                # the end of lhs, shift the window back so it stays in bounds. The valid rows
+                # sit at `offset` inside the window.
+                load_row = pl.multiple_of(
+                    jnp.minimum(first_row - first_row % ROW_ALIGN, num_rows - tile_m), ROW_ALIGN)
+                offset = first_row - load_row
+                n_slice = pl.ds(ni * cta_n, cta_n)
+
+                def store(acc):
+                    for chunk in range(tile_n // epi_n):
+                        out_smem[wg] = acc[:, chunk * epi_n:(chunk + 1) * epi_n].astype(out_dtype)
+                        plgpu.commit_smem()
+                        _store_rows(out_smem.at[wg], out_gmem, first_row, offset, valid_rows,
+                                    ni * cta_n + wg * tile_n + chunk * epi_n, tile_m, epi_n)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+                def compute_context(eval_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n)))
+                    def _acc_scope(acc_ref):
+                        eval_pipeline(acc_ref)
+                        store(acc_ref[...])
+
+                def mma_body(_, lhs_smem, rhs_smem, acc_ref):
+                    wg_cols = pl.ds(wg * tile_n, tile_n)
+                    if transpose_rhs:
+                        b = rhs_smem.at[wg_cols, :].transpose((1, 0))
+                    else:
+                        b = rhs_smem.at[:, wg_cols]
+                    plgpu.wgmma(acc_ref, lhs_smem, b)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                has_rows = valid_rows > 0
+                is_group = group < num_groups
+
+                @pl.when(has_rows & is_group)
+                def _matmul():
+                    rhs_group = rhs_gmem.at[jnp.minimum(group, num_groups - 1)]
+                    rhs_tile = rhs_group.at[n_slice, :] if transpose_rhs else rhs_group.at[:, n_slice]
+                    pipeline(mma_body, compute_context)(
+                        lhs_gmem.at[pl.ds(load_row, tile_m), :], rhs_tile,
+                        allocations=allocations)
+
+                @pl.when(has_rows & ~is_group & (wg < NUM_COMPUTE_WGS))
+                def _zeros():
+                    store(plgpu.layout_cast(jnp.zeros((tile_m, tile_n), jnp.float32),
+                                            plgpu.Layout.WGMMA))
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((num_rows, n), out_dtype),
+        grid=(config.num_sms,),
+        grid_names=("sm",),
+        num_threads=NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret,
+    )
+    return kernel
+
+
+def _store_rows(tile_smem, out_gmem, first_row, offset, valid_rows, col, tile_m, tile_n):
+    """TMA-store rows [offset, offset + valid_rows) of the SMEM tile to out rows starting at
+    first_row. TMA boxes have static shapes, so the count is written as a sum of powers of two,
+    one conditional store per bit (each to a distinct row range)."""
+    done = jnp.int32(0)
+    for bit in reversed(range(int(math.log2(tile_m)) + 1)):
+        size = 1 << bit
+        take = (valid_rows & size) != 0
+
+        @pl.when(take)
+        def _():
+            plgpu.copy_smem_to_gmem(
+                tile_smem.at[pl.ds(offset + done, size)],
+                out_gmem.at[pl.ds(first_row + done, size), pl.ds(col, tile_n)])
+
+        done = done + jnp.where(take, size, 0)

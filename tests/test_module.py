@@ -1,0 +1,159 @@
+"""The nnx module in use: transforms, dtypes, linen adapter, stateful options, the demo."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxmoe
+from jaxmoe import MoE, MoEConfig, demo
+
+H = 16
+CONFIG = MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=16, aux_loss_coeff=1e-2)
+
+
+def x_of(shape=(2, 6, H), dtype=jnp.float32, seed=0):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def bits(a):
+    a = np.asarray(a)
+    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
+def test_param_and_compute_dtypes(param_dtype):
+    model = MoE(CONFIG, H, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+    assert model.experts.fc1_kernel[...].dtype == param_dtype
+    y, aux = model(x_of())
+    assert y.dtype == param_dtype and y.shape == (2, 6, H)
+    assert aux.tokens_per_expert.dtype == jnp.int32 and int(aux.tokens_per_expert.sum()) == 24
+    mixed = MoE(CONFIG, H, param_dtype=jnp.float32, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert mixed(x_of())[0].dtype == jnp.bfloat16
+
+
+def test_megatron_initialisation_scales():
+    model = MoE(CONFIG.replace(ffn_hidden_size=256, num_experts=8), 256, num_layers=8,
+                param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(np.std(model.experts.fc1_kernel[...]), 0.02, rtol=0.02)
+    np.testing.assert_allclose(np.std(model.experts.fc2_kernel[...]), 0.02 / 4.0, rtol=0.02)
+    np.testing.assert_allclose(np.std(model.router.kernel[...]), 0.02, rtol=0.05)
+
+
+def test_remat_and_jit_give_identical_bits():
+    model, x = MoE(CONFIG, H, rngs=nnx.Rngs(0)), x_of(dtype=jnp.bfloat16)
+
+    def plain(model, x):
+        return jnp.sum(model(x)[0].astype(jnp.float32) ** 2)
+
+    def remat(model, x):
+        return jnp.sum(nnx.remat(lambda m, x: m(x)[0])(model, x).astype(jnp.float32) ** 2)
+
+    g_plain = nnx.jit(nnx.grad(plain))(model, x)
+    g_remat = nnx.jit(nnx.grad(remat))(model, x)
+    for a, b in zip(jax.tree.leaves(nnx.state(g_plain)), jax.tree.leaves(nnx.state(g_remat))):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def test_linen_adapter_matches_nnx_module():
+    config = CONFIG.replace(score_function="sigmoid", enable_expert_bias=True)
+    module = jaxmoe.to_linen(config, H, param_dtype=jnp.float32)
+    x = x_of()
+    variables = module.init(jax.random.key(0), x)
+    assert set(variables) >= {"params", "ExpertBias"}
+    y, aux = module.apply(variables, x)
+    nnx_model = MoE(config, H, param_dtype=jnp.float32, rngs=nnx.Rngs(1))
+    nnx_model.router.kernel[...] = variables["params"]["router"]["kernel"]
+    nnx_model.experts.fc1_kernel[...] = variables["params"]["experts"]["fc1_kernel"]
+    nnx_model.experts.fc2_kernel[...] = variables["params"]["experts"]["fc2_kernel"]
+    np.testing.assert_array_equal(bits(nnx_model(x)[0]), bits(y))
+
+
+def test_expert_bias_is_not_a_trained_param_and_update_rule():
+    config = CONFIG.replace(score_function="sigmoid", enable_expert_bias=True)
+    model = MoE(config, H, rngs=nnx.Rngs(0))
+    assert model.router.expert_bias[...].dtype == jnp.float32
+    params = nnx.state(model, nnx.Param)
+    assert "expert_bias" not in params["router"]
+    counts = jnp.array([10, 2, 4, 4], jnp.int32)
+    updated = jaxmoe.update_expert_bias(jnp.zeros(4), counts, 0.5)
+    np.testing.assert_array_equal(updated, [-0.5, 0.5, 0.5, 0.5])
+
+
+def test_expert_bias_changes_selection_only():
+    config = CONFIG.replace(score_function="sigmoid", enable_expert_bias=True)
+    model, x = MoE(config, H, param_dtype=jnp.float32, rngs=nnx.Rngs(0)), x_of()
+    tokens = x.reshape(-1, H)
+    model.router.expert_bias[...] = jnp.array([0.0, 0.0, 0.0, 10.0])
+    _, routing = model.router(tokens)
+    assert np.all(np.asarray(routing.indices)[:, 0] == 3)
+    logits = model.router.logits(tokens)
+    scores = jax.nn.sigmoid(logits)
+    picked = jnp.take_along_axis(scores, routing.indices, axis=1)
+    np.testing.assert_allclose(routing.probs, picked / picked.sum(1, keepdims=True), rtol=1e-6)
+
+
+def test_global_aux_loss_accumulates_and_resets():
+    config = CONFIG.replace(load_balancing_type="global_aux_loss")
+    model, x = MoE(config, H, param_dtype=jnp.float32, rngs=nnx.Rngs(0)), x_of()
+    first = model(x)[1].load_balancing_loss
+    assert int(model.global_aux_steps[...]) == 1
+    second = model(x)[1].load_balancing_loss
+    assert int(model.global_aux_steps[...]) == 2
+    np.testing.assert_allclose(first, second, rtol=1e-6)    # same batch twice: same average
+    aux_loss = MoE(CONFIG, H, param_dtype=jnp.float32, rngs=nnx.Rngs(0))(x)[1]
+    np.testing.assert_allclose(first, aux_loss.load_balancing_loss, rtol=1e-6)
+    model(x_of(seed=5))
+    model.reset_global_aux_state()
+    assert int(model.global_aux_steps[...]) == 0
+    assert float(model.global_tokens_per_expert[...].sum()) == 0
+
+
+def test_input_jitter_is_seeded_and_changes_router_input():
+    config = CONFIG.replace(input_jitter_eps=0.5)
+    x = x_of()
+    a = MoE(config, H, param_dtype=jnp.float32, rngs=nnx.Rngs(0, jitter=7))
+    b = MoE(config, H, param_dtype=jnp.float32, rngs=nnx.Rngs(0, jitter=7))
+    plain = MoE(CONFIG, H, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    tokens = x.reshape(-1, H)
+    np.testing.assert_array_equal(a.router.logits(tokens), b.router.logits(tokens))
+    assert not np.array_equal(a.router.logits(tokens), plain.router.logits(tokens))
+    assert not np.array_equal(a.router.logits(tokens), a.router.logits(tokens))  # stream advances
+
+
+def test_padding_mask_leaves_losses_and_counts_but_not_outputs():
+    model, x = MoE(CONFIG.replace(z_loss_coeff=1e-3), H, param_dtype=jnp.float32,
+                   rngs=nnx.Rngs(0)), x_of()
+    mask = jnp.zeros((2, 6), bool).at[1, 3:].set(True)
+    y_plain, aux_plain = model(x)
+    y_mask, aux_mask = model(x, padding_mask=mask)
+    np.testing.assert_array_equal(y_plain, y_mask)
+    assert int(aux_mask.tokens_per_expert.sum()) == 2 * 9
+    assert float(aux_mask.z_loss) != float(aux_plain.z_loss)
+    unpadded = model(x.reshape(-1, H)[np.asarray(~mask.reshape(-1))])[1]
+    np.testing.assert_allclose(aux_mask.load_balancing_loss, unpadded.load_balancing_loss,
+                               rtol=1e-6)
+    np.testing.assert_allclose(aux_mask.z_loss, unpadded.z_loss, rtol=1e-6)
+
+
+def test_mxfp8_layer_options_are_refused_clearly_for_now():
+    with pytest.raises(NotImplementedError, match="MXFP8"):
+        MoE(CONFIG.replace(expert_precision="mxfp8", expert_row_alignment=32), H,
+            rngs=nnx.Rngs(0))
+
+
+def test_demo_trains_and_reports():
+    metrics = demo.train("mixtral", steps=60, hidden=32, batch=4, seq_len=16,
+                         learning_rate=1e-2, log_every=20, quiet=True)
+    assert metrics["step"] == 60 and metrics["tokens_per_s"] > 0 and metrics["balance"] >= 1.0
+    first = demo.train("mixtral", steps=1, hidden=32, batch=4, seq_len=16, log_every=1,
+                       quiet=True)
+    assert metrics["loss"] < first["loss"] - 0.05
+
+
+def test_demo_cli_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        demo.main(["--steps", "0"])
+    with pytest.raises(SystemExit):
+        demo.main(["--preset", "nope"])
