@@ -7,12 +7,12 @@ Structure (warp specialised, persistent):
     row tiles come from `tiles.row_tiles` (each tile inside one group, starting at the group's
     first row + a multiple of tile_m, so a row's result never depends on the other groups);
   * per CTA: one memory warpgroup issues TMA loads of lhs / rhs tiles into a ring of
-    `max_concurrent_steps` SMEM slots; two compute warpgroups each own half of the CTA's columns
-    and run wgmma into an fp32 register accumulator;
+    `max_concurrent_steps` SMEM slots; two compute warpgroups each own half of the CTA tile
+    (side by side along N, or along M for narrow N) and run wgmma into fp32 registers;
   * the K loop is a plain ascending loop and each wgmma adds its 16-wide K slice into the
     accumulator in order, so the reduction order of an output element depends only on K: not on
     the config, the group sizes, M or the row's position (batch invariance);
-  * epilogue (per 64-column chunk): cast, SMEM, then TMA stores of exactly the tile's valid rows (a ladder of
+  * epilogue (per column chunk): cast, SMEM, then TMA stores that drain during the next tile of exactly the tile's valid rows (a ladder of
     power-of-two row counts, since TMA boxes are static). Tiles of the zero region store zeros.
 No atomics; every output element is written by exactly one tile.
 """
@@ -36,12 +36,15 @@ INTERPRET_NUM_SMS = 4     # persistent-grid size when not on a GPU (CPU interpre
 NUM_COMPUTE_WGS = 2
 ROW_ALIGN = 8   # TMA loads into swizzled SMEM tiles need row offsets that are multiples of 8
 SMEM_BUDGET = 227 * 1024   # bytes of shared memory per CTA on sm_90, minus barrier headroom
+TMA_SMEM_ALIGN = 128       # bytes: alignment of an SMEM address used by a TMA copy
 
 
 @dataclasses.dataclass(frozen=True)
 class GmmConfig:
-    """Tiling of the forward/dgrad kernel. The CTA computes tile_m x (2 * tile_n) outputs; each
-    compute warpgroup owns tile_m x tile_n. None of these change the K-reduction order."""
+    """Tiling of the forward/dgrad kernel. Each compute warpgroup owns tile_m x tile_n outputs;
+    the two warpgroups of a CTA sit side by side along N (wg_split="n": CTA tile
+    tile_m x 2*tile_n) or along M (wg_split="m": 2*tile_m x tile_n). None of these change the
+    K-reduction order."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -49,36 +52,56 @@ class GmmConfig:
     max_concurrent_steps: int = 4
     grid_tile_width: int = 4
     epilogue_tile_n: int = 64
+    wg_split: str = "n"
     num_sms: int = HOPPER_NUM_SMS
 
+    @property
+    def cta_m(self) -> int:
+        return self.tile_m * (NUM_COMPUTE_WGS if self.wg_split == "m" else 1)
+
+    @property
+    def cta_n(self) -> int:
+        return self.tile_n * (NUM_COMPUTE_WGS if self.wg_split == "n" else 1)
+
     def smem_bytes(self, in_dtype, out_dtype) -> int:
-        """Shared memory used: the TMA ring of lhs/rhs tiles plus the epilogue buffers."""
-        ring = (self.tile_m + NUM_COMPUTE_WGS * self.tile_n) * self.tile_k
+        """Shared memory used: the TMA ring of lhs/rhs tiles plus the epilogue tiles of both
+        compute warpgroups."""
+        ring = (self.cta_m + self.cta_n) * self.tile_k
         epilogue = NUM_COMPUTE_WGS * self.tile_m * self.epilogue_tile_n
         return (self.max_concurrent_steps * ring * jnp.dtype(in_dtype).itemsize
                 + epilogue * jnp.dtype(out_dtype).itemsize)
 
     def validate(self, num_rows: int, k: int, n: int, in_dtype=jnp.bfloat16,
-                 out_dtype=jnp.bfloat16) -> None:
+                 out_dtype=jnp.bfloat16, transpose_rhs: bool = False) -> None:
         """Raise ValueError when this config cannot run on the given problem."""
         if self.smem_bytes(in_dtype, out_dtype) > SMEM_BUDGET:
             raise ValueError(f"gmm pallas: {self} needs {self.smem_bytes(in_dtype, out_dtype)} "
                              f"bytes of shared memory (> {SMEM_BUDGET}); use fewer "
                              "max_concurrent_steps or smaller tiles")
+        if self.wg_split not in ("n", "m"):
+            raise ValueError(f"gmm pallas: wg_split must be 'n' or 'm', got {self.wg_split!r}")
         if self.tile_k % 64:
             raise ValueError(f"gmm pallas: tile_k={self.tile_k} must be a multiple of 64")
         if self.tile_m not in (64, 128) or self.tile_n % 8 or not 8 <= self.tile_n <= 256:
             raise ValueError(f"gmm pallas: unsupported tiles {self}")
+        if self.wg_split == "n" and not transpose_rhs and self.tile_n % 64:
+            # Each warpgroup slices its columns out of a 128-byte-swizzled rhs tile.
+            raise ValueError(f"gmm pallas: wg_split='n' needs tile_n % 64 == 0, got {self.tile_n}")
         if k % self.tile_k:
             raise ValueError(f"gmm pallas: K={k} must be a multiple of tile_k={self.tile_k}")
-        if n % (NUM_COMPUTE_WGS * self.tile_n):
-            raise ValueError(f"gmm pallas: N={n} must be a multiple of "
-                             f"{NUM_COMPUTE_WGS * self.tile_n} (2 x tile_n)")
+        if n % self.cta_n:
+            raise ValueError(f"gmm pallas: N={n} must be a multiple of the CTA tile {self.cta_n}")
         if self.tile_n % self.epilogue_tile_n:
             raise ValueError(f"gmm pallas: tile_n={self.tile_n} must be a multiple of "
                              f"epilogue_tile_n={self.epilogue_tile_n}")
-        if num_rows < self.tile_m or num_rows % ROW_ALIGN:
-            raise ValueError(f"gmm pallas: M={num_rows} must be >= tile_m={self.tile_m} and a "
+        if self.epilogue_tile_n * jnp.dtype(out_dtype).itemsize % TMA_SMEM_ALIGN:
+            # The epilogue stores start at any row of the SMEM tile: rows must be 128-byte
+            # multiples for TMA (the CPU interpreter does not check this; the GPU faults).
+            raise ValueError(f"gmm pallas: epilogue_tile_n={self.epilogue_tile_n} x "
+                             f"{jnp.dtype(out_dtype).name} is not a multiple of "
+                             f"{TMA_SMEM_ALIGN} bytes")
+        if num_rows < self.cta_m or num_rows % ROW_ALIGN:
+            raise ValueError(f"gmm pallas: M={num_rows} must be >= {self.cta_m} and a "
                              f"multiple of {ROW_ALIGN}")
 
 
@@ -91,18 +114,21 @@ def default_num_sms() -> int:
 
 def default_config(num_rows: int, k: int, n: int, num_groups: int, in_dtype=jnp.bfloat16,
                    out_dtype=jnp.bfloat16) -> GmmConfig:
-    """Shape-based heuristic: the widest column tile that divides N, tile_k 64, as many
-    pipeline stages (up to 4) as shared memory holds."""
-    for tile_n in (128, 64, 32):
-        if n % (NUM_COMPUTE_WGS * tile_n) == 0:
-            break
+    """Shape-based heuristic (benchmarks/results/gmm_*.json has the sweep behind it): warpgroups
+    side by side along N with 128x128 each when N is a multiple of 256, else along M with the
+    widest column tile dividing N; as many pipeline stages (up to 4) as shared memory holds."""
+    if k % 64 or n % 64:
+        raise ValueError(f"gmm pallas: K={k} and N={n} must be multiples of 64")
+    epilogue_tile_n = TMA_SMEM_ALIGN // jnp.dtype(out_dtype).itemsize
+    if n % 256 == 0:
+        # Wider snake bands pay off when many groups share each column band (sweep: +3%).
+        config = GmmConfig(tile_m=128, tile_n=128, wg_split="n",
+                           grid_tile_width=8 if num_groups >= 32 else 4)
     else:
-        raise ValueError(f"gmm pallas: N={n} must be a multiple of 64")
-    if k % 64:
-        raise ValueError(f"gmm pallas: K={k} must be a multiple of 64")
-    tile_m = 128 if num_rows >= 128 else 64
-    config = GmmConfig(tile_m=tile_m, tile_n=tile_n, epilogue_tile_n=min(64, tile_n),
-                       num_sms=default_num_sms())
+        tile_n = 128 if n % 128 == 0 else 64
+        config = GmmConfig(tile_m=64 if num_rows < 256 else 128, tile_n=tile_n, wg_split="m")
+    config = dataclasses.replace(config, num_sms=default_num_sms(),
+                                 epilogue_tile_n=min(epilogue_tile_n, config.tile_n))
     while config.smem_bytes(in_dtype, out_dtype) > SMEM_BUDGET:
         config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
     return config
@@ -124,8 +150,8 @@ def gmm_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transp
         raise ValueError(f"gmm pallas: lhs and rhs must both be bf16 or fp16, got {lhs.dtype}, "
                          f"{rhs.dtype}")
     config = config or default_config(num_rows, k, n, num_groups, lhs.dtype, out_dtype)
-    config.validate(num_rows, k, n, lhs.dtype, out_dtype)
-    tiles = row_tiles(group_sizes, num_rows, config.tile_m, ROW_ALIGN)
+    config.validate(num_rows, k, n, lhs.dtype, out_dtype, transpose_rhs)
+    tiles = row_tiles(group_sizes, num_rows, config.cta_m, ROW_ALIGN)
     kernel = _build_kernel(num_rows, k, n, num_groups, tiles.num_tiles, lhs.dtype,
                            jnp.dtype(out_dtype), transpose_rhs, config, interpret)
     return kernel(tiles.group, tiles.row, tiles.rows, lhs, rhs)
@@ -135,8 +161,8 @@ def gmm_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transp
 def _build_kernel(num_rows, k, n, num_groups, num_tiles, dtype, out_dtype, transpose_rhs,
                   config: GmmConfig, interpret):
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
-    epi_n = config.epilogue_tile_n
-    cta_n = NUM_COMPUTE_WGS * tile_n
+    cta_m, cta_n, epi_n = config.cta_m, config.cta_n, config.epilogue_tile_n
+    split_m = config.wg_split == "m"
     grid_n = n // cta_n
     k_steps = k // tile_k
     in_transforms = _swizzled(dtype, tile_k)
@@ -149,7 +175,7 @@ def _build_kernel(num_rows, k, n, num_groups, num_tiles, dtype, out_dtype, trans
                 grid=(k_steps,),
                 memory_registers=40,
                 in_specs=[
-                    plgpu.BlockSpec((tile_m, tile_k), lambda ki: (0, ki),
+                    plgpu.BlockSpec((cta_m, tile_k), lambda ki: (0, ki),
                                     transforms=in_transforms, memory_space=plgpu.SMEM),
                     plgpu.BlockSpec(rhs_block,
                                     (lambda ki: (0, ki)) if transpose_rhs
@@ -163,7 +189,7 @@ def _build_kernel(num_rows, k, n, num_groups, num_tiles, dtype, out_dtype, trans
             )
 
         ignore = lambda *_, **__: None
-        lhs_view = lhs_gmem.at[pl.ds(0, tile_m), :]
+        lhs_view = lhs_gmem.at[pl.ds(0, cta_m), :]
         rhs_view = (rhs_gmem.at[0, pl.ds(0, cta_n), :] if transpose_rhs
                     else rhs_gmem.at[0, :, pl.ds(0, cta_n)])
 
@@ -184,21 +210,29 @@ def _build_kernel(num_rows, k, n, num_groups, num_tiles, dtype, out_dtype, trans
                 group = tile_group_gmem[tile]
                 first_row = tile_row_gmem[tile]
                 valid_rows = tile_rows_gmem[tile]
-                # Load tile_m rows from the 8-aligned row at or below the tile's first row; near
+                # Load cta_m rows from the 8-aligned row at or below the tile's first row; near
                 # the end of lhs, shift the window back so it stays in bounds. The valid rows
-                # sit at `offset` inside the window.
+                # are rows [offset, offset + valid_rows) of the window.
                 load_row = pl.multiple_of(
-                    jnp.minimum(first_row - first_row % ROW_ALIGN, num_rows - tile_m), ROW_ALIGN)
+                    jnp.minimum(first_row - first_row % ROW_ALIGN, num_rows - cta_m), ROW_ALIGN)
                 offset = first_row - load_row
-                n_slice = pl.ds(ni * cta_n, cta_n)
+                # This warpgroup's part of the window: rows [wg_row, wg_row + tile_m), columns
+                # from wg_col.
+                wg_row = wg * tile_m if split_m else 0
+                wg_col = ni * cta_n + (0 if split_m else wg * tile_n)
+                lo = jnp.maximum(offset, wg_row)
+                count = jnp.clip(jnp.minimum(offset + valid_rows, wg_row + tile_m) - lo, 0, tile_m)
 
                 def store(acc):
+                    # The previous chunk's (or tile's) TMA stores must have read the SMEM tile
+                    # before it is refilled; the last chunk's stores drain while the next tile's
+                    # main loop runs.
                     for chunk in range(tile_n // epi_n):
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         out_smem[wg] = acc[:, chunk * epi_n:(chunk + 1) * epi_n].astype(out_dtype)
                         plgpu.commit_smem()
-                        _store_rows(out_smem.at[wg], out_gmem, first_row, offset, valid_rows,
-                                    ni * cta_n + wg * tile_n + chunk * epi_n, tile_m, epi_n)
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        _store_rows(out_smem.at[wg], out_gmem, first_row + lo - offset,
+                                    lo - wg_row, count, wg_col + chunk * epi_n, tile_m, epi_n)
 
                 def compute_context(eval_pipeline):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n)))
@@ -207,12 +241,15 @@ def _build_kernel(num_rows, k, n, num_groups, num_tiles, dtype, out_dtype, trans
                         store(acc_ref[...])
 
                 def mma_body(_, lhs_smem, rhs_smem, acc_ref):
-                    wg_cols = pl.ds(wg * tile_n, tile_n)
-                    if transpose_rhs:
-                        b = rhs_smem.at[wg_cols, :].transpose((1, 0))
+                    if split_m:
+                        a = lhs_smem.at[pl.ds(wg * tile_m, tile_m), :]
+                        b = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
                     else:
-                        b = rhs_smem.at[:, wg_cols]
-                    plgpu.wgmma(acc_ref, lhs_smem, b)
+                        a = lhs_smem
+                        cols = pl.ds(wg * tile_n, tile_n)
+                        b = (rhs_smem.at[cols, :].transpose((1, 0)) if transpose_rhs
+                             else rhs_smem.at[:, cols])
+                    plgpu.wgmma(acc_ref, a, b)
                     plgpu.wgmma_wait(0)
                     return acc_ref
 
@@ -222,9 +259,11 @@ def _build_kernel(num_rows, k, n, num_groups, num_tiles, dtype, out_dtype, trans
                 @pl.when(has_rows & is_group)
                 def _matmul():
                     rhs_group = rhs_gmem.at[jnp.minimum(group, num_groups - 1)]
-                    rhs_tile = rhs_group.at[n_slice, :] if transpose_rhs else rhs_group.at[:, n_slice]
+                    n_slice = pl.ds(ni * cta_n, cta_n)
+                    rhs_tile = (rhs_group.at[n_slice, :] if transpose_rhs
+                                else rhs_group.at[:, n_slice])
                     pipeline(mma_body, compute_context)(
-                        lhs_gmem.at[pl.ds(load_row, tile_m), :], rhs_tile,
+                        lhs_gmem.at[pl.ds(load_row, cta_m), :], rhs_tile,
                         allocations=allocations)
 
                 @pl.when(has_rows & ~is_group & (wg < NUM_COMPUTE_WGS))
@@ -248,19 +287,19 @@ def _build_kernel(num_rows, k, n, num_groups, num_tiles, dtype, out_dtype, trans
     return kernel
 
 
-def _store_rows(tile_smem, out_gmem, first_row, offset, valid_rows, col, tile_m, tile_n):
-    """TMA-store rows [offset, offset + valid_rows) of the SMEM tile to out rows starting at
-    first_row. TMA boxes have static shapes, so the count is written as a sum of powers of two,
-    one conditional store per bit (each to a distinct row range)."""
+def _store_rows(tile_smem, out_gmem, gmem_row, smem_row, count, col, tile_m, tile_n):
+    """TMA-store `count` rows of the SMEM tile, from smem_row, to out rows from gmem_row. TMA
+    boxes have static shapes, so the count is written as a sum of powers of two, one
+    conditional store per bit (each to a distinct row range)."""
     done = jnp.int32(0)
     for bit in reversed(range(int(math.log2(tile_m)) + 1)):
         size = 1 << bit
-        take = (valid_rows & size) != 0
+        take = (count & size) != 0
 
         @pl.when(take)
         def _():
             plgpu.copy_smem_to_gmem(
-                tile_smem.at[pl.ds(offset + done, size)],
-                out_gmem.at[pl.ds(first_row + done, size), pl.ds(col, tile_n)])
+                tile_smem.at[pl.ds(smem_row + done, size)],
+                out_gmem.at[pl.ds(gmem_row + done, size), pl.ds(col, tile_n)])
 
         done = done + jnp.where(take, size, 0)

@@ -96,6 +96,8 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
     grid_k, grid_n = k // tile_k, n // tile_n
     lhs_transforms = _swizzled(dtype, tile_k)
     rhs_transforms = _swizzled(dtype, tile_n)
+    # Keep one wgmma in flight: a slot is refilled only after the step after it was issued.
+    release_delay = 1 if config.max_concurrent_steps > 1 else 0
 
     def body(starts_gmem, ends_gmem, anchors_gmem, blocks_gmem, lhs_gmem, rhs_gmem, out_gmem):
         @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm")
@@ -123,7 +125,8 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
                         plgpu.commit_smem()
 
                     plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_smem)
-                    plgpu.wgmma_wait(0)
+                    if release_delay == 0:
+                        plgpu.wgmma_wait(0)
 
                 # Row windows start on the 8-aligned anchor; the last one may run past M, where
                 # TMA fills zeros (and the select above discards those rows anyway).
@@ -136,10 +139,12 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
                     in_specs=[
                         plgpu.BlockSpec((pl.Element(tile_rows), tile_k),
                                         lambda b: (window(b), ki),
-                                        transforms=lhs_transforms),
+                                        transforms=lhs_transforms,
+                                        delay_release=release_delay),
                         plgpu.BlockSpec((pl.Element(tile_rows), tile_n),
                                         lambda b: (window(b), ni),
-                                        transforms=rhs_transforms),
+                                        transforms=rhs_transforms,
+                                        delay_release=release_delay),
                     ],
                     max_concurrent_steps=config.max_concurrent_steps,
                 )(lhs_gmem, rhs_gmem)

@@ -1,0 +1,321 @@
+"""Grouped-matmul benchmark on one GPU: jaxmoe's Pallas kernels next to the competitors.
+
+    python benchmarks/gmm.py [--shapes mixtral,qwen3_30b,dsv3_ep8] [--sweep] [--out DIR]
+
+For each DESIGN.md shape (fc1 of a SwiGLU expert) and each routing (Dirichlet-skewed group sizes,
+and the same with a quarter of the experts empty), in one process and on the same data:
+  fwd    out = x @ W[g]            jaxmoe gmm | torch._grouped_mm | JAX ragged_dot_mgpu |
+                                   jax.lax.ragged_dot | dense matmul of the same FLOPs (ceiling)
+  dgrad  dx = dy @ W[g]^T          jaxmoe gmm(transpose_rhs) | torch | JAX example | dense
+  wgrad  dW[g] = x_g^T @ dy_g      jaxmoe tgmm | torch._grouped_mm (2d x 2d) |
+                                   JAX transposed_ragged_dot_mgpu | dense
+Times are medians over repeats of back-to-back launches (device synchronised at both ends).
+Writes gmm_<date>.json (+ .png) to --out and prints TFLOP/s and ratios. `--sweep` also times a
+small grid of jaxmoe kernel configs (the tuning data behind the default heuristic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax                                                        # noqa: E402
+import jax.numpy as jnp                                           # noqa: E402
+import numpy as np                                                # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxmoe.ops import GmmConfig, TgmmConfig, gmm, tgmm          # noqa: E402
+
+SHAPES = {   # name: (M tokens*k, K, N, G)
+    "mixtral": (16384, 4096, 28672, 8),
+    "qwen3_30b": (65536, 2048, 1536, 128),
+    "dsv3_ep8": (32768, 7168, 4096, 32),
+}
+
+
+def group_sizes_for(routing: str, m: int, g: int, seed: int = 0) -> np.ndarray:
+    """Dirichlet-skewed sizes summing to m; "empty" gives a quarter of the experts no rows."""
+    rng = np.random.default_rng(seed)
+    active = np.ones(g, bool)
+    if routing == "empty":
+        active[rng.permutation(g)[: g // 4]] = False
+    weights = np.zeros(g)
+    weights[active] = rng.dirichlet(np.full(active.sum(), 1.0))
+    return rng.multinomial(m, weights).astype(np.int32)
+
+
+def time_it(fn, *, iters: int, repeats: int = 5) -> float:
+    """Median seconds per call over `repeats` runs of `iters` back-to-back calls."""
+    out = fn()
+    _sync(out)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn()
+        _sync(out)
+        samples.append((time.perf_counter() - start) / iters)
+    return statistics.median(samples)
+
+
+def _sync(out):
+    import torch
+    if isinstance(out, torch.Tensor):
+        torch.cuda.synchronize()
+    else:
+        jax.block_until_ready(out)
+
+
+def bench_shape(name, routing, iters, torch, record):
+    m, k, n, g = SHAPES[name]
+    sizes = group_sizes_for(routing, m, g)
+    flops = 2.0 * m * k * n
+    key = jax.random.key(0)
+    kx, kw, kd = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = jax.random.normal(kw, (g, k, n), jnp.bfloat16) * 0.02
+    dy = jax.random.normal(kd, (m, n), jnp.bfloat16)
+    gs = jnp.asarray(sizes)
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+    tx, tw, tdy = (torch.from_dlpack(a) for a in (x, w, dy))
+    offs = torch.from_numpy(np.cumsum(sizes).astype(np.int32)).cuda()
+    example_cfg = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
+                       grid_block_n=4 if n % 512 == 0 else 1)
+
+    fwd = {
+        "jaxmoe": jax.jit(lambda a, b, s: gmm(a, b, s, impl="pallas",
+                                             preferred_element_type=jnp.bfloat16)),
+        "jax_example": jax.jit(lambda a, b, s: ragged_dot_mgpu.ragged_dot(
+            a, b, group_sizes=s, **example_cfg)),
+        "lax_ragged_dot": jax.jit(lambda a, b, s: jax.lax.ragged_dot(a, b, s)),
+    }
+    dgrad = {
+        "jaxmoe": jax.jit(lambda d, b, s: gmm(d, b, s, transpose_rhs=True, impl="pallas",
+                                             preferred_element_type=jnp.bfloat16)),
+        "jax_example": jax.jit(lambda d, b, s: ragged_dot_mgpu.ragged_dot(
+            d, b, group_sizes=s, transpose_rhs=True, **example_cfg)),
+    }
+    wgrad = {
+        "jaxmoe": jax.jit(lambda a, d, s: tgmm(a, d, s, impl="pallas",
+                                              preferred_element_type=jnp.bfloat16)),
+        "jax_example": jax.jit(lambda a, d, s: transposed_ragged_dot_mgpu.transposed_ragged_dot(
+            a, d, group_sizes=s, block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
+            grid_block_n=1)),
+    }
+    dense_jax = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.bfloat16))
+
+    def run(op, impl, fn, check=None, slow=False):
+        try:
+            seconds = time_it(fn, iters=2 if slow else iters, repeats=2 if slow else 5)
+            error = check() if check else None
+            record.append(dict(shape=name, routing=routing, op=op, impl=impl,
+                               ms=seconds * 1e3, tflops=flops / seconds / 1e12,
+                               rel_error=error))
+            print(f"  {name:10s} {routing:9s} {op:6s} {impl:16s} {seconds * 1e3:8.3f} ms "
+                  f"{flops / seconds / 1e12:7.1f} TF/s" + (f"  err {error:.2e}" if error
+                                                              is not None else ""), flush=True)
+        except Exception as e:                     # a competitor that cannot run this shape
+            record.append(dict(shape=name, routing=routing, op=op, impl=impl,
+                               error=f"{type(e).__name__}: {str(e)[:300]}"))
+            print(f"  {name:10s} {routing:9s} {op:6s} {impl:16s} FAILED {type(e).__name__}: "
+                  f"{str(e)[:200]}", flush=True)
+
+    def rel_err(ours, ref, rows=None):
+        """||ours - ref|| / ||ref|| on the GPU (ours: a JAX array, ref: a torch tensor)."""
+        a = torch.from_dlpack(ours).float()
+        b = ref.float()
+        if rows is not None:
+            a, b = a[:rows], b[:rows]
+        return float(torch.linalg.norm(a - b) / torch.linalg.norm(b).clamp_min(1e-30))
+
+    # ---- forward
+    ref_fwd = torch._grouped_mm(tx, tw, offs=offs)
+    for impl, fn in fwd.items():
+        if impl == "lax_ragged_dot" and routing != "dirichlet":
+            continue
+        out_fn = functools.partial(fn, x, w, gs)
+        run("fwd", impl, out_fn,
+            check=lambda: rel_err(out_fn(), ref_fwd, int(sizes.sum())),
+            slow=impl == "lax_ragged_dot")
+    run("fwd", "torch_grouped_mm", lambda: torch._grouped_mm(tx, tw, offs=offs))
+    if routing == "dirichlet":
+        wd = w[0]
+        run("fwd", "dense_xla", lambda: dense_jax(x, wd))
+        twd = tw[0]
+        run("fwd", "dense_torch", lambda: tx @ twd)
+
+    # ---- dgrad
+    twt = tw.transpose(-2, -1)
+    ref_dgrad = torch._grouped_mm(tdy, twt, offs=offs)
+    for impl, fn in dgrad.items():
+        out_fn = functools.partial(fn, dy, w, gs)
+        run("dgrad", impl, out_fn,
+            check=lambda: rel_err(out_fn(), ref_dgrad, int(sizes.sum())))
+    run("dgrad", "torch_grouped_mm", lambda: torch._grouped_mm(tdy, twt, offs=offs))
+    if routing == "dirichlet":
+        wdt = w[0].T
+        run("dgrad", "dense_xla", lambda: dense_jax(dy, wdt))
+
+    # ---- wgrad
+    txt = tx.t()
+    ref_wgrad = torch._grouped_mm(txt, tdy, offs=offs)
+    for impl, fn in wgrad.items():
+        out_fn = functools.partial(fn, x, dy, gs)
+        run("wgrad", impl, out_fn,
+            check=lambda: rel_err(out_fn(), ref_wgrad))
+    run("wgrad", "torch_grouped_mm", lambda: torch._grouped_mm(txt, tdy, offs=offs))
+    if routing == "dirichlet":
+        xt = x.T
+        run("wgrad", "dense_xla", lambda: dense_jax(xt, dy))
+
+
+def sweep(name, iters, record):
+    """Time a small grid of jaxmoe configs (fwd, dgrad, wgrad) on the Dirichlet routing."""
+    m, k, n, g = SHAPES[name]
+    sizes = jnp.asarray(group_sizes_for("dirichlet", m, g))
+    flops = 2.0 * m * k * n
+    x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(2), (g, k, n), jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(3), (m, n), jnp.bfloat16)
+    fwd_configs = [
+        GmmConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, epilogue_tile_n=64,
+                  grid_tile_width=gw, wg_split="n") for gw in (1, 4, 8)] + [
+        GmmConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=3, epilogue_tile_n=128,
+                  grid_tile_width=4, wg_split="n"),
+        GmmConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=2, epilogue_tile_n=64,
+                  grid_tile_width=4, wg_split="n"),
+        GmmConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, epilogue_tile_n=64,
+                  grid_tile_width=4, wg_split="m"),
+        GmmConfig(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=4, epilogue_tile_n=64,
+                  grid_tile_width=4, wg_split="n"),
+    ]
+    for op in ("fwd", "dgrad"):
+        for config in fwd_configs:
+            try:
+                config.validate(m, k if op == "fwd" else n, n if op == "fwd" else k,
+                                transpose_rhs=op == "dgrad")
+            except ValueError:
+                continue
+            a, transpose = (x, False) if op == "fwd" else (dy, True)
+            fn = jax.jit(functools.partial(gmm, impl="pallas", transpose_rhs=transpose,
+                                           preferred_element_type=jnp.bfloat16, config=config))
+            try:
+                seconds = time_it(lambda: fn(a, w, sizes), iters=iters, repeats=3)
+                record.append(dict(shape=name, op=op, config=dataclasses.asdict(config),
+                                   ms=seconds * 1e3, tflops=flops / seconds / 1e12))
+                print(f"  sweep {name} {op} {config} {flops / seconds / 1e12:.1f} TF/s",
+                      flush=True)
+            except Exception as e:
+                print(f"  sweep {name} {op} {config} FAILED {str(e)[:120]}", flush=True)
+    for config in [TgmmConfig(tile_k=tk, tile_n=tn, tile_rows=tr, max_concurrent_steps=st,
+                              grid_tile_width=gw)
+                   for tk, tn in ((128, 128), (128, 256)) for tr in (64, 128)
+                   for st in (3,) for gw in (1, 4)]:
+        try:
+            config.validate(m, k, n, jnp.bfloat16, jnp.bfloat16)
+            fn = jax.jit(functools.partial(tgmm, impl="pallas",
+                                           preferred_element_type=jnp.bfloat16, config=config))
+            seconds = time_it(lambda: fn(x, dy, sizes), iters=iters, repeats=3)
+            record.append(dict(shape=name, op="wgrad", config=dataclasses.asdict(config),
+                               ms=seconds * 1e3, tflops=flops / seconds / 1e12))
+            print(f"  sweep {name} wgrad {config} {flops / seconds / 1e12:.1f} TF/s", flush=True)
+        except Exception as e:
+            print(f"  sweep {name} wgrad {config} FAILED {str(e)[:120]}", flush=True)
+
+
+def summarize(record):
+    """Table of TFLOP/s per (shape, routing, op) and the ratios the issue targets."""
+    rows = {}
+    for r in record:
+        if "tflops" in r and "config" not in r:
+            rows.setdefault((r["shape"], r["routing"], r["op"]), {})[r["impl"]] = r["tflops"]
+    ratios = []
+    print(f"\n{'shape':10s} {'routing':9s} {'op':6s} {'jaxmoe':>7s} {'torch':>7s} {'jaxex':>7s} "
+          f"{'dense':>7s} {'vs_torch':>8s} {'vs_jaxex':>8s} {'of_dense':>8s}")
+    for (shape, routing, op), t in rows.items():
+        dense = max(t.get("dense_xla", 0), t.get("dense_torch", 0)) or None
+        ours, torch_t, jax_ex = t.get("jaxmoe"), t.get("torch_grouped_mm"), t.get("jax_example")
+        ratio = dict(shape=shape, routing=routing, op=op,
+                     vs_torch=ours / torch_t if ours and torch_t else None,
+                     vs_jax_example=ours / jax_ex if ours and jax_ex else None,
+                     of_dense=ours / dense if ours and dense else None)
+        ratios.append(ratio)
+        fmt = lambda v: f"{v:7.1f}" if v else "      -"
+        fr = lambda v: f"{v:8.3f}" if v else "       -"
+        print(f"{shape:10s} {routing:9s} {op:6s} {fmt(ours)} {fmt(torch_t)} {fmt(jax_ex)} "
+              f"{fmt(dense)} {fr(ratio['vs_torch'])} {fr(ratio['vs_jax_example'])} "
+              f"{fr(ratio['of_dense'])}")
+    return ratios
+
+
+def plot(record, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = [(s, o) for s in SHAPES for o in ("fwd", "dgrad", "wgrad")]
+    impls = ["jaxmoe", "torch_grouped_mm", "jax_example", "lax_ragged_dot", "dense_xla"]
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    width = 0.16
+    for i, impl in enumerate(impls):
+        vals = []
+        for shape, op in cases:
+            hits = [r["tflops"] for r in record if r.get("impl") == impl and r["shape"] == shape
+                    and r["op"] == op and r.get("routing") == "dirichlet" and "tflops" in r]
+            vals.append(hits[0] if hits else 0)
+        ax.bar(np.arange(len(cases)) + i * width, vals, width, label=impl)
+    ax.set_xticks(np.arange(len(cases)) + 2 * width)
+    ax.set_xticklabels([f"{s}\n{o}" for s, o in cases], fontsize=8)
+    ax.set_ylabel("TFLOP/s (bf16)")
+    ax.set_title("Grouped matmul on one H200, Dirichlet routing")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--routings", default="dirichlet,empty")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args(argv)
+    import torch
+    device = jax.devices()[0]
+    record, sweep_record = [], []
+    for name in args.shapes.split(","):
+        for routing in args.routings.split(","):
+            bench_shape(name, routing, args.iters, torch, record)
+        if args.sweep:
+            sweep(name, max(args.iters // 2, 5), sweep_record)
+    ratios = summarize(record)
+    date = datetime.date.today().isoformat()
+    os.makedirs(args.out, exist_ok=True)
+    result = dict(
+        benchmark="gmm", date=date, device=device.device_kind,
+        num_sms=getattr(device, "core_count", None), jax=jax.__version__,
+        torch=torch.__version__, python=platform.python_version(),
+        shapes={k: dict(zip(("M", "K", "N", "G"), SHAPES[k])) for k in args.shapes.split(",")},
+        method="median of 5 repeats x iters back-to-back calls, synchronised; bf16 in/out, "
+               "fp32 accumulate; rel_error = ||out - torch|| / ||torch||",
+        results=record, ratios=ratios, sweep=sweep_record)
+    path = os.path.join(args.out, f"gmm_{date}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    plot(record, path.replace(".json", ".png"))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
