@@ -574,14 +574,12 @@ def test_config_valid_combinations_and_capacity():
 
 
 # ------------------------------------------------------------------------------------ Megatron
-FIXTURES = Path(os.environ.get(
-    "JAXMOE_MEGATRON_FIXTURES",
-    Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "megatron"))
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron"
 
 
 def _megatron_args(name: str) -> dict:
     path = FIXTURES / name / "config.json"
-    assert path.is_file(), f"missing Megatron fixture {path} (set JAXMOE_MEGATRON_FIXTURES)"
+    assert path.is_file(), f"missing Megatron fixture {path}"
     return json.loads(path.read_text())
 
 
