@@ -1,24 +1,28 @@
 # Two commands for a new machine:
-#   make run    install into .venv and run the demo (python -m jaxmoe.demo)
-#   make test   install into .venv and run the test suite
+#   make run    install jaxmoe into .venv and run the demo (python -m jaxmoe.demo)
+#   make test   install jaxmoe with the test and PyTorch-bridge extras into .venv, run the tests
 VENV := .venv
-STAMP := $(VENV)/.installed
+PY := $(VENV)/bin/python
 
-.PHONY: run test install clean
+.PHONY: run test clean
 
-$(STAMP): pyproject.toml
+$(PY):
 	@PY=$$(tools/find_python.sh) && echo "using $$PY" && "$$PY" -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e ".[test]"
-	@touch $(STAMP)
+	$(PY) -m pip install --quiet --upgrade pip
 
-install: $(STAMP)
+$(VENV)/.installed-run: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e .
+	@touch $@
 
-run: $(STAMP)
-	$(VENV)/bin/python -m jaxmoe.demo $(ARGS)
+$(VENV)/.installed-test: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e ".[test,bridge]"
+	@touch $@
 
-test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q $(ARGS)
+run: $(VENV)/.installed-run
+	$(PY) -m jaxmoe.demo $(ARGS)
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

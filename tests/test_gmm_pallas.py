@@ -75,9 +75,10 @@ def test_forward_with_default_config_and_rows_not_multiple_of_8(interpret):
     out = gmm(lhs, rhs, group_sizes, impl="pallas", preferred_element_type=jnp.bfloat16)
     ref = gmm(lhs, rhs, group_sizes, impl="xla", preferred_element_type=jnp.bfloat16)
     assert out.shape == (203, 128) and out.dtype == jnp.bfloat16
-    # One bf16 rounding of an fp32 sum each; the sums' order may differ from XLA's GEMM.
+    # One bf16 rounding of an fp32 sum each; the sums' order may differ from XLA's GEMM, so
+    # the roundings may land one bf16 ulp apart (<= 2^-7 relative).
     np.testing.assert_allclose(np.asarray(out, np.float32)[:199],
-                               np.asarray(ref, np.float32)[:199], rtol=2 ** -8, atol=1e-6)
+                               np.asarray(ref, np.float32)[:199], rtol=2 ** -7, atol=1e-6)
     assert np.all(np.asarray(out)[199:] == 0)
 
 
@@ -117,11 +118,11 @@ def test_row_bits_do_not_depend_on_other_groups_or_config(interpret):
     lhs, rhs = operands(256, 128, 128, 4, seed=6)
     probe = 130                                        # a row of group 2 in every layout below
     layouts = {"a": [64, 40, 60, 36], "b": [0, 0, 200, 56], "c": [100, 7, 41, 9]}
-    configs = [SMALL, GmmConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=3,
+    configs = [SMALL, GmmConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=1,
                                 grid_tile_width=1, epilogue_tile_n=64, wg_split="n", num_sms=2)]
     if ON_HOPPER:
         configs = [GmmConfig(tile_m=tm, tile_n=64, tile_k=tk, wg_split=split,
-                             max_concurrent_steps=4 if tk == 64 else 2)
+                             max_concurrent_steps=2 if tk == 64 else 1)
                    for tm in (64, 128) for tk in (64, 128) for split in ("n", "m")]
     results = []
     for sizes in layouts.values():

@@ -3,9 +3,12 @@
 out[rows of group g] = lhs[rows of g] @ rhs[g]  (rhs[g] is [K, N], or [N, K] with transpose_rhs).
 
 Structure (warp specialised, persistent):
-  * a grid of one CTA per SM walks a static list of (row tile, column tile) work items;
-    row tiles come from `tiles.row_tiles` (each tile inside one group, starting at the group's
-    first row + a multiple of tile_m, so a row's result never depends on the other groups);
+  * a grid of one CTA per SM walks a list of (row tile, column tile) work items built outside
+    the kernel (`tiles.work_list`: tiles with rows first, in a banded order for L2 reuse);
+    row tiles come from `tiles.row_tiles` (each tile inside one group, so every output row is
+    written once and a row's result never depends on the other groups);
+  * the CTA's consecutive tiles share one software pipeline, so the memory warpgroup already
+    loads the next tile while the compute warpgroups finish the current one;
   * per CTA: one memory warpgroup issues TMA loads of lhs / rhs tiles into a ring of
     `max_concurrent_steps` SMEM slots; two compute warpgroups each own half of the CTA tile
     (side by side along N, or along M for narrow N) and run wgmma into fp32 registers;
@@ -29,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxmoe.ops.pallas.tiles import row_tiles
+from jaxmoe.ops.pallas.tiles import row_tiles, work_list
 
 HOPPER_NUM_SMS = 132      # H100/H200 SXM
 INTERPRET_NUM_SMS = 4     # persistent-grid size when not on a GPU (CPU interpret mode)
@@ -89,6 +92,9 @@ class GmmConfig:
             raise ValueError(f"gmm pallas: wg_split='n' needs tile_n % 64 == 0, got {self.tile_n}")
         if k % self.tile_k:
             raise ValueError(f"gmm pallas: K={k} must be a multiple of tile_k={self.tile_k}")
+        if self.max_concurrent_steps > k // self.tile_k:
+            raise ValueError(f"gmm pallas: max_concurrent_steps={self.max_concurrent_steps} "
+                             f"exceeds the {k // self.tile_k} K steps")
         if n % self.cta_n:
             raise ValueError(f"gmm pallas: N={n} must be a multiple of the CTA tile {self.cta_n}")
         if self.tile_n % self.epilogue_tile_n:
@@ -128,7 +134,9 @@ def default_config(num_rows: int, k: int, n: int, num_groups: int, in_dtype=jnp.
         tile_n = 128 if n % 128 == 0 else 64
         config = GmmConfig(tile_m=64 if num_rows < 256 else 128, tile_n=tile_n, wg_split="m")
     config = dataclasses.replace(config, num_sms=default_num_sms(),
-                                 epilogue_tile_n=min(epilogue_tile_n, config.tile_n))
+                                 epilogue_tile_n=min(epilogue_tile_n, config.tile_n),
+                                 max_concurrent_steps=min(config.max_concurrent_steps,
+                                                          k // config.tile_k))
     while config.smem_bytes(in_dtype, out_dtype) > SMEM_BUDGET:
         config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
     return config
@@ -152,23 +160,29 @@ def gmm_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transp
     config = config or default_config(num_rows, k, n, num_groups, lhs.dtype, out_dtype)
     config.validate(num_rows, k, n, lhs.dtype, out_dtype, transpose_rhs)
     tiles = row_tiles(group_sizes, num_rows, config.cta_m, ROW_ALIGN)
-    kernel = _build_kernel(num_rows, k, n, num_groups, tiles.num_tiles, lhs.dtype,
+    work = work_list(tiles, n // config.cta_n, config.grid_tile_width, num_groups)
+    kernel = _build_kernel(num_rows, k, n, num_groups, work.num_items, lhs.dtype,
                            jnp.dtype(out_dtype), transpose_rhs, config, interpret)
-    return kernel(tiles.group, tiles.row, tiles.rows, lhs, rhs)
+    return kernel(work.counts, work.tile, work.column, tiles.group, tiles.row, tiles.rows,
+                  lhs, rhs)
 
 
 @functools.lru_cache(maxsize=None)
-def _build_kernel(num_rows, k, n, num_groups, num_tiles, dtype, out_dtype, transpose_rhs,
+def _build_kernel(num_rows, k, n, num_groups, num_items, dtype, out_dtype, transpose_rhs,
                   config: GmmConfig, interpret):
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     cta_m, cta_n, epi_n = config.cta_m, config.cta_n, config.epilogue_tile_n
     split_m = config.wg_split == "m"
-    grid_n = n // cta_n
+    num_sms = config.num_sms
     k_steps = k // tile_k
     in_transforms = _swizzled(dtype, tile_k)
+    # Consecutive tiles of one CTA can share one pipeline (the memory warpgroup prefetches the
+    # next tile while the compute warpgroups run the epilogue) when the K steps divide evenly.
+    chained = k_steps % config.max_concurrent_steps == 0
 
-    def body(tile_group_gmem, tile_row_gmem, tile_rows_gmem, lhs_gmem, rhs_gmem, out_gmem):
-        def pipeline(mma_body, compute_context):
+    def body(counts_gmem, work_tile_gmem, work_column_gmem, tile_group_gmem, tile_row_gmem,
+             tile_rows_gmem, lhs_gmem, rhs_gmem, out_gmem):
+        def pipeline(mma_body, compute_context, state=None):
             rhs_block = (cta_n, tile_k) if transpose_rhs else (tile_k, cta_n)
             return plgpu.emit_pipeline_warp_specialized(
                 mma_body,
@@ -186,6 +200,7 @@ def _build_kernel(num_rows, k, n, num_groups, num_tiles, dtype, out_dtype, trans
                 num_compute_wgs=NUM_COMPUTE_WGS,
                 max_concurrent_steps=config.max_concurrent_steps,
                 compute_context=compute_context,
+                pipeline_state=state,
             )
 
         ignore = lambda *_, **__: None
@@ -201,13 +216,11 @@ def _build_kernel(num_rows, k, n, num_groups, num_tiles, dtype, out_dtype, trans
         )
         def _scope(allocations, out_smem):
             wg = lax.axis_index("wg")
+            sm = lax.axis_index("sm")
 
-            @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
-            def _work_loop(loop_info: plgpu.NDLoopInfo):
-                (item,) = loop_info.index
-                tile, ni = plgpu.planar_snake(item, (num_tiles, grid_n), 1,
-                                              config.grid_tile_width)
-                group = tile_group_gmem[tile]
+            def tile_geometry(item):
+                """Metadata of work item `item`, and this warpgroup's share of its rows."""
+                tile = work_tile_gmem[item]
                 first_row = tile_row_gmem[tile]
                 valid_rows = tile_rows_gmem[tile]
                 # Load cta_m rows from the 8-aligned row at or below the tile's first row; near
@@ -216,67 +229,98 @@ def _build_kernel(num_rows, k, n, num_groups, num_tiles, dtype, out_dtype, trans
                 load_row = pl.multiple_of(
                     jnp.minimum(first_row - first_row % ROW_ALIGN, num_rows - cta_m), ROW_ALIGN)
                 offset = first_row - load_row
-                # This warpgroup's part of the window: rows [wg_row, wg_row + tile_m), columns
-                # from wg_col.
                 wg_row = wg * tile_m if split_m else 0
-                wg_col = ni * cta_n + (0 if split_m else wg * tile_n)
                 lo = jnp.maximum(offset, wg_row)
-                count = jnp.clip(jnp.minimum(offset + valid_rows, wg_row + tile_m) - lo, 0, tile_m)
+                count = jnp.clip(jnp.minimum(offset + valid_rows, wg_row + tile_m) - lo, 0,
+                                 tile_m)
+                column = work_column_gmem[item] * cta_n
+                return dict(tile=tile, load_row=load_row, gmem_row=first_row + lo - offset,
+                            smem_row=lo - wg_row, count=count, column=column,
+                            wg_column=column + (0 if split_m else wg * tile_n))
 
-                def store(acc):
-                    # The previous chunk's (or tile's) TMA stores must have read the SMEM tile
-                    # before it is refilled; the last chunk's stores drain while the next tile's
-                    # main loop runs.
-                    for chunk in range(tile_n // epi_n):
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        out_smem[wg] = acc[:, chunk * epi_n:(chunk + 1) * epi_n].astype(out_dtype)
-                        plgpu.commit_smem()
-                        _store_rows(out_smem.at[wg], out_gmem, first_row + lo - offset,
-                                    lo - wg_row, count, wg_col + chunk * epi_n, tile_m, epi_n)
+            def store(acc, geo):
+                # The previous chunk's (or tile's) TMA stores must have read the SMEM tile
+                # before it is refilled; the last chunk's stores drain while the next tile's
+                # main loop runs.
+                for chunk in range(tile_n // epi_n):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    out_smem[wg] = acc[:, chunk * epi_n:(chunk + 1) * epi_n].astype(out_dtype)
+                    plgpu.commit_smem()
+                    _store_rows(out_smem.at[wg], out_gmem, geo["gmem_row"], geo["smem_row"],
+                                geo["count"], geo["wg_column"] + chunk * epi_n, tile_m, epi_n)
+
+            def mma_body(_, lhs_smem, rhs_smem, acc_ref):
+                if split_m:
+                    a = lhs_smem.at[pl.ds(wg * tile_m, tile_m), :]
+                    b = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
+                else:
+                    a = lhs_smem
+                    cols = pl.ds(wg * tile_n, tile_n)
+                    b = (rhs_smem.at[cols, :].transpose((1, 0)) if transpose_rhs
+                         else rhs_smem.at[:, cols])
+                plgpu.wgmma(acc_ref, a, b)
+                plgpu.wgmma_wait(0)
+                return acc_ref
+
+            def matmul_item(item, state):
+                geo = tile_geometry(item)
+                group = tile_group_gmem[geo["tile"]]
 
                 def compute_context(eval_pipeline):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n)))
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
-                        store(acc_ref[...])
+                        store(acc_ref[...], geo)
 
-                def mma_body(_, lhs_smem, rhs_smem, acc_ref):
-                    if split_m:
-                        a = lhs_smem.at[pl.ds(wg * tile_m, tile_m), :]
-                        b = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
-                    else:
-                        a = lhs_smem
-                        cols = pl.ds(wg * tile_n, tile_n)
-                        b = (rhs_smem.at[cols, :].transpose((1, 0)) if transpose_rhs
-                             else rhs_smem.at[:, cols])
-                    plgpu.wgmma(acc_ref, a, b)
-                    plgpu.wgmma_wait(0)
-                    return acc_ref
+                rhs_group = rhs_gmem.at[group]
+                n_slice = pl.ds(geo["column"], cta_n)
+                rhs_tile = rhs_group.at[n_slice, :] if transpose_rhs else rhs_group.at[:, n_slice]
+                pipeline(mma_body, compute_context, state)(
+                    lhs_gmem.at[pl.ds(geo["load_row"], cta_m), :], rhs_tile,
+                    allocations=allocations)
 
-                has_rows = valid_rows > 0
-                is_group = group < num_groups
+            # Work items are [matmul items | zero-region items]; this CTA takes every
+            # num_sms-th item of each list.
+            num_matmul, num_zero = counts_gmem[0], counts_gmem[1]
+            mine = jnp.maximum(num_matmul - sm + num_sms - 1, 0) // num_sms
+            item_of = lambda j: sm + j * num_sms
+            states = plgpu.PipelinePipeline
 
-                @pl.when(has_rows & is_group)
-                def _matmul():
-                    rhs_group = rhs_gmem.at[jnp.minimum(group, num_groups - 1)]
-                    n_slice = pl.ds(ni * cta_n, cta_n)
-                    rhs_tile = (rhs_group.at[n_slice, :] if transpose_rhs
-                                else rhs_group.at[:, n_slice])
-                    pipeline(mma_body, compute_context)(
-                        lhs_gmem.at[pl.ds(load_row, cta_m), :], rhs_tile,
-                        allocations=allocations)
+            if chained:
+                @pl.when(mine == 1)
+                def _single():
+                    matmul_item(item_of(0), None)
 
-                @pl.when(has_rows & ~is_group & (wg < NUM_COMPUTE_WGS))
-                def _zeros():
-                    store(plgpu.layout_cast(jnp.zeros((tile_m, tile_n), jnp.float32),
-                                            plgpu.Layout.WGMMA))
+                @pl.when(mine > 1)
+                def _chain():
+                    matmul_item(item_of(0), states.START)
+
+                    @pl.loop(1, mine - 1)
+                    def _steady(j):
+                        matmul_item(item_of(j), states.STEADY)
+
+                    matmul_item(item_of(mine - 1), states.STOP)
+            else:
+                @pl.loop(0, mine)
+                def _each(j):
+                    matmul_item(item_of(j), None)
+
+            mine_zero = jnp.maximum(num_zero - sm + num_sms - 1, 0) // num_sms
+
+            @pl.when(wg < NUM_COMPUTE_WGS)
+            def _zero_region():
+                @pl.loop(0, mine_zero)
+                def _each_zero(j):
+                    zeros = plgpu.layout_cast(jnp.zeros((tile_m, tile_n), jnp.float32),
+                                              plgpu.Layout.WGMMA)
+                    store(zeros, tile_geometry(num_matmul + item_of(j)))
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((num_rows, n), out_dtype),
-        grid=(config.num_sms,),
+        grid=(num_sms,),
         grid_names=("sm",),
         num_threads=NUM_COMPUTE_WGS + 1,
         thread_name="wg",

@@ -65,3 +65,43 @@ def row_tiles(group_sizes: jax.Array, num_rows: int, tile_m: int,
     return RowTiles(group=jnp.where(used, group, num_groups),
                     row=jnp.where(used, row, 0).astype(jnp.int32),
                     rows=jnp.where(used, rows, 0).astype(jnp.int32))
+
+
+@struct.dataclass
+class WorkList:
+    """Work items (row tile, column tile) of a grouped matmul, in execution order.
+
+    Items [0, counts[0]) need a matmul, items [counts[0], counts[0] + counts[1]) cover the rows
+    past the groups (zeros), the rest are unused. Within each kind, items go by bands of
+    `band_width` column tiles, row tiles ascending (descending in every other band), so that
+    CTAs running side by side share lhs rows and rhs columns in L2.
+    """
+
+    tile: jax.Array      # [num_items] int32 row-tile index
+    column: jax.Array    # [num_items] int32 column-tile index
+    counts: jax.Array    # [2] int32: matmul items, zero-region items
+
+    @property
+    def num_items(self) -> int:
+        return self.tile.shape[0]
+
+
+def work_list(tiles: RowTiles, num_columns: int, band_width: int, num_groups: int) -> WorkList:
+    """Order the (row tile, column tile) pairs as described in `WorkList`."""
+    num_tiles = tiles.num_tiles
+    width = min(band_width, num_columns)
+    item = jnp.arange(num_tiles * num_columns, dtype=jnp.int32)
+    band = item // (num_tiles * width)
+    band_start = band * width
+    band_cols = jnp.minimum(width, num_columns - band_start)   # the last band may be narrower
+    within = item - band * num_tiles * width
+    row = within // band_cols
+    column = band_start + within % band_cols
+    row = jnp.where(band % 2 == 1, num_tiles - 1 - row, row)
+    has_rows = tiles.rows[row] > 0
+    is_matmul = has_rows & (tiles.group[row] < num_groups)
+    is_zero = has_rows & (tiles.group[row] == num_groups)
+    order = jnp.argsort(jnp.where(is_matmul, 0, jnp.where(is_zero, 1, 2)), stable=True)
+    counts = jnp.stack([jnp.sum(is_matmul), jnp.sum(is_zero)]).astype(jnp.int32)
+    return WorkList(tile=row[order].astype(jnp.int32), column=column[order].astype(jnp.int32),
+                    counts=counts)
