@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Literal, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 ScoreFunction = Literal["softmax", "sigmoid", "sqrtsoftplus"]
 LoadBalancingType = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"]
@@ -265,6 +265,39 @@ class MoEConfig:
         )
         fields.update(overrides)
         return cls(**fields)
+
+
+def selective_precision(config: MoEConfig, num_layers: int, *, first_bf16: int = 0,
+                        last_bf16: int = 0, bf16_layers: Iterable[int] = ()
+                        ) -> tuple[MoEConfig, ...]:
+    """One config per layer: `config` (the MXFP8 layers' config) everywhere except the chosen
+    layers, which run fully in bf16 (Megatron's selective precision: `first_last_layers_bf16`
+    with `num_layers_at_start_in_bf16` / `num_layers_at_end_in_bf16`, or per-module recipes).
+
+    The bf16 layers are the first `first_bf16`, the last `last_bf16` and those listed (0-based)
+    in `bf16_layers`; they get expert_precision, dispatch_dtype and combine_bwd_dtype "bf16" and
+    keep every other field (the row alignment never changes real rows' bits).
+    Example: `selective_precision(cfg, 24, first_bf16=2, last_bf16=4)`."""
+    if "mxfp8" not in (config.expert_precision, config.dispatch_dtype, config.combine_bwd_dtype):
+        raise ValueError("selective_precision: config has no MXFP8 option; it describes the "
+                         "MXFP8 layers")
+    for name, value, low in (("num_layers", num_layers, 1), ("first_bf16", first_bf16, 0),
+                             ("last_bf16", last_bf16, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"selective_precision: {name} must be an int >= {low}, got "
+                             f"{value!r}")
+    if first_bf16 + last_bf16 > num_layers:
+        raise ValueError(f"selective_precision: first_bf16 + last_bf16 ({first_bf16} + "
+                         f"{last_bf16}) exceeds num_layers ({num_layers})")
+    chosen = set(range(first_bf16)) | set(range(num_layers - last_bf16, num_layers))
+    for layer in bf16_layers:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+            raise ValueError(f"selective_precision: bf16_layers entries must be layer indices "
+                             f"in [0, {num_layers}), got {layer!r}")
+        chosen.add(layer)
+    bf16 = config.replace(expert_precision="bf16", dispatch_dtype="bf16",
+                          combine_bwd_dtype="bf16")
+    return tuple(bf16 if layer in chosen else config for layer in range(num_layers))
 
 
 def _megatron_activation(args: Mapping[str, Any]) -> str:

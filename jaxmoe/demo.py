@@ -4,6 +4,10 @@ The block is `MoE(rmsnorm(x))`; it learns to imitate a fixed, randomly initialis
 of the same shape (a learnable target), with optax Adam. Prints the relative loss
 (mean squared error / mean squared target), the load-balancing loss, expert load balance and
 tokens/s. Runs on the default JAX backend (the GPU when there is one).
+
+`--precision`: "bf16" (fp32 params, bf16 compute), "fp32", or "mxfp8" (fp32 params, bf16
+compute, MXFP8 expert GEMMs, dispatch and combine gradient, 32-row expert alignment). The teacher
+keeps bf16 experts, so every precision learns the same target from the same initialisation.
 """
 
 from __future__ import annotations
@@ -31,7 +35,11 @@ PRESETS = {
     "nemotron": MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=192, activation="squared_relu",
                           gated_linear_unit=False, pre_softmax=True, load_balancing_type="none"),
 }
-PRECISIONS = {"bf16": (jnp.float32, jnp.bfloat16), "fp32": (jnp.float32, jnp.float32)}
+MXFP8_OPTIONS = dict(expert_precision="mxfp8", dispatch_dtype="mxfp8", combine_bwd_dtype="mxfp8",
+                     expert_row_alignment=32)
+# precision: (param dtype, compute dtype, MoEConfig changes for the trained block)
+PRECISIONS = {"bf16": (jnp.float32, jnp.bfloat16, {}), "fp32": (jnp.float32, jnp.float32, {}),
+              "mxfp8": (jnp.float32, jnp.bfloat16, MXFP8_OPTIONS)}
 
 
 class Block(nnx.Module):
@@ -64,9 +72,9 @@ def train(preset: str = "mixtral", steps: int = 300, precision: str = "bf16", hi
           log_every: int = 25, quiet: bool = False) -> dict:
     """Run the demo; returns the final metrics (also used by the tests)."""
     config = PRESETS[preset]
-    param_dtype, dtype = PRECISIONS[precision]
-    model = Block(config, hidden, param_dtype=param_dtype, dtype=dtype, init_std=0.02,
-                  rngs=nnx.Rngs(seed))
+    param_dtype, dtype, precision_options = PRECISIONS[precision]
+    model = Block(config.replace(**precision_options), hidden, param_dtype=param_dtype,
+                  dtype=dtype, init_std=0.02, rngs=nnx.Rngs(seed))
     teacher = Block(config, hidden, param_dtype=param_dtype, dtype=dtype,
                     init_std=2.0 / hidden ** 0.5, rngs=nnx.Rngs(seed + 1000))
     optimizer = nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)

@@ -8,6 +8,11 @@ has a scatter-add:
   * gather_slots(p)[r] = p[slot(r)] moves per-slot values (the routing probabilities) into the
     buffer; each slot owns at most one row, so its VJP is the gather back along `slot_row`.
 A token's combined value depends only on its own rows, in a fixed order: batch invariant.
+
+`dispatch` also moves rowwise MXFP8 tensors (fp8 data and E8M0 scale rows gathered by the same
+index), so that tokens can be quantized once, before the dispatch. An MXTensor carries no
+gradient: the layer sends the gradient of the quantized tokens back through the bf16 dispatch
+(`combine`), treating the quantizer as the identity (straight-through).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.plan import Plan
 
 F32 = jnp.float32
@@ -43,9 +49,24 @@ def _combine(rows, plan, out_dtype):
     return total.astype(out_dtype)
 
 
+def dispatch(x: jax.Array | MXTensor, plan: Plan) -> jax.Array | MXTensor:
+    """Gather token rows x[T, H] into the expert buffer [M, H] laid out by `plan`; padding rows
+    are zero.
+
+    x may be a rowwise (axis 1) MXTensor: its data and scale rows move together, padding rows
+    get zero data and scale byte 0, so the result equals quantizing the dispatched rows bitwise.
+    Differentiable for arrays only (the VJP is `combine`)."""
+    if not isinstance(x, MXTensor):
+        return _dispatch_array(x, plan)
+    if x.ndim != 2 or x.axis != 1:
+        raise ValueError(f"dispatch: an MXTensor must be [T, H] with blocks along H (axis 1), "
+                         f"got shape {x.shape} with blocks along axis {x.axis}")
+    return MXTensor(data=_dispatch(x.data, plan), scale=_dispatch(x.scale, plan), axis=1,
+                    fmt=x.fmt)
+
+
 @jax.custom_vjp
-def dispatch(x: jax.Array, plan: Plan) -> jax.Array:
-    """Gather token rows x[T, H] into the expert buffer [M, H] laid out by `plan`."""
+def _dispatch_array(x, plan):
     return _dispatch(x, plan)
 
 
@@ -58,7 +79,7 @@ def _dispatch_bwd(residuals, grad):
     return _combine(grad, plan, dtype_carrier.dtype), None
 
 
-dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+_dispatch_array.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 @jax.custom_vjp

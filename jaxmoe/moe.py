@@ -23,8 +23,9 @@ from flax import nnx, struct
 
 from jaxmoe import routing as routing_lib
 from jaxmoe.config import MoEConfig
-from jaxmoe.dispatch import combine, dispatch, gather_slots
+from jaxmoe.dispatch import dispatch, gather_slots
 from jaxmoe.experts import grouped_mlp, shared_mlp
+from jaxmoe.mxfp8 import BLOCK_SIZE, quantize
 from jaxmoe.plan import make_plan
 
 F32 = jnp.float32
@@ -109,11 +110,11 @@ class GroupedMLP(nnx.Module):
         self.fc1_bias = nnx.Param(jnp.zeros((e, f1), param_dtype)) if bias else None
         self.fc2_bias = nnx.Param(jnp.zeros((e, hidden_size), param_dtype)) if bias else None
 
-    def __call__(self, rows, row_probs, plan, *, gmm_impl: str):
+    def __call__(self, rows, row_probs, plan, *, rows_rowwise, gmm_impl: str):
         value = lambda p: None if p is None else p[...]
-        return grouped_mlp(rows, row_probs, plan.group_sizes, plan.row_expert,
-                           self.fc1_kernel[...], self.fc2_kernel[...], value(self.fc1_bias),
-                           value(self.fc2_bias), self.config, gmm_impl=gmm_impl)
+        return grouped_mlp(rows, row_probs, plan, self.fc1_kernel[...], self.fc2_kernel[...],
+                           value(self.fc1_bias), value(self.fc2_bias), self.config,
+                           rows_rowwise=rows_rowwise, gmm_impl=gmm_impl)
 
 
 class SharedExpertMLP(nnx.Module):
@@ -136,7 +137,9 @@ class SharedExpertMLP(nnx.Module):
 
 class MoE(nnx.Module):
     """Megatron-Core MoE layer (routing, dropless or capacity dispatch, grouped experts,
-    deterministic combine, shared expert).
+    deterministic combine, shared expert), with bf16 or MXFP8 routed experts, dispatch and
+    combine gradient (`MoEConfig.expert_precision`, `dispatch_dtype`, `combine_bwd_dtype`; see
+    `jaxmoe.experts`). The router and the shared expert always run in the compute dtype.
 
     Args:
       config: the `MoEConfig`.
@@ -155,10 +158,7 @@ class MoE(nnx.Module):
             raise TypeError(f"MoE: config must be a MoEConfig, got {type(config).__name__}")
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
             raise ValueError(f"MoE: hidden_size must be a positive int, got {hidden_size!r}")
-        if "mxfp8" in (config.expert_precision, config.dispatch_dtype, config.combine_bwd_dtype):
-            raise NotImplementedError(
-                "MoE: MXFP8 expert GEMMs / dispatch are not implemented yet; use 'bf16' "
-                "(MoEConfig validates the MXFP8 options; the layer path is a separate work item)")
+        _check_mxfp8_shapes(config, hidden_size)
         for name, dt in (("param_dtype", param_dtype), ("dtype", dtype)):
             if dt is not None and not jnp.issubdtype(jnp.dtype(dt), jnp.floating):
                 raise TypeError(f"MoE: {name} must be a floating dtype, got {dt}")
@@ -213,9 +213,10 @@ class MoE(nnx.Module):
                             ) -> tuple[jax.Array, MoEAux, dict[str, Any]]:
         """Like `__call__`, plus a dict of the intermediate values (for stage-by-stage
         comparisons): router_logits [T,E], probs/indices/kept [T,k] (Megatron's top-k order),
-        plan, dispatched_rows [M,H], row_probs [M], fc1_output, activation, fc2_output [M,...],
-        combined [T,H] (before the shared expert), shared_output [T,H] or None. Unused entries
-        cost nothing under jit."""
+        plan, dispatched_rows [M,H], dispatched_mxfp8 (their rowwise MXTensor with
+        dispatch_dtype "mxfp8", else None), row_probs [M], fc1_output, activation,
+        fc2_output [M,...], combined [T,H] (before the shared expert), shared_output [T,H] or
+        None. Unused entries cost nothing under jit."""
         self._check_input(x, padding_mask)
         config = self.config
         tokens = x.reshape(-1, self.hidden_size).astype(self.dtype)
@@ -224,9 +225,13 @@ class MoE(nnx.Module):
         logits, routing = self.router(tokens)
         plan = make_plan(routing, config)
         rows = dispatch(tokens, plan)
+        # dispatch_dtype "mxfp8": quantize each token once, before the dispatch (blocks along H).
+        rows_rowwise = (dispatch(quantize(tokens, axis=1), plan)
+                        if config.dispatch_dtype == "mxfp8" else None)
         row_probs = gather_slots(routing.probs, plan)
-        expert = self.experts(rows, row_probs, plan, gmm_impl=self.gmm_impl)
-        combined = combine(expert.output, plan)
+        expert = self.experts(rows, row_probs, plan, rows_rowwise=rows_rowwise,
+                              gmm_impl=self.gmm_impl)
+        combined = expert.combined
         shared = None if self.shared_experts is None else self.shared_experts(tokens)
         y = combined if shared is None else combined + shared
 
@@ -236,7 +241,8 @@ class MoE(nnx.Module):
                      tokens_per_expert=routing_lib.tokens_per_expert(
                          routing, config.num_experts, flat_mask))
         stages = dict(router_logits=logits, probs=routing.probs, indices=routing.indices,
-                      kept=routing.kept, plan=plan, dispatched_rows=rows, row_probs=row_probs,
+                      kept=routing.kept, plan=plan, dispatched_rows=rows,
+                      dispatched_mxfp8=rows_rowwise, row_probs=row_probs,
                       fc1_output=expert.fc1_output, activation=expert.activation,
                       fc2_output=expert.output, combined=combined, shared_output=shared)
         return y.reshape(x.shape[:-1] + (self.hidden_size,)), aux, stages
@@ -254,6 +260,19 @@ class MoE(nnx.Module):
         self.global_aux_steps[...] = steps
         return routing_lib.load_balancing_loss(logits, config, sequence_shape, padding_mask,
                                                token_counts=counts / steps.astype(F32))
+
+
+def _check_mxfp8_shapes(config: MoEConfig, hidden_size: int) -> None:
+    """MXFP8 blocks are 32 wide: H must be a multiple of 32 for any MXFP8 option, and F too for
+    MXFP8 experts (fc2 contracts over F)."""
+    uses_mxfp8 = "mxfp8" in (config.expert_precision, config.dispatch_dtype,
+                             config.combine_bwd_dtype)
+    if uses_mxfp8 and hidden_size % BLOCK_SIZE:
+        raise ValueError(f"MoE: hidden_size ({hidden_size}) must be a multiple of {BLOCK_SIZE} "
+                         "for the MXFP8 options (blocks of 32 along H)")
+    if config.expert_precision == "mxfp8" and config.ffn_hidden_size % BLOCK_SIZE:
+        raise ValueError(f"MoE: ffn_hidden_size ({config.ffn_hidden_size}) must be a multiple "
+                         f"of {BLOCK_SIZE} for expert_precision='mxfp8' (blocks of 32 along F)")
 
 
 def to_linen(config: MoEConfig, hidden_size: int, **kwargs):

@@ -112,22 +112,22 @@ def test_alignment_padding_never_changes_real_rows(alignment):
 def test_padding_row_contents_do_not_reach_real_rows_in_bf16():
     """Garbage (NaN) in padding rows of the expert buffer leaves real rows' bits unchanged."""
     config = BASE.replace(expert_row_alignment=8)
-    model = make(config)
-    group_sizes = jnp.array([8, 0, 16, 8, 8, 0, 8, 8], jnp.int32)
-    real = np.ones(64, bool)
-    real[[5, 6, 7, 20, 21, 30]] = False                 # padding rows inside expert blocks
-    rows = tokens(64, seed=7)
-    probs = jnp.where(real, 0.25, 0.0).astype(jnp.bfloat16)
-    row_expert = jnp.repeat(jnp.arange(8), np.asarray(group_sizes), total_repeat_length=64)
+    model, x = make(config), tokens(20, seed=7)
+    _, routing = model.router(x)
+    plan = jaxmoe.make_plan(routing, config)
+    real = np.asarray(plan.row_slot) < plan.num_tokens * plan.top_k
+    assert not real.all()                               # the buffer has padding rows
+    rows, probs = jaxmoe.dispatch(x, plan), jaxmoe.gather_slots(routing.probs, plan)
     experts = model.experts
 
     def run(rows):
-        return grouped_mlp(rows, probs, group_sizes, row_expert, experts.fc1_kernel[...],
-                           experts.fc2_kernel[...], None, None, config, gmm_impl="xla").output
+        return grouped_mlp(rows, probs, plan, experts.fc1_kernel[...], experts.fc2_kernel[...],
+                           None, None, config, gmm_impl="xla")
 
-    clean = run(jnp.where(real[:, None], rows, 0))
+    clean = run(rows)
     dirty = run(jnp.where(real[:, None], rows, jnp.nan))
-    assert_bitwise(np.asarray(dirty)[real], np.asarray(clean)[real])
+    assert_bitwise(np.asarray(dirty.output)[real], np.asarray(clean.output)[real])
+    assert_bitwise(dirty.combined, clean.combined)
 
 
 def test_negative_control_single_row_dot_is_batch_variant():

@@ -137,10 +137,24 @@ def test_padding_mask_leaves_losses_and_counts_but_not_outputs():
     np.testing.assert_allclose(aux_mask.z_loss, unpadded.z_loss, rtol=1e-6)
 
 
-def test_mxfp8_layer_options_are_refused_clearly_for_now():
-    with pytest.raises(NotImplementedError, match="MXFP8"):
-        MoE(CONFIG.replace(expert_precision="mxfp8", expert_row_alignment=32), H,
-            rngs=nnx.Rngs(0))
+def test_mxfp8_layer_trains_under_jit_and_remat_and_refuses_bad_widths():
+    config = CONFIG.replace(ffn_hidden_size=32, expert_precision="mxfp8", dispatch_dtype="mxfp8",
+                            combine_bwd_dtype="mxfp8", expert_row_alignment=32)
+    with pytest.raises(ValueError, match="hidden_size .16. must be a multiple of 32"):
+        MoE(config, H, rngs=nnx.Rngs(0))
+    model, x = MoE(config, 32, rngs=nnx.Rngs(0)), x_of((2, 6, 32), jnp.bfloat16)
+
+    def plain(model, x):
+        return jnp.sum(model(x)[0].astype(jnp.float32) ** 2)
+
+    def remat(model, x):
+        return jnp.sum(nnx.remat(lambda m, x: m(x)[0])(model, x).astype(jnp.float32) ** 2)
+
+    g_plain = nnx.jit(nnx.grad(plain))(model, x)
+    g_remat = nnx.jit(nnx.grad(remat))(model, x)
+    for a, b in zip(jax.tree.leaves(nnx.state(g_plain)), jax.tree.leaves(nnx.state(g_remat))):
+        np.testing.assert_array_equal(bits(a), bits(b))
+        assert np.all(np.isfinite(np.asarray(a, np.float32))) and np.any(np.asarray(a) != 0)
 
 
 def test_demo_trains_and_reports():

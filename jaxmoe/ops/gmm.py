@@ -38,8 +38,12 @@ def _check_impl(impl, op):
 
 
 def _check_concrete_sizes(group_sizes, num_rows, op):
-    """Reject negative sizes or sizes adding up to more than M when they are known (not traced)."""
+    """Reject negative sizes or sizes adding up to more than M when they are known on the host
+    (not traced, not on an accelerator, where reading them back would stall the stream)."""
     if isinstance(group_sizes, jax.core.Tracer):
+        return
+    if isinstance(group_sizes, jax.Array) and any(d.platform != "cpu"
+                                                  for d in group_sizes.devices()):
         return
     sizes = jax.device_get(group_sizes)
     if (sizes < 0).any() or sizes.sum() > num_rows:
