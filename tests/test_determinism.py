@@ -13,25 +13,11 @@ import jaxmoe
 from jaxmoe import MoE, MoEConfig
 from jaxmoe.experts import grouped_mlp
 from jaxmoe.ops import gmm
+from bitwise import assert_bitwise, bits, differs
 
 H = 32
 BASE = MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=32, aux_loss_coeff=1e-2,
                  shared_expert_intermediate_size=16, shared_expert_gate=True)
-
-
-def bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
-
-
-def assert_bitwise(a, b):
-    assert a.shape == b.shape and a.dtype == b.dtype
-    mismatches = int(np.sum(bits(a) != bits(b)))
-    assert mismatches == 0, f"{mismatches} of {a.size} elements differ"
-
-
-def differs(a, b) -> bool:
-    return bool(np.any(bits(a) != bits(b)))
 
 
 def make(config=BASE, seed=0):

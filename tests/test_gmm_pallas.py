@@ -16,6 +16,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxmoe import MoE, MoEConfig
 from jaxmoe.ops import GmmConfig, TgmmConfig, gmm, on_hopper, tgmm
 from jaxmoe.ops.pallas.tiles import row_tiles
+from bitwise import bits
 
 ON_HOPPER = on_hopper()
 
@@ -31,10 +32,6 @@ def interpret():
         races = interpret_pallas_call.get_races()      # state of the last interpreted kernel
     assert not races.races_found, "race detected"
 
-
-def bits(a):
-    a = np.asarray(a)
-    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
 def operands(m, k, n, g, seed=0, transpose_rhs=False):

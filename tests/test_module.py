@@ -8,6 +8,7 @@ from flax import nnx
 
 import jaxmoe
 from jaxmoe import MoE, MoEConfig, demo
+from bitwise import bits
 
 H = 16
 CONFIG = MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=16, aux_loss_coeff=1e-2)
@@ -15,11 +16,6 @@ CONFIG = MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=16, aux_loss_coeff=1e
 
 def x_of(shape=(2, 6, H), dtype=jnp.float32, seed=0):
     return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
-
-
-def bits(a):
-    a = np.asarray(a)
-    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
 @pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
@@ -41,9 +37,8 @@ def test_megatron_initialisation_scales():
     np.testing.assert_allclose(np.std(model.router.kernel[...]), 0.02, rtol=0.05)
 
 
-def test_remat_and_jit_give_identical_bits():
-    model, x = MoE(CONFIG, H, rngs=nnx.Rngs(0)), x_of(dtype=jnp.bfloat16)
-
+def plain_and_remat_grads(model, x):
+    """Pairs of (plain, remat) jitted gradient leaves of sum(y^2) w.r.t. the model."""
     def plain(model, x):
         return jnp.sum(model(x)[0].astype(jnp.float32) ** 2)
 
@@ -52,7 +47,13 @@ def test_remat_and_jit_give_identical_bits():
 
     g_plain = nnx.jit(nnx.grad(plain))(model, x)
     g_remat = nnx.jit(nnx.grad(remat))(model, x)
-    for a, b in zip(jax.tree.leaves(nnx.state(g_plain)), jax.tree.leaves(nnx.state(g_remat))):
+    return zip(jax.tree.leaves(nnx.state(g_plain)), jax.tree.leaves(nnx.state(g_remat)))
+
+
+def test_remat_and_jit_give_identical_bits():
+    model, x = MoE(CONFIG, H, rngs=nnx.Rngs(0)), x_of(dtype=jnp.bfloat16)
+
+    for a, b in plain_and_remat_grads(model, x):
         np.testing.assert_array_equal(bits(a), bits(b))
 
 
@@ -144,15 +145,7 @@ def test_mxfp8_layer_trains_under_jit_and_remat_and_refuses_bad_widths():
         MoE(config, H, rngs=nnx.Rngs(0))
     model, x = MoE(config, 32, rngs=nnx.Rngs(0)), x_of((2, 6, 32), jnp.bfloat16)
 
-    def plain(model, x):
-        return jnp.sum(model(x)[0].astype(jnp.float32) ** 2)
-
-    def remat(model, x):
-        return jnp.sum(nnx.remat(lambda m, x: m(x)[0])(model, x).astype(jnp.float32) ** 2)
-
-    g_plain = nnx.jit(nnx.grad(plain))(model, x)
-    g_remat = nnx.jit(nnx.grad(remat))(model, x)
-    for a, b in zip(jax.tree.leaves(nnx.state(g_plain)), jax.tree.leaves(nnx.state(g_remat))):
+    for a, b in plain_and_remat_grads(model, x):
         np.testing.assert_array_equal(bits(a), bits(b))
         assert np.all(np.isfinite(np.asarray(a, np.float32))) and np.any(np.asarray(a) != 0)
 

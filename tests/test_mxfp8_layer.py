@@ -23,6 +23,7 @@ from jaxmoe import MoE, MoEConfig, demo, mxfp8
 from jaxmoe.dispatch import combine
 from jaxmoe.experts import weighted_activation
 from jaxmoe.ops import gmm, mxfp8_gmm, tgmm
+from bitwise import assert_bitwise, bits, differs
 
 H = F = 32
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -31,21 +32,6 @@ BASE = MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=F, expert_row_alignment
 ALL = BASE.replace(**MXFP8_ALL)
 E4M3_HALF_ULP = 2.0 ** -4        # relative rounding error bound of E4M3 (3 mantissa bits), normals
 E4M3_SUBNORMAL_HALF_STEP = 2.0 ** -10   # absolute, in units of the block scale
-
-
-def bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
-
-
-def assert_bitwise(a, b):
-    assert a.shape == b.shape and a.dtype == b.dtype
-    mismatches = int(np.sum(bits(a) != bits(b)))
-    assert mismatches == 0, f"{mismatches} of {a.size} elements differ"
-
-
-def differs(a, b) -> bool:
-    return bool(np.any(bits(a) != bits(b)))
 
 
 def make(config, seed=0, *, spread=True):
