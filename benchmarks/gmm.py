@@ -259,28 +259,32 @@ def summarize(record):
     return ratios
 
 
-def plot(record, path):
+def bar_plot(record, shapes, impls, title, path, routing=None):
+    """Grouped bars of TFLOP/s per (shape, op) and impl, from benchmark records."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    cases = [(s, o) for s in SHAPES for o in ("fwd", "dgrad", "wgrad")]
-    impls = ["jaxmoe", "torch_grouped_mm", "jax_example", "lax_ragged_dot", "dense_xla"]
+    cases = [(s, o) for s in shapes for o in ("fwd", "dgrad", "wgrad")]
     fig, ax = plt.subplots(figsize=(12, 4.5))
-    width = 0.16
+    width = 0.8 / len(impls)
     for i, impl in enumerate(impls):
-        vals = []
-        for shape, op in cases:
-            hits = [r["tflops"] for r in record if r.get("impl") == impl and r["shape"] == shape
-                    and r["op"] == op and r.get("routing") == "dirichlet" and "tflops" in r]
-            vals.append(hits[0] if hits else 0)
+        vals = [next((r["tflops"] for r in record if r.get("impl") == impl and r["shape"] == s
+                      and r["op"] == o and r.get("routing") == routing and "tflops" in r), 0)
+                for s, o in cases]
         ax.bar(np.arange(len(cases)) + i * width, vals, width, label=impl)
-    ax.set_xticks(np.arange(len(cases)) + 2 * width)
+    ax.set_xticks(np.arange(len(cases)) + 0.4 - width / 2)
     ax.set_xticklabels([f"{s}\n{o}" for s, o in cases], fontsize=8)
-    ax.set_ylabel("TFLOP/s (bf16)")
-    ax.set_title("Grouped matmul on one H200, Dirichlet routing")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def plot(record, path):
+    bar_plot(record, SHAPES, ["jaxmoe", "torch_grouped_mm", "jax_example", "lax_ragged_dot",
+                              "dense_xla"],
+             "Grouped matmul on one H200, Dirichlet routing", path, routing="dirichlet")
 
 
 def main(argv=None):

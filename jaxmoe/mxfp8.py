@@ -231,6 +231,15 @@ def dequantize(t, dtype=jnp.float32):
     return _dequantize_impl(t.data, t.scale, t.axis, dtype)
 
 
+def scale_multipliers(scale):
+    """The fp32 multipliers 2^(e-127) of E8M0 scale bytes, as `dequantize` applies them: byte 0 is
+    2^-127 (an fp32 subnormal), byte 255 is NaN. Made from the bits, so no denormal is flushed."""
+    e = scale.astype(jnp.uint32)
+    out = jnp.where(e == 0, jnp.uint32(0x00400000), e << 23)
+    out = jnp.where(e == 255, _QNAN, out)
+    return lax.bitcast_convert_type(out, jnp.float32)
+
+
 def _round_up(n, m):
     return -(-n // m) * m
 

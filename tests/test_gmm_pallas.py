@@ -10,8 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe import MoE, MoEConfig
 from jaxmoe.ops import GmmConfig, TgmmConfig, gmm, on_hopper, tgmm
@@ -19,19 +17,6 @@ from jaxmoe.ops.pallas.tiles import row_tiles
 from bitwise import bits
 
 ON_HOPPER = on_hopper()
-
-
-@pytest.fixture
-def interpret():
-    """Run Mosaic GPU kernels in the CPU interpreter with the race detector (no-op on a GPU)."""
-    if ON_HOPPER:
-        yield
-        return
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
-        yield
-        races = interpret_pallas_call.get_races()      # state of the last interpreted kernel
-    assert not races.races_found, "race detected"
-
 
 
 def operands(m, k, n, g, seed=0, transpose_rhs=False):

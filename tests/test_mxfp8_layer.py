@@ -348,10 +348,17 @@ def test_token_alone_equals_token_in_batch(alignment):
 
 
 def _quantize_lhs_along_tokens(monkeypatch):
-    """Break the recipe: quantize 2-D GEMM inputs along the rows (tokens) instead of K."""
+    """Break the recipe: round 2-D GEMM inputs with blocks along the rows (tokens) instead of K
+    (then encode that along the requested axis, the layout the GEMMs take)."""
     quantize = mxfp8.quantize
+
+    def along_tokens(x, axis):
+        if x.ndim == 2:
+            x = mxfp8.dequantize(quantize(x, axis=0), x.dtype)
+        return quantize(x, axis=axis)
+
     monkeypatch.setattr(importlib.import_module("jaxmoe.ops.mxfp8_gmm"), "quantize",
-                        lambda x, axis: quantize(x, axis=0 if x.ndim == 2 else axis))
+                        along_tokens)
 
 
 def test_negative_controls_for_batch_invariance(monkeypatch):

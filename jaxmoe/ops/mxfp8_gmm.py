@@ -9,9 +9,8 @@ along that GEMM's contraction dim (lhs [M, K], rhs [G, K, N], grad [M, N]):
   dgrad  d_lhs            grad rowwise (along N)           rhs along N (axis 2)
   wgrad  d_rhs            lhs columnwise (along M)         grad columnwise (along M)
 
-Each GEMM is sum_k deq(a) * deq(b) with fp32 accumulation: both operands are dequantized to the
-compute dtype (exact in bf16 for magnitudes >= 2^-126, §6) and multiplied by `gmm` / `tgmm` with
-the configured `impl`. Gradients reach the high-precision lhs and rhs as if the quantizer were the
+Each GEMM is sum_k deq(a) * deq(b) with fp32 accumulation (see `gmm_mxfp8` and `tgmm_mxfp8`
+below for how each implementation computes it). Gradients reach the high-precision lhs and rhs as if the quantizer were the
 identity (straight-through), as in TE.
 
 Columnwise blocks run along the rows of the expert buffer, so M and every group size must be
@@ -21,6 +20,23 @@ plan guarantees both when expert_row_alignment % 32 == 0).
 The rhs (the expert weights) is quantized in every call: along K for fprop and, when
 differentiating, along N for dgrad. A caller running several micro-batches per optimizer step
 could quantize the weights once per step and reuse them; this module does not cache.
+
+The GEMMs on MXTensor operands are `gmm_mxfp8` (fprop, dgrad) and `tgmm_mxfp8` (wgrad):
+  impl "xla"     dequantize to bf16 (exact for magnitudes >= 2^-133), then
+                 `jax.lax.ragged_dot` with fp32 accumulation (the reference).
+  impl "pallas"  fprop / dgrad, `strategy=`:
+                   "dequantize" (default) dequantize both operands to bf16 (exact), then the
+                                bf16 gmm kernel;
+                   "fp8_wgmma"  the Hopper fp8 kernel (`gmm_mxfp8_pallas`: one fp8 wgmma per
+                                32-wide K block, scales folded into the fp32 accumulator).
+                 H200 measurements (benchmarks/results/gmm_mxfp8_*.json) put "dequantize" at
+                 2-3x the speed of "fp8_wgmma": Hopper has no block-scaled MMA, so every 32-wide
+                 K block costs a zeroed partial accumulator and a multiply-add per output
+                 element on the CUDA cores, more instruction issue than the fp8 tensor-core work
+                 it accompanies. wgrad: dequantize to bf16, then the bf16 tgmm kernel.
+  impl "auto"    "pallas" on a Hopper GPU when K and N are multiples of 128, else "xla".
+Both operands of an fp8 wgmma must be K-major, so the rhs of `gmm_mxfp8` is [G, N, K] with
+blocks along K: fprop quantizes rhs^T along K, dgrad uses rhs [G, K, N] quantized along N as is.
 """
 
 from __future__ import annotations
@@ -32,8 +48,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor, dequantize, quantize
-from jaxmoe.ops.gmm import gmm, tgmm
+from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor, dequantize, quantize, scale_multipliers
+from jaxmoe.ops.gmm import (_check_group_sizes, _check_impl, _pad_rows, _pallas_rows, gmm,
+                            on_hopper, tgmm)
+from jaxmoe.ops.pallas.gmm_hopper import GmmConfig, gmm_mxfp8_pallas
 
 
 @struct.dataclass
@@ -90,11 +108,82 @@ def mxfp8_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                       jnp.dtype(preferred_element_type), impl)
 
 
+def _decoded_scales(t: MXTensor) -> jax.Array:
+    """fp32 block multipliers of t, block axis before the row axis: [..., R, C/32] ->
+    [..., C/32, R] (a K block's scales for a row tile are contiguous)."""
+    return jnp.swapaxes(scale_multipliers(t.scale), -1, -2)
+
+
+def _resolve_mx(impl, k, n) -> str:
+    _check_impl(impl, "gmm_mxfp8")
+    if impl == "auto":
+        return "pallas" if on_hopper() and k % 128 == 0 and n % 128 == 0 else "xla"
+    return impl
+
+
+STRATEGIES = ("dequantize", "fp8_wgmma")
+
+
+def gmm_mxfp8(lhs: MXTensor, rhs: MXTensor, group_sizes: jax.Array, *, impl: str = "auto",
+              preferred_element_type=jnp.float32, config: GmmConfig | None = None,
+              strategy: str = "dequantize") -> jax.Array:
+    """out[m, n] = sum_k deq(lhs)[m, k] * deq(rhs)[g(m), n, k], fp32 accumulation.
+
+    lhs: MXTensor [M, K] with blocks along K (axis 1); rhs: MXTensor [G, N, K] with blocks along
+    K (axis 2), i.e. the expert matrices transposed (K-major, what Hopper's fp8 wgmma reads).
+    Rows past sum(group_sizes) give zeros. `strategy` picks the Pallas path (module docstring);
+    `config` tiles its kernel (None: heuristic). Not differentiable (see `mxfp8_gmm`)."""
+    if not (isinstance(lhs, MXTensor) and isinstance(rhs, MXTensor) and lhs.ndim == 2
+            and rhs.ndim == 3 and lhs.axis == 1 and rhs.axis == 2
+            and lhs.shape[1] == rhs.shape[2]):
+        raise ValueError("gmm_mxfp8: lhs must be an MXTensor [M, K] with blocks along K and rhs "
+                         "an MXTensor [G, N, K] with blocks along K")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"gmm_mxfp8: strategy must be one of {STRATEGIES}, got {strategy!r}")
+    num_groups, n, k = rhs.shape
+    _check_group_sizes(group_sizes, num_groups, lhs.shape[0], "gmm_mxfp8")
+    group_sizes = group_sizes.astype(jnp.int32)
+    out_dtype = jnp.dtype(preferred_element_type)
+    if _resolve_mx(impl, k, n) == "xla":
+        out = jax.lax.ragged_dot(dequantize(lhs, jnp.bfloat16),
+                                 jnp.swapaxes(dequantize(rhs, jnp.bfloat16), 1, 2),
+                                 group_sizes, preferred_element_type=jnp.float32)
+        return out.astype(out_dtype)
+    if strategy == "dequantize":
+        return gmm(dequantize(lhs, jnp.bfloat16), dequantize(rhs, jnp.bfloat16), group_sizes,
+                   transpose_rhs=True, impl="pallas", preferred_element_type=out_dtype,
+                   config=config)
+    num_rows = lhs.shape[0]
+    rows = _pallas_rows(num_rows)
+    lhs_data = _pad_rows(lhs.data, rows)
+    lhs_scale = _pad_rows(_decoded_scales(lhs).T, rows).T
+    out = gmm_mxfp8_pallas(lhs_data, lhs_scale, rhs.data, _decoded_scales(rhs), group_sizes,
+                           out_dtype=out_dtype, config=config)
+    return out[:num_rows]
+
+
+def tgmm_mxfp8(lhs: MXTensor, rhs: MXTensor, group_sizes: jax.Array, *, impl: str = "auto",
+               preferred_element_type=jnp.float32) -> jax.Array:
+    """Weight-gradient form out[g] = sum over g's rows m of deq(lhs)[m, :]^T deq(rhs)[m, :] ->
+    [G, K, N], fp32 accumulation. lhs [M, K] and rhs [M, N] are MXTensors with blocks along M
+    (axis 0); group sizes must be multiples of 32 so that no block mixes two groups. Both are
+    dequantized to bf16 (exact for magnitudes >= 2^-133) and multiplied by `tgmm`."""
+    if not (isinstance(lhs, MXTensor) and isinstance(rhs, MXTensor) and lhs.ndim == 2
+            and rhs.ndim == 2 and lhs.axis == 0 and rhs.axis == 0
+            and lhs.shape[0] == rhs.shape[0]):
+        raise ValueError("tgmm_mxfp8: lhs [M, K] and rhs [M, N] must be MXTensors with blocks "
+                         "along M (axis 0)")
+    _check_group_sizes(group_sizes, None, lhs.shape[0], "tgmm_mxfp8")
+    resolved = _resolve_mx(impl, lhs.shape[1], rhs.shape[1])
+    return tgmm(dequantize(lhs, jnp.bfloat16), dequantize(rhs, jnp.bfloat16), group_sizes,
+                impl=resolved,
+                preferred_element_type=preferred_element_type)
+
+
 def _fprop(lhs, rhs, group_sizes, lhs_rowwise, out_dtype, impl):
     lhs_q = quantize(lhs, axis=1) if lhs_rowwise is None else lhs_rowwise
-    rhs_q = quantize(rhs, axis=1)
-    return gmm(dequantize(lhs_q, lhs.dtype), dequantize(rhs_q, rhs.dtype), group_sizes,
-               impl=impl, preferred_element_type=out_dtype)
+    rhs_q = quantize(jnp.swapaxes(rhs, 1, 2), axis=2)
+    return gmm_mxfp8(lhs_q, rhs_q, group_sizes, impl=impl, preferred_element_type=out_dtype)
 
 
 def mxfp8_gmm_forward(lhs, rhs, group_sizes, lhs_rowwise, out_dtype, impl
@@ -117,11 +206,10 @@ def mxfp8_gmm_backward(residuals: Mxfp8GmmResiduals, grad: jax.Array,
     dtype, sizes, impl = residuals.dtype, residuals.group_sizes, residuals.impl
     grad = grad.astype(dtype)
     grad_q = quantize(grad, axis=1) if grad_rowwise is None else grad_rowwise
-    d_lhs = gmm(dequantize(grad_q, dtype), dequantize(residuals.rhs_columnwise, dtype), sizes,
-                transpose_rhs=True, impl=impl, preferred_element_type=dtype)
-    d_rhs = tgmm(dequantize(residuals.lhs_columnwise, dtype),
-                 dequantize(quantize(grad, axis=0), dtype), sizes, impl=impl,
-                 preferred_element_type=dtype)
+    d_lhs = gmm_mxfp8(grad_q, residuals.rhs_columnwise, sizes, impl=impl,
+                      preferred_element_type=dtype)
+    d_rhs = tgmm_mxfp8(residuals.lhs_columnwise, quantize(grad, axis=0), sizes, impl=impl,
+                       preferred_element_type=dtype)
     return d_lhs, d_rhs
 
 
