@@ -17,13 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from jaxmoe import MoE, MoEConfig
+from jaxmoe import MoEConfig
 from jaxmoe.mxfp8 import MXTensor, dequantize, quantize, scale_multipliers
 from jaxmoe.ops import GmmConfig, gmm_mxfp8, on_hopper, tgmm_mxfp8
 from jaxmoe.ops.pallas.gmm_hopper import default_mxfp8_config
 from bitwise import bits, differs
+from layer_grads import output_and_grads
 
 ON_HOPPER = on_hopper()
 U = 2.0 ** -24
@@ -131,17 +131,8 @@ def test_moe_layer_mxfp8_pallas_matches_xla(interpret):
     x = jax.random.normal(jax.random.key(4), (48, 128)).astype(jnp.bfloat16)
     dy = jax.random.normal(jax.random.key(5), (48, 128))
 
-    def grads(impl):
-        model = MoE(config, 128, param_dtype=jnp.bfloat16, gmm_impl=impl, rngs=nnx.Rngs(0))
-
-        def loss(model, x):
-            y, aux = model(x)
-            return jnp.sum(y.astype(jnp.float32) * dy) + aux.total_loss, y
-
-        (_, y), (g_model, g_x) = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(model, x)
-        return [y, g_x, *jax.tree.leaves(nnx.state(g_model))]
-
-    for a, b in zip(grads("pallas"), grads("xla")):
+    for a, b in zip(output_and_grads(config, x, dy, "pallas"),
+                    output_and_grads(config, x, dy, "xla")):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) <= 2 ** -6 * np.linalg.norm(b)
 

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from jaxmoe import MoE, MoEConfig
+from jaxmoe import MoEConfig
 from jaxmoe.ops import GmmConfig, TgmmConfig, gmm, on_hopper, tgmm
 from jaxmoe.ops.pallas.tiles import row_tiles
 from bitwise import bits
+from layer_grads import output_and_grads
 
 ON_HOPPER = on_hopper()
 
@@ -134,25 +134,15 @@ def test_moe_layer_gradients_pallas_equal_xla(interpret):
     x = jax.random.normal(jax.random.key(8), (48, 64), jnp.float32).astype(jnp.bfloat16)
     dy = jax.random.normal(jax.random.key(9), (48, 64), jnp.float32)
 
-    def grads(impl):
-        model = MoE(config, 64, param_dtype=jnp.bfloat16, gmm_impl=impl, rngs=nnx.Rngs(0))
-
-        def loss(model, x):
-            y, aux = model(x)
-            return jnp.sum(y.astype(jnp.float32) * dy) + aux.total_loss, y
-
-        (_, y), (g_model, g_x) = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(model, x)
-        return y, g_x, nnx.state(g_model)
-
-    y_p, gx_p, gm_p = grads("pallas")
-    y_x, gx_x, gm_x = grads("xla")
+    y_p, gx_p, *gm_p = output_and_grads(config, x, dy, "pallas")
+    y_x, gx_x, *gm_x = output_and_grads(config, x, dy, "xla")
     # Forward: fp32 accumulation in both, one bf16 rounding: identical up to accumulation order
     # inside the GEMMs (at most 1 bf16 ulp where the fp32 sums straddle a rounding boundary).
     np.testing.assert_allclose(np.asarray(y_p, np.float32), np.asarray(y_x, np.float32),
                                rtol=2 ** -7, atol=1e-6)
     np.testing.assert_allclose(np.asarray(gx_p, np.float32), np.asarray(gx_x, np.float32),
                                rtol=2 ** -6, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(gm_p), jax.tree.leaves(gm_x)):
+    for a, b in zip(gm_p, gm_x):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=2 ** -6, atol=1e-5)
 
