@@ -10,8 +10,9 @@ MXFP8 alignment), in one process, GEMMs on already-quantized operands:
                          torch_scaled_grouped_mm (fp8 rowwise scales) | torch_grouped_mm (bf16)
   dgrad  dy @ W[g]^T     same five
   wgrad  x_g^T @ dy_g    jaxmoe_mxfp8 (dequantize + bf16 tgmm) | jaxmoe_bf16 | torch (both)
-  quantize               jaxmoe.mxfp8.quantize of x (rowwise) and x^T-blocks (columnwise) vs a
-                         device-to-device copy of the same bytes (the bandwidth ceiling)
+  quantize               x rowwise and columnwise, and the fused gather + rowwise quantize
+                         (dispatch_quantize), on XLA (the reference) and on the Pallas kernels,
+                         vs a device-to-device copy of the same bytes (the bandwidth ceiling)
 Writes gmm_mxfp8_<date>.json (+ .png) and prints TFLOP/s and the ratios the issue targets.
 """
 
@@ -33,8 +34,13 @@ import numpy as np                                                # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gmm import SHAPES, bar_plot, group_sizes_for, time_it  # noqa: E402
-from jaxmoe.mxfp8 import BLOCK_SIZE, quantize        # noqa: E402
-from jaxmoe.ops import gmm, gmm_mxfp8, tgmm, tgmm_mxfp8          # noqa: E402
+from jaxmoe.mxfp8 import BLOCK_SIZE                               # noqa: E402
+from jaxmoe.ops import (dispatch_quantize, gmm, gmm_mxfp8, quantize, tgmm,  # noqa: E402
+                        tgmm_mxfp8)
+from jaxmoe.ops.pallas.quantize_hopper import (ARITHMETIC,  # noqa: E402
+                                               gather_quantize_rowwise_pallas,
+                                               quantize_columnwise_pallas,
+                                               quantize_rowwise_pallas)
 
 BF16 = jnp.bfloat16
 
@@ -51,7 +57,7 @@ def torch_rowwise_fp8(torch, t, dim):
     return (t.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(dim)
 
 
-def bench_shape(name, iters, torch, record):
+def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quantize")):
     m, k, n, g = SHAPES[name]
     sizes = aligned_sizes(m, g)
     flops = 2.0 * float(sizes.sum()) * k * n
@@ -60,12 +66,6 @@ def bench_shape(name, iters, torch, record):
     w = (jax.random.normal(kw, (g, k, n), BF16) * 0.02).astype(BF16)
     dy = jax.random.normal(kd, (m, n), BF16)
     gs = jnp.asarray(sizes)
-    # Quantized operands, each blocked along its GEMM's contraction dim (K-major for Hopper).
-    x_q, dy_q = quantize(x, axis=1), quantize(dy, axis=1)
-    w_fprop = quantize(jnp.swapaxes(w, 1, 2), axis=2)        # [G, N, K], blocks along K
-    w_dgrad = quantize(w, axis=2)                            # [G, K, N], blocks along N
-    x_col, dy_col = quantize(x, axis=0), quantize(dy, axis=0)
-    jax.block_until_ready((x_q, dy_q, w_fprop, w_dgrad, x_col, dy_col))
 
     def run(op, impl, fn, work=flops, unit="tflops"):
         try:
@@ -89,49 +89,86 @@ def bench_shape(name, iters, torch, record):
     offs = torch.from_numpy(np.cumsum(sizes).astype(np.int32)).cuda()
     tx, tw, tdy = (torch.from_dlpack(a) for a in (x, w, dy))
 
+    if "quantize" in ops:
+        bench_quantize(x, run, torch)
+    if not {"fwd", "dgrad", "wgrad"} & set(ops):
+        return
+    # Quantized operands, each blocked along its GEMM's contraction dim (K-major for Hopper).
+    x_q, dy_q = quantize(x, axis=1), quantize(dy, axis=1)
+    w_fprop = quantize(jnp.swapaxes(w, 1, 2), axis=2)        # [G, N, K], blocks along K
+    w_dgrad = quantize(w, axis=2)                            # [G, K, N], blocks along N
+    x_col, dy_col = quantize(x, axis=0), quantize(dy, axis=0)
+    jax.block_until_ready((x_q, dy_q, w_fprop, w_dgrad, x_col, dy_col))
+
     # ---- fwd: out[M, N]
-    run("fwd", "jaxmoe_mxfp8", lambda: mx(x_q, w_fprop, gs))
-    run("fwd", "jaxmoe_mxfp8_dequant", lambda: mx_dequant(x_q, w_fprop, gs))
-    run("fwd", "jaxmoe_bf16", lambda: bf(x, w, gs))
-    tx8, sx = torch_rowwise_fp8(torch, tx, 1)
-    tw8, sw = torch_rowwise_fp8(torch, tw.transpose(-2, -1).contiguous(), 2)   # [G, N, K]
-    run("fwd", "torch_scaled_grouped_mm", lambda: torch._scaled_grouped_mm(
-        tx8, tw8.transpose(-2, -1), sx, sw, offs=offs, out_dtype=torch.bfloat16))
-    run("fwd", "torch_grouped_mm", lambda: torch._grouped_mm(tx, tw, offs=offs))
-    err = jnp.linalg.norm((mx(x_q, w_fprop, gs) - bf(x, w, gs)).astype(jnp.float32))
-    record.append(dict(shape=name, op="fwd", impl="jaxmoe_mxfp8",
-                       rel_error_vs_bf16=float(err / jnp.linalg.norm(
-                           bf(x, w, gs).astype(jnp.float32)))))
+    if "fwd" in ops:
+        run("fwd", "jaxmoe_mxfp8", lambda: mx(x_q, w_fprop, gs))
+        run("fwd", "jaxmoe_mxfp8_dequant", lambda: mx_dequant(x_q, w_fprop, gs))
+        run("fwd", "jaxmoe_bf16", lambda: bf(x, w, gs))
+        tx8, sx = torch_rowwise_fp8(torch, tx, 1)
+        tw8, sw = torch_rowwise_fp8(torch, tw.transpose(-2, -1).contiguous(), 2)   # [G, N, K]
+        run("fwd", "torch_scaled_grouped_mm", lambda: torch._scaled_grouped_mm(
+            tx8, tw8.transpose(-2, -1), sx, sw, offs=offs, out_dtype=torch.bfloat16))
+        run("fwd", "torch_grouped_mm", lambda: torch._grouped_mm(tx, tw, offs=offs))
+        err = jnp.linalg.norm((mx(x_q, w_fprop, gs) - bf(x, w, gs)).astype(jnp.float32))
+        record.append(dict(shape=name, op="fwd", impl="jaxmoe_mxfp8",
+                           rel_error_vs_bf16=float(err / jnp.linalg.norm(
+                               bf(x, w, gs).astype(jnp.float32)))))
 
     # ---- dgrad: dx[M, K]
-    run("dgrad", "jaxmoe_mxfp8", lambda: mx(dy_q, w_dgrad, gs))
-    run("dgrad", "jaxmoe_mxfp8_dequant", lambda: mx_dequant(dy_q, w_dgrad, gs))
-    run("dgrad", "jaxmoe_bf16", lambda: bf(dy, w, gs, transpose_rhs=True))
-    tdy8, sdy = torch_rowwise_fp8(torch, tdy, 1)
-    tw8d, swd = torch_rowwise_fp8(torch, tw, 2)                                 # [G, K, N]
-    run("dgrad", "torch_scaled_grouped_mm", lambda: torch._scaled_grouped_mm(
-        tdy8, tw8d.transpose(-2, -1), sdy, swd, offs=offs, out_dtype=torch.bfloat16))
-    twt = tw.transpose(-2, -1)
-    run("dgrad", "torch_grouped_mm", lambda: torch._grouped_mm(tdy, twt, offs=offs))
+    if "dgrad" in ops:
+        run("dgrad", "jaxmoe_mxfp8", lambda: mx(dy_q, w_dgrad, gs))
+        run("dgrad", "jaxmoe_mxfp8_dequant", lambda: mx_dequant(dy_q, w_dgrad, gs))
+        run("dgrad", "jaxmoe_bf16", lambda: bf(dy, w, gs, transpose_rhs=True))
+        tdy8, sdy = torch_rowwise_fp8(torch, tdy, 1)
+        tw8d, swd = torch_rowwise_fp8(torch, tw, 2)                                 # [G, K, N]
+        run("dgrad", "torch_scaled_grouped_mm", lambda: torch._scaled_grouped_mm(
+            tdy8, tw8d.transpose(-2, -1), sdy, swd, offs=offs, out_dtype=torch.bfloat16))
+        twt = tw.transpose(-2, -1)
+        run("dgrad", "torch_grouped_mm", lambda: torch._grouped_mm(tdy, twt, offs=offs))
 
     # ---- wgrad: dW[G, K, N]
-    mx_t = jax.jit(functools.partial(tgmm_mxfp8, impl="pallas", preferred_element_type=BF16))
-    bf_t = jax.jit(functools.partial(tgmm, impl="pallas", preferred_element_type=BF16))
-    run("wgrad", "jaxmoe_mxfp8", lambda: mx_t(x_col, dy_col, gs))
-    run("wgrad", "jaxmoe_bf16", lambda: bf_t(x, dy, gs))
-    txt8, sxt = torch_rowwise_fp8(torch, tx.t().contiguous(), 1)                # [K, M]
-    tdyt8, sdyt = torch_rowwise_fp8(torch, tdy.t().contiguous(), 1)             # [N, M]
-    run("wgrad", "torch_scaled_grouped_mm", lambda: torch._scaled_grouped_mm(
-        txt8, tdyt8.t(), sxt, sdyt, offs=offs, out_dtype=torch.bfloat16))
-    txt = tx.t()
-    run("wgrad", "torch_grouped_mm", lambda: torch._grouped_mm(txt, tdy, offs=offs))
+    if "wgrad" in ops:
+        mx_t = jax.jit(functools.partial(tgmm_mxfp8, impl="pallas",
+                                         preferred_element_type=BF16))
+        bf_t = jax.jit(functools.partial(tgmm, impl="pallas", preferred_element_type=BF16))
+        run("wgrad", "jaxmoe_mxfp8", lambda: mx_t(x_col, dy_col, gs))
+        run("wgrad", "jaxmoe_bf16", lambda: bf_t(x, dy, gs))
+        # 2d x 2d (ragged K): torch wants one scale per row of each operand *per group*; unit
+        # scales on directly cast data time the same kernel (the values are irrelevant here).
+        txt8 = tx.t().contiguous().to(torch.float8_e4m3fn)                         # [K, M]
+        tdyt8 = tdy.t().contiguous().to(torch.float8_e4m3fn)                       # [N, M]
+        sxt = torch.ones(k * g, device="cuda", dtype=torch.float32)
+        sdyt = torch.ones(n * g, device="cuda", dtype=torch.float32)
+        run("wgrad", "torch_scaled_grouped_mm", lambda: torch._scaled_grouped_mm(
+            txt8, tdyt8.t(), sxt, sdyt, offs=offs, out_dtype=torch.bfloat16))
+        txt = tx.t()
+        run("wgrad", "torch_grouped_mm", lambda: torch._grouped_mm(txt, tdy, offs=offs))
 
-    # ---- quantize: bytes read + written, against a copy of the same bytes
+
+def bench_quantize(x, run, torch):
+    """Quantize x (bytes read + written) against a device copy of the same bytes. The fused
+    dispatch gathers x's rows from m/2 tokens (each token twice, shuffled, 5% padding rows)."""
+    m = x.shape[0]
     q_bytes = x.size * 2 + x.size + x.size // BLOCK_SIZE
-    row = jax.jit(lambda a: quantize(a, axis=1))
-    col = jax.jit(lambda a: quantize(a, axis=0))
-    run("quantize", "jaxmoe_quantize_rowwise", lambda: row(x), work=q_bytes, unit="tbps")
-    run("quantize", "jaxmoe_quantize_columnwise", lambda: col(x), work=q_bytes, unit="tbps")
+    kernels = {"rowwise": quantize_rowwise_pallas, "columnwise": quantize_columnwise_pallas}
+    for axis, kind in ((1, "rowwise"), (0, "columnwise")):
+        fn = jax.jit(functools.partial(quantize, axis=axis, impl="xla"))
+        run("quantize", f"xla_quantize_{kind}", lambda: fn(x), work=q_bytes, unit="tbps")
+        for arithmetic in ARITHMETIC:
+            fn = jax.jit(functools.partial(kernels[kind], arithmetic=arithmetic))
+            run("quantize", f"pallas_{arithmetic}_quantize_{kind}", lambda: fn(x),
+                work=q_bytes, unit="tbps")
+    tokens = x[: m // 2]
+    row_token = jax.random.permutation(jax.random.key(1), jnp.arange(m) % (m // 2))
+    row_token = jnp.where(jax.random.uniform(jax.random.key(2), (m,)) < 0.05, m // 2, row_token)
+    fn = jax.jit(functools.partial(dispatch_quantize, impl="xla"))
+    run("quantize", "xla_dispatch_quantize", lambda: fn(tokens, row_token), work=q_bytes,
+        unit="tbps")
+    for arithmetic in ARITHMETIC:
+        fn = jax.jit(functools.partial(gather_quantize_rowwise_pallas, arithmetic=arithmetic))
+        run("quantize", f"pallas_{arithmetic}_dispatch_quantize",
+            lambda: fn(tokens, row_token), work=q_bytes, unit="tbps")
     src = torch.empty(q_bytes // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     run("quantize", "d2d_copy_same_bytes", lambda: dst.copy_(src), work=q_bytes, unit="tbps")
@@ -172,6 +209,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--ops", default="fwd,dgrad,wgrad,quantize",
+                        help="subset to run; a subset's JSON gets the ops in its name")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
     import torch
@@ -179,7 +218,7 @@ def main(argv=None):
     shapes = args.shapes.split(",")
     record = []
     for name in shapes:
-        bench_shape(name, args.iters, torch, record)
+        bench_shape(name, args.iters, torch, record, args.ops.split(","))
     ratios = summarize(record)
     date = datetime.date.today().isoformat()
     os.makedirs(args.out, exist_ok=True)
@@ -191,7 +230,9 @@ def main(argv=None):
                "beforehand (quantization timed separately as op 'quantize'); bf16 out; FLOPs "
                "count the routed rows only",
         results=record, ratios=ratios)
-    path = os.path.join(args.out, f"gmm_mxfp8_{date}.json")
+    ops = args.ops.split(",")
+    suffix = "" if set(ops) == {"fwd", "dgrad", "wgrad", "quantize"} else "_" + "_".join(ops)
+    path = os.path.join(args.out, f"gmm_mxfp8_{date}{suffix}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     plot(record, shapes, path.replace(".json", ".png"))

@@ -36,10 +36,11 @@ from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import combine, dispatch
-from jaxmoe.mxfp8 import MXTensor, dequantize, quantize
+from jaxmoe.mxfp8 import MXTensor, dequantize
 from jaxmoe.ops import gmm
-from jaxmoe.ops.mxfp8_gmm import (Mxfp8GmmResiduals, mxfp8_gmm, mxfp8_gmm_backward,
-                                  mxfp8_gmm_forward)
+from jaxmoe.ops.mxfp8_gmm import (Mxfp8GmmResiduals, QuantizedWeights, mxfp8_gmm,
+                                  mxfp8_gmm_backward, mxfp8_gmm_forward, quantize_weights)
+from jaxmoe.ops.quantize import impl_for_gemm, quantize
 from jaxmoe.plan import Plan
 
 F32 = jnp.float32
@@ -86,24 +87,46 @@ class ExpertStages(NamedTuple):
     combined: jax.Array       # combine(output) [T, H]
 
 
+@struct.dataclass
+class ExpertWeightsMx:
+    """The MXFP8 copies of the experts' fc1 and fc2 weights (`quantize_expert_weights`)."""
+
+    fc1: QuantizedWeights
+    fc2: QuantizedWeights
+
+
+def quantize_expert_weights(fc1_kernel: jax.Array, fc2_kernel: jax.Array, dtype,
+                            gmm_impl: str = "auto") -> ExpertWeightsMx:
+    """Both MXFP8 copies (fprop and dgrad) of fc1 [E, H, 2F|F] and fc2 [E, F, H], from their
+    values in the compute dtype: once per optimizer step, shared by that step's micro-batches."""
+    return ExpertWeightsMx(fc1=quantize_weights(fc1_kernel.astype(dtype), gmm_impl),
+                           fc2=quantize_weights(fc2_kernel.astype(dtype), gmm_impl))
+
+
 def grouped_mlp(rows: jax.Array, row_probs: jax.Array, plan: Plan, fc1_kernel: jax.Array,
                 fc2_kernel: jax.Array, fc1_bias: jax.Array | None, fc2_bias: jax.Array | None,
                 config: MoEConfig, *, rows_rowwise: MXTensor | None = None,
+                expert_weights: ExpertWeightsMx | None = None,
                 gmm_impl: str = "auto") -> ExpertStages:
     """Run every expert on its row block of the buffer and combine the rows back to tokens.
 
     rows [M, H] (dispatched tokens, compute dtype); row_probs [M]; plan: the buffer layout;
     fc1_kernel [E, H, 2F|F]; fc2_kernel [E, F, H]; biases [E, 2F|F], [E, H] or None;
     rows_rowwise: the dispatched rowwise MXFP8 copy of the tokens (dispatch_dtype "mxfp8"),
-    else None. Returns the stages; `.combined` [T, H] in rows.dtype is each token's
-    probability-weighted sum of its expert outputs."""
+    else None. expert_weights: `quantize_expert_weights` of these kernels made earlier in the
+    step (MXFP8 experts only; None: quantize here). Returns the stages; `.combined` [T, H] in
+    rows.dtype is each token's probability-weighted sum of its expert outputs."""
     dtype, sizes = rows.dtype, plan.group_sizes
     mxfp8_experts = config.expert_precision == "mxfp8"
+    if expert_weights is not None and not mxfp8_experts:
+        raise ValueError("grouped_mlp: expert_weights are MXFP8 copies; the experts run in "
+                         f"{config.expert_precision}")
     fc1_kernel, fc2_kernel = fc1_kernel.astype(dtype), fc2_kernel.astype(dtype)
     # The bias is added to the fp32 accumulator before the single rounding, as in TE's epilogue.
     fc1_out_dtype = F32 if fc1_bias is not None else dtype
     if mxfp8_experts:
         h = mxfp8_gmm(rows, fc1_kernel, sizes, lhs_rowwise=rows_rowwise, impl=gmm_impl,
+                      rhs_quantized=None if expert_weights is None else expert_weights.fc1,
                       preferred_element_type=fc1_out_dtype)
     else:
         fc1_input = (rows if rows_rowwise is None
@@ -117,7 +140,8 @@ def grouped_mlp(rows: jax.Array, row_probs: jax.Array, plan: Plan, fc1_kernel: j
     row_bias = (None if fc2_bias is None else
                 _per_row(fc2_bias, plan.row_expert).astype(F32) * row_probs.astype(F32)[:, None])
     if mxfp8_experts:
-        out, combined = _mxfp8_fc2_and_combine(a, fc2_kernel, row_bias, plan,
+        fc2_weights = None if expert_weights is None else expert_weights.fc2
+        out, combined = _mxfp8_fc2_and_combine(a, fc2_kernel, row_bias, plan, fc2_weights,
                                                config.combine_bwd_dtype, gmm_impl)
     else:
         out = _add_row_bias(gmm(a, fc2_kernel, sizes, impl=gmm_impl,
@@ -150,7 +174,7 @@ def _gradient_through_mxfp8(y):
 
 _gradient_through_mxfp8.defvjp(
     lambda y: (y, None),
-    lambda _, grad: (dequantize(quantize(grad, axis=1), grad.dtype),))
+    lambda _, grad: (dequantize(quantize(grad, axis=1), grad.dtype),))   # impl "auto"
 
 
 @struct.dataclass
@@ -160,21 +184,25 @@ class _Fc2CombineResiduals:
     has_bias: bool = struct.field(pytree_node=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _mxfp8_fc2_and_combine(a, fc2_kernel, row_bias, plan, combine_bwd_dtype, gmm_impl):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _mxfp8_fc2_and_combine(a, fc2_kernel, row_bias, plan, fc2_weights, combine_bwd_dtype,
+                           gmm_impl):
     """(out, combine(out)) with out = MXFP8 fc2 of the activation a (+ the per-row bias).
 
     One custom VJP for both, so that the backward can quantize the token-level gradient before
     dispatching it and hand that MXTensor to fc2's dgrad (combine_bwd_dtype "mxfp8")."""
     out = _add_row_bias(mxfp8_gmm(a, fc2_kernel, plan.group_sizes, impl=gmm_impl,
+                                  rhs_quantized=fc2_weights,
                                   preferred_element_type=a.dtype), row_bias)
     return out, combine(out, plan)
 
 
-def _mxfp8_fc2_and_combine_fwd(a, fc2_kernel, row_bias, plan, combine_bwd_dtype, gmm_impl):
-    a, fc2_kernel, row_bias, plan = custom_vjp_primal_tree_values((a, fc2_kernel, row_bias, plan))
+def _mxfp8_fc2_and_combine_fwd(a, fc2_kernel, row_bias, plan, fc2_weights, combine_bwd_dtype,
+                               gmm_impl):
+    a, fc2_kernel, row_bias, plan, fc2_weights = custom_vjp_primal_tree_values(
+        (a, fc2_kernel, row_bias, plan, fc2_weights))
     out, gemm_residuals = mxfp8_gmm_forward(a, fc2_kernel, plan.group_sizes, None, a.dtype,
-                                            gmm_impl)
+                                            gmm_impl, fc2_weights)
     out = _add_row_bias(out, row_bias)
     residuals = _Fc2CombineResiduals(gemm=gemm_residuals, plan=plan,
                                      has_bias=row_bias is not None)
@@ -193,10 +221,11 @@ def _mxfp8_fc2_and_combine_bwd(combine_bwd_dtype, gmm_impl, residuals, cotangent
         # longer the whole row gradient, so the sum is quantized on the compute side.
         d_rows = d_rows + d_out
     elif combine_bwd_dtype == "mxfp8":
-        grad_rowwise = dispatch(quantize(d_combined, axis=1), plan)
+        grad_rowwise = dispatch(
+            quantize(d_combined, axis=1, impl=impl_for_gemm(residuals.gemm.impl)), plan)
     d_a, d_kernel = mxfp8_gmm_backward(residuals.gemm, d_rows, grad_rowwise)
     d_row_bias = d_rows.astype(F32) if residuals.has_bias else None
-    return d_a, d_kernel, d_row_bias, None
+    return d_a, d_kernel, d_row_bias, None, None
 
 
 _mxfp8_fc2_and_combine.defvjp(_mxfp8_fc2_and_combine_fwd, _mxfp8_fc2_and_combine_bwd,

@@ -24,8 +24,9 @@ from flax import nnx, struct
 from jaxmoe import routing as routing_lib
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import dispatch, gather_slots
-from jaxmoe.experts import grouped_mlp, shared_mlp
-from jaxmoe.mxfp8 import BLOCK_SIZE, quantize
+from jaxmoe.experts import ExpertWeightsMx, grouped_mlp, quantize_expert_weights, shared_mlp
+from jaxmoe.mxfp8 import BLOCK_SIZE
+from jaxmoe.ops.quantize import impl_for_gemm, quantize
 from jaxmoe.plan import make_plan
 
 F32 = jnp.float32
@@ -110,11 +111,12 @@ class GroupedMLP(nnx.Module):
         self.fc1_bias = nnx.Param(jnp.zeros((e, f1), param_dtype)) if bias else None
         self.fc2_bias = nnx.Param(jnp.zeros((e, hidden_size), param_dtype)) if bias else None
 
-    def __call__(self, rows, row_probs, plan, *, rows_rowwise, gmm_impl: str):
+    def __call__(self, rows, row_probs, plan, *, rows_rowwise, expert_weights, gmm_impl: str):
         value = lambda p: None if p is None else p[...]
         return grouped_mlp(rows, row_probs, plan, self.fc1_kernel[...], self.fc2_kernel[...],
                            value(self.fc1_bias), value(self.fc2_bias), self.config,
-                           rows_rowwise=rows_rowwise, gmm_impl=gmm_impl)
+                           rows_rowwise=rows_rowwise, expert_weights=expert_weights,
+                           gmm_impl=gmm_impl)
 
 
 class SharedExpertMLP(nnx.Module):
@@ -199,17 +201,32 @@ class MoE(nnx.Module):
             self.global_tokens_per_expert[...] = jnp.zeros_like(self.global_tokens_per_expert[...])
             self.global_aux_steps[...] = jnp.zeros_like(self.global_aux_steps[...])
 
-    def __call__(self, x: jax.Array, *, padding_mask: jax.Array | None = None
-                 ) -> tuple[jax.Array, MoEAux]:
+    def quantize_expert_weights(self) -> ExpertWeightsMx:
+        """The MXFP8 copies (fprop and dgrad) of the routed experts' weights. With
+        expert_precision "mxfp8", make them once per optimizer step (after the update) and pass
+        them as `expert_weights=` to each micro-batch's forward: the bits are those of quantizing
+        in every call, and the gradient still reaches the bf16 master weights."""
+        if self.config.expert_precision != "mxfp8":
+            raise ValueError("quantize_expert_weights: the experts run in "
+                             f"{self.config.expert_precision}, not mxfp8")
+        return quantize_expert_weights(self.experts.fc1_kernel[...], self.experts.fc2_kernel[...],
+                                       self.dtype, self.gmm_impl)
+
+    def __call__(self, x: jax.Array, *, padding_mask: jax.Array | None = None,
+                 expert_weights: ExpertWeightsMx | None = None) -> tuple[jax.Array, MoEAux]:
         """y, aux = moe(x): x [..., H] -> y [..., H] in the compute dtype.
 
         padding_mask: optional bool [...] (True = padding token). Padding tokens are still routed
         and computed, as in Megatron; they only leave the losses and the token counts.
+        expert_weights: `quantize_expert_weights()` from earlier in this optimizer step (MXFP8
+        experts; None: the weights are quantized in this call).
         A token whose input holds NaN/Inf gets a non-finite output; other tokens are unaffected."""
-        y, aux, _ = self.forward_with_stages(x, padding_mask=padding_mask)
+        y, aux, _ = self.forward_with_stages(x, padding_mask=padding_mask,
+                                             expert_weights=expert_weights)
         return y, aux
 
-    def forward_with_stages(self, x: jax.Array, *, padding_mask: jax.Array | None = None
+    def forward_with_stages(self, x: jax.Array, *, padding_mask: jax.Array | None = None,
+                            expert_weights: ExpertWeightsMx | None = None
                             ) -> tuple[jax.Array, MoEAux, dict[str, Any]]:
         """Like `__call__`, plus a dict of the intermediate values (for stage-by-stage
         comparisons): router_logits [T,E], probs/indices/kept [T,k] (Megatron's top-k order),
@@ -226,11 +243,11 @@ class MoE(nnx.Module):
         plan = make_plan(routing, config)
         rows = dispatch(tokens, plan)
         # dispatch_dtype "mxfp8": quantize each token once, before the dispatch (blocks along H).
-        rows_rowwise = (dispatch(quantize(tokens, axis=1), plan)
+        rows_rowwise = (dispatch(quantize(tokens, axis=1, impl=impl_for_gemm(self.gmm_impl)), plan)
                         if config.dispatch_dtype == "mxfp8" else None)
         row_probs = gather_slots(routing.probs, plan)
         expert = self.experts(rows, row_probs, plan, rows_rowwise=rows_rowwise,
-                              gmm_impl=self.gmm_impl)
+                              expert_weights=expert_weights, gmm_impl=self.gmm_impl)
         combined = expert.combined
         shared = None if self.shared_experts is None else self.shared_experts(tokens)
         y = combined if shared is None else combined + shared

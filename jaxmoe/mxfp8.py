@@ -132,7 +132,9 @@ def _scale_by_pow2_bits(bits, shift):
     man = mag & _MANT
     # Normalise fp32 subnormals: their exponent becomes <= 0, a "virtual" exponent below the fp32 range.
     subnormal = (exp == 0) & (man != 0)
-    lead = 31 - lax.clz(man).astype(jnp.int32)
+    # floor(log2(man)) from the exponent of float(man): exact (man < 2^23), no clz needed.
+    lead = (lax.bitcast_convert_type(man.astype(jnp.int32).astype(jnp.float32), jnp.int32)
+            >> 23) - 127
     exp = jnp.where(subnormal, lead - 22, exp)
     man = jnp.where(subnormal, (man << (23 - lead).astype(jnp.uint32)) & _MANT, man)
     new_exp = exp + shift
@@ -148,8 +150,11 @@ def _encode_elements(bits, e, fmt):
     y = lax.bitcast_convert_type(_scale_by_pow2_bits(bits, 127 - e), jnp.float32)
     # satfinite: only ±Inf reach beyond max_normal; XLA's float8 convert is RNE but not saturating.
     q = jnp.clip(y, -fmt.max_normal, fmt.max_normal).astype(fmt.dtype)
-    q = jnp.where((bits & _ABS) > _INF, jnp.uint8(_FP8_NAN_BYTE), lax.bitcast_convert_type(q, jnp.uint8))
-    return lax.bitcast_convert_type(q, fmt.dtype)
+    # The NaN select runs on 16-bit values (GPU kernels share this code and Mosaic GPU has no
+    # 8-bit selects).
+    q = lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.uint16)
+    q = jnp.where((bits & _ABS) > _INF, jnp.uint16(_FP8_NAN_BYTE), q)
+    return lax.bitcast_convert_type(q.astype(jnp.uint8), fmt.dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

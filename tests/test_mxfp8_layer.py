@@ -22,7 +22,7 @@ import jaxmoe
 from jaxmoe import MoE, MoEConfig, demo, mxfp8
 from jaxmoe.dispatch import combine
 from jaxmoe.experts import weighted_activation
-from jaxmoe.ops import gmm, mxfp8_gmm, tgmm
+from jaxmoe.ops import gmm, mxfp8_gmm, quantize_weights, tgmm
 from bitwise import assert_bitwise, bits, differs
 
 H = F = 32
@@ -352,7 +352,7 @@ def _quantize_lhs_along_tokens(monkeypatch):
     (then encode that along the requested axis, the layout the GEMMs take)."""
     quantize = mxfp8.quantize
 
-    def along_tokens(x, axis):
+    def along_tokens(x, axis, impl="xla"):
         if x.ndim == 2:
             x = mxfp8.dequantize(quantize(x, axis=0), x.dtype)
         return quantize(x, axis=axis)
@@ -540,3 +540,52 @@ def test_demo_mxfp8_loss_tracks_bf16():
     mx = demo.train("mixtral", precision="mxfp8", **kwargs)["loss"]
     assert mx < 0.95
     assert abs(mx - bf16) <= 0.03, (mx, bf16)
+
+
+def test_weights_quantized_once_per_step_give_the_same_bits():
+    """quantize_weights(rhs) made once and passed to several micro-batches: outputs and
+    gradients (to lhs and to the bf16 master rhs) are the bits of quantizing in every call;
+    copies made from other weights are used as given (negative control)."""
+    keys = jax.random.split(jax.random.key(11), 4)
+    rhs = jax.random.normal(keys[0], (3, 64, 96), F32).astype(BF16)
+    sizes = jnp.array([32, 0, 64], jnp.int32)
+    cached = quantize_weights(rhs, impl="xla")
+    stale = quantize_weights((rhs * 1.5).astype(BF16), impl="xla")
+
+    def run(lhs, weights):
+        def loss(lhs, rhs):
+            out = mxfp8_gmm(lhs, rhs, sizes, rhs_quantized=weights, impl="xla")
+            return jnp.sum(out * jnp.arange(96.0)), out
+        return jax.grad(loss, argnums=(0, 1), has_aux=True)(lhs, rhs)
+
+    for key in keys[1:3]:                              # two micro-batches, one set of weights
+        lhs = jax.random.normal(key, (96, 64), F32).astype(BF16)
+        (d_lhs, d_rhs), out = run(lhs, cached)
+        (ref_lhs, ref_rhs), ref = run(lhs, None)
+        for a, b in ((out, ref), (d_lhs, ref_lhs), (d_rhs, ref_rhs)):
+            assert_bitwise(np.asarray(a), np.asarray(b))
+    assert differs(np.asarray(run(lhs, stale)[1]), np.asarray(ref))
+    with pytest.raises(ValueError, match="rhs_quantized"):
+        mxfp8_gmm(lhs, rhs, sizes, rhs_quantized=cached.fprop)
+
+
+def test_layer_with_weights_quantized_once_per_step():
+    """MoE.quantize_expert_weights() once, then two micro-batches with expert_weights=: the
+    outputs and gradients (incl. the bf16 master weights') equal quantizing in every call."""
+    model = make(ALL)
+    weights = model.quantize_expert_weights()
+    dy = jax.random.normal(jax.random.key(12), (24, H), F32)
+
+    def grads(x, expert_weights):
+        def loss(model, x):
+            y, aux = model(x, expert_weights=expert_weights)
+            return jnp.sum(y.astype(F32) * dy) + aux.total_loss, y
+        (_, y), g = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(model, x)
+        return [y, *jax.tree.leaves(g)]
+
+    for seed in (13, 14):
+        x = jax.random.normal(jax.random.key(seed), (24, H), F32).astype(BF16)
+        for a, b in zip(grads(x, weights), grads(x, None)):
+            assert_bitwise(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="not mxfp8"):
+        make(ALL.replace(expert_precision="bf16")).quantize_expert_weights()

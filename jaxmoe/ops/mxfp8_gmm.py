@@ -17,9 +17,9 @@ Columnwise blocks run along the rows of the expert buffer, so M and every group 
 multiples of 32 (no block mixes two groups) and rows that belong to no token must be zero (the
 plan guarantees both when expert_row_alignment % 32 == 0).
 
-The rhs (the expert weights) is quantized in every call: along K for fprop and, when
-differentiating, along N for dgrad. A caller running several micro-batches per optimizer step
-could quantize the weights once per step and reuse them; this module does not cache.
+The rhs (the expert weights) is quantized in every call (along K for fprop and, when
+differentiating, along N for dgrad) unless the caller passes both copies, made once per optimizer
+step with `quantize_weights`, as `rhs_quantized`: micro-batches of one step then share them.
 
 The GEMMs on MXTensor operands are `gmm_mxfp8` (fprop, dgrad) and `tgmm_mxfp8` (wgrad):
   impl "xla"     dequantize to bf16 (exact for magnitudes >= 2^-133), then
@@ -48,10 +48,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor, dequantize, quantize, scale_multipliers
+from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor, dequantize, scale_multipliers
 from jaxmoe.ops.gmm import (_check_group_sizes, _check_impl, _pad_rows, _pallas_rows, gmm,
                             on_hopper, tgmm)
 from jaxmoe.ops.pallas.gmm_hopper import GmmConfig, gmm_mxfp8_pallas
+from jaxmoe.ops.quantize import impl_for_gemm, quantize
 
 
 @struct.dataclass
@@ -66,6 +67,24 @@ class Mxfp8GmmResiduals:
     impl: str = struct.field(pytree_node=False)
 
 
+@struct.dataclass
+class QuantizedWeights:
+    """Both MXFP8 copies of expert weights rhs [G, K, N] (the bf16 master copy stays the
+    parameter and receives the gradient)."""
+
+    fprop: MXTensor     # rhs^T [G, N, K], blocks along K
+    dgrad: MXTensor     # rhs [G, K, N], blocks along N
+
+
+def quantize_weights(rhs: jax.Array, impl: str = "auto") -> QuantizedWeights:
+    """The fprop and dgrad copies of rhs [G, K, N], as `mxfp8_gmm(impl=impl)` would make them.
+    Make them once per optimizer step (after the update) and pass them to every micro-batch."""
+    if rhs.ndim != 3:
+        raise ValueError(f"quantize_weights: rhs must be [G, K, N], got {rhs.shape}")
+    return QuantizedWeights(fprop=_quantize(jnp.swapaxes(rhs, 1, 2), 2, impl),
+                            dgrad=_quantize(rhs, 2, impl))
+
+
 def _known_on_host(a) -> bool:
     """Whether a's values can be read without tracing or stalling an accelerator stream."""
     if isinstance(a, jax.core.Tracer):
@@ -73,7 +92,7 @@ def _known_on_host(a) -> bool:
     return not isinstance(a, jax.Array) or all(d.platform == "cpu" for d in a.devices())
 
 
-def _check_operands(lhs, rhs, group_sizes, lhs_rowwise):
+def _check_operands(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized=None):
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"mxfp8_gmm: lhs must be [M, K] and rhs [G, K, N]; got {lhs.shape}, "
                          f"{rhs.shape}")
@@ -90,11 +109,17 @@ def _check_operands(lhs, rhs, group_sizes, lhs_rowwise):
                                     or lhs_rowwise.shape != lhs.shape or lhs_rowwise.axis != 1):
         raise ValueError("mxfp8_gmm: lhs_rowwise must be an MXTensor of lhs's shape with blocks "
                          "along K (axis 1)")
+    g = rhs.shape[0]
+    if rhs_quantized is not None and (
+            not isinstance(rhs_quantized, QuantizedWeights)
+            or rhs_quantized.fprop.shape != (g, n, k) or rhs_quantized.fprop.axis != 2
+            or rhs_quantized.dgrad.shape != (g, k, n) or rhs_quantized.dgrad.axis != 2):
+        raise ValueError("mxfp8_gmm: rhs_quantized must be quantize_weights(rhs)")
 
 
 def mxfp8_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-              lhs_rowwise: MXTensor | None = None, preferred_element_type=jnp.float32,
-              impl: str = "auto") -> jax.Array:
+              lhs_rowwise: MXTensor | None = None, rhs_quantized: QuantizedWeights | None = None,
+              preferred_element_type=jnp.float32, impl: str = "auto") -> jax.Array:
     """MXFP8 grouped matmul out[m] = lhs[m] @ rhs[g(m)] (see the module docstring for which copy
     of which operand each GEMM uses); differentiable w.r.t. lhs and rhs.
 
@@ -102,9 +127,11 @@ def mxfp8_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     lhs_rowwise: the fprop copy of lhs when it was quantized elsewhere (e.g. at token level,
       before the dispatch); it must equal `quantize(lhs, axis=1)` up to where it was made.
       None: quantize lhs here. It carries no gradient; lhs does.
+    rhs_quantized: `quantize_weights(rhs)` made earlier in the step (None: quantize here). It
+      carries no gradient; rhs does.
     Result in `preferred_element_type`."""
-    _check_operands(lhs, rhs, group_sizes, lhs_rowwise)
-    return _mxfp8_gmm(lhs, rhs, group_sizes.astype(jnp.int32), lhs_rowwise,
+    _check_operands(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized)
+    return _mxfp8_gmm(lhs, rhs, group_sizes.astype(jnp.int32), lhs_rowwise, rhs_quantized,
                       jnp.dtype(preferred_element_type), impl)
 
 
@@ -180,19 +207,25 @@ def tgmm_mxfp8(lhs: MXTensor, rhs: MXTensor, group_sizes: jax.Array, *, impl: st
                 preferred_element_type=preferred_element_type)
 
 
-def _fprop(lhs, rhs, group_sizes, lhs_rowwise, out_dtype, impl):
-    lhs_q = quantize(lhs, axis=1) if lhs_rowwise is None else lhs_rowwise
-    rhs_q = quantize(jnp.swapaxes(rhs, 1, 2), axis=2)
+def _quantize(x, axis, impl):
+    return quantize(x, axis=axis, impl=impl_for_gemm(impl))
+
+
+def _fprop(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl):
+    lhs_q = _quantize(lhs, 1, impl) if lhs_rowwise is None else lhs_rowwise
+    rhs_q = (_quantize(jnp.swapaxes(rhs, 1, 2), 2, impl) if rhs_quantized is None
+             else rhs_quantized.fprop)
     return gmm_mxfp8(lhs_q, rhs_q, group_sizes, impl=impl, preferred_element_type=out_dtype)
 
 
-def mxfp8_gmm_forward(lhs, rhs, group_sizes, lhs_rowwise, out_dtype, impl
+def mxfp8_gmm_forward(lhs, rhs, group_sizes, lhs_rowwise, out_dtype, impl, rhs_quantized=None
                       ) -> tuple[jax.Array, Mxfp8GmmResiduals]:
     """`mxfp8_gmm`'s forward rule (no argument checks): the output and the residuals for
     `mxfp8_gmm_backward`. Public for ops that fuse the GEMM with their neighbours."""
-    out = _fprop(lhs, rhs, group_sizes, lhs_rowwise, out_dtype, impl)
-    residuals = Mxfp8GmmResiduals(lhs_columnwise=quantize(lhs, axis=0),
-                                  rhs_columnwise=quantize(rhs, axis=2),
+    out = _fprop(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl)
+    residuals = Mxfp8GmmResiduals(lhs_columnwise=_quantize(lhs, 0, impl),
+                                  rhs_columnwise=(_quantize(rhs, 2, impl) if rhs_quantized is None
+                                                  else rhs_quantized.dgrad),
                                   group_sizes=group_sizes, dtype=lhs.dtype, impl=impl)
     return out, residuals
 
@@ -205,22 +238,26 @@ def mxfp8_gmm_backward(residuals: Mxfp8GmmResiduals, grad: jax.Array,
     `grad_rowwise` (its dgrad copy, made elsewhere) is given, rowwise for dgrad."""
     dtype, sizes, impl = residuals.dtype, residuals.group_sizes, residuals.impl
     grad = grad.astype(dtype)
-    grad_q = quantize(grad, axis=1) if grad_rowwise is None else grad_rowwise
+    grad_q = _quantize(grad, 1, impl) if grad_rowwise is None else grad_rowwise
     d_lhs = gmm_mxfp8(grad_q, residuals.rhs_columnwise, sizes, impl=impl,
                       preferred_element_type=dtype)
-    d_rhs = tgmm_mxfp8(residuals.lhs_columnwise, quantize(grad, axis=0), sizes, impl=impl,
+    d_rhs = tgmm_mxfp8(residuals.lhs_columnwise, _quantize(grad, 0, impl), sizes, impl=impl,
                        preferred_element_type=dtype)
     return d_lhs, d_rhs
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _mxfp8_gmm(lhs, rhs, group_sizes, lhs_rowwise, out_dtype, impl):
-    return _fprop(lhs, rhs, group_sizes, lhs_rowwise, out_dtype, impl)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _mxfp8_gmm(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl):
+    return _fprop(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl)
+
+
+def _mxfp8_gmm_fwd(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl):
+    return mxfp8_gmm_forward(lhs, rhs, group_sizes, lhs_rowwise, out_dtype, impl, rhs_quantized)
 
 
 def _mxfp8_gmm_bwd(out_dtype, impl, residuals, grad):
     d_lhs, d_rhs = mxfp8_gmm_backward(residuals, grad)
-    return d_lhs, d_rhs, None, None
+    return d_lhs, d_rhs, None, None, None
 
 
-_mxfp8_gmm.defvjp(mxfp8_gmm_forward, _mxfp8_gmm_bwd)
+_mxfp8_gmm.defvjp(_mxfp8_gmm_fwd, _mxfp8_gmm_bwd)

@@ -1,0 +1,103 @@
+"""MXFP8 quantization with a choice of implementation: `quantize` (any axis) and
+`dispatch_quantize` (gather the expert buffer's rows and quantize them in one pass).
+
+  impl "xla"     `jaxmoe.mxfp8.quantize`, the TE-exact reference.
+  impl "pallas"  the Hopper kernels (ops/pallas/quantize_hopper.py), bitwise equal to it:
+                 blocks along the last axis (any leading shape, viewed as 2-D; a multiple
+                 of 128 blocks in all), blocks along
+                 axis 0 of a 2-D [M, K] with M % 64 == 0 and K % 128 == 0; bf16 or fp32 input.
+                 Other problems raise ValueError.
+  impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxmoe import mxfp8
+from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor
+from jaxmoe.ops.gmm import _check_impl, on_hopper
+from jaxmoe.ops.pallas.quantize_hopper import (COLUMN_TILE, ROW_TILE,
+                                               gather_quantize_rowwise_pallas,
+                                               quantize_columnwise_pallas,
+                                               quantize_rowwise_pallas)
+
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def _dtype_problem(x) -> str | None:
+    if jnp.dtype(x.dtype) not in _KERNEL_DTYPES:
+        return f"input must be bf16 or fp32, got {x.dtype}"
+    return None
+
+
+def _kernel_problem(x, axis) -> str | None:
+    """Why the kernels cannot quantize x along axis (None when they can)."""
+    if _dtype_problem(x):
+        return _dtype_problem(x)
+    if axis == x.ndim - 1:
+        blocks = x.size // BLOCK_SIZE
+        if x.shape[-1] % BLOCK_SIZE == 0 and blocks % ROW_TILE:
+            return (f"shape {x.shape}: the rowwise kernel needs a multiple of {ROW_TILE} "
+                    f"blocks, got {blocks}")
+        return None
+    if axis == 0 and x.ndim == 2 and x.shape[0] % 64 == 0 and x.shape[1] % COLUMN_TILE == 0:
+        return None
+    return (f"blocks along axis {axis} of shape {x.shape}: the kernels take the last axis, or "
+            f"axis 0 of [M, K] with M % 64 == 0 and K % {COLUMN_TILE} == 0")
+
+
+def _resolve(impl, problem, op):
+    _check_impl(impl, op)
+    if impl == "pallas" and problem:
+        raise ValueError(f"{op}(impl='pallas'): {problem}; use impl='xla' or 'auto'")
+    if impl == "auto":
+        return "pallas" if problem is None and on_hopper() else "xla"
+    return impl
+
+
+def impl_for_gemm(gmm_impl: str) -> str:
+    """The quantize impl that goes with a grouped-matmul impl: the reference with "xla", else
+    the kernels wherever they take the problem."""
+    return "xla" if gmm_impl == "xla" else "auto"
+
+
+def quantize(x: jax.Array, axis: int = -1, fmt: str = "e4m3", *, impl: str = "auto") -> MXTensor:
+    """`jaxmoe.mxfp8.quantize(x, axis, fmt)` (same checks, same bits) on the chosen `impl`."""
+    x = jnp.asarray(x)
+    if x.ndim == 0 or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"quantize: axis {axis} is out of range for shape {x.shape}")
+    axis %= x.ndim
+    if _resolve(impl, _kernel_problem(x, axis), "quantize") == "xla":
+        return mxfp8.quantize(x, axis=axis, fmt=fmt)
+    if x.shape[axis] % BLOCK_SIZE:
+        raise ValueError(f"quantize: axis {axis} has length {x.shape[axis]}, not a multiple of "
+                         f"{BLOCK_SIZE}")
+    if axis == x.ndim - 1:
+        data, scale = quantize_rowwise_pallas(x.reshape(-1, x.shape[-1]), fmt)
+        return MXTensor(data=data.reshape(x.shape),
+                        scale=scale.reshape(x.shape[:-1] + (x.shape[-1] // BLOCK_SIZE,)),
+                        axis=axis, fmt=fmt)
+    data, scale = quantize_columnwise_pallas(x, fmt)
+    return MXTensor(data=data, scale=scale, axis=0, fmt=fmt)
+
+
+def dispatch_quantize(x: jax.Array, row_token: jax.Array, fmt: str = "e4m3", *,
+                      impl: str = "auto") -> MXTensor:
+    """Rows x[row_token[r]] ([M, H], zeros where row_token[r] == T, a padding row) quantized
+    with blocks along H, without a bf16 copy of the gathered rows on "pallas". Equals
+    `quantize(jnp.concatenate([x, zeros])[row_token], axis=1)` bitwise."""
+    x = jnp.asarray(x)
+    if x.ndim != 2 or row_token.ndim != 1:
+        raise ValueError(f"dispatch_quantize: x must be [T, H] and row_token [M], got {x.shape} "
+                         f"and {row_token.shape}")
+    m = row_token.shape[0]
+    problem = _dtype_problem(x)
+    if problem is None and (m % 64 or x.shape[1] % COLUMN_TILE):
+        problem = f"needs M % 64 == 0 and H % {COLUMN_TILE} == 0, got M={m}, H={x.shape[1]}"
+    if _resolve(impl, problem, "dispatch_quantize") == "xla":
+        padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])
+        return mxfp8.quantize(jnp.take(padded, row_token, axis=0), axis=1, fmt=fmt)
+    data, scale_t = gather_quantize_rowwise_pallas(x, row_token, fmt)
+    return MXTensor(data=data, scale=scale_t.T, axis=1, fmt=fmt)
