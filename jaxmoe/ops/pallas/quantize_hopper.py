@@ -6,15 +6,19 @@ the amax bits). The elements are encoded with `arithmetic=`:
            so it is bit-exact under XLA:CPU's flush-to-zero too (the CPU interpreter);
   "float"  TE's own arithmetic: RN_fp32(x * 2^(127-e)), clipped to +-max (saturation), then the
            hardware fp32 -> fp8 convert (NaN -> 0x7F). About a third of the instructions; exact
-           on the GPU, which keeps denormals. The default on a GPU, "exact" elsewhere. Each CTA moves one tile:
-TMA load into SMEM, registers (WGMMA layout), TMA store of the fp8 data and the scale bytes. The
-tensor must be a whole number of tiles: with a partial last tile the H200 stored 8 of 360 scale
-bytes wrong (measured 2026-11-29, not yet understood), so such shapes are refused.
+           on the GPU, which keeps denormals. The default on a GPU, "exact" elsewhere.
+
+Each CTA moves one tile: TMA load into SMEM, registers (WGMMA layout), TMA store of the fp8 data
+and the scale bytes. The tensor must be a whole number of tiles: with a partial last tile the
+H200 stored 8 of 360 scale bytes wrong (measured 2026-11-29, not yet understood), so such shapes
+are refused.
 
   rowwise     blocks of 32 along the last axis. The tensor is viewed as [M*K/32, 32] (free), so
               a block is one row of the tile and its amax one row reduction.
-  columnwise  blocks of 32 along the first axis of [M, K]: a [64, tile_k] tile holds two row
+  columnwise  blocks of 32 along the first axis of [M, K]: a [64, 128] tile holds two row
               blocks; each takes a masked column reduction.
+  gather      (dispatch_quantize) rowwise on a [64, 128] tile whose rows are TMA-loaded one by
+              one from their tokens; four masked row reductions give the four blocks' scales.
 Scales come out compact ([M, K/32] or [M/32, K]); `jaxmoe.mxfp8.swizzle_scales` makes the GEMM
 layout from them.
 """
