@@ -234,6 +234,13 @@ def sweep(name, iters, record):
             print(f"  sweep {name} wgrad {config} FAILED {str(e)[:120]}", flush=True)
 
 
+def cell(value, ratio=False) -> str:
+    """A table cell: TFLOP/s (7.1f) or a ratio (8.3f); a dash where there is no value."""
+    if not value:
+        return " " * (7 if ratio else 6) + "-"
+    return f"{value:8.3f}" if ratio else f"{value:7.1f}"
+
+
 def summarize(record):
     """Table of TFLOP/s per (shape, routing, op) and the ratios the issue targets."""
     rows = {}
@@ -251,11 +258,9 @@ def summarize(record):
                      vs_jax_example=ours / jax_ex if ours and jax_ex else None,
                      of_dense=ours / dense if ours and dense else None)
         ratios.append(ratio)
-        fmt = lambda v: f"{v:7.1f}" if v else "      -"
-        fr = lambda v: f"{v:8.3f}" if v else "       -"
-        print(f"{shape:10s} {routing:9s} {op:6s} {fmt(ours)} {fmt(torch_t)} {fmt(jax_ex)} "
-              f"{fmt(dense)} {fr(ratio['vs_torch'])} {fr(ratio['vs_jax_example'])} "
-              f"{fr(ratio['of_dense'])}")
+        print(f"{shape:10s} {routing:9s} {op:6s} {cell(ours)} {cell(torch_t)} {cell(jax_ex)} "
+              f"{cell(dense)} {cell(ratio['vs_torch'], True)} "
+              f"{cell(ratio['vs_jax_example'], True)} {cell(ratio['of_dense'], True)}")
     return ratios
 
 

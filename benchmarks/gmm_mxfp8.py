@@ -33,7 +33,7 @@ import jax.numpy as jnp                                           # noqa: E402
 import numpy as np                                                # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.gmm import SHAPES, bar_plot, group_sizes_for, time_it  # noqa: E402
+from benchmarks.gmm import SHAPES, bar_plot, cell, group_sizes_for, time_it  # noqa: E402
 from jaxmoe.mxfp8 import BLOCK_SIZE                               # noqa: E402
 from jaxmoe.ops import (dispatch_quantize, gmm, gmm_mxfp8, quantize, tgmm,  # noqa: E402
                         tgmm_mxfp8)
@@ -191,11 +191,10 @@ def summarize(record):
                      dequant_vs_jaxmoe_bf16=(t["jaxmoe_mxfp8_dequant"] / bf16
                                              if "jaxmoe_mxfp8_dequant" in t and bf16 else None))
         ratios.append(ratio)
-        f = lambda v: f"{v:7.1f}" if v else "      -"
-        fr = lambda v: f"{v:8.3f}" if v else "       -"
-        print(f"{shape:10s} {op:6s} {f(ours)} {f(t.get('jaxmoe_mxfp8_dequant'))} {f(bf16)} "
-              f"{f(tfp8)} {f(t.get('torch_grouped_mm'))} {fr(ratio['mxfp8_vs_jaxmoe_bf16'])} "
-              f"{fr(ratio['mxfp8_vs_torch_scaled'])}")
+        print(f"{shape:10s} {op:6s} {cell(ours)} {cell(t.get('jaxmoe_mxfp8_dequant'))} "
+              f"{cell(bf16)} {cell(tfp8)} {cell(t.get('torch_grouped_mm'))} "
+              f"{cell(ratio['mxfp8_vs_jaxmoe_bf16'], True)} "
+              f"{cell(ratio['mxfp8_vs_torch_scaled'], True)}")
     return ratios
 
 

@@ -182,10 +182,10 @@ def gmm_mxfp8(lhs: MXTensor, rhs: MXTensor, group_sizes: jax.Array, *, impl: str
                    config=config)
     num_rows = lhs.shape[0]
     rows = _pallas_rows(num_rows)
-    lhs_data = _pad_rows(lhs.data, rows)
-    lhs_scale = _pad_rows(_decoded_scales(lhs).T, rows).T
-    out = gmm_mxfp8_pallas(lhs_data, lhs_scale, rhs.data, _decoded_scales(rhs), group_sizes,
-                           out_dtype=out_dtype, config=config)
+    # Padding rows (zero data) belong to no group; their outputs are cut off below.
+    lhs_scale = jnp.swapaxes(scale_multipliers(_pad_rows(lhs.scale, rows)), 0, 1)
+    out = gmm_mxfp8_pallas(_pad_rows(lhs.data, rows), lhs_scale, rhs.data,
+                           _decoded_scales(rhs), group_sizes, out_dtype=out_dtype, config=config)
     return out[:num_rows]
 
 

@@ -39,6 +39,7 @@ from jaxmoe.mxfp8 import (_ABS, _FORMATS, _INF, BLOCK_SIZE, _e8m0_from_amax_bits
 ROW_TILE = 128        # rowwise: blocks (rows of the [M*K/32, 32] view) per CTA
 COLUMN_TILE = 128     # columnwise: columns per CTA (the tile is 2 blocks = 64 rows high)
 _LAYOUT = plgpu.Layout.WGMMA
+_COMPILER_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -132,7 +133,7 @@ def _rowwise_kernel(num_blocks, dtype, fmt_name, arithmetic, interpret):
                                   transforms=_tiled(fmt.dtype, BLOCK_SIZE)),
                        plgpu.SMEM((ROW_TILE,), jnp.uint8),
                        plgpu.Barrier()],
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        compiler_params=_COMPILER_PARAMS,
         interpret=interpret,
     )
 
@@ -193,7 +194,7 @@ def _columnwise_kernel(m, k, dtype, fmt_name, arithmetic, interpret):
                                   transforms=_tiled(fmt.dtype, COLUMN_TILE)),
                        plgpu.SMEM((2, COLUMN_TILE), jnp.uint8),
                        plgpu.Barrier()],
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        compiler_params=_COMPILER_PARAMS,
         interpret=interpret,
     )
 
@@ -264,6 +265,6 @@ def _gather_rowwise_kernel(num_tokens, m, k, dtype, fmt_name, arithmetic, interp
                                   transforms=_tiled(fmt.dtype, COLUMN_TILE)),
                        plgpu.SMEM((blocks, height), jnp.uint8),
                        plgpu.Barrier(num_arrivals=height)],
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        compiler_params=_COMPILER_PARAMS,
         interpret=interpret,
     )
