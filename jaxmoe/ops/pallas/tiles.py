@@ -56,7 +56,10 @@ def row_tiles(group_sizes: jax.Array, num_rows: int, tile_m: int,
 
     num_tiles = max_row_tiles(num_rows, num_groups, tile_m, row_align)
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    group = jnp.searchsorted(first_tile + tiles_per_group, tile, side="right").astype(jnp.int32)
+    # One fused comparison of every tile with every group end: the default binary search is a
+    # loop of small kernels, which cost more than the grouped matmul's tail at 128 experts.
+    group = jnp.searchsorted(first_tile + tiles_per_group, tile, side="right",
+                             method="compare_all").astype(jnp.int32)
     group = jnp.minimum(group, num_groups)
     grid_row = anchors[group] + (tile - first_tile[group]) * tile_m
     row = jnp.maximum(starts[group], grid_row)
@@ -101,7 +104,13 @@ def work_list(tiles: RowTiles, num_columns: int, band_width: int, num_groups: in
     has_rows = tiles.rows[row] > 0
     is_matmul = has_rows & (tiles.group[row] < num_groups)
     is_zero = has_rows & (tiles.group[row] == num_groups)
-    order = jnp.argsort(jnp.where(is_matmul, 0, jnp.where(is_zero, 1, 2)), stable=True)
-    counts = jnp.stack([jnp.sum(is_matmul), jnp.sum(is_zero)]).astype(jnp.int32)
-    return WorkList(tile=row[order].astype(jnp.int32), column=column[order].astype(jnp.int32),
-                    counts=counts)
+    # A stable partition by kind (matmul, zero, unused) without a sort: each item's position is
+    # the number of earlier kinds' items plus its rank within its kind (one scan, one scatter).
+    kinds = jnp.stack([is_matmul, is_zero, ~(is_matmul | is_zero)]).astype(jnp.int32)
+    rank = jnp.cumsum(kinds, axis=1) - 1
+    totals = rank[:, -1] + 1
+    kind_start = jnp.cumsum(totals) - totals
+    position = jnp.sum(kinds * (rank + kind_start[:, None]), axis=0)
+    ordered = jnp.zeros((item.shape[0], 2), jnp.int32).at[position].set(
+        jnp.stack([row, column], axis=1).astype(jnp.int32), unique_indices=True)
+    return WorkList(tile=ordered[:, 0], column=ordered[:, 1], counts=totals[:2])

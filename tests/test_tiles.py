@@ -1,0 +1,43 @@
+"""Tile metadata of the grouped-matmul kernels (`jaxmoe.ops.pallas.tiles`), against numpy
+restatements of its documented order."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmoe.ops.pallas.tiles import row_tiles, work_list
+
+
+def reference_work_order(rows, group, num_groups, num_columns, band_width):
+    """Items in bands of `band_width` columns (rows reversed in odd bands), then stably sorted
+    by kind: matmul items, zero-region items, unused items."""
+    num_tiles = rows.shape[0]
+    width = min(band_width, num_columns)
+    item = np.arange(num_tiles * num_columns)
+    band = item // (num_tiles * width)
+    band_cols = np.minimum(width, num_columns - band * width)
+    within = item - band * num_tiles * width
+    row = within // band_cols
+    column = band * width + within % band_cols
+    row = np.where(band % 2 == 1, num_tiles - 1 - row, row)
+    is_matmul = (rows[row] > 0) & (group[row] < num_groups)
+    is_zero = (rows[row] > 0) & (group[row] == num_groups)
+    order = np.argsort(np.where(is_matmul, 0, np.where(is_zero, 1, 2)), kind="stable")
+    return row[order], column[order], [int(is_matmul.sum()), int(is_zero.sum())]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_work_list_is_the_banded_order_stably_partitioned_by_kind(seed):
+    rng = np.random.default_rng(seed)
+    num_groups = int(rng.integers(1, 20))
+    num_rows = int(rng.integers(1, 250)) * 8
+    sizes = rng.multinomial(int(rng.integers(0, num_rows + 1)), np.ones(num_groups) / num_groups)
+    sizes[rng.random(num_groups) < 0.3] = 0                 # empty groups
+    tiles = row_tiles(jnp.asarray(sizes, jnp.int32), num_rows, 64)
+    num_columns, band_width = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+    work = work_list(tiles, num_columns, band_width, num_groups)
+    row, column, counts = reference_work_order(np.asarray(tiles.rows), np.asarray(tiles.group),
+                                               num_groups, num_columns, band_width)
+    np.testing.assert_array_equal(np.asarray(work.tile), row)
+    np.testing.assert_array_equal(np.asarray(work.column), column)
+    assert np.asarray(work.counts).tolist() == counts
