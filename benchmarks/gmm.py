@@ -10,8 +10,9 @@ and the same with a quarter of the experts empty), in one process and on the sam
   wgrad  dW[g] = x_g^T @ dy_g      jaxmoe tgmm | torch._grouped_mm (2d x 2d) |
                                    JAX transposed_ragged_dot_mgpu | dense
 Times are medians over repeats of back-to-back launches (device synchronised at both ends).
-Writes gmm_<date>.json (+ .png) to --out and prints TFLOP/s and ratios. `--sweep` also times a
-small grid of jaxmoe kernel configs (the tuning data behind the default heuristic).
+Writes gmm_<date>.json (+ .png) to --out and prints TFLOP/s and ratios. `--sweep` also times
+the default jaxmoe kernel configs next to single changes to them (the tuning data behind the
+heuristic); with `--routings ""` only the sweep runs (written to gmm_<date>_sweep.json).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ import jax.numpy as jnp                                           # noqa: E402
 import numpy as np                                                # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jaxmoe.ops import GmmConfig, TgmmConfig, gmm, tgmm          # noqa: E402
+from jaxmoe.ops import gmm, tgmm                                  # noqa: E402
+from jaxmoe.ops.pallas.gmm_hopper import default_config          # noqa: E402
+from jaxmoe.ops.pallas.tgmm_hopper import default_tgmm_config    # noqa: E402
 
 SHAPES = {   # name: (M tokens*k, K, N, G)
     "mixtral": (16384, 4096, 28672, 8),
@@ -181,27 +184,26 @@ def bench_shape(name, routing, iters, torch, record):
 
 
 def sweep(name, iters, record):
-    """Time a small grid of jaxmoe configs (fwd, dgrad, wgrad) on the Dirichlet routing."""
+    """Time the default jaxmoe configs (fwd, dgrad, wgrad) and single changes to them on the
+    Dirichlet routing."""
     m, k, n, g = SHAPES[name]
     sizes = jnp.asarray(group_sizes_for("dirichlet", m, g))
     flops = 2.0 * m * k * n
     x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (g, k, n), jnp.bfloat16)
     dy = jax.random.normal(jax.random.key(3), (m, n), jnp.bfloat16)
-    fwd_configs = [
-        GmmConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, epilogue_tile_n=64,
-                  grid_tile_width=gw, wg_split="n") for gw in (1, 4, 8)] + [
-        GmmConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=3, epilogue_tile_n=128,
-                  grid_tile_width=4, wg_split="n"),
-        GmmConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=2, epilogue_tile_n=64,
-                  grid_tile_width=4, wg_split="n"),
-        GmmConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, epilogue_tile_n=64,
-                  grid_tile_width=4, wg_split="m"),
-        GmmConfig(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=4, epilogue_tile_n=64,
-                  grid_tile_width=4, wg_split="n"),
-    ]
+
+    def variants(base):
+        return [base, dataclasses.replace(base, epilogue_slots=1),
+                dataclasses.replace(base, overlap_wgmma=True),
+                dataclasses.replace(base, overlap_wgmma=True, epilogue_slots=1),
+                dataclasses.replace(base, grid_tile_width=4 if base.grid_tile_width == 8 else 8),
+                dataclasses.replace(base, tile_m=128, tile_n=128, wg_split="n",
+                                    epilogue_slots=1)]
+
     for op in ("fwd", "dgrad"):
-        for config in fwd_configs:
+        kn = (k, n) if op == "fwd" else (n, k)
+        for config in variants(default_config(m, *kn, g)):
             try:
                 config.validate(m, k if op == "fwd" else n, n if op == "fwd" else k,
                                 transpose_rhs=op == "dgrad")
@@ -218,10 +220,11 @@ def sweep(name, iters, record):
                       flush=True)
             except Exception as e:
                 print(f"  sweep {name} {op} {config} FAILED {str(e)[:120]}", flush=True)
-    for config in [TgmmConfig(tile_k=tk, tile_n=tn, tile_rows=tr, max_concurrent_steps=st,
-                              grid_tile_width=gw)
-                   for tk, tn in ((128, 128), (128, 256)) for tr in (64, 128)
-                   for st in (3,) for gw in (1, 4)]:
+    base = default_tgmm_config(m, k, n)
+    for config in [base, dataclasses.replace(base, max_concurrent_steps=3),
+                   dataclasses.replace(base, wg_split="n"),
+                   dataclasses.replace(base, epilogue_slots=2),
+                   dataclasses.replace(base, balanced_schedule=False)]:
         try:
             config.validate(m, k, n, jnp.bfloat16, jnp.bfloat16)
             fn = jax.jit(functools.partial(tgmm, impl="pallas",
@@ -304,7 +307,7 @@ def main(argv=None):
     device = jax.devices()[0]
     record, sweep_record = [], []
     for name in args.shapes.split(","):
-        for routing in args.routings.split(","):
+        for routing in filter(None, args.routings.split(",")):
             bench_shape(name, routing, args.iters, torch, record)
         if args.sweep:
             sweep(name, max(args.iters // 2, 5), sweep_record)
@@ -319,10 +322,11 @@ def main(argv=None):
         method="median of 5 repeats x iters back-to-back calls, synchronised; bf16 in/out, "
                "fp32 accumulate; rel_error = ||out - torch|| / ||torch||",
         results=record, ratios=ratios, sweep=sweep_record)
-    path = os.path.join(args.out, f"gmm_{date}.json")
+    path = os.path.join(args.out, f"gmm_{date}{'' if record else '_sweep'}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    plot(record, path.replace(".json", ".png"))
+    if record:
+        plot(record, path.replace(".json", ".png"))
     print(f"wrote {path}")
 
 

@@ -2,6 +2,7 @@
 TMA and wgmma simulated, race detector on) against the XLA reference, plus lowering checks for
 the real GPU shapes. Tests marked `gpu` repeat the properties on an H100/H200."""
 
+import dataclasses
 import functools
 import time
 
@@ -28,9 +29,10 @@ def operands(m, k, n, g, seed=0, transpose_rhs=False):
 
 
 SMALL = GmmConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, grid_tile_width=2,
-                  epilogue_tile_n=32, wg_split="m", num_sms=3)    # fp32 outputs: 128-byte rows
-SMALL_T = TgmmConfig(tile_k=64, tile_n=64, tile_rows=32, max_concurrent_steps=2,
-                     grid_tile_width=1, num_sms=3)
+                  epilogue_tile_n=32, wg_split="m", overlap_wgmma=True, epilogue_slots=2,
+                  num_sms=3)    # fp32 outputs: 128-byte rows
+SMALL_T = TgmmConfig(tile_k=64, tile_n=64, wg_split="k", tile_rows=64, max_concurrent_steps=2,
+                     grid_tile_width=1, num_sms=3)     # CTA tile 128 x 64
 SIZES = {
     "ragged_tail_and_empty": [37, 0, 90, 50, 3],     # sum 180 of 200 rows: a zero tail
     "all_in_one": [0, 0, 200, 0, 0],
@@ -92,6 +94,81 @@ def test_nan_in_one_group_never_reaches_another(interpret):
     assert np.all(np.isfinite(grads[2:]))
 
 
+# The warp-specialised wgrad kernel on small shapes (interpret mode): both warpgroup splits, a
+# shared operand masked in one chunk (by one warpgroup) or in two (one each), the 64-byte swizzle
+# of 32-wide warpgroup tiles, rings of 2-4 slots, one or two epilogue slots, bf16 and fp32 out,
+# both schedules, more SMs than work items.
+WGRAD_STRUCTURES = {
+    "split_k_ring2_epi2": (TgmmConfig(tile_k=64, tile_n=64, wg_split="k", max_concurrent_steps=2,
+                                      epilogue_slots=2, grid_tile_width=1, num_sms=3),
+                           jnp.float32),
+    "split_k_128wide_ring4": (TgmmConfig(tile_k=64, tile_n=128, wg_split="k",
+                                         max_concurrent_steps=4, num_sms=8), jnp.bfloat16),
+    "split_n_ring3_unbalanced": (TgmmConfig(tile_k=64, tile_n=64, wg_split="n",
+                                            max_concurrent_steps=3, grid_tile_width=2,
+                                            balanced_schedule=False, num_sms=2), jnp.float32),
+    "split_n_32wide": (TgmmConfig(tile_k=64, tile_n=32, wg_split="n", max_concurrent_steps=2,
+                                  num_sms=3), jnp.bfloat16),
+}
+# 673 of 704 rows in groups (a zero tail); group 2 spans 7 row blocks (every ring slot is reused
+# within one item); groups 0/2, 2/3, 5/6 and 6/tail share boundary blocks; two empty groups.
+WGRAD_SIZES = [5, 0, 421, 37, 0, 150, 60]
+
+
+def wgrad_operands():
+    lhs, _ = operands(704, 128, 128, 1, seed=11)
+    rhs = jax.random.normal(jax.random.key(12), (704, 128), jnp.float32).astype(jnp.bfloat16)
+    return lhs, rhs
+
+
+@pytest.mark.parametrize("structure", WGRAD_STRUCTURES.values(), ids=WGRAD_STRUCTURES.keys())
+def test_wgrad_structure_ring_reuse_boundaries_and_nan_isolation(interpret, structure):
+    config, out_dtype = structure
+    lhs, rhs = wgrad_operands()
+    sizes = jnp.asarray(WGRAD_SIZES, jnp.int32)
+    # NaN in group 2 at row 6 (inside group 0's only row block) and deep inside; Inf in group 5
+    # at row 610 (inside group 6's first block); NaN in the zero tail (group 6's last block).
+    bad_lhs = lhs.at[6, 3].set(jnp.nan).at[200, 0].set(jnp.nan).at[690, 5].set(jnp.nan)
+    bad_rhs = rhs.at[610, 7].set(jnp.inf)
+    out = np.asarray(tgmm(bad_lhs, bad_rhs, sizes, impl="pallas", config=config,
+                          preferred_element_type=out_dtype), np.float32)
+    ref = np.asarray(tgmm(lhs, rhs, sizes, impl="xla", preferred_element_type=out_dtype),
+                     np.float32)
+    clean = [0, 3, 6]
+    tol = dict(rtol=1e-5, atol=1e-4) if out_dtype == jnp.float32 else dict(rtol=2 ** -7, atol=0)
+    np.testing.assert_allclose(out[clean], ref[clean], **tol)
+    assert not np.all(np.isfinite(out[2])) and not np.all(np.isfinite(out[5]))
+    assert np.all(out[[1, 4]] == 0)
+    # Without the bad values every group matches.
+    out = tgmm(lhs, rhs, sizes, impl="pallas", config=config, preferred_element_type=out_dtype)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, **tol)
+
+
+def test_wgrad_bits_do_not_depend_on_config(interpret):
+    """The reduction order (ascending rows, 16 per wgmma step, from the group's anchor) is the
+    same for every warpgroup split, ring depth, epilogue, grid and tile order. (The CPU
+    interpreter runs each wgmma as one numpy matmul of a warpgroup tile by a whole row block,
+    whose rounding depends on the tile shape, so there the warpgroup tile and tile_rows stay
+    fixed; on the GPU the tile shapes are varied too.)"""
+    lhs, rhs = wgrad_operands()
+    sizes = jnp.asarray(WGRAD_SIZES, jnp.int32)
+    configs = [WGRAD_STRUCTURES["split_k_ring2_epi2"][0],
+               WGRAD_STRUCTURES["split_n_ring3_unbalanced"][0],
+               TgmmConfig(tile_k=64, tile_n=64, wg_split="k", max_concurrent_steps=3,
+                          epilogue_tile_n=32, grid_tile_width=2, num_sms=2)]
+    if ON_HOPPER:
+        configs = [TgmmConfig(tile_k=tk, tile_n=tn, wg_split=split, max_concurrent_steps=steps,
+                              epilogue_slots=slots)
+                   for tk, tn in ((128, 128), (64, 128), (64, 64)) for split in ("k", "n")
+                   for steps, slots in ((4, 1), (2, 2))
+                   if 128 % (tk * (2 if split == "k" else 1)) == 0
+                   and 128 % (tn * (2 if split == "n" else 1)) == 0]
+    results = [bits(tgmm(lhs, rhs, sizes, impl="pallas", config=config)) for config in configs]
+    assert len(results) >= 3
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
+
+
 def test_row_bits_do_not_depend_on_other_groups_or_config(interpret):
     """Batch invariance: a row's output bits are the same when the groups around it grow,
     shrink or vanish, and under other tilings. (The CPU interpreter runs each wgmma as one numpy
@@ -100,12 +177,15 @@ def test_row_bits_do_not_depend_on_other_groups_or_config(interpret):
     lhs, rhs = operands(256, 128, 128, 4, seed=6)
     probe = 130                                        # a row of group 2 in every layout below
     layouts = {"a": [64, 40, 60, 36], "b": [0, 0, 200, 56], "c": [100, 7, 41, 9]}
-    configs = [SMALL, GmmConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=1,
-                                grid_tile_width=1, epilogue_tile_n=64, wg_split="n", num_sms=2)]
+    configs = [SMALL, dataclasses.replace(SMALL, overlap_wgmma=False, epilogue_slots=1),
+               GmmConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=1,
+                         grid_tile_width=1, epilogue_tile_n=64, wg_split="n", num_sms=2)]
     if ON_HOPPER:
         configs = [GmmConfig(tile_m=tm, tile_n=64, tile_k=tk, wg_split=split,
-                             max_concurrent_steps=2 if tk == 64 else 1)
-                   for tm in (64, 128) for tk in (64, 128) for split in ("n", "m")]
+                             max_concurrent_steps=2 if tk == 64 else 1, overlap_wgmma=overlap,
+                             epilogue_slots=1 if overlap else 2)
+                   for tm in (64, 128) for tk in (64, 128) for split in ("n", "m")
+                   for overlap in (True, False)]
     results = []
     for sizes in layouts.values():
         starts = np.cumsum([0] + sizes)
@@ -193,6 +273,28 @@ def test_pallas_refuses_unsupported_problems():
             impl="pallas")
     out = gmm(lhs.astype(jnp.float32), rhs.astype(jnp.float32), jnp.array([32, 32]), impl="auto")
     assert out.shape == (64, 64)                       # auto falls back to XLA
+
+
+def test_tgmm_config_refuses_what_the_kernel_cannot_run():
+    base = TgmmConfig()              # CTA tile 256 x 128, 4 ring slots of 64 rows
+    base.validate(65536, 2048, 1536, out_dtype=jnp.bfloat16)
+    base.validate(65536, 2048, 1536, out_dtype=jnp.float32)     # narrower epilogue chunks
+    refusals = {
+        "shared memory": dict(max_concurrent_steps=5),
+        "multiple of 64": dict(tile_rows=32),
+        "must be >= 2": dict(max_concurrent_steps=1),
+        "wg_split": dict(wg_split="m"),
+        "registers": dict(tile_k=128, tile_n=256),
+        "epilogue chunks": dict(epilogue_tile_n=96),
+    }
+    for message, change in refusals.items():
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(base, **change).validate(4096, 2048, 1536)
+    with pytest.raises(ValueError, match="CTA tile"):
+        base.validate(4096, 2048, 1600)                          # N is not a multiple of 128
+    lhs, _ = operands(64, 96, 64, 1)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        tgmm(lhs, lhs[:, :64], jnp.array([64]), impl="pallas")
 
 
 @pytest.mark.gpu

@@ -11,12 +11,16 @@ Structure (warp specialised, persistent):
     loads the next tile while the compute warpgroups finish the current one;
   * per CTA: one memory warpgroup issues TMA loads of lhs / rhs tiles into a ring of
     `max_concurrent_steps` SMEM slots; two compute warpgroups each own half of the CTA tile
-    (side by side along N, or along M for narrow N) and run wgmma into fp32 registers;
+    (by default two 64 x 256 tiles stacked along M) and run wgmma into fp32 registers; they
+    release each SMEM slot themselves (manual consumed barriers), optionally one step late so
+    that a wgmma stays in flight (`overlap_wgmma`);
   * the K loop is a plain ascending loop and each wgmma adds its 16-wide K slice into the
     accumulator in order, so the reduction order of an output element depends only on K: not on
     the config, the group sizes, M or the row's position (batch invariance);
-  * epilogue (per column chunk): cast, SMEM, then TMA stores that drain during the next tile of exactly the tile's valid rows (a ladder of
-    power-of-two row counts, since TMA boxes are static). Tiles of the zero region store zeros.
+  * epilogue (per column chunk, through one or two SMEM slots per warpgroup): cast, SMEM, then
+    TMA stores of exactly the tile's valid rows (a ladder of power-of-two row counts, since TMA
+    boxes are static) that drain during the next chunk or tile. Tiles of the zero region store
+    zeros.
 No atomics; every output element is written by exactly one tile.
 """
 
@@ -47,8 +51,11 @@ SCALE_BLOCK = 32           # MXFP8: elements along K sharing one scale
 class GmmConfig:
     """Tiling of the forward/dgrad kernel. Each compute warpgroup owns tile_m x tile_n outputs;
     the two warpgroups of a CTA sit side by side along N (wg_split="n": CTA tile
-    tile_m x 2*tile_n) or along M (wg_split="m": 2*tile_m x tile_n). None of these change the
-    K-reduction order."""
+    tile_m x 2*tile_n) or along M (wg_split="m": 2*tile_m x tile_n). overlap_wgmma keeps a K
+    step's wgmma running while the next one is issued (its SMEM slot is released one step
+    late; bf16 kernel, max_concurrent_steps >= 2 only). epilogue_slots=2 double-buffers the
+    epilogue's SMEM tile, so a column chunk is written while the previous one is stored. None of
+    these change the K-reduction order."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -57,6 +64,8 @@ class GmmConfig:
     grid_tile_width: int = 4
     epilogue_tile_n: int = 64
     wg_split: str = "n"
+    overlap_wgmma: bool = False
+    epilogue_slots: int = 1
     num_sms: int = HOPPER_NUM_SMS
 
     @property
@@ -71,7 +80,7 @@ class GmmConfig:
         """Shared memory used: the TMA ring of lhs/rhs tiles plus the epilogue tiles of both
         compute warpgroups."""
         ring = (self.cta_m + self.cta_n) * self.tile_k * jnp.dtype(in_dtype).itemsize
-        epilogue = NUM_COMPUTE_WGS * self.tile_m * self.epilogue_tile_n
+        epilogue = NUM_COMPUTE_WGS * self.epilogue_slots * self.tile_m * self.epilogue_tile_n
         return self.max_concurrent_steps * ring + epilogue * jnp.dtype(out_dtype).itemsize
 
     def validate(self, num_rows: int, k: int, n: int, in_dtype=jnp.bfloat16,
@@ -100,6 +109,12 @@ class GmmConfig:
         if self.tile_n % self.epilogue_tile_n:
             raise ValueError(f"gmm pallas: tile_n={self.tile_n} must be a multiple of "
                              f"epilogue_tile_n={self.epilogue_tile_n}")
+        if self.epilogue_slots not in (1, 2) or (self.epilogue_slots == 2 and (
+                self.tile_n // self.epilogue_tile_n) % 2):
+            # The slots alternate chunk by chunk across tiles, so that the newest store always
+            # reads the other slot: a tile must have an even number of chunks.
+            raise ValueError(f"gmm pallas: epilogue_slots={self.epilogue_slots} needs 1, or 2 "
+                             f"with an even number of epilogue chunks per tile")
         if self.epilogue_tile_n * jnp.dtype(out_dtype).itemsize % TMA_SMEM_ALIGN:
             # The epilogue stores start at any row of the SMEM tile: rows must be 128-byte
             # multiples for TMA (the CPU interpreter does not check this; the GPU faults).
@@ -120,15 +135,16 @@ def default_num_sms() -> int:
 
 def default_config(num_rows: int, k: int, n: int, num_groups: int, in_dtype=jnp.bfloat16,
                    out_dtype=jnp.bfloat16) -> GmmConfig:
-    """Shape-based heuristic (benchmarks/results/gmm_*.json has the sweep behind it): warpgroups
-    side by side along N with 128x128 each when N is a multiple of 256, else along M with the
-    widest column tile dividing N; as many pipeline stages (up to 4) as shared memory holds."""
+    """Shape-based heuristic (benchmarks/results/gmm_*_sweep.json has the sweep behind it): a
+    128 x 256 CTA tile of two 64 x 256 warpgroup tiles stacked along M with a double-buffered
+    epilogue when N is a multiple of 256, else warpgroups along M with the widest column tile
+    dividing N; as many pipeline stages (up to 4) as shared memory holds."""
     if k % 64 or n % 64:
         raise ValueError(f"gmm pallas: K={k} and N={n} must be multiples of 64")
     epilogue_tile_n = TMA_SMEM_ALIGN // jnp.dtype(out_dtype).itemsize
     if n % 256 == 0:
         # Wider snake bands pay off when many groups share each column band (sweep: +3%).
-        config = GmmConfig(tile_m=128, tile_n=128, wg_split="n",
+        config = GmmConfig(tile_m=64, tile_n=256, wg_split="m", epilogue_slots=2,
                            grid_tile_width=8 if num_groups >= 32 else 4)
     else:
         tile_n = 128 if n % 128 == 0 else 64
@@ -230,6 +246,12 @@ def _build_kernel(num_rows, k, n, num_groups, num_items, dtype, out_dtype, trans
     # Consecutive tiles of one CTA can share one pipeline (the memory warpgroup prefetches the
     # next tile while the compute warpgroups run the epilogue) when the K steps divide evenly.
     chained = k_steps % config.max_concurrent_steps == 0
+    # SMEM slots are released by the compute warpgroups themselves (manual consumed barriers):
+    # with overlap_wgmma a step's slot is released once the next step's wgmma is issued and
+    # this one has retired, which the pipeline's own delay_release cannot do across chained
+    # pipelines.
+    num_slots = config.max_concurrent_steps
+    release_delay = 1 if config.overlap_wgmma and not scaled and num_slots > 1 else 0
 
     def body(counts_gmem, work_tile_gmem, work_column_gmem, tile_group_gmem, tile_row_gmem,
              tile_rows_gmem, lhs_gmem, rhs_gmem, *scale_and_out_gmem):
@@ -258,6 +280,7 @@ def _build_kernel(num_rows, k, n, num_groups, num_items, dtype, out_dtype, trans
                 max_concurrent_steps=config.max_concurrent_steps,
                 compute_context=compute_context,
                 pipeline_state=state,
+                manual_consumed_barriers=True,
             )
 
         ignore = lambda *_, **__: None
@@ -268,12 +291,40 @@ def _build_kernel(num_rows, k, n, num_groups, num_items, dtype, out_dtype, trans
         @functools.partial(
             pl.run_scoped,
             allocations=pipeline(ignore, ignore).get_allocations(lhs_view, rhs_view),
-            out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, tile_m, epi_n), out_dtype),
+            out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, config.epilogue_slots, tile_m, epi_n),
+                                out_dtype),
             collective_axes="wg",
         )
         def _scope(allocations, out_smem):
             wg = lax.axis_index("wg")
             sm = lax.axis_index("sm")
+
+            def release(step):
+                """Tell the memory warpgroup that K step `step`'s SMEM slot may be refilled."""
+                for barrier in allocations["flat_consumed_barrier_refs"]:
+                    plgpu.barrier_arrive(barrier.at[lax.rem(step, num_slots)])
+
+            def pipeline_step(mma):
+                """The pipeline body: `mma` on this step's tiles, then the slot releases."""
+                def step_body(step, lhs_smem, rhs_smem, _lhs_consumed, _rhs_consumed, carry,
+                              *scales):
+                    carry = mma(step, lhs_smem, rhs_smem, carry, *scales)
+                    if release_delay:
+                        plgpu.wgmma_wait(1)      # the previous step's wgmma has retired
+
+                        @pl.when(step[0] > 0)
+                        def _():
+                            release(step[0] - 1)
+                    else:
+                        release(step[0])
+                    return carry
+                return step_body
+
+            def finish_pipeline():
+                """After a tile's last K step: its wgmma retired, its slot released."""
+                if release_delay:
+                    plgpu.wgmma_wait(0)
+                    release(k_steps - 1)
 
             def tile_geometry(item):
                 """Metadata of work item `item`, and this warpgroup's share of its rows."""
@@ -296,15 +347,24 @@ def _build_kernel(num_rows, k, n, num_groups, num_items, dtype, out_dtype, trans
                             wg_column=column + (0 if split_m else wg * tile_n))
 
             def store(acc, geo):
-                # The previous chunk's (or tile's) TMA stores must have read the SMEM tile
-                # before it is refilled; the last chunk's stores drain while the next tile's
-                # main loop runs.
-                for chunk in range(tile_n // epi_n):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    out_smem[wg] = acc[:, chunk * epi_n:(chunk + 1) * epi_n].astype(out_dtype)
-                    plgpu.commit_smem()
-                    _store_rows(out_smem.at[wg], out_gmem, geo["gmem_row"], geo["smem_row"],
-                                geo["count"], geo["wg_column"] + chunk * epi_n, tile_m, epi_n)
+                # A slot is refilled once the TMA stores that read it are done. Slots alternate
+                # chunk by chunk (an even number per tile) and a warpgroup with no rows in the
+                # tile skips it, so the newest store group always reads the other slot and
+                # waiting for all but `slots - 1` groups suffices, however many stores the row
+                # ladder issued. The last chunks' stores drain while the next tile's main loop
+                # runs.
+                slots = config.epilogue_slots
+
+                @pl.when(geo["count"] > 0)
+                def _():
+                    for chunk in range(tile_n // epi_n):
+                        slot = out_smem.at[wg, chunk % slots]
+                        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+                        slot[...] = acc[:, chunk * epi_n:(chunk + 1) * epi_n].astype(out_dtype)
+                        plgpu.commit_smem()
+                        _store_rows(slot, out_gmem, geo["gmem_row"], geo["smem_row"],
+                                    geo["count"], geo["wg_column"] + chunk * epi_n, tile_m,
+                                    epi_n)
 
             wg_rows = pl.ds(wg * tile_m, tile_m) if split_m else pl.ds(0, tile_m)
             wg_cols = pl.ds(0, tile_n) if split_m else pl.ds(wg * tile_n, tile_n)
@@ -318,7 +378,8 @@ def _build_kernel(num_rows, k, n, num_groups, num_items, dtype, out_dtype, trans
             def mma_body(_, lhs_smem, rhs_smem, acc_ref):
                 a, b = operands(lhs_smem, rhs_smem)
                 plgpu.wgmma(acc_ref, a, b)
-                plgpu.wgmma_wait(0)
+                if not release_delay:
+                    plgpu.wgmma_wait(0)
                 return acc_ref
 
             def scaled_mma_body(step, lhs_smem, rhs_smem, acc, lhs_scale_gmem, rhs_scale_gmem):
@@ -360,6 +421,7 @@ def _build_kernel(num_rows, k, n, num_groups, num_items, dtype, out_dtype, trans
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n)))
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
+                        finish_pipeline()
                         store(acc_ref[...], geo)
 
                 rhs_group = rhs_gmem.at[group]
@@ -368,8 +430,9 @@ def _build_kernel(num_rows, k, n, num_groups, num_items, dtype, out_dtype, trans
                 rhs_tile = rhs_group.at[n_slice, :] if transpose_rhs else rhs_group.at[:, n_slice]
                 scale_tiles = ([scale_gmem[0].at[:, m_slice], scale_gmem[1].at[group, :, n_slice]]
                                if scaled else [])
-                body_fn = (functools.partial(_with_scales, scaled_mma_body, *scale_tiles) if scaled
-                           else mma_body)
+                body_fn = (functools.partial(_with_scales, pipeline_step(scaled_mma_body),
+                                             *scale_tiles) if scaled
+                           else pipeline_step(mma_body))
                 pipeline(body_fn, compute_context, state)(
                     lhs_gmem.at[m_slice, :], rhs_tile, allocations=allocations)
 
