@@ -2,14 +2,27 @@
 
 lhs [M, K], rhs [M, N] (bf16/fp16), out [G, K, N]; the contraction runs over each group's rows.
 
-Structure (persistent, one warpgroup per CTA): work items are (group, K tile, N tile); each walks
-its group's rows in blocks of `tile_rows` through a TMA pipeline and accumulates
-lhs_block^T @ rhs_block with wgmma in fp32 registers. Row blocks sit on a grid anchored at the
-group's first row rounded down to 8 (TMA into swizzled SMEM needs 8-row offsets); a block that
-holds rows of another group (or rows past M, zero-filled by TMA) has those rows replaced by
-zeros in BOTH operands with a select, so NaN/Inf in one group never reaches
-another group's gradient. Empty groups store zeros. No atomics; every output tile is written by
-one work item.
+Structure (warp specialised, persistent): a grid of one CTA per SM walks the work items
+(group, K tile, N tile) in rounds of one item per CTA, group by group (by decreasing row count,
+alternate rounds dealt in reverse, so that the CTAs get even shares of work), each group's tiles
+in a planar snake (L2 reuse between the CTAs that run at the same time). Per CTA:
+  * a memory warpgroup issues the TMA loads of every row block of every item of the CTA into
+    one ring of `max_concurrent_steps` SMEM slots (an lhs [tile_rows, cta_k] and an rhs
+    [tile_rows, cta_n] tile per slot). The ring runs across items: the next item's first
+    blocks load while the current item's last blocks are multiplied and stored;
+  * two compute warpgroups each own half of the CTA output tile (stacked along K, wg_split="k":
+    CTA tile 2*tile_k x tile_n; or along N, wg_split="n": tile_k x 2*tile_n) as an fp32
+    wgmma accumulator in registers. Each keeps one wgmma in flight: while the wgmma of block t
+    runs, the warpgroup releases block t-1's slot (its wgmma has retired) and acquires block
+    t+1 (waits for its TMA and masks it, see below), also across items;
+  * epilogue: cast, SMEM, TMA store. The stores are not awaited, so they drain while the next
+    item runs (an epilogue slot is only rewritten once its previous store has read it).
+Row blocks sit on a grid anchored at the group's first row rounded down to 8 (TMA into swizzled
+SMEM needs 8-row offsets); a block that holds rows of another group (or rows past M,
+zero-filled by TMA) has those rows replaced by zeros in BOTH operands with a select before its
+wgmma, so NaN/Inf in one group never reaches another group's gradient. The two compute
+warpgroups split this masking by column chunks and meet at a barrier before either multiplies.
+Empty groups store zeros. No atomics; every output tile is written by one work item.
 
 Reduction order: ascending rows, 16 rows per wgmma step, anchored as above. It does not depend
 on the config; it depends on the group's own rows and on its start modulo 16 (groups that start
@@ -27,47 +40,132 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxmoe.ops.pallas.gmm_hopper import (HOPPER_NUM_SMS, ROW_ALIGN, SMEM_BUDGET, _swizzled,
-                                          default_num_sms)
+from jaxmoe.ops.pallas.gmm_hopper import (HOPPER_NUM_SMS, NUM_COMPUTE_WGS, ROW_ALIGN,
+                                          SMEM_BUDGET, _swizzled, default_num_sms)
+
+MEMORY_REGISTERS = 40     # per thread of the TMA warpgroup (setmaxnreg)
+# What is left of the 64K-register file, split between the compute warpgroups (a multiple of 8).
+COMPUTE_REGISTERS = (65536 // 128 - MEMORY_REGISTERS) // NUM_COMPUTE_WGS // 8 * 8
+MIN_EPILOGUE_BYTES = 32   # narrowest epilogue row (bytes): one 32-byte swizzle span
 
 
 @dataclasses.dataclass(frozen=True)
 class TgmmConfig:
-    """Tiling of the weight-gradient kernel (tile_k x tile_n outputs per work item)."""
+    """Tiling of the weight-gradient kernel. Each compute warpgroup owns tile_k x tile_n outputs
+    (an fp32 accumulator in registers); the two sit along K (wg_split="k": CTA tile
+    2*tile_k x tile_n) or along N (wg_split="n": tile_k x 2*tile_n). A pipeline step multiplies
+    tile_rows rows; the ring has max_concurrent_steps SMEM slots. The epilogue stores
+    epilogue_tile_n columns at a time through epilogue_slots SMEM buffers per warpgroup (None:
+    the widest chunk that fits next to the ring). grid_tile_width: band width (in N tiles) of
+    the snake order of a group's tiles. balanced_schedule: walk the groups by decreasing row
+    count and deal each round of items to the SMs in alternating directions (else: groups in
+    order, every round dealt from SM 0). None of these change the reduction order."""
 
     tile_k: int = 128
     tile_n: int = 128
+    wg_split: str = "k"
     tile_rows: int = 64
     max_concurrent_steps: int = 4
-    grid_tile_width: int = 4
+    epilogue_tile_n: int | None = None
+    epilogue_slots: int = 1
+    grid_tile_width: int = 8
+    balanced_schedule: bool = True
     num_sms: int = HOPPER_NUM_SMS
 
+    @property
+    def cta_k(self) -> int:
+        return self.tile_k * (NUM_COMPUTE_WGS if self.wg_split == "k" else 1)
+
+    @property
+    def cta_n(self) -> int:
+        return self.tile_n * (NUM_COMPUTE_WGS if self.wg_split == "n" else 1)
+
+    def ring_bytes(self, in_dtype) -> int:
+        """Shared memory of the TMA ring (an lhs and an rhs row block per slot)."""
+        return (self.max_concurrent_steps * self.tile_rows * (self.cta_k + self.cta_n)
+                * jnp.dtype(in_dtype).itemsize)
+
+    def epilogue_bytes(self, epilogue_n: int, out_dtype) -> int:
+        """Shared memory of the epilogue buffers with epilogue_n-column chunks."""
+        return (NUM_COMPUTE_WGS * self.epilogue_slots * self.tile_k * epilogue_n
+                * jnp.dtype(out_dtype).itemsize)
+
+    def epilogue_n(self, in_dtype, out_dtype) -> int:
+        """Columns per epilogue chunk: epilogue_tile_n, or for None the widest power-of-two
+        fraction of tile_n (at least MIN_EPILOGUE_BYTES wide; an even number of chunks with two
+        slots) that fits in shared memory next to the ring, else the narrowest such."""
+        if self.epilogue_tile_n is not None:
+            return self.epilogue_tile_n
+        out_bytes = jnp.dtype(out_dtype).itemsize
+        candidates = [self.tile_n >> i for i in range(self.tile_n.bit_length())
+                      if (self.tile_n >> i) * out_bytes >= MIN_EPILOGUE_BYTES
+                      and (self.epilogue_slots == 1 or i > 0)]
+        if not candidates:
+            return self.tile_n
+        for cols in candidates:
+            if self.ring_bytes(in_dtype) + self.epilogue_bytes(cols, out_dtype) <= SMEM_BUDGET:
+                return cols
+        return candidates[-1]
+
     def smem_bytes(self, in_dtype, out_dtype) -> int:
-        """Shared memory used: the TMA ring of row blocks plus the output tile."""
-        ring = self.tile_rows * (self.tile_k + self.tile_n) * jnp.dtype(in_dtype).itemsize
-        return (self.max_concurrent_steps * ring
-                + self.tile_k * self.tile_n * jnp.dtype(out_dtype).itemsize)
+        """Shared memory used: the TMA ring plus the epilogue buffers."""
+        return (self.ring_bytes(in_dtype)
+                + self.epilogue_bytes(self.epilogue_n(in_dtype, out_dtype), out_dtype))
 
     def validate(self, num_rows: int, k: int, n: int, in_dtype=jnp.bfloat16,
                  out_dtype=jnp.float32) -> None:
         """Raise ValueError when this config cannot run on the given problem."""
+        if self.wg_split not in ("k", "n"):
+            raise ValueError(f"tgmm pallas: wg_split must be 'k' or 'n', got {self.wg_split!r}")
+        if self.tile_k not in (64, 128):
+            raise ValueError(f"tgmm pallas: tile_k={self.tile_k} must be 64 or 128 (the wgmma "
+                             "M dimension of one warpgroup)")
+        if self.tile_n not in (32, 64, 128, 256) or self.tile_k * self.tile_n > 128 * 128:
+            raise ValueError(f"tgmm pallas: tile_n={self.tile_n} must be 32, 64, 128 or 256 "
+                             "with tile_k * tile_n <= 128 * 128 (the fp32 accumulator takes "
+                             "tile_k * tile_n / 128 registers per thread)")
+        if self.tile_rows <= 0 or self.tile_rows % 64:
+            # The foreign-row select loads a row block in the wgmma register layout (64 rows).
+            raise ValueError(f"tgmm pallas: tile_rows={self.tile_rows} must be a multiple of 64")
+        if self.max_concurrent_steps < 2:
+            raise ValueError(f"tgmm pallas: max_concurrent_steps={self.max_concurrent_steps} "
+                             "must be >= 2 (a slot stays in use while its wgmma is in flight)")
+        if self.num_sms < 1 or self.grid_tile_width < 1:
+            raise ValueError(f"tgmm pallas: num_sms={self.num_sms} and grid_tile_width="
+                             f"{self.grid_tile_width} must be positive")
+        if k % self.cta_k or n % self.cta_n:
+            raise ValueError(f"tgmm pallas: K={k}, N={n} must be multiples of the CTA tile "
+                             f"{self.cta_k} x {self.cta_n} (tile_k={self.tile_k}, "
+                             f"tile_n={self.tile_n}, wg_split={self.wg_split!r})")
+        if self.epilogue_slots not in (1, 2):
+            raise ValueError(f"tgmm pallas: epilogue_slots={self.epilogue_slots} must be 1 or 2")
+        epilogue_n = self.epilogue_n(in_dtype, out_dtype)
+        if (epilogue_n <= 0 or self.tile_n % epilogue_n
+                or epilogue_n * jnp.dtype(out_dtype).itemsize < MIN_EPILOGUE_BYTES
+                or (self.epilogue_slots == 2 and (self.tile_n // epilogue_n) % 2)):
+            # Two slots alternate chunk by chunk across items, so that the newest store in
+            # flight always reads the other slot: an item must have an even number of chunks.
+            raise ValueError(f"tgmm pallas: epilogue chunks of {epilogue_n} columns must divide "
+                             f"tile_n={self.tile_n}, be >= {MIN_EPILOGUE_BYTES} bytes wide and "
+                             f"come in an even number with epilogue_slots=2")
         if self.smem_bytes(in_dtype, out_dtype) > SMEM_BUDGET:
             raise ValueError(f"tgmm pallas: {self} needs {self.smem_bytes(in_dtype, out_dtype)} "
-                             f"bytes of shared memory (> {SMEM_BUDGET})")
-        if k % self.tile_k or n % self.tile_n:
-            raise ValueError(f"tgmm pallas: K={k}, N={n} must be multiples of tile_k="
-                             f"{self.tile_k}, tile_n={self.tile_n}")
-        if self.tile_rows % 16:
-            raise ValueError(f"tgmm pallas: tile_rows={self.tile_rows} must be a multiple of 16")
+                             f"bytes of shared memory (> {SMEM_BUDGET}); use fewer "
+                             "max_concurrent_steps, a narrower epilogue or smaller tiles")
 
 
 def default_tgmm_config(num_rows: int, k: int, n: int) -> TgmmConfig:
-    """Shape-based heuristic: 128-wide output tiles where they divide, else 64."""
-    tile_k = 128 if k % 128 == 0 else 64
-    tile_n = 128 if n % 128 == 0 else 64
-    if k % tile_k or n % tile_n:
+    """Shape-based heuristic: the largest CTA tile that divides K x N, 256 x 128 (two 128 x 128
+    warpgroup tiles along K) first; 64-row steps, 4 of them in flight."""
+    if k % 64 or n % 64:
         raise ValueError(f"tgmm pallas: K={k} and N={n} must be multiples of 64")
-    return TgmmConfig(tile_k=tile_k, tile_n=tile_n, num_sms=default_num_sms())
+    for split, tile_k, tile_n in (("k", 128, 128), ("n", 128, 128), ("k", 64, 128),
+                                  ("k", 64, 64), ("n", 64, 64), ("n", 64, 32)):
+        config = TgmmConfig(tile_k=tile_k, tile_n=tile_n, wg_split=split,
+                            num_sms=default_num_sms())
+        if k % config.cta_k == 0 and n % config.cta_n == 0:
+            return config
+    raise AssertionError("unreachable: the last candidate divides multiples of 64")
 
 
 def tgmm_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dtype,
@@ -85,89 +183,231 @@ def tgmm_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_d
     ends = starts + sizes
     anchors = starts - starts % ROW_ALIGN
     num_blocks = jnp.where(sizes > 0, -(-(ends - anchors) // config.tile_rows), 0)
+    # Work items are (group, K tile, N tile), group by group in this order. Items of one group
+    # cost the same, so with the groups by decreasing size each round of num_sms consecutive
+    # items is nearly uniform, and dealing alternate rounds in reverse evens out the rest.
+    order = (jnp.argsort(-num_blocks, stable=True).astype(jnp.int32)
+             if config.balanced_schedule else jnp.arange(sizes.shape[0], dtype=jnp.int32))
+    # Per-group metadata in walking order (one load per field, no dependent index load).
+    meta = jnp.stack([order, starts[order], ends[order], anchors[order], num_blocks[order]])
     kernel = _build_kernel(num_rows, k, n, sizes.shape[0], lhs.dtype, jnp.dtype(out_dtype),
                            config, interpret)
-    return kernel(starts, ends, anchors, num_blocks, lhs, rhs)
+    return kernel(meta, lhs, rhs)
 
 
 @functools.lru_cache(maxsize=None)
 def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConfig, interpret):
     tile_k, tile_n, tile_rows = config.tile_k, config.tile_n, config.tile_rows
-    grid_k, grid_n = k // tile_k, n // tile_n
-    lhs_transforms = _swizzled(dtype, tile_k)
-    rhs_transforms = _swizzled(dtype, tile_n)
-    # Keep one wgmma in flight: a slot is refilled only after the step after it was issued.
-    release_delay = 1 if config.max_concurrent_steps > 1 else 0
+    cta_k, cta_n = config.cta_k, config.cta_n
+    split_k = config.wg_split == "k"
+    grid_k, grid_n = k // cta_k, n // cta_n
+    per_group = grid_k * grid_n
+    num_items = num_groups * per_group
+    num_sms, num_slots = config.num_sms, config.max_concurrent_steps
+    epi_n, epi_slots = config.epilogue_n(dtype, out_dtype), config.epilogue_slots
+    # Swizzle at the width one warpgroup multiplies (for the operand both share, its full
+    # width), so that each warpgroup's slice starts on a swizzle tile; wgmma wants one swizzle
+    # for both operands.
+    lhs_transforms = rhs_transforms = _swizzled(dtype, min(tile_k, tile_n))
 
-    def body(starts_gmem, ends_gmem, anchors_gmem, blocks_gmem, lhs_gmem, rhs_gmem, out_gmem):
-        @plgpu.nd_loop((num_groups, grid_k * grid_n), collective_axes="sm")
-        def _work_loop(loop_info: plgpu.NDLoopInfo):
-            group = loop_info.index[0]
-            ki, ni = plgpu.planar_snake(loop_info.index[1], (grid_k, grid_n), 1,
+    full_rounds, last_round = divmod(num_items, num_sms)
+
+    def lane(sm, j):
+        """The position of CTA `sm` in round j (alternate rounds reversed when balanced)."""
+        if not config.balanced_schedule:
+            return sm
+        return jnp.where(j % 2 == 0, sm, num_sms - 1 - sm)
+
+    def body(meta_gmem, lhs_gmem, rhs_gmem, out_gmem):
+        sm = lax.axis_index("sm")
+        num_mine = full_rounds + (lane(sm, full_rounds) < last_round).astype(jnp.int32)
+
+        def load_item(j):
+            """Metadata of the CTA's j-th work item (clamped to a valid item): a dict of the
+            group, its K and N tile, its rows [start, end), anchor and number of row blocks."""
+            idx = jnp.minimum(j * num_sms + lane(sm, j), num_items - 1)
+            rank = lax.div(idx, per_group)
+            ki, ni = plgpu.planar_snake(lax.rem(idx, per_group), (grid_k, grid_n), 1,
                                         config.grid_tile_width)
-            start, end = starts_gmem[group], ends_gmem[group]
-            anchor, blocks = anchors_gmem[group], blocks_gmem[group]
+            return dict(zip(("group", "start", "end", "anchor", "blocks"),
+                            (meta_gmem[f, rank] for f in range(5))), ki=ki, ni=ni)
 
-            def acc_scope(acc_ref):
-                def block_matmul(step, lhs_smem, rhs_smem):
-                    grid_row = anchor + step[0] * tile_rows
-                    row_lo = jnp.maximum(start, grid_row)
-                    row_hi = jnp.minimum(end, grid_row + tile_rows)
+        @functools.partial(
+            pl.run_scoped,
+            lhs_ring=plgpu.SMEM((num_slots, tile_rows, cta_k), dtype, transforms=lhs_transforms),
+            rhs_ring=plgpu.SMEM((num_slots, tile_rows, cta_n), dtype, transforms=rhs_transforms),
+            out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, epi_slots, tile_k, epi_n), out_dtype,
+                                transforms=_swizzled(out_dtype, epi_n)),
+            # TMA landed (2 copies per slot); slot free (both compute warpgroups); foreign rows
+            # of the current block zeroed (both compute warpgroups).
+            produced=plgpu.Barrier(num_arrivals=2, num_barriers=num_slots),
+            consumed=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=num_slots),
+            masked=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
+            collective_axes="wg",
+        )
+        def _scope(lhs_ring, rhs_ring, out_smem, produced, consumed, masked):
+            wg = lax.axis_index("wg")
 
-                    @pl.when((row_lo > grid_row) | (row_hi < grid_row + tile_rows))
-                    def _zero_foreign_rows():
-                        for ref in (lhs_smem, rhs_smem):
-                            rows = grid_row + plgpu.layout_cast(
-                                lax.broadcasted_iota(jnp.int32, ref.shape, 0),
-                                plgpu.Layout.WGMMA)
-                            keep = (rows >= row_lo) & (rows < row_hi)
-                            ref[...] = jnp.where(keep, ref[...], jnp.zeros((), ref.dtype))
-                        plgpu.commit_smem()
+            def memory_warpgroup():
+                plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-                    plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_smem)
-                    if release_delay == 0:
-                        plgpu.wgmma_wait(0)
+                def load_blocks(j, carry):
+                    """TMA loads of all row blocks of item j; `step` counts the CTA's blocks."""
+                    step, item = carry
+                    next_item = load_item(j + 1)      # prefetched: used by the next iteration
 
-                # Row windows start on the 8-aligned anchor; the last one may run past M, where
-                # TMA fills zeros (and the select above discards those rows anyway).
-                def window(block):
-                    return pl.multiple_of(anchor + block * tile_rows, ROW_ALIGN)
+                    @pl.loop(0, item["blocks"])
+                    def _load_block(b):
+                        t = step + b
+                        slot = lax.rem(t, num_slots)
 
-                plgpu.emit_pipeline(
-                    block_matmul,
-                    grid=(blocks,),
-                    in_specs=[
-                        plgpu.BlockSpec((pl.Element(tile_rows), tile_k),
-                                        lambda b: (window(b), ki),
-                                        transforms=lhs_transforms,
-                                        delay_release=release_delay),
-                        plgpu.BlockSpec((pl.Element(tile_rows), tile_n),
-                                        lambda b: (window(b), ni),
-                                        transforms=rhs_transforms,
-                                        delay_release=release_delay),
-                    ],
-                    max_concurrent_steps=config.max_concurrent_steps,
-                )(lhs_gmem, rhs_gmem)
-                return acc_ref[...]
+                        @pl.when(t >= num_slots)
+                        def _wait_free():       # both compute warpgroups are done with t - slots
+                            plgpu.barrier_wait(consumed.at[slot])
 
-            acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_k, tile_n)))   # starts at zero
+                        # Row windows start on the 8-aligned anchor; the last one may run past
+                        # M, where TMA fills zeros (the select discards those rows anyway).
+                        row = pl.multiple_of(item["anchor"] + b * tile_rows, ROW_ALIGN)
+                        plgpu.copy_gmem_to_smem(
+                            lhs_gmem.at[pl.ds(row, tile_rows), pl.ds(item["ki"] * cta_k, cta_k)],
+                            lhs_ring.at[slot], produced.at[slot])
+                        plgpu.copy_gmem_to_smem(
+                            rhs_gmem.at[pl.ds(row, tile_rows), pl.ds(item["ni"] * cta_n, cta_n)],
+                            rhs_ring.at[slot], produced.at[slot])
 
-            @functools.partial(pl.run_scoped,
-                               out_smem=plgpu.SMEM((tile_k, tile_n), out_dtype,
-                                                   transforms=_swizzled(out_dtype, tile_n)))
-            def _store(out_smem):
-                out_smem[...] = acc.astype(out_dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    out_smem, out_gmem.at[group, pl.ds(ki * tile_k, tile_k),
-                                          pl.ds(ni * tile_n, tile_n)])
+                    return step + item["blocks"], next_item
+
+                num_steps, _ = lax.fori_loop(0, num_mine, load_blocks,
+                                             (jnp.int32(0), load_item(0)))
+
+                # Observe the releases of the last slots too (the barriers' phases then match
+                # in every warpgroup when they are deallocated).
+                @pl.loop(jnp.maximum(num_steps - num_slots, 0), num_steps)
+                def _quiesce(t):
+                    plgpu.barrier_wait(consumed.at[lax.rem(t, num_slots)])
+
+            def zero_foreign_rows(ref, grid_row, row_lo, row_hi):
+                """Zero the rows outside [row_lo, row_hi) of a [tile_rows, width] SMEM tile. The
+                compute warpgroups split it into column chunks of one swizzle tile each and
+                take halves (the first warpgroup takes a lone chunk)."""
+                chunk = min(lhs_transforms[0].tiling[1], ref.shape[1])
+                num_chunks = ref.shape[1] // chunk
+                for c in range(num_chunks):
+                    @pl.when(wg == (NUM_COMPUTE_WGS * c) // num_chunks)
+                    def _mask_chunk():
+                        part = ref.at[:, pl.ds(c * chunk, chunk)]
+                        rows = grid_row + plgpu.layout_cast(
+                            lax.broadcasted_iota(jnp.int32, part.shape, 0), plgpu.Layout.WGMMA)
+                        keep = (rows >= row_lo) & (rows < row_hi)
+                        part[...] = jnp.where(keep, part[...], jnp.zeros((), part.dtype))
+
+            def acquire(t, item, b):
+                """Wait for the TMA of step t (row block b of `item`); on a boundary block, zero
+                the other groups' rows in both operands, then wait for the other warpgroup's
+                half of that work."""
+                slot = lax.rem(t, num_slots)
+                plgpu.barrier_wait(produced.at[slot])
+                grid_row = item["anchor"] + b * tile_rows
+                row_lo = jnp.maximum(item["start"], grid_row)
+                row_hi = jnp.minimum(item["end"], grid_row + tile_rows)
+
+                @pl.when((row_lo > grid_row) | (row_hi < grid_row + tile_rows))
+                def _zero_foreign_rows():
+                    zero_foreign_rows(lhs_ring.at[slot], grid_row, row_lo, row_hi)
+                    zero_foreign_rows(rhs_ring.at[slot], grid_row, row_lo, row_hi)
+                    plgpu.commit_smem()          # visible to wgmma (async proxy)
+                    plgpu.barrier_arrive(masked)
+                    plgpu.barrier_wait(masked)   # the other warpgroup's chunks are zeroed too
+
+            def release(t):
+                plgpu.barrier_arrive(consumed.at[lax.rem(t, num_slots)])
+
+            def store(acc, item):
+                """Cast and TMA-store this warpgroup's tile; the stores are left in flight."""
+                row = item["ki"] * cta_k + (wg * tile_k if split_k else 0)
+                col = item["ni"] * cta_n + (0 if split_k else wg * tile_n)
+                for c in range(tile_n // epi_n):
+                    # Slots alternate chunk by chunk (an even number per item with two slots),
+                    # so the newest store in flight always reads the other slot.
+                    slot = out_smem.at[wg, c % epi_slots]
+                    plgpu.wait_smem_to_gmem(epi_slots - 1, wait_read_only=True)
+                    slot[...] = acc[:, c * epi_n:(c + 1) * epi_n].astype(out_dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(
+                        slot, out_gmem.at[item["group"], pl.ds(row, tile_k),
+                                          pl.ds(col + c * epi_n, epi_n)])
+
+            def compute_warpgroup():
+                plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+
+                def matmul_item(j, carry):
+                    # Row block t + 1 is acquired while the wgmma of block t runs, across items
+                    # too: `acquired` says whether this item's first block already was (it was
+                    # unless this is the CTA's first item or the previous item was empty).
+                    step, item, acquired = carry
+                    next_item = load_item(j + 1)      # prefetched: used by the next iteration
+                    blocks = item["blocks"]
+                    next_step = step + blocks
+                    has_next = (j + 1 < num_mine) & (next_item["blocks"] > 0)
+
+                    @pl.when(jnp.logical_not(acquired) & (blocks > 0))
+                    def _acquire_first():
+                        acquire(step, item, 0)
+
+                    def acc_scope(acc_ref):
+                        @pl.loop(0, blocks)
+                        def _block(b):
+                            t = step + b
+                            slot = lax.rem(t, num_slots)
+                            lhs_smem, rhs_smem = lhs_ring.at[slot], rhs_ring.at[slot]
+                            if split_k:
+                                a = lhs_smem.at[:, pl.ds(wg * tile_k, tile_k)]
+                                b_op = rhs_smem
+                            else:
+                                a = lhs_smem
+                                b_op = rhs_smem.at[:, pl.ds(wg * tile_n, tile_n)]
+                            plgpu.wgmma(acc_ref, a.transpose((1, 0)), b_op)
+                            plgpu.wgmma_wait(1)         # the previous block's wgmma retired
+
+                            @pl.when(b > 0)
+                            def _release_previous():
+                                release(t - 1)
+
+                            # Acquire block t + 1 (this item's next block, or the next item's
+                            # first) under wgmma t. Its slot differs from t's (2+ slots) and
+                            # its load only needed the slots released so far.
+                            last = b == blocks - 1
+                            target = {f: jnp.where(last, next_item[f], item[f])
+                                      for f in ("start", "end", "anchor")}
+
+                            @pl.when(jnp.logical_not(last) | has_next)
+                            def _acquire_next():
+                                acquire(t + 1, target, jnp.where(last, 0, b + 1))
+
+                        @pl.when(blocks > 0)
+                        def _release_last():
+                            plgpu.wgmma_wait(0)
+                            release(next_step - 1)
+
+                        return acc_ref[...]
+
+                    acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_k, tile_n)))  # starts at 0
+                    store(acc, item)
+                    return next_step, next_item, blocks > 0
+
+                lax.fori_loop(0, num_mine, matmul_item,
+                              (jnp.int32(0), load_item(0), jnp.bool_(False)))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            lax.cond(wg == NUM_COMPUTE_WGS, memory_warpgroup, compute_warpgroup)
 
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
-        grid=(config.num_sms,),
+        grid=(num_sms,),
         grid_names=("sm",),
+        num_threads=NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret,
