@@ -8,9 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu.core import artificial_shared_memory_limit
 
 from jaxmoe import mxfp8
 from jaxmoe.ops import dispatch_quantize, on_hopper, quantize
+from jaxmoe.ops.pallas import quantize_hopper
+from jaxmoe.ops.pallas.gmm_hopper import default_num_sms
 from jaxmoe.ops.pallas.quantize_hopper import (gather_quantize_rowwise_pallas,
                                                quantize_columnwise_pallas,
                                                quantize_rowwise_pallas)
@@ -41,10 +45,40 @@ def normal_range(shape, dtype, seed=0):
         keys[1], shape, -20, 20).astype(jnp.float32))).astype(dtype)
 
 
+def row_tokens(num_tokens, num_rows, seed=4):
+    """Dispatch rows: random tokens, every 7th row a padding row (token T)."""
+    tokens = jax.random.randint(jax.random.key(seed), (num_rows,), 0, num_tokens)
+    return tokens.at[::7].set(num_tokens).astype(jnp.int32)
+
+
+def gathered(x, row_token):
+    """The rows x[row_token] with zero rows for padding (row_token == T)."""
+    return jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[row_token]
+
+
 def assert_same_mx(ours, ref):
     assert ours.axis == ref.axis and ours.fmt == ref.fmt
     assert_bitwise(np.asarray(ours.data), np.asarray(ref.data))
     assert_bitwise(np.asarray(ours.scale), np.asarray(ref.scale))
+
+
+def check_kernel(kind, x, fmt, arithmetic, num_rows=None):
+    """Run one kernel on x (gather: num_rows dispatch rows of x) and compare it bit for bit with
+    the reference, computed on the host CPU."""
+    host_x = np.asarray(x)
+    if kind == "gather":
+        row_token = row_tokens(x.shape[0], num_rows)
+        data, scale = gather_quantize_rowwise_pallas(x, row_token, fmt, arithmetic=arithmetic)
+        with jax.default_device(jax.devices("cpu")[0]):
+            ref = mxfp8.quantize(gathered(host_x, np.asarray(row_token)), axis=1, fmt=fmt)
+        assert np.all(np.asarray(scale)[np.asarray(row_token) == x.shape[0]] == 0)
+    else:
+        kernel = quantize_rowwise_pallas if kind == "rowwise" else quantize_columnwise_pallas
+        data, scale = kernel(x, fmt, arithmetic=arithmetic)
+        with jax.default_device(jax.devices("cpu")[0]):
+            ref = mxfp8.quantize(host_x, axis=1 if kind == "rowwise" else 0, fmt=fmt)
+    assert_bitwise(np.asarray(data), np.asarray(ref.data))
+    assert_bitwise(np.asarray(scale), np.asarray(ref.scale))
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
@@ -56,32 +90,55 @@ def test_kernels_equal_the_reference_bitwise(interpret, axis, dtype, fmt):
                    mxfp8.quantize(x, axis=axis, fmt=fmt))
 
 
-KERNELS = {
-    "rowwise": lambda x, fmt, arithmetic: quantize_rowwise_pallas(x, fmt, arithmetic=arithmetic),
-    "columnwise": lambda x, fmt, arithmetic: quantize_columnwise_pallas(x, fmt,
-                                                                        arithmetic=arithmetic),
-}
-
-
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("kind", KERNELS)
+@pytest.mark.parametrize("kind", ["rowwise", "columnwise", "gather"])
 def test_float_arithmetic_equals_the_reference_on_normal_values(interpret, kind, fmt):
-    x = normal_range((192, 256), jnp.bfloat16, seed=7)
-    data, scale = KERNELS[kind](x, fmt, "float")
-    ref = mxfp8.quantize(x, axis=1 if kind == "rowwise" else 0, fmt=fmt)
-    assert_bitwise(np.asarray(data), np.asarray(ref.data))
-    assert_bitwise(np.asarray(scale), np.asarray(ref.scale))
+    check_kernel(kind, normal_range((192, 256), jnp.bfloat16, seed=7), fmt, "float",
+                 num_rows=300)
 
 
-def test_rowwise_leading_dims_and_partial_tiles(interpret):
-    """3-D input (viewed as 2-D); a shape that is not a whole number of 128-block tiles goes to
-    XLA on "auto" and is refused on "pallas" (the H200 mis-stored scales of a partial tile)."""
-    x = tensor((2, 64, 96), jnp.bfloat16, seed=1)
+# (kind, x shape, dispatch rows): one partial tile (360 blocks: the shape whose scales the H200
+# once mis-stored), K below and between column tiles, gathers of whole rows (bf16 K = 256: 32
+# rows of 512 B per tile, 896: 8 rows of 1.75 KB, 192: 32 rows of 384 B) and of row segments
+# (K = 8704: 16-block pieces), each with padding rows and a partial last tile.
+PARTIAL_CASES = [
+    ("rowwise", (120, 96), None), ("rowwise", (7, 32), None),
+    ("columnwise", (64, 400), None), ("columnwise", (96, 48), None),
+    ("gather", (50, 256), 37), ("gather", (30, 896), 45), ("gather", (30, 192), 45),
+    ("gather", (6, 8704), 9),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("kind,shape,num_rows", PARTIAL_CASES)
+def test_partial_tiles(interpret, kind, shape, num_rows, dtype):
+    check_kernel(kind, tensor(shape, dtype, seed=11), "e4m3", "exact", num_rows)
+
+
+def long_pipeline(kind, dtype):
+    """(x shape, dispatch rows) with a partial last tile and 3 tiles more than the interpreter's
+    CTAs hold in their rings, so that every CTA reuses its SMEM slots."""
+    k = {"rowwise": 256, "columnwise": 400, "gather": 2048}[kind]
+    tiles = quantize_hopper.STAGES * quantize_hopper.CTAS_PER_SM * default_num_sms() + 3
+    if kind == "columnwise":
+        return (32 * pl.cdiv(tiles, pl.cdiv(k, quantize_hopper.tile_elems(dtype))), k), None
+    tile = (quantize_hopper.tile_elems(dtype) if kind == "rowwise"
+            else quantize_hopper._gather_plan(k, dtype)[0])
+    rows = tiles * tile * 32 // k - 1
+    return ((64, k), rows) if kind == "gather" else ((rows, k), None)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("kind", ["rowwise", "columnwise", "gather"])
+def test_long_pipelines_reuse_every_slot(interpret, kind, dtype):
+    shape, num_rows = long_pipeline(kind, dtype)
+    check_kernel(kind, tensor(shape, dtype, seed=12), "e5m2", "exact", num_rows)
+
+
+def test_rowwise_leading_dims_and_any_row_count(interpret):
+    """3-D input (viewed as 2-D) whose 360 blocks are not a whole number of tiles (nor of 16)."""
+    x = tensor((3, 40, 96), jnp.bfloat16, seed=1)
     assert_same_mx(quantize(x, axis=-1, impl="pallas"), mxfp8.quantize(x, axis=-1))
-    partial = tensor((3, 40, 96), jnp.bfloat16, seed=1)
-    assert_same_mx(quantize(partial, axis=-1), mxfp8.quantize(partial, axis=-1))
-    with pytest.raises(ValueError, match="multiple of 128 blocks"):
-        quantize(partial, axis=-1, impl="pallas")
 
 
 def test_negative_control_one_element_changes_the_bits(interpret):
@@ -96,10 +153,30 @@ def test_dispatch_quantize_equals_quantize_of_the_gathered_rows(interpret, fmt):
     x = tensor((50, 256), jnp.bfloat16, seed=3)
     row_token = jax.random.randint(jax.random.key(4), (128,), 0, 51).astype(jnp.int32)
     row_token = row_token.at[:5].set(50)                         # padding rows
-    padded = jnp.concatenate([x, jnp.zeros((1, 256), x.dtype)])
     out = dispatch_quantize(x, row_token, fmt, impl="pallas")
-    assert_same_mx(out, mxfp8.quantize(padded[row_token], axis=1, fmt=fmt))
+    assert_same_mx(out, mxfp8.quantize(gathered(x, row_token), axis=1, fmt=fmt))
     assert np.all(np.asarray(out.scale)[:5] == 0)
+
+
+def test_gather_loads_whole_rows_at_the_benchmark_widths():
+    """bf16 tiles of whole token rows: 2 x 8 KB (H 4096), 1 x 14 KB (7168), 4 x 4 KB (2048)."""
+    plan = functools.partial(quantize_hopper._gather_plan, dtype=jnp.bfloat16)
+    assert [plan(h) for h in (4096, 7168, 2048)] == [(256, 128), (224, 224), (256, 64)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gather_plans_keep_every_tma_aligned(dtype):
+    """For every row width the kernel takes: the tile fits the register layout and the ring
+    slot, and every segment TMA starts on a 128-byte SMEM boundary and splits its bytes evenly
+    over the warpgroup (the interpreter checks neither)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    for k in range(32, 20000, 32):
+        if quantize_hopper.gather_problem((1, k), dtype, 1):
+            continue
+        tile, segment = quantize_hopper._gather_plan(k, dtype)
+        assert tile % (64 // itemsize) == 0 and tile <= quantize_hopper.tile_elems(dtype)
+        assert tile % segment == 0 and (k // 32) % segment == 0
+        assert segment * 32 * itemsize % 128 == 0
 
 
 def test_auto_falls_back_and_pallas_refuses_clearly():
@@ -107,44 +184,49 @@ def test_auto_falls_back_and_pallas_refuses_clearly():
     assert_same_mx(quantize(x, axis=0), mxfp8.quantize(x, axis=0))  # XLA on CPU / for fp16
     with pytest.raises(ValueError, match="bf16 or fp32"):
         quantize(x, axis=1, impl="pallas")
-    with pytest.raises(ValueError, match="M % 64"):
-        quantize(x.astype(jnp.bfloat16), axis=0, impl="pallas")
-    with pytest.raises(ValueError, match="M % 64"):
+    with pytest.raises(ValueError, match="M % 32"):
+        quantize(x[:48].astype(jnp.bfloat16), axis=0, impl="pallas")
+    with pytest.raises(ValueError, match="K % 16"):
+        quantize(x[:, :40].astype(jnp.bfloat16), axis=0, impl="pallas")
+    with pytest.raises(ValueError, match="K % 64"):
         dispatch_quantize(x.astype(jnp.bfloat16), jnp.zeros(40, jnp.int32), impl="pallas")
+    with pytest.raises(ValueError, match="non-empty"):
+        quantize(jnp.zeros((0, 64), jnp.bfloat16), axis=1, impl="pallas")
+    with pytest.raises(ValueError, match="at least one row"):
+        dispatch_quantize(jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros(0, jnp.int32),
+                          impl="pallas")
 
 
-@pytest.mark.parametrize("op", ["rowwise", "columnwise", "dispatch"])
-def test_lowering_at_real_shapes(op):
+@pytest.mark.parametrize("arithmetic", ["float", "exact"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("kind", ["rowwise", "columnwise", "gather"])
+def test_lowering_at_real_shapes(kind, dtype, arithmetic):
+    """Mosaic GPU lowering at the benchmark shapes, within the shared memory that lets
+    CTAS_PER_SM CTAs share an SM (the persistent grid assumes they do)."""
     s = jax.ShapeDtypeStruct
-    x = s((16384, 4096), jnp.bfloat16)
-    if op == "dispatch":
-        fn = functools.partial(dispatch_quantize, impl="pallas")
-        args = (s((8192, 4096), jnp.bfloat16), s((16384,), jnp.int32))
-    else:
-        fn = functools.partial(quantize, axis=1 if op == "rowwise" else 0, impl="pallas")
-        args = (x,)
-    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    for m, k in [(16384, 4096), (65536, 2048), (32768, 7168)]:
+        if kind == "gather":
+            fn = functools.partial(gather_quantize_rowwise_pallas, arithmetic=arithmetic)
+            args = (s((m // 2, k), dtype), s((m,), jnp.int32))
+        else:
+            fn = functools.partial(quantize_rowwise_pallas if kind == "rowwise"
+                                   else quantize_columnwise_pallas, arithmetic=arithmetic)
+            args = (s((m, k), dtype),)
+        with artificial_shared_memory_limit(quantize_hopper.SMEM_PER_CTA):
+            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+# Many tiles per CTA of the persistent grid (every ring slot reused), then the partial cases.
+GPU_CASES = [("rowwise", (8192, 4096), None), ("columnwise", (8192, 4096), None),
+             ("gather", (4096, 4096), 8192), ("gather", (2048, 7168), 4096), *PARTIAL_CASES]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arithmetic", ["float", "exact"])
 def test_gpu_kernels_equal_the_reference_bitwise(arithmetic):
     """Every kernel and both arithmetics on the H200, specials and denormals included, against
-    the reference computed on the host CPU."""
+    the reference computed on the host CPU: long pipelines and partial tiles."""
     for dtype in (jnp.bfloat16, jnp.float32):
         for fmt in ("e4m3", "e5m2"):
-            x = tensor((4096, 1024), dtype, seed=3)
-            with jax.default_device(jax.devices("cpu")[0]):
-                refs = [mxfp8.quantize(np.asarray(x), axis=axis, fmt=fmt) for axis in (1, 0)]
-            for kind, ref in zip(KERNELS, refs):
-                data, scale = KERNELS[kind](x, fmt, arithmetic)
-                assert_bitwise(np.asarray(data), np.asarray(ref.data))
-                assert_bitwise(np.asarray(scale), np.asarray(ref.scale))
-            row_token = jax.random.randint(jax.random.key(9), (8192,), 0, 4097).astype(jnp.int32)
-            padded = np.concatenate([np.asarray(x), np.zeros((1, 1024), x.dtype)])
-            with jax.default_device(jax.devices("cpu")[0]):
-                ref = mxfp8.quantize(padded[np.asarray(row_token)], axis=1, fmt=fmt)
-            data, scale_t = gather_quantize_rowwise_pallas(x, row_token, fmt,
-                                                           arithmetic=arithmetic)
-            assert_bitwise(np.asarray(data), np.asarray(ref.data))
-            assert_bitwise(np.asarray(scale_t).T, np.asarray(ref.scale))
+            for kind, shape, num_rows in GPU_CASES:
+                check_kernel(kind, tensor(shape, dtype, seed=3), fmt, arithmetic, num_rows)

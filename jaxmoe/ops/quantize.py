@@ -3,14 +3,16 @@
 
   impl "xla"     `jaxmoe.mxfp8.quantize`, the TE-exact reference.
   impl "pallas"  the Hopper kernels (ops/pallas/quantize_hopper.py), bitwise equal to it:
-                 blocks along the last axis (any leading shape, viewed as 2-D; a multiple
-                 of 128 blocks in all), blocks along
-                 axis 0 of a 2-D [M, K] with M % 64 == 0 and K % 128 == 0; bf16 or fp32 input.
-                 Other problems raise ValueError.
+                 blocks along the last axis (any leading shape, viewed as 2-D), blocks along
+                 axis 0 of a 2-D [M, K] with K % 16 == 0, and the dispatch gather with H a
+                 multiple of 64 (bf16) / 32 (fp32); bf16 or fp32 input, not empty. Other
+                 problems raise ValueError.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +20,10 @@ import jax.numpy as jnp
 from jaxmoe import mxfp8
 from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor
 from jaxmoe.ops.gmm import _check_impl, on_hopper
-from jaxmoe.ops.pallas.quantize_hopper import (COLUMN_TILE, ROW_TILE,
+from jaxmoe.ops.pallas.quantize_hopper import (columnwise_problem, gather_problem,
                                                gather_quantize_rowwise_pallas,
                                                quantize_columnwise_pallas,
-                                               quantize_rowwise_pallas)
+                                               quantize_rowwise_pallas, rowwise_problem)
 
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -37,15 +39,13 @@ def _kernel_problem(x, axis) -> str | None:
     if _dtype_problem(x):
         return _dtype_problem(x)
     if axis == x.ndim - 1:
-        blocks = x.size // BLOCK_SIZE
-        if x.shape[-1] % BLOCK_SIZE == 0 and blocks % ROW_TILE:
-            return (f"shape {x.shape}: the rowwise kernel needs a multiple of {ROW_TILE} "
-                    f"blocks, got {blocks}")
-        return None
-    if axis == 0 and x.ndim == 2 and x.shape[0] % 64 == 0 and x.shape[1] % COLUMN_TILE == 0:
-        return None
+        if x.shape[-1] % BLOCK_SIZE:
+            return None      # `quantize` raises the reference's error
+        return rowwise_problem((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
+    if axis == 0 and x.ndim == 2:
+        return columnwise_problem(x.shape, x.dtype)
     return (f"blocks along axis {axis} of shape {x.shape}: the kernels take the last axis, or "
-            f"axis 0 of [M, K] with M % 64 == 0 and K % {COLUMN_TILE} == 0")
+            f"axis 0 of a 2-D [M, K]")
 
 
 def _resolve(impl, problem, op):
@@ -92,12 +92,9 @@ def dispatch_quantize(x: jax.Array, row_token: jax.Array, fmt: str = "e4m3", *,
     if x.ndim != 2 or row_token.ndim != 1:
         raise ValueError(f"dispatch_quantize: x must be [T, H] and row_token [M], got {x.shape} "
                          f"and {row_token.shape}")
-    m = row_token.shape[0]
-    problem = _dtype_problem(x)
-    if problem is None and (m % 64 or x.shape[1] % COLUMN_TILE):
-        problem = f"needs M % 64 == 0 and H % {COLUMN_TILE} == 0, got M={m}, H={x.shape[1]}"
+    problem = _dtype_problem(x) or gather_problem(x.shape, x.dtype, row_token.shape[0])
     if _resolve(impl, problem, "dispatch_quantize") == "xla":
         padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])
         return mxfp8.quantize(jnp.take(padded, row_token, axis=0), axis=1, fmt=fmt)
-    data, scale_t = gather_quantize_rowwise_pallas(x, row_token, fmt)
-    return MXTensor(data=data, scale=scale_t.T, axis=1, fmt=fmt)
+    data, scale = gather_quantize_rowwise_pallas(x, row_token, fmt)
+    return MXTensor(data=data, scale=scale, axis=1, fmt=fmt)
