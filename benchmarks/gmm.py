@@ -9,7 +9,8 @@ and the same with a quarter of the experts empty), in one process and on the sam
   dgrad  dx = dy @ W[g]^T          jaxmoe gmm(transpose_rhs) | torch | JAX example | dense
   wgrad  dW[g] = x_g^T @ dy_g      jaxmoe tgmm | torch._grouped_mm (2d x 2d) |
                                    JAX transposed_ragged_dot_mgpu | dense
-Times are medians over repeats of back-to-back launches (device synchronised at both ends).
+Times are medians over repeats of back-to-back launches (device synchronised at both ends), the
+implementations of one op taking turns within each repeat (`time_round_robin`).
 Writes gmm_<date>.json (+ .png) to --out and prints TFLOP/s and ratios. `--sweep` also times
 the default jaxmoe kernel configs next to single changes to them (the tuning data behind the
 heuristic); with `--routings ""` only the sweep runs (written to gmm_<date>_sweep.json).
@@ -21,11 +22,14 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import glob
+import gzip
 import json
 import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -59,16 +63,71 @@ def group_sizes_for(routing: str, m: int, g: int, seed: int = 0) -> np.ndarray:
 
 def time_it(fn, *, iters: int, repeats: int = 5) -> float:
     """Median seconds per call over `repeats` runs of `iters` back-to-back calls."""
+    return time_round_robin([fn], iters=iters, repeats=repeats)[0]
+
+
+def time_round_robin(fns, *, iters: int, repeats: int = 5) -> list[float]:
+    """Median seconds per call of each fn over `repeats` runs of `iters` back-to-back calls,
+    the fns taking turns within each repeat. The H200 runs these kernels at its power limit,
+    where the clock depends on the recent load, so each timed run follows `iters` untimed
+    calls of the same fn (its own steady state, not the previous fn's), and the turns spread
+    slower drifts over all fns alike."""
+    for fn in fns:
+        _sync(fn())
+    samples = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, times in zip(fns, samples):
+            for _ in range(iters):
+                out = fn()
+            _sync(out)
+            start = time.perf_counter()
+            for _ in range(iters):
+                out = fn()
+            _sync(out)
+            times.append((time.perf_counter() - start) / iters)
+    return [statistics.median(times) for times in samples]
+
+
+def device_seconds(fn, *, calls: int = 1, iters: int = 10) -> float:
+    """Device seconds per op call: the summed durations of the work that `iters` back-to-back
+    runs of fn put on the GPU (fn makes `calls` calls of the op), divided by iters * calls.
+    For ops shorter than the host's dispatch of them, which a host clock would time instead.
+    JAX results: the GPU stream records of the JAX profiler; torch: CUDA events around the
+    runs."""
     out = fn()
     _sync(out)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    import torch
+    if isinstance(out, torch.Tensor):
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
         for _ in range(iters):
             out = fn()
-        _sync(out)
-        samples.append((time.perf_counter() - start) / iters)
-    return statistics.median(samples)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / (iters * calls)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(iters):
+                out = fn()
+            jax.block_until_ready(out)
+        [path] = glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"),
+                           recursive=True)
+        with gzip.open(path) as f:
+            events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+
+    def names(kind, key):
+        return {key(e): e["args"]["name"] for e in events
+                if e.get("ph") == "M" and e.get("name") == kind}
+
+    process = names("process_name", lambda e: e["pid"])
+    thread = names("thread_name", lambda e: (e["pid"], e.get("tid")))
+    busy_us = sum(e["dur"] for e in events
+                  if e.get("ph") == "X" and process.get(e["pid"], "").startswith("/device:GPU")
+                  and thread.get((e["pid"], e.get("tid")), "").startswith("Stream"))
+    if not busy_us:
+        raise RuntimeError("device_seconds: the profile holds no GPU stream records")
+    return busy_us / 1e6 / (iters * calls)
 
 
 def _sync(out):
@@ -118,21 +177,36 @@ def bench_shape(name, routing, iters, torch, record):
     }
     dense_jax = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.bfloat16))
 
-    def run(op, impl, fn, check=None, slow=False):
-        try:
-            seconds = time_it(fn, iters=2 if slow else iters, repeats=2 if slow else 5)
-            error = check() if check else None
+    def report(op, impl, seconds=None, error=None, failure=None):
+        if failure is not None:                    # a competitor that cannot run this shape
             record.append(dict(shape=name, routing=routing, op=op, impl=impl,
-                               ms=seconds * 1e3, tflops=flops / seconds / 1e12,
-                               rel_error=error))
-            print(f"  {name:10s} {routing:9s} {op:6s} {impl:16s} {seconds * 1e3:8.3f} ms "
-                  f"{flops / seconds / 1e12:7.1f} TF/s" + (f"  err {error:.2e}" if error
-                                                              is not None else ""), flush=True)
-        except Exception as e:                     # a competitor that cannot run this shape
-            record.append(dict(shape=name, routing=routing, op=op, impl=impl,
-                               error=f"{type(e).__name__}: {str(e)[:300]}"))
-            print(f"  {name:10s} {routing:9s} {op:6s} {impl:16s} FAILED {type(e).__name__}: "
-                  f"{str(e)[:200]}", flush=True)
+                               error=f"{type(failure).__name__}: {str(failure)[:300]}"))
+            print(f"  {name:10s} {routing:9s} {op:6s} {impl:16s} FAILED "
+                  f"{type(failure).__name__}: {str(failure)[:200]}", flush=True)
+            return
+        record.append(dict(shape=name, routing=routing, op=op, impl=impl, ms=seconds * 1e3,
+                           tflops=flops / seconds / 1e12, rel_error=error))
+        print(f"  {name:10s} {routing:9s} {op:6s} {impl:16s} {seconds * 1e3:8.3f} ms "
+              f"{flops / seconds / 1e12:7.1f} TF/s" + (f"  err {error:.2e}" if error
+                                                          is not None else ""), flush=True)
+
+    def run(op, candidates):
+        """Time the candidates (impl, fn, check) of one op in turn (`time_round_robin`), after
+        checking each against torch; the slow jax.lax.ragged_dot is timed on its own."""
+        timed = []
+        for impl, fn, check in candidates:
+            try:
+                error = check() if check else None
+                if impl == "lax_ragged_dot":
+                    report(op, impl, time_it(fn, iters=2, repeats=2), error)
+                else:
+                    _sync(fn())
+                    timed.append((impl, fn, error))
+            except Exception as e:
+                report(op, impl, failure=e)
+        seconds = time_round_robin([fn for _, fn, _ in timed], iters=iters)
+        for (impl, _, error), t in zip(timed, seconds):
+            report(op, impl, t, error)
 
     def rel_err(ours, ref, rows=None):
         """||ours - ref|| / ||ref|| on the GPU (ours: a JAX array, ref: a torch tensor)."""
@@ -142,45 +216,32 @@ def bench_shape(name, routing, iters, torch, record):
             a, b = a[:rows], b[:rows]
         return float(torch.linalg.norm(a - b) / torch.linalg.norm(b).clamp_min(1e-30))
 
+    def checked(op_fns, ref, *args, rows=None):
+        """(impl, fn, check) of each jax impl: fn on args, checked against torch's `ref`."""
+        return [(impl, functools.partial(fn, *args),
+                 functools.partial(lambda f: rel_err(f(*args), ref, rows), fn))
+                for impl, fn in op_fns.items()]
+
+    dense = routing == "dirichlet"
+    routed = int(sizes.sum())
     # ---- forward
-    ref_fwd = torch._grouped_mm(tx, tw, offs=offs)
-    for impl, fn in fwd.items():
-        if impl == "lax_ragged_dot" and routing != "dirichlet":
-            continue
-        out_fn = functools.partial(fn, x, w, gs)
-        run("fwd", impl, out_fn,
-            check=lambda: rel_err(out_fn(), ref_fwd, int(sizes.sum())),
-            slow=impl == "lax_ragged_dot")
-    run("fwd", "torch_grouped_mm", lambda: torch._grouped_mm(tx, tw, offs=offs))
-    if routing == "dirichlet":
-        wd = w[0]
-        run("fwd", "dense_xla", lambda: dense_jax(x, wd))
-        twd = tw[0]
-        run("fwd", "dense_torch", lambda: tx @ twd)
-
+    if routing != "dirichlet":
+        del fwd["lax_ragged_dot"]
+    wd, twd = w[0], tw[0]
+    run("fwd", checked(fwd, torch._grouped_mm(tx, tw, offs=offs), x, w, gs, rows=routed)
+        + [("torch_grouped_mm", lambda: torch._grouped_mm(tx, tw, offs=offs), None)]
+        + ([("dense_xla", lambda: dense_jax(x, wd), None),
+            ("dense_torch", lambda: tx @ twd, None)] if dense else []))
     # ---- dgrad
-    twt = tw.transpose(-2, -1)
-    ref_dgrad = torch._grouped_mm(tdy, twt, offs=offs)
-    for impl, fn in dgrad.items():
-        out_fn = functools.partial(fn, dy, w, gs)
-        run("dgrad", impl, out_fn,
-            check=lambda: rel_err(out_fn(), ref_dgrad, int(sizes.sum())))
-    run("dgrad", "torch_grouped_mm", lambda: torch._grouped_mm(tdy, twt, offs=offs))
-    if routing == "dirichlet":
-        wdt = w[0].T
-        run("dgrad", "dense_xla", lambda: dense_jax(dy, wdt))
-
+    twt, wdt = tw.transpose(-2, -1), w[0].T
+    run("dgrad", checked(dgrad, torch._grouped_mm(tdy, twt, offs=offs), dy, w, gs, rows=routed)
+        + [("torch_grouped_mm", lambda: torch._grouped_mm(tdy, twt, offs=offs), None)]
+        + ([("dense_xla", lambda: dense_jax(dy, wdt), None)] if dense else []))
     # ---- wgrad
-    txt = tx.t()
-    ref_wgrad = torch._grouped_mm(txt, tdy, offs=offs)
-    for impl, fn in wgrad.items():
-        out_fn = functools.partial(fn, x, dy, gs)
-        run("wgrad", impl, out_fn,
-            check=lambda: rel_err(out_fn(), ref_wgrad))
-    run("wgrad", "torch_grouped_mm", lambda: torch._grouped_mm(txt, tdy, offs=offs))
-    if routing == "dirichlet":
-        xt = x.T
-        run("wgrad", "dense_xla", lambda: dense_jax(xt, dy))
+    txt, xt = tx.t(), x.T
+    run("wgrad", checked(wgrad, torch._grouped_mm(txt, tdy, offs=offs), x, dy, gs)
+        + [("torch_grouped_mm", lambda: torch._grouped_mm(txt, tdy, offs=offs), None)]
+        + ([("dense_xla", lambda: dense_jax(xt, dy), None)] if dense else []))
 
 
 def sweep(name, iters, record):
@@ -319,8 +380,10 @@ def main(argv=None):
         num_sms=getattr(device, "core_count", None), jax=jax.__version__,
         torch=torch.__version__, python=platform.python_version(),
         shapes={k: dict(zip(("M", "K", "N", "G"), SHAPES[k])) for k in args.shapes.split(",")},
-        method="median of 5 repeats x iters back-to-back calls, synchronised; bf16 in/out, "
-               "fp32 accumulate; rel_error = ||out - torch|| / ||torch||",
+        method="median of 5 repeats x iters back-to-back calls, synchronised; within each "
+               "repeat the implementations of an op take turns, each timed run after iters "
+               "untimed calls of the same implementation; bf16 in/out, fp32 accumulate; "
+               "rel_error = ||out - torch|| / ||torch||",
         results=record, ratios=ratios, sweep=sweep_record)
     path = os.path.join(args.out, f"gmm_{date}{'' if record else '_sweep'}.json")
     with open(path, "w") as f:

@@ -1,10 +1,14 @@
-"""One grouped-matmul call between cudaProfilerStart/Stop, for Nsight Compute.
+"""Grouped-matmul or MXFP8-quantize calls between cudaProfilerStart/Stop, for Nsight Compute.
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \\
         python benchmarks/profile_gmm.py --shape mixtral --op fwd [--impl pallas|torch]
 
-Same shapes and Dirichlet routing as benchmarks/gmm.py; the call is compiled and run once
-before the profiled one, so only the measured call's kernels are captured.
+Same shapes, data and Dirichlet routing as benchmarks/gmm.py and benchmarks/gmm_mxfp8.py.
+--op takes a comma-separated list (fwd, dgrad, wgrad, quantize_rowwise, quantize_columnwise,
+dispatch_quantize, copy); every call is compiled and run once before the profiled ones, so only
+the measured calls' kernels are captured, in the order given. "copy" is torch's device copy of
+the bytes a quantize reads and writes (the bandwidth ceiling the quantize kernels are held to);
+the quantize ops and copy ignore --impl.
 """
 
 from __future__ import annotations
@@ -21,39 +25,71 @@ import numpy as np                                                # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gmm import SHAPES, group_sizes_for                # noqa: E402
+from jaxmoe.mxfp8 import BLOCK_SIZE                               # noqa: E402
 from jaxmoe.ops import gmm, tgmm                                  # noqa: E402
+from jaxmoe.ops.pallas.quantize_hopper import (                   # noqa: E402
+    gather_quantize_rowwise_pallas, quantize_columnwise_pallas, quantize_rowwise_pallas)
+
+OPS = ("fwd", "dgrad", "wgrad", "quantize_rowwise", "quantize_columnwise", "dispatch_quantize",
+       "copy")
+
+
+def make_call(op, impl, shape, torch):
+    """(call, sync) for one op at one shape."""
+    m, k, n, g = SHAPES[shape]
+    sizes = group_sizes_for("dirichlet", m, g)
+    x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+    torch_sync = lambda out: torch.cuda.synchronize()
+    if op.startswith("quantize") or op == "dispatch_quantize":
+        if op == "dispatch_quantize":      # as benchmarks/gmm_mxfp8.py: m/2 tokens, each twice
+            row_token = jax.random.permutation(jax.random.key(1), jnp.arange(m) % (m // 2))
+            fn, tokens = jax.jit(gather_quantize_rowwise_pallas), x[: m // 2]
+            return (lambda: fn(tokens, row_token)), jax.block_until_ready
+        fn = jax.jit(quantize_rowwise_pallas if op == "quantize_rowwise"
+                     else quantize_columnwise_pallas)
+        return (lambda: fn(x)), jax.block_until_ready
+    if op == "copy":
+        src = torch.empty((x.size * 3 + x.size // BLOCK_SIZE) // 2, dtype=torch.uint8,
+                          device="cuda")
+        dst = torch.empty_like(src)
+        return (lambda: dst.copy_(src)), torch_sync
+    w = jax.random.normal(jax.random.key(1), (g, k, n), jnp.bfloat16) * 0.02
+    dy = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
+    gs = jnp.asarray(sizes)
+    if impl == "pallas":
+        # Operands are arguments (as in benchmarks/gmm.py), so that the tile metadata is
+        # computed at run time, not folded into constants.
+        kw = dict(impl="pallas", preferred_element_type=jnp.bfloat16)
+        fn, args = {"fwd": (lambda a, b, s: gmm(a, b, s, **kw), (x, w, gs)),
+                    "dgrad": (lambda a, b, s: gmm(a, b, s, transpose_rhs=True, **kw), (dy, w, gs)),
+                    "wgrad": (lambda a, b, s: tgmm(a, b, s, **kw), (x, dy, gs))}[op]
+        fn = jax.jit(fn)
+        return (lambda: fn(*args)), jax.block_until_ready
+    tx, tw, tdy = (torch.from_dlpack(a) for a in (x, w, dy))
+    offs = torch.from_numpy(np.cumsum(sizes).astype(np.int32)).cuda()
+    call = {"fwd": lambda: torch._grouped_mm(tx, tw, offs=offs),
+            "dgrad": lambda: torch._grouped_mm(tdy, tw.transpose(-2, -1), offs=offs),
+            "wgrad": lambda: torch._grouped_mm(tx.t(), tdy, offs=offs)}[op]
+    return call, torch_sync
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="mixtral", choices=list(SHAPES))
-    parser.add_argument("--op", default="fwd", choices=["fwd", "dgrad", "wgrad"])
+    parser.add_argument("--op", default="fwd", help=f"comma-separated, of {OPS}")
     parser.add_argument("--impl", default="pallas", choices=["pallas", "torch"])
     args = parser.parse_args(argv)
+    ops = args.op.split(",")
+    if unknown := set(ops) - set(OPS):
+        parser.error(f"unknown ops {sorted(unknown)}; choose from {OPS}")
     import torch
-    m, k, n, g = SHAPES[args.shape]
-    sizes = group_sizes_for("dirichlet", m, g)
-    x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
-    w = jax.random.normal(jax.random.key(1), (g, k, n), jnp.bfloat16) * 0.02
-    dy = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
-    gs = jnp.asarray(sizes)
-    if args.impl == "pallas":
-        kw = dict(impl="pallas", preferred_element_type=jnp.bfloat16)
-        call = {"fwd": jax.jit(lambda: gmm(x, w, gs, **kw)),
-                "dgrad": jax.jit(lambda: gmm(dy, w, gs, transpose_rhs=True, **kw)),
-                "wgrad": jax.jit(lambda: tgmm(x, dy, gs, **kw))}[args.op]
-        sync = jax.block_until_ready
-    else:
-        tx, tw, tdy = (torch.from_dlpack(a) for a in (x, w, dy))
-        offs = torch.from_numpy(np.cumsum(sizes).astype(np.int32)).cuda()
-        call = {"fwd": lambda: torch._grouped_mm(tx, tw, offs=offs),
-                "dgrad": lambda: torch._grouped_mm(tdy, tw.transpose(-2, -1), offs=offs),
-                "wgrad": lambda: torch._grouped_mm(tx.t(), tdy, offs=offs)}[args.op]
-        sync = lambda out: torch.cuda.synchronize()
-    sync(call())
+    calls = [make_call(op, args.impl, args.shape, torch) for op in ops]
+    for call, sync in calls:
+        sync(call())
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    sync(call())
+    for call, sync in calls:
+        sync(call())
     torch.cuda.profiler.stop()
 
 

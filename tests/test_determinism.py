@@ -13,7 +13,7 @@ import jaxmoe
 from jaxmoe import MoE, MoEConfig
 from jaxmoe.experts import grouped_mlp
 from jaxmoe.ops import gmm
-from bitwise import assert_bitwise, bits, differs
+from bitwise import assert_bitwise, differs
 
 H = 32
 BASE = MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=32, aux_loss_coeff=1e-2,

@@ -183,9 +183,11 @@ def test_row_bits_do_not_depend_on_other_groups_or_config(interpret):
     if ON_HOPPER:
         configs = [GmmConfig(tile_m=tm, tile_n=64, tile_k=tk, wg_split=split,
                              max_concurrent_steps=2 if tk == 64 else 1, overlap_wgmma=overlap,
-                             epilogue_slots=1 if overlap else 2)
+                             epilogue_tile_n=32, epilogue_slots=1 if overlap else 2)
                    for tm in (64, 128) for tk in (64, 128) for split in ("n", "m")
                    for overlap in (True, False)]
+    for config in configs:
+        config.validate(256, 128, 128, out_dtype=jnp.float32)
     results = []
     for sizes in layouts.values():
         starts = np.cumsum([0] + sizes)

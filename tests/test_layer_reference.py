@@ -244,7 +244,6 @@ def test_identical_tokens_empty_experts_and_capacity_ties(policy):
     so the lowest token indices must be kept (both policies). Alignment 4."""
     config = CONFIGS["mixtral"].replace(capacity_factor=0.5, token_drop_policy=policy,
                                         expert_row_alignment=4)
-    moe = make_moe(config, HIDDEN, BF16, seed=8)
     x = random_x(9, BF16).reshape(-1, HIDDEN)
     x[:40] = x[0]
     x = x.reshape(BATCH, SEQ, HIDDEN)

@@ -23,7 +23,7 @@ from jaxmoe import MoE, MoEConfig, demo, mxfp8
 from jaxmoe.dispatch import combine
 from jaxmoe.experts import weighted_activation
 from jaxmoe.ops import gmm, mxfp8_gmm, quantize_weights, tgmm
-from bitwise import assert_bitwise, bits, differs
+from bitwise import assert_bitwise, differs
 
 H = F = 32
 BF16, F32 = jnp.bfloat16, jnp.float32

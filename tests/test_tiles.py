@@ -35,9 +35,26 @@ def test_work_list_is_the_banded_order_stably_partitioned_by_kind(seed):
     sizes[rng.random(num_groups) < 0.3] = 0                 # empty groups
     tiles = row_tiles(jnp.asarray(sizes, jnp.int32), num_rows, 64)
     num_columns, band_width = int(rng.integers(1, 9)), int(rng.integers(1, 5))
-    work = work_list(tiles, num_columns, band_width, num_groups)
+    work = work_list(tiles, num_columns, band_width)
     row, column, counts = reference_work_order(np.asarray(tiles.rows), np.asarray(tiles.group),
                                                num_groups, num_columns, band_width)
     np.testing.assert_array_equal(np.asarray(work.tile), row)
     np.testing.assert_array_equal(np.asarray(work.column), column)
     assert np.asarray(work.counts).tolist() == counts
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_row_tiles_come_as_matmul_then_zero_region_then_unused_runs(seed):
+    """`work_list` relies on each kind of row tile being one contiguous run of counts[k] tiles."""
+    rng = np.random.default_rng(100 + seed)
+    num_groups = int(rng.integers(1, 40))
+    num_rows = int(rng.integers(1, 300)) * 8
+    sizes = rng.multinomial(int(rng.integers(0, num_rows + 1)), np.ones(num_groups) / num_groups)
+    sizes[rng.random(num_groups) < 0.3] = 0
+    tiles = row_tiles(jnp.asarray(sizes, jnp.int32), num_rows, 64)
+    group, rows = np.asarray(tiles.group), np.asarray(tiles.rows)
+    kind = np.where(rows == 0, 2, np.where(group < num_groups, 0, 1))
+    num_matmul, num_zero = np.asarray(tiles.counts).tolist()
+    expected = np.repeat([0, 1, 2], [num_matmul, num_zero, len(kind) - num_matmul - num_zero])
+    np.testing.assert_array_equal(kind, expected)
+    assert (num_zero > 0) == (num_rows > sizes.sum())

@@ -30,10 +30,15 @@ The GEMMs on MXTensor operands are `gmm_mxfp8` (fprop, dgrad) and `tgmm_mxfp8` (
                    "fp8_wgmma"  the Hopper fp8 kernel (`gmm_mxfp8_pallas`: one fp8 wgmma per
                                 32-wide K block, scales folded into the fp32 accumulator).
                  H200 measurements (benchmarks/results/gmm_mxfp8_*.json) put "dequantize" at
-                 2-3x the speed of "fp8_wgmma": Hopper has no block-scaled MMA, so every 32-wide
-                 K block costs a zeroed partial accumulator and a multiply-add per output
-                 element on the CUDA cores, more instruction issue than the fp8 tensor-core work
-                 it accompanies. wgrad: dequantize to bf16, then the bf16 tgmm kernel.
+                 1.3-2.6x the speed of "fp8_wgmma", and both below bf16. Why neither can beat
+                 bf16 on Hopper, which has no block-scaled MMA: an fp8 wgmma over one 32-wide K
+                 block costs 32 / 4096 = 1/128 SM clock per output element (4096 fp8 MAC per
+                 clock), while folding it into the accumulator with its own scale (the product
+                 of a row's and a column's scale, then an FMA) costs 2 / 128 clock per element
+                 on the CUDA cores (128 fp32 lanes). Even perfectly overlapped with the tensor
+                 cores such a kernel runs at most at half the fp8 rate, which is the bf16 rate;
+                 "dequantize" runs the bf16 kernel plus the dequantize passes.
+                 wgrad: dequantize to bf16, then the bf16 tgmm kernel.
   impl "auto"    "pallas" on a Hopper GPU when K and N are multiples of 128, else "xla".
 Both operands of an fp8 wgmma must be K-major, so the rhs of `gmm_mxfp8` is [G, N, K] with
 blocks along K: fprop quantizes rhs^T along K, dgrad uses rhs [G, K, N] quantized along N as is.

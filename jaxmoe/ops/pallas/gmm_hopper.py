@@ -200,7 +200,7 @@ def gmm_mxfp8_pallas(lhs: jax.Array, lhs_scale: jax.Array, rhs: jax.Array, rhs_s
     config = config or default_mxfp8_config(num_rows, k, n, num_groups, out_dtype)
     config.validate(num_rows, k, n, lhs.dtype, out_dtype, transpose_rhs=True)
     tiles = row_tiles(group_sizes, num_rows, config.cta_m, ROW_ALIGN)
-    work = work_list(tiles, n // config.cta_n, config.grid_tile_width, num_groups)
+    work = work_list(tiles, n // config.cta_n, config.grid_tile_width)
     kernel = _build_kernel(num_rows, k, n, num_groups, work.num_items, lhs.dtype,
                            jnp.dtype(out_dtype), True, config, interpret, scaled=True)
     return kernel(work.counts, work.tile, work.column, tiles.group, tiles.row, tiles.rows,
@@ -225,7 +225,7 @@ def gmm_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transp
     config = config or default_config(num_rows, k, n, num_groups, lhs.dtype, out_dtype)
     config.validate(num_rows, k, n, lhs.dtype, out_dtype, transpose_rhs)
     tiles = row_tiles(group_sizes, num_rows, config.cta_m, ROW_ALIGN)
-    work = work_list(tiles, n // config.cta_n, config.grid_tile_width, num_groups)
+    work = work_list(tiles, n // config.cta_n, config.grid_tile_width)
     kernel = _build_kernel(num_rows, k, n, num_groups, work.num_items, lhs.dtype,
                            jnp.dtype(out_dtype), transpose_rhs, config, interpret)
     return kernel(work.counts, work.tile, work.column, tiles.group, tiles.row, tiles.rows,

@@ -22,12 +22,14 @@ class RowTiles:
     [load_row(i), load_row(i) + tile_m) with load_row = row rounded down to row_align always
     contains the tile's rows. Tiles of group G (one past the
     last) cover the rows past sum(group_sizes), whose output is zero. Unused tail entries have
-    rows == 0. Real tiles come first, in ascending row order.
+    rows == 0. The tiles come in ascending row order, so as three contiguous runs:
+    [counts[0] matmul tiles | counts[1] zero-region tiles | unused tiles].
     """
 
     group: jax.Array   # [num_tiles] int32
     row: jax.Array     # [num_tiles] int32
     rows: jax.Array    # [num_tiles] int32
+    counts: jax.Array  # [2] int32: matmul tiles, zero-region tiles
 
     @property
     def num_tiles(self) -> int:
@@ -47,7 +49,7 @@ def row_tiles(group_sizes: jax.Array, num_rows: int, tile_m: int,
     num_groups = group_sizes.shape[0]
     sizes = jnp.concatenate([group_sizes.astype(jnp.int32),
                              (num_rows - jnp.sum(group_sizes)).astype(jnp.int32)[None]])
-    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(sizes)[:-1]])
+    starts = jnp.cumsum(sizes) - sizes
     ends = starts + sizes
     anchors = starts - starts % row_align
     tiles_per_group = jnp.where(sizes > 0, -(-(ends - anchors) // tile_m), 0)
@@ -67,7 +69,8 @@ def row_tiles(group_sizes: jax.Array, num_rows: int, tile_m: int,
     used = tile < total_tiles
     return RowTiles(group=jnp.where(used, group, num_groups),
                     row=jnp.where(used, row, 0).astype(jnp.int32),
-                    rows=jnp.where(used, rows, 0).astype(jnp.int32))
+                    rows=jnp.where(used, rows, 0).astype(jnp.int32),
+                    counts=jnp.stack([first_tile[num_groups], tiles_per_group[num_groups]]))
 
 
 @struct.dataclass
@@ -89,28 +92,25 @@ class WorkList:
         return self.tile.shape[0]
 
 
-def work_list(tiles: RowTiles, num_columns: int, band_width: int, num_groups: int) -> WorkList:
-    """Order the (row tile, column tile) pairs as described in `WorkList`."""
+def work_list(tiles: RowTiles, num_columns: int, band_width: int) -> WorkList:
+    """Order the (row tile, column tile) pairs as described in `WorkList`. The row tiles of each
+    kind are one contiguous run (`RowTiles`), so every position's item has a closed form: the
+    banded order of that kind's rows alone. One elementwise pass, no scan, sort or scatter (a
+    scan over the items cost 22 us on the H200 at dsv3_ep8, next to a 2.7 ms matmul)."""
     num_tiles = tiles.num_tiles
     width = min(band_width, num_columns)
-    item = jnp.arange(num_tiles * num_columns, dtype=jnp.int32)
-    band = item // (num_tiles * width)
+    num_matmul, num_zero = tiles.counts[0], tiles.counts[1]
+    position = jnp.arange(num_tiles * num_columns, dtype=jnp.int32)
+    kind = ((position >= num_matmul * num_columns).astype(jnp.int32)
+            + (position >= (num_matmul + num_zero) * num_columns))
+    first_row = jnp.stack([0, num_matmul, num_matmul + num_zero])[kind]
+    kind_rows = jnp.stack([num_matmul, num_zero, num_tiles - num_matmul - num_zero])[kind]
+    within_kind = position - first_row * num_columns
+    band = within_kind // jnp.maximum(kind_rows * width, 1)
     band_start = band * width
     band_cols = jnp.minimum(width, num_columns - band_start)   # the last band may be narrower
-    within = item - band * num_tiles * width
-    row = within // band_cols
-    column = band_start + within % band_cols
-    row = jnp.where(band % 2 == 1, num_tiles - 1 - row, row)
-    has_rows = tiles.rows[row] > 0
-    is_matmul = has_rows & (tiles.group[row] < num_groups)
-    is_zero = has_rows & (tiles.group[row] == num_groups)
-    # A stable partition by kind (matmul, zero, unused) without a sort: each item's position is
-    # the number of earlier kinds' items plus its rank within its kind (one scan, one scatter).
-    kinds = jnp.stack([is_matmul, is_zero, ~(is_matmul | is_zero)]).astype(jnp.int32)
-    rank = jnp.cumsum(kinds, axis=1) - 1
-    totals = rank[:, -1] + 1
-    kind_start = jnp.cumsum(totals) - totals
-    position = jnp.sum(kinds * (rank + kind_start[:, None]), axis=0)
-    ordered = jnp.zeros((item.shape[0], 2), jnp.int32).at[position].set(
-        jnp.stack([row, column], axis=1).astype(jnp.int32), unique_indices=True)
-    return WorkList(tile=ordered[:, 0], column=ordered[:, 1], counts=totals[:2])
+    within_band = within_kind - band_start * kind_rows
+    row = within_band // band_cols
+    row = first_row + jnp.where(band % 2 == 1, kind_rows - 1 - row, row)
+    return WorkList(tile=row, column=band_start + within_band % band_cols,
+                    counts=(tiles.counts * num_columns).astype(jnp.int32))
