@@ -285,6 +285,8 @@ def sweep(name, iters, record):
     for config in [base, dataclasses.replace(base, max_concurrent_steps=3),
                    dataclasses.replace(base, wg_split="n"),
                    dataclasses.replace(base, epilogue_slots=2),
+                   dataclasses.replace(base, max_concurrent_steps=3, epilogue_slots=2),
+                   dataclasses.replace(base, tile_rows=128, max_concurrent_steps=2),
                    dataclasses.replace(base, balanced_schedule=False)]:
         try:
             config.validate(m, k, n, jnp.bfloat16, jnp.bfloat16)

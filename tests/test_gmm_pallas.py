@@ -109,6 +109,8 @@ WGRAD_STRUCTURES = {
                                             balanced_schedule=False, num_sms=2), jnp.float32),
     "split_n_32wide": (TgmmConfig(tile_k=64, tile_n=32, wg_split="n", max_concurrent_steps=2,
                                   num_sms=3), jnp.bfloat16),
+    "split_k_128rows": (TgmmConfig(tile_k=64, tile_n=64, wg_split="k", tile_rows=128,
+                                   max_concurrent_steps=2, num_sms=3), jnp.bfloat16),
 }
 # 673 of 704 rows in groups (a zero tail); group 2 spans 7 row blocks (every ring slot is reused
 # within one item); groups 0/2, 2/3, 5/6 and 6/tail share boundary blocks; two empty groups.
