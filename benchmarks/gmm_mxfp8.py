@@ -263,10 +263,11 @@ def main(argv=None):
         benchmark="gmm_mxfp8", date=date, device=device.device_kind,
         jax=jax.__version__, torch=torch.__version__, python=platform.python_version(),
         shapes={s: dict(zip(("M", "K", "N", "G"), SHAPES[s])) for s in shapes},
-        method="median of 5 repeats x iters back-to-back calls, synchronised; operands quantized "
+        method="GEMMs: median of 5 repeats x iters back-to-back calls, synchronised, each "
+               "repeat after iters untimed calls; operands quantized "
                "beforehand (quantization timed separately as op 'quantize'); bf16 out; FLOPs "
                "count the routed rows only. Quantize kernels and the copy: device time (JAX "
-               "profiler GPU records / CUDA events) over 10 runs of "
+               f"profiler GPU records / CUDA events) over {args.iters} runs of "
                f"{QUANTIZE_COPIES} calls on rotating input copies, per call",
         results=record, ratios=ratios)
     ops = args.ops.split(",")
