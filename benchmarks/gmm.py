@@ -1,6 +1,7 @@
 """Grouped-matmul benchmark on one GPU: jaxmoe's Pallas kernels next to the competitors.
 
-    python benchmarks/gmm.py [--shapes mixtral,qwen3_30b,dsv3_ep8] [--sweep] [--out DIR]
+    python benchmarks/gmm.py [--shapes mixtral,qwen3_30b,dsv3_ep8] [--routings dirichlet,empty]
+                             [--sweep [--sweep-ops fwd,dgrad,wgrad]] [--out DIR]
 
 For each DESIGN.md shape (fc1 of a SwiGLU expert) and each routing (Dirichlet-skewed group sizes,
 and the same with a quarter of the experts empty), in one process and on the same data:
@@ -9,11 +10,13 @@ and the same with a quarter of the experts empty), in one process and on the sam
   dgrad  dx = dy @ W[g]^T          jaxmoe gmm(transpose_rhs) | torch | JAX example | dense
   wgrad  dW[g] = x_g^T @ dy_g      jaxmoe tgmm | torch._grouped_mm (2d x 2d) |
                                    JAX transposed_ragged_dot_mgpu | dense
-Times are medians over repeats of back-to-back launches (device synchronised at both ends), the
-implementations of one op taking turns within each repeat (`time_round_robin`).
+Times are medians over repeats of back-to-back launches (device synchronised at both ends, at
+least --min-window seconds each), the implementations of one op taking turns within each repeat
+(`timed_runs`; each record keeps its timed runs, `ms_runs`, next to their median).
 Writes gmm_<date>.json (+ .png) to --out and prints TFLOP/s and ratios. `--sweep` also times
-the default jaxmoe kernel configs next to single changes to them (the tuning data behind the
-heuristic); with `--routings ""` only the sweep runs (written to gmm_<date>_sweep.json).
+the default jaxmoe kernel configs next to single changes to them and torch, in turns, and
+checks that they give the same bits (the tuning data behind the heuristic); with
+`--routings ""` only the sweep runs (written to gmm_<date>_sweep.json).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import functools
 import glob
 import gzip
 import json
+import math
 import os
 import platform
 import statistics
@@ -66,26 +70,40 @@ def time_it(fn, *, iters: int, repeats: int = 5) -> float:
     return time_round_robin([fn], iters=iters, repeats=repeats)[0]
 
 
-def time_round_robin(fns, *, iters: int, repeats: int = 5) -> list[float]:
-    """Median seconds per call of each fn over `repeats` runs of `iters` back-to-back calls,
-    the fns taking turns within each repeat. The H200 runs these kernels at its power limit,
-    where the clock depends on the recent load, so each timed run follows `iters` untimed
-    calls of the same fn (its own steady state, not the previous fn's), and the turns spread
-    slower drifts over all fns alike."""
+def time_round_robin(fns, *, iters: int, repeats: int = 5,
+                     min_window: float = 0.2) -> list[float]:
+    """Median seconds per call of each fn over the `timed_runs`."""
+    return [statistics.median(times) for times in timed_runs(
+        fns, iters=iters, repeats=repeats, min_window=min_window)]
+
+
+def timed_runs(fns, *, iters: int, repeats: int = 5, min_window: float = 0.2) -> list[list[float]]:
+    """Seconds per call of each fn in each of `repeats` timed runs of back-to-back calls (at
+    least `iters` calls and `min_window` seconds each), the fns taking turns within each repeat.
+    The H200 runs these kernels at its power limit, where the clock depends on the recent load,
+    so each timed run follows as many untimed calls of the same fn (its own steady state, not
+    the previous fn's), and the turns spread slower drifts over all fns alike."""
+    counts = []
     for fn in fns:
         _sync(fn())
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn()
+        _sync(out)
+        per_call = (time.perf_counter() - start) / iters
+        counts.append(max(iters, math.ceil(min_window / per_call)))
     samples = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, times in zip(fns, samples):
-            for _ in range(iters):
+        for fn, calls, times in zip(fns, counts, samples):
+            for _ in range(calls):
                 out = fn()
             _sync(out)
             start = time.perf_counter()
-            for _ in range(iters):
+            for _ in range(calls):
                 out = fn()
             _sync(out)
-            times.append((time.perf_counter() - start) / iters)
-    return [statistics.median(times) for times in samples]
+            times.append((time.perf_counter() - start) / calls)
+    return samples
 
 
 def device_seconds(fn, *, calls: int = 1, iters: int = 10) -> float:
@@ -138,7 +156,7 @@ def _sync(out):
         jax.block_until_ready(out)
 
 
-def bench_shape(name, routing, iters, torch, record):
+def bench_shape(name, routing, iters, torch, record, min_window=0.2):
     m, k, n, g = SHAPES[name]
     sizes = group_sizes_for(routing, m, g)
     flops = 2.0 * m * k * n
@@ -177,7 +195,7 @@ def bench_shape(name, routing, iters, torch, record):
     }
     dense_jax = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.bfloat16))
 
-    def report(op, impl, seconds=None, error=None, failure=None):
+    def report(op, impl, seconds=None, error=None, failure=None, runs=()):
         if failure is not None:                    # a competitor that cannot run this shape
             record.append(dict(shape=name, routing=routing, op=op, impl=impl,
                                error=f"{type(failure).__name__}: {str(failure)[:300]}"))
@@ -185,14 +203,16 @@ def bench_shape(name, routing, iters, torch, record):
                   f"{type(failure).__name__}: {str(failure)[:200]}", flush=True)
             return
         record.append(dict(shape=name, routing=routing, op=op, impl=impl, ms=seconds * 1e3,
-                           tflops=flops / seconds / 1e12, rel_error=error))
+                           tflops=flops / seconds / 1e12, rel_error=error,
+                           ms_runs=[t * 1e3 for t in runs]))
         print(f"  {name:10s} {routing:9s} {op:6s} {impl:16s} {seconds * 1e3:8.3f} ms "
               f"{flops / seconds / 1e12:7.1f} TF/s" + (f"  err {error:.2e}" if error
                                                           is not None else ""), flush=True)
 
     def run(op, candidates):
-        """Time the candidates (impl, fn, check) of one op in turn (`time_round_robin`), after
-        checking each against torch; the slow jax.lax.ragged_dot is timed on its own."""
+        """Time the candidates (impl, fn, check) of one op in turn (`timed_runs`; the record
+        keeps every timed run, the median is the result), after checking each against torch;
+        the slow jax.lax.ragged_dot is timed on its own."""
         timed = []
         for impl, fn, check in candidates:
             try:
@@ -204,9 +224,9 @@ def bench_shape(name, routing, iters, torch, record):
                     timed.append((impl, fn, error))
             except Exception as e:
                 report(op, impl, failure=e)
-        seconds = time_round_robin([fn for _, fn, _ in timed], iters=iters)
-        for (impl, _, error), t in zip(timed, seconds):
-            report(op, impl, t, error)
+        runs = timed_runs([fn for _, fn, _ in timed], iters=iters, min_window=min_window)
+        for (impl, _, error), times in zip(timed, runs):
+            report(op, impl, statistics.median(times), error, runs=times)
 
     def rel_err(ours, ref, rows=None):
         """||ours - ref|| / ||ref|| on the GPU (ours: a JAX array, ref: a torch tensor)."""
@@ -244,60 +264,70 @@ def bench_shape(name, routing, iters, torch, record):
         + ([("dense_xla", lambda: dense_jax(xt, dy), None)] if dense else []))
 
 
-def sweep(name, iters, record):
-    """Time the default jaxmoe configs (fwd, dgrad, wgrad) and single changes to them on the
-    Dirichlet routing."""
+def sweep(name, iters, record, torch, ops=("fwd", "dgrad", "wgrad")):
+    """Time the default jaxmoe config of each op next to single changes to it and to
+    torch._grouped_mm, in turns (`time_round_robin`), on the Dirichlet routing. Every variant's
+    output bits are compared with the default config's (the K-reduction order must not depend
+    on the config)."""
     m, k, n, g = SHAPES[name]
-    sizes = jnp.asarray(group_sizes_for("dirichlet", m, g))
+    host_sizes = group_sizes_for("dirichlet", m, g)
+    sizes = jnp.asarray(host_sizes)
     flops = 2.0 * m * k * n
     x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (g, k, n), jnp.bfloat16)
     dy = jax.random.normal(jax.random.key(3), (m, n), jnp.bfloat16)
+    tx, tw, tdy = (torch.from_dlpack(a) for a in (x, w, dy))
+    offs = torch.from_numpy(np.cumsum(host_sizes).astype(np.int32)).cuda()
 
-    def variants(base):
-        return [base, dataclasses.replace(base, epilogue_slots=1),
-                dataclasses.replace(base, overlap_wgmma=True),
-                dataclasses.replace(base, overlap_wgmma=True, epilogue_slots=1),
-                dataclasses.replace(base, grid_tile_width=4 if base.grid_tile_width == 8 else 8),
-                dataclasses.replace(base, tile_m=128, tile_n=128, wg_split="n",
-                                    epilogue_slots=1)]
+    def gmm_variants(base):
+        other_width = 4 if base.grid_tile_width == 8 else 8
+        return [base, dataclasses.replace(base, cluster_n=2),
+                dataclasses.replace(base, cluster_n=2, grid_tile_width=other_width),
+                dataclasses.replace(base, grid_tile_width=other_width)]
 
-    for op in ("fwd", "dgrad"):
-        kn = (k, n) if op == "fwd" else (n, k)
-        for config in variants(default_config(m, *kn, g)):
+    def tgmm_variants(base):
+        return [base, dataclasses.replace(base, overlap_epilogue=not base.overlap_epilogue),
+                dataclasses.replace(base, epilogue_slots=2),
+                dataclasses.replace(base, wg_split="n")]
+
+    cases = {
+        "fwd": (gmm_variants(default_config(m, k, n, g)),
+                lambda c: jax.jit(functools.partial(gmm, impl="pallas", config=c,
+                                                    preferred_element_type=jnp.bfloat16)),
+                (x, w, sizes), lambda: torch._grouped_mm(tx, tw, offs=offs)),
+        "dgrad": (gmm_variants(default_config(m, n, k, g)),
+                  lambda c: jax.jit(functools.partial(gmm, impl="pallas", config=c,
+                                                      transpose_rhs=True,
+                                                      preferred_element_type=jnp.bfloat16)),
+                  (dy, w, sizes), lambda: torch._grouped_mm(tdy, tw.transpose(-2, -1),
+                                                            offs=offs)),
+        "wgrad": (tgmm_variants(default_tgmm_config(m, k, n, jnp.bfloat16)),
+                  lambda c: jax.jit(functools.partial(tgmm, impl="pallas", config=c,
+                                                      preferred_element_type=jnp.bfloat16)),
+                  (x, dy, sizes), lambda: torch._grouped_mm(tx.t(), tdy, offs=offs)),
+    }
+    for op in ops:
+        configs, make, args, torch_fn = cases[op]
+        timed, reference_bits = [], None
+        for config in configs:
             try:
-                config.validate(m, k if op == "fwd" else n, n if op == "fwd" else k,
-                                transpose_rhs=op == "dgrad")
-            except ValueError:
-                continue
-            a, transpose = (x, False) if op == "fwd" else (dy, True)
-            fn = jax.jit(functools.partial(gmm, impl="pallas", transpose_rhs=transpose,
-                                           preferred_element_type=jnp.bfloat16, config=config))
-            try:
-                seconds = time_it(lambda: fn(a, w, sizes), iters=iters, repeats=3)
-                record.append(dict(shape=name, op=op, config=dataclasses.asdict(config),
-                                   ms=seconds * 1e3, tflops=flops / seconds / 1e12))
-                print(f"  sweep {name} {op} {config} {flops / seconds / 1e12:.1f} TF/s",
-                      flush=True)
+                fn = functools.partial(make(config), *args)
+                out_bits = jax.lax.bitcast_convert_type(fn(), jnp.uint16)
+                reference_bits = out_bits if reference_bits is None else reference_bits
+                timed.append((config, fn, bool(jnp.all(out_bits == reference_bits))))
             except Exception as e:
-                print(f"  sweep {name} {op} {config} FAILED {str(e)[:120]}", flush=True)
-    base = default_tgmm_config(m, k, n)
-    for config in [base, dataclasses.replace(base, max_concurrent_steps=3),
-                   dataclasses.replace(base, wg_split="n"),
-                   dataclasses.replace(base, epilogue_slots=2),
-                   dataclasses.replace(base, max_concurrent_steps=3, epilogue_slots=2),
-                   dataclasses.replace(base, tile_rows=128, max_concurrent_steps=2),
-                   dataclasses.replace(base, balanced_schedule=False)]:
-        try:
-            config.validate(m, k, n, jnp.bfloat16, jnp.bfloat16)
-            fn = jax.jit(functools.partial(tgmm, impl="pallas",
-                                           preferred_element_type=jnp.bfloat16, config=config))
-            seconds = time_it(lambda: fn(x, dy, sizes), iters=iters, repeats=3)
-            record.append(dict(shape=name, op="wgrad", config=dataclasses.asdict(config),
-                               ms=seconds * 1e3, tflops=flops / seconds / 1e12))
-            print(f"  sweep {name} wgrad {config} {flops / seconds / 1e12:.1f} TF/s", flush=True)
-        except Exception as e:
-            print(f"  sweep {name} wgrad {config} FAILED {str(e)[:120]}", flush=True)
+                print(f"  sweep {name} {op} {config} FAILED {str(e)[:160]}", flush=True)
+        seconds = time_round_robin([torch_fn] + [fn for _, fn, _ in timed], iters=iters,
+                                   repeats=3)
+        torch_tflops = flops / seconds[0] / 1e12
+        print(f"  sweep {name} {op} torch_grouped_mm {torch_tflops:.1f} TF/s", flush=True)
+        for (config, _, same_bits), t in zip(timed, seconds[1:]):
+            tflops = flops / t / 1e12
+            record.append(dict(shape=name, op=op, config=dataclasses.asdict(config),
+                               ms=t * 1e3, tflops=tflops, vs_torch=tflops / torch_tflops,
+                               torch_tflops=torch_tflops, same_bits_as_default=same_bits))
+            print(f"  sweep {name} {op} {config} {tflops:.1f} TF/s "
+                  f"({tflops / torch_tflops:.3f}x torch) same bits: {same_bits}", flush=True)
 
 
 def cell(value, ratio=False) -> str:
@@ -363,7 +393,10 @@ def main(argv=None):
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--routings", default="dirichlet,empty")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--min-window", type=float, default=0.2,
+                        help="seconds: the shortest timed run of back-to-back calls")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-ops", default="fwd,dgrad,wgrad")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
     import torch
@@ -371,9 +404,10 @@ def main(argv=None):
     record, sweep_record = [], []
     for name in args.shapes.split(","):
         for routing in filter(None, args.routings.split(",")):
-            bench_shape(name, routing, args.iters, torch, record)
+            bench_shape(name, routing, args.iters, torch, record, args.min_window)
         if args.sweep:
-            sweep(name, max(args.iters // 2, 5), sweep_record)
+            sweep(name, max(args.iters // 2, 5), sweep_record, torch,
+                  args.sweep_ops.split(","))
     ratios = summarize(record)
     date = datetime.date.today().isoformat()
     os.makedirs(args.out, exist_ok=True)
@@ -382,9 +416,10 @@ def main(argv=None):
         num_sms=getattr(device, "core_count", None), jax=jax.__version__,
         torch=torch.__version__, python=platform.python_version(),
         shapes={k: dict(zip(("M", "K", "N", "G"), SHAPES[k])) for k in args.shapes.split(",")},
-        method="median of 5 repeats x iters back-to-back calls, synchronised; within each "
-               "repeat the implementations of an op take turns, each timed run after iters "
-               "untimed calls of the same implementation; bf16 in/out, fp32 accumulate; "
+        method=f"median of 5 repeats of back-to-back calls (>= {args.iters} calls and >= "
+               f"{args.min_window} s per timed run), synchronised; within each repeat the "
+               "implementations of an op take turns, each timed run after as many untimed calls "
+               "of the same implementation; bf16 in/out, fp32 accumulate; "
                "rel_error = ||out - torch|| / ||torch||",
         results=record, ratios=ratios, sweep=sweep_record)
     path = os.path.join(args.out, f"gmm_{date}{'' if record else '_sweep'}.json")

@@ -1,19 +1,23 @@
 """Grouped-matmul or MXFP8-quantize calls between cudaProfilerStart/Stop, for Nsight Compute.
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \\
-        python benchmarks/profile_gmm.py --shape mixtral --op fwd [--impl pallas|torch]
+        python benchmarks/profile_gmm.py --shape mixtral --op fwd [--impl pallas|torch] \\
+            [--config '{"cluster_n": 2}']
 
 Same shapes, data and Dirichlet routing as benchmarks/gmm.py and benchmarks/gmm_mxfp8.py.
 --op takes a comma-separated list (fwd, dgrad, wgrad, quantize_rowwise, quantize_columnwise,
 dispatch_quantize, copy); every call is compiled and run once before the profiled ones, so only
 the measured calls' kernels are captured, in the order given. "copy" is torch's device copy of
 the bytes a quantize reads and writes (the bandwidth ceiling the quantize kernels are held to);
-the quantize ops and copy ignore --impl.
+the quantize ops and copy ignore --impl. --config (JSON) changes fields of the default Pallas
+kernel config of the grouped-matmul ops (GmmConfig for fwd/dgrad, TgmmConfig for wgrad).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 
@@ -27,6 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gmm import SHAPES, group_sizes_for                # noqa: E402
 from jaxmoe.mxfp8 import BLOCK_SIZE                               # noqa: E402
 from jaxmoe.ops import gmm, tgmm                                  # noqa: E402
+from jaxmoe.ops.pallas.gmm_hopper import default_config          # noqa: E402
+from jaxmoe.ops.pallas.tgmm_hopper import default_tgmm_config    # noqa: E402
 from jaxmoe.ops.pallas.quantize_hopper import (                   # noqa: E402
     gather_quantize_rowwise_pallas, quantize_columnwise_pallas, quantize_rowwise_pallas)
 
@@ -34,8 +40,8 @@ OPS = ("fwd", "dgrad", "wgrad", "quantize_rowwise", "quantize_columnwise", "disp
        "copy")
 
 
-def make_call(op, impl, shape, torch):
-    """(call, sync) for one op at one shape."""
+def make_call(op, impl, shape, torch, changes=None):
+    """(call, sync) for one op at one shape; `changes`: fields of the default Pallas config."""
     m, k, n, g = SHAPES[shape]
     sizes = group_sizes_for("dirichlet", m, g)
     x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
@@ -59,7 +65,11 @@ def make_call(op, impl, shape, torch):
     if impl == "pallas":
         # Operands are arguments (as in benchmarks/gmm.py), so that the tile metadata is
         # computed at run time, not folded into constants.
-        kw = dict(impl="pallas", preferred_element_type=jnp.bfloat16)
+        config = {"fwd": lambda: default_config(m, k, n, g),
+                  "dgrad": lambda: default_config(m, n, k, g),
+                  "wgrad": lambda: default_tgmm_config(m, k, n, jnp.bfloat16)}[op]()
+        kw = dict(impl="pallas", preferred_element_type=jnp.bfloat16,
+                  config=dataclasses.replace(config, **(changes or {})))
         fn, args = {"fwd": (lambda a, b, s: gmm(a, b, s, **kw), (x, w, gs)),
                     "dgrad": (lambda a, b, s: gmm(a, b, s, transpose_rhs=True, **kw), (dy, w, gs)),
                     "wgrad": (lambda a, b, s: tgmm(a, b, s, **kw), (x, dy, gs))}[op]
@@ -78,12 +88,13 @@ def main(argv=None):
     parser.add_argument("--shape", default="mixtral", choices=list(SHAPES))
     parser.add_argument("--op", default="fwd", help=f"comma-separated, of {OPS}")
     parser.add_argument("--impl", default="pallas", choices=["pallas", "torch"])
+    parser.add_argument("--config", default="{}", help="JSON: changes to the default config")
     args = parser.parse_args(argv)
     ops = args.op.split(",")
     if unknown := set(ops) - set(OPS):
         parser.error(f"unknown ops {sorted(unknown)}; choose from {OPS}")
     import torch
-    calls = [make_call(op, args.impl, args.shape, torch) for op in ops]
+    calls = [make_call(op, args.impl, args.shape, torch, json.loads(args.config)) for op in ops]
     for call, sync in calls:
         sync(call())
     torch.cuda.synchronize()

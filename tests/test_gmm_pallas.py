@@ -13,6 +13,7 @@ import pytest
 
 from jaxmoe import MoEConfig
 from jaxmoe.ops import GmmConfig, TgmmConfig, gmm, on_hopper, tgmm
+from jaxmoe.ops.pallas.tgmm_hopper import default_tgmm_config
 from jaxmoe.ops.pallas.tiles import row_tiles
 from bitwise import bits
 from layer_grads import output_and_grads
@@ -51,6 +52,20 @@ def test_forward_matches_xla(interpret, sizes, transpose_rhs):
     ref = gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, impl="xla")
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
     assert np.all(np.asarray(out)[sum(sizes):] == 0)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dgrad_layout"])
+def test_cluster_pairs_match_xla(interpret, transpose_rhs):
+    """cluster_n=2: the two CTAs of a cluster share each row tile's lhs (multicast on the GPU)
+    and take adjacent column tiles; every column pair, zero-region tile and group is covered."""
+    lhs, rhs = operands(200, 128, 256, 5, seed=2, transpose_rhs=transpose_rhs)
+    group_sizes = jnp.asarray(SIZES["ragged_tail_and_empty"], jnp.int32)
+    run = functools.partial(gmm, lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
+    unpaired = run(impl="pallas", config=SMALL)
+    out = run(impl="pallas", config=dataclasses.replace(SMALL, cluster_n=2, num_sms=4))  # raced
+    np.testing.assert_array_equal(bits(out), bits(unpaired))
+    np.testing.assert_allclose(out, run(impl="xla"), rtol=1e-5, atol=1e-4)
+    assert np.all(np.asarray(out)[180:] == 0)
 
 
 def test_forward_with_default_config_and_rows_not_multiple_of_8(interpret):
@@ -97,7 +112,8 @@ def test_nan_in_one_group_never_reaches_another(interpret):
 # The warp-specialised wgrad kernel on small shapes (interpret mode): both warpgroup splits, a
 # shared operand masked in one chunk (by one warpgroup) or in two (one each), the 64-byte swizzle
 # of 32-wide warpgroup tiles, rings of 2-4 slots, one or two epilogue slots, bf16 and fp32 out,
-# both schedules, more SMs than work items.
+# both schedules, more SMs than work items, the epilogue overlapped with the next item's first
+# wgmma (after empty items too).
 WGRAD_STRUCTURES = {
     "split_k_ring2_epi2": (TgmmConfig(tile_k=64, tile_n=64, wg_split="k", max_concurrent_steps=2,
                                       epilogue_slots=2, grid_tile_width=1, num_sms=3),
@@ -111,6 +127,13 @@ WGRAD_STRUCTURES = {
                                   num_sms=3), jnp.bfloat16),
     "split_k_128rows": (TgmmConfig(tile_k=64, tile_n=64, wg_split="k", tile_rows=128,
                                    max_concurrent_steps=2, num_sms=3), jnp.bfloat16),
+    "split_k_overlap_epilogue": (TgmmConfig(tile_k=64, tile_n=128, wg_split="k",
+                                            max_concurrent_steps=3, epilogue_tile_n=128,
+                                            overlap_epilogue=True, num_sms=3), jnp.bfloat16),
+    "split_n_overlap_epilogue_epi2": (TgmmConfig(tile_k=64, tile_n=32, wg_split="n",
+                                                 max_concurrent_steps=2, epilogue_slots=2,
+                                                 overlap_epilogue=True, num_sms=2),
+                                      jnp.bfloat16),
 }
 # 673 of 704 rows in groups (a zero tail); group 2 spans 7 row blocks (every ring slot is reused
 # within one item); groups 0/2, 2/3, 5/6 and 6/tail share boundary blocks; two empty groups.
@@ -141,9 +164,13 @@ def test_wgrad_structure_ring_reuse_boundaries_and_nan_isolation(interpret, stru
     np.testing.assert_allclose(out[clean], ref[clean], **tol)
     assert not np.all(np.isfinite(out[2])) and not np.all(np.isfinite(out[5]))
     assert np.all(out[[1, 4]] == 0)
-    # Without the bad values every group matches.
-    out = tgmm(lhs, rhs, sizes, impl="pallas", config=config, preferred_element_type=out_dtype)
+    # Without the bad values every group matches (the race detector checks this last run);
+    # when a tile is stored does not change its bits.
+    run = functools.partial(tgmm, lhs, rhs, sizes, impl="pallas", preferred_element_type=out_dtype)
+    plain = run(config=dataclasses.replace(config, overlap_epilogue=False))
+    out = run(config=config) if config.overlap_epilogue else plain
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, **tol)
+    np.testing.assert_array_equal(bits(out), bits(plain))
 
 
 def test_wgrad_bits_do_not_depend_on_config(interpret):
@@ -169,6 +196,11 @@ def test_wgrad_bits_do_not_depend_on_config(interpret):
     assert len(results) >= 3
     for other in results[1:]:
         np.testing.assert_array_equal(other, results[0])
+    # 16-bit outputs: the epilogue overlapped with the next item or not.
+    bf16 = [bits(tgmm(lhs, rhs, sizes, impl="pallas", preferred_element_type=jnp.bfloat16,
+                      config=dataclasses.replace(configs[0], overlap_epilogue=overlap)))
+            for overlap in (False, True)]
+    np.testing.assert_array_equal(bf16[1], bf16[0])
 
 
 def test_row_bits_do_not_depend_on_other_groups_or_config(interpret):
@@ -185,7 +217,8 @@ def test_row_bits_do_not_depend_on_other_groups_or_config(interpret):
     if ON_HOPPER:
         configs = [GmmConfig(tile_m=tm, tile_n=64, tile_k=tk, wg_split=split,
                              max_concurrent_steps=2 if tk == 64 else 1, overlap_wgmma=overlap,
-                             epilogue_tile_n=32, epilogue_slots=1 if overlap else 2)
+                             epilogue_tile_n=32, epilogue_slots=1 if overlap else 2,
+                             cluster_n=2 if tk == 64 and split == "m" else 1)
                    for tm in (64, 128) for tk in (64, 128) for split in ("n", "m")
                    for overlap in (True, False)]
     for config in configs:
@@ -269,6 +302,10 @@ def test_pallas_refuses_unsupported_problems():
         GmmConfig(max_concurrent_steps=6).validate(4096, 1024, 1024)
     with pytest.raises(ValueError, match="128 bytes"):
         GmmConfig(epilogue_tile_n=32).validate(4096, 1024, 1024, out_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="cluster_n=3 must be 1 or 2"):
+        GmmConfig(cluster_n=3).validate(4096, 1024, 1024)
+    with pytest.raises(ValueError, match="times cluster_n=2"):
+        GmmConfig(cluster_n=2).validate(4096, 1024, 768)      # three 256-wide CTA tiles
     lhs, rhs = operands(64, 96, 64, 2)
     with pytest.raises(ValueError, match="multiples of 64"):
         gmm(lhs, rhs, jnp.array([32, 32]), impl="pallas")
@@ -283,6 +320,10 @@ def test_tgmm_config_refuses_what_the_kernel_cannot_run():
     base = TgmmConfig()              # CTA tile 256 x 128, 4 ring slots of 64 rows
     base.validate(65536, 2048, 1536, out_dtype=jnp.bfloat16)
     base.validate(65536, 2048, 1536, out_dtype=jnp.float32)     # narrower epilogue chunks
+    for out_dtype, overlapped in ((jnp.bfloat16, True), (jnp.float32, False)):
+        default = default_tgmm_config(65536, 2048, 1536, out_dtype)
+        assert default.overlap_epilogue == overlapped
+        default.validate(65536, 2048, 1536, out_dtype=out_dtype)
     refusals = {
         "shared memory": dict(max_concurrent_steps=5),
         "multiple of 64": dict(tile_rows=32),
@@ -290,6 +331,7 @@ def test_tgmm_config_refuses_what_the_kernel_cannot_run():
         "wg_split": dict(wg_split="m"),
         "registers": dict(tile_k=128, tile_n=256),
         "epilogue chunks": dict(epilogue_tile_n=96),
+        "16-bit output": dict(overlap_epilogue=True),
     }
     for message, change in refusals.items():
         with pytest.raises(ValueError, match=message):

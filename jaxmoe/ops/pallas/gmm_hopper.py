@@ -7,6 +7,9 @@ Structure (warp specialised, persistent):
     the kernel (`tiles.work_list`: tiles with rows first, in a banded order for L2 reuse);
     row tiles come from `tiles.row_tiles` (each tile inside one group, so every output row is
     written once and a row's result never depends on the other groups);
+  * optionally (`cluster_n=2`) the CTAs run in clusters of two that take the same row tile and
+    adjacent column tiles: each CTA loads half of the lhs tile and TMA-multicasts it to both,
+    so the lhs is read from L2 once per cluster;
   * the CTA's consecutive tiles share one software pipeline, so the memory warpgroup already
     loads the next tile while the compute warpgroups finish the current one;
   * per CTA: one memory warpgroup issues TMA loads of lhs / rhs tiles into a ring of
@@ -55,7 +58,8 @@ class GmmConfig:
     step's wgmma running while the next one is issued (its SMEM slot is released one step
     late; bf16 kernel, max_concurrent_steps >= 2 only). epilogue_slots=2 double-buffers the
     epilogue's SMEM tile, so a column chunk is written while the previous one is stored. None of
-    these change the K-reduction order."""
+    these change the K-reduction order. cluster_n=2 pairs the CTAs along N (see the module
+    docstring); the work items then cover column-tile pairs."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -66,6 +70,7 @@ class GmmConfig:
     wg_split: str = "n"
     overlap_wgmma: bool = False
     epilogue_slots: int = 1
+    cluster_n: int = 1
     num_sms: int = HOPPER_NUM_SMS
 
     @property
@@ -104,8 +109,12 @@ class GmmConfig:
         if self.max_concurrent_steps > k // self.tile_k:
             raise ValueError(f"gmm pallas: max_concurrent_steps={self.max_concurrent_steps} "
                              f"exceeds the {k // self.tile_k} K steps")
-        if n % self.cta_n:
-            raise ValueError(f"gmm pallas: N={n} must be a multiple of the CTA tile {self.cta_n}")
+        if self.cluster_n not in (1, 2) or self.num_sms % self.cluster_n:
+            raise ValueError(f"gmm pallas: cluster_n={self.cluster_n} must be 1 or 2 and divide "
+                             f"num_sms={self.num_sms}")
+        if n % (self.cta_n * self.cluster_n):
+            raise ValueError(f"gmm pallas: N={n} must be a multiple of the CTA tile {self.cta_n}"
+                             f" times cluster_n={self.cluster_n}")
         if self.tile_n % self.epilogue_tile_n:
             raise ValueError(f"gmm pallas: tile_n={self.tile_n} must be a multiple of "
                              f"epilogue_tile_n={self.epilogue_tile_n}")
@@ -200,7 +209,7 @@ def gmm_mxfp8_pallas(lhs: jax.Array, lhs_scale: jax.Array, rhs: jax.Array, rhs_s
     config = config or default_mxfp8_config(num_rows, k, n, num_groups, out_dtype)
     config.validate(num_rows, k, n, lhs.dtype, out_dtype, transpose_rhs=True)
     tiles = row_tiles(group_sizes, num_rows, config.cta_m, ROW_ALIGN)
-    work = work_list(tiles, n // config.cta_n, config.grid_tile_width)
+    work = work_list(tiles, n // (config.cta_n * config.cluster_n), config.grid_tile_width)
     kernel = _build_kernel(num_rows, k, n, num_groups, work.num_items, lhs.dtype,
                            jnp.dtype(out_dtype), True, config, interpret, scaled=True)
     return kernel(work.counts, work.tile, work.column, tiles.group, tiles.row, tiles.rows,
@@ -225,7 +234,7 @@ def gmm_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transp
     config = config or default_config(num_rows, k, n, num_groups, lhs.dtype, out_dtype)
     config.validate(num_rows, k, n, lhs.dtype, out_dtype, transpose_rhs)
     tiles = row_tiles(group_sizes, num_rows, config.cta_m, ROW_ALIGN)
-    work = work_list(tiles, n // config.cta_n, config.grid_tile_width)
+    work = work_list(tiles, n // (config.cta_n * config.cluster_n), config.grid_tile_width)
     kernel = _build_kernel(num_rows, k, n, num_groups, work.num_items, lhs.dtype,
                            jnp.dtype(out_dtype), transpose_rhs, config, interpret)
     return kernel(work.counts, work.tile, work.column, tiles.group, tiles.row, tiles.rows,
@@ -238,7 +247,7 @@ def _build_kernel(num_rows, k, n, num_groups, num_items, dtype, out_dtype, trans
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     cta_m, cta_n, epi_n = config.cta_m, config.cta_n, config.epilogue_tile_n
     split_m = config.wg_split == "m"
-    num_sms = config.num_sms
+    num_clusters = config.num_sms // config.cluster_n
     k_steps = k // tile_k
     # MXFP8 tiles are sliced into 32-wide K blocks (32 bytes of fp8), so they are tiled and
     # swizzled at that width.
@@ -269,7 +278,9 @@ def _build_kernel(num_rows, k, n, num_groups, num_items, dtype, out_dtype, trans
                 memory_registers=40,
                 in_specs=[
                     plgpu.BlockSpec((cta_m, tile_k), lambda ki: (0, ki),
-                                    transforms=in_transforms, memory_space=plgpu.SMEM),
+                                    transforms=in_transforms, memory_space=plgpu.SMEM,
+                                    collective_axes=("cluster",) if config.cluster_n > 1
+                                    else ()),
                     plgpu.BlockSpec(rhs_block,
                                     (lambda ki: (0, ki)) if transpose_rhs
                                     else (lambda ki: (ki, 0)),
@@ -297,7 +308,8 @@ def _build_kernel(num_rows, k, n, num_groups, num_items, dtype, out_dtype, trans
         )
         def _scope(allocations, out_smem):
             wg = lax.axis_index("wg")
-            sm = lax.axis_index("sm")
+            cluster = lax.axis_index("sm")        # one cluster of cluster_n CTAs per work lane
+            cta_in_cluster = lax.axis_index("cluster")
 
             def release(step):
                 """Tell the memory warpgroup that K step `step`'s SMEM slot may be refilled."""
@@ -341,7 +353,7 @@ def _build_kernel(num_rows, k, n, num_groups, num_items, dtype, out_dtype, trans
                 lo = jnp.maximum(offset, wg_row)
                 count = jnp.clip(jnp.minimum(offset + valid_rows, wg_row + tile_m) - lo, 0,
                                  tile_m)
-                column = work_column_gmem[item] * cta_n
+                column = (work_column_gmem[item] * config.cluster_n + cta_in_cluster) * cta_n
                 return dict(tile=tile, load_row=load_row, gmem_row=first_row + lo - offset,
                             smem_row=lo - wg_row, count=count, column=column,
                             wg_column=column + (0 if split_m else wg * tile_n))
@@ -376,6 +388,10 @@ def _build_kernel(num_rows, k, n, num_groups, num_items, dtype, out_dtype, trans
                 return lhs_smem.at[wg_rows, :], b
 
             def mma_body(_, lhs_smem, rhs_smem, acc_ref):
+                # Both warpgroups multiply even where one has no valid rows (the second half of
+                # a group's last tile): skipping that wgmma under a condition made the dsv3
+                # forward 10% slower on the H200
+                # (benchmarks/results/gmm_2026-11-29_wg_skip_experiment.json).
                 a, b = operands(lhs_smem, rhs_smem)
                 plgpu.wgmma(acc_ref, a, b)
                 if not release_delay:
@@ -436,11 +452,11 @@ def _build_kernel(num_rows, k, n, num_groups, num_items, dtype, out_dtype, trans
                 pipeline(body_fn, compute_context, state)(
                     lhs_gmem.at[m_slice, :], rhs_tile, allocations=allocations)
 
-            # Work items are [matmul items | zero-region items]; this CTA takes every
-            # num_sms-th item of each list.
+            # Work items are [matmul items | zero-region items]; this CTA's cluster takes every
+            # num_clusters-th item of each list.
             num_matmul, num_zero = counts_gmem[0], counts_gmem[1]
-            mine = jnp.maximum(num_matmul - sm + num_sms - 1, 0) // num_sms
-            item_of = lambda j: sm + j * num_sms
+            mine = jnp.maximum(num_matmul - cluster + num_clusters - 1, 0) // num_clusters
+            item_of = lambda j: cluster + j * num_clusters
             states = plgpu.PipelinePipeline
 
             if chained:
@@ -462,7 +478,7 @@ def _build_kernel(num_rows, k, n, num_groups, num_items, dtype, out_dtype, trans
                 def _each(j):
                     matmul_item(item_of(j), None)
 
-            mine_zero = jnp.maximum(num_zero - sm + num_sms - 1, 0) // num_sms
+            mine_zero = jnp.maximum(num_zero - cluster + num_clusters - 1, 0) // num_clusters
 
             @pl.when(wg < NUM_COMPUTE_WGS)
             def _zero_region():
@@ -475,8 +491,10 @@ def _build_kernel(num_rows, k, n, num_groups, num_items, dtype, out_dtype, trans
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((num_rows, n), out_dtype),
-        grid=(num_sms,),
+        grid=(num_clusters,),
         grid_names=("sm",),
+        cluster=(config.cluster_n,),
+        cluster_names=("cluster",),
         num_threads=NUM_COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(

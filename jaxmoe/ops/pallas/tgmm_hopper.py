@@ -16,7 +16,9 @@ in a planar snake (L2 reuse between the CTAs that run at the same time). Per CTA
     runs, the warpgroup releases block t-1's slot (its wgmma has retired) and acquires block
     t+1 (waits for its TMA and masks it, see below), also across items;
   * epilogue: cast, SMEM, TMA store. The stores are not awaited, so they drain while the next
-    item runs (an epilogue slot is only rewritten once its previous store has read it).
+    item runs (an epilogue slot is only rewritten once its previous store has read it). With
+    overlap_epilogue the cast tile waits in registers and is written to SMEM and stored while
+    the next item's first wgmma runs, so the tensor cores do not idle through the epilogue.
 Row blocks sit on a grid anchored at the group's first row rounded down to 8 (TMA into swizzled
 SMEM needs 8-row offsets); a block that holds rows of another group (or rows past M,
 zero-filled by TMA) has those rows replaced by zeros in BOTH operands with a select before its
@@ -59,7 +61,10 @@ class TgmmConfig:
     the widest chunk that fits next to the ring). grid_tile_width: band width (in N tiles) of
     the snake order of a group's tiles. balanced_schedule: walk the groups by decreasing row
     count and deal each round of items to the SMs in alternating directions (else: groups in
-    order, every round dealt from SM 0). None of these change the reduction order."""
+    order, every round dealt from SM 0). overlap_epilogue: a warpgroup keeps its finished tile
+    (cast to the 16-bit output dtype) in registers and stores it while the next item's first
+    wgmma runs, instead of between the two items. None of these change the reduction
+    order."""
 
     tile_k: int = 128
     tile_n: int = 128
@@ -70,6 +75,7 @@ class TgmmConfig:
     epilogue_slots: int = 1
     grid_tile_width: int = 8
     balanced_schedule: bool = True
+    overlap_epilogue: bool = False
     num_sms: int = HOPPER_NUM_SMS
 
     @property
@@ -137,6 +143,10 @@ class TgmmConfig:
             raise ValueError(f"tgmm pallas: K={k}, N={n} must be multiples of the CTA tile "
                              f"{self.cta_k} x {self.cta_n} (tile_k={self.tile_k}, "
                              f"tile_n={self.tile_n}, wg_split={self.wg_split!r})")
+        if self.overlap_epilogue and jnp.dtype(out_dtype).itemsize != 2:
+            # The finished tile waits in registers next to the next item's accumulator.
+            raise ValueError("tgmm pallas: overlap_epilogue needs a 16-bit output dtype, got "
+                             f"{jnp.dtype(out_dtype).name}")
         if self.epilogue_slots not in (1, 2):
             raise ValueError(f"tgmm pallas: epilogue_slots={self.epilogue_slots} must be 1 or 2")
         epilogue_n = self.epilogue_n(in_dtype, out_dtype)
@@ -154,14 +164,16 @@ class TgmmConfig:
                              "max_concurrent_steps, a narrower epilogue or smaller tiles")
 
 
-def default_tgmm_config(num_rows: int, k: int, n: int) -> TgmmConfig:
+def default_tgmm_config(num_rows: int, k: int, n: int, out_dtype=jnp.float32) -> TgmmConfig:
     """Shape-based heuristic: the largest CTA tile that divides K x N, 256 x 128 (two 128 x 128
-    warpgroup tiles along K) first; 64-row steps, 4 of them in flight."""
+    warpgroup tiles along K) first; 64-row steps, 4 of them in flight; the epilogue overlapped
+    with the next item for 16-bit outputs (benchmarks/results/gmm_*_sweep.json: +2-4%)."""
     if k % 64 or n % 64:
         raise ValueError(f"tgmm pallas: K={k} and N={n} must be multiples of 64")
     for split, tile_k, tile_n in (("k", 128, 128), ("n", 128, 128), ("k", 64, 128),
                                   ("k", 64, 64), ("n", 64, 64), ("n", 64, 32)):
         config = TgmmConfig(tile_k=tile_k, tile_n=tile_n, wg_split=split,
+                            overlap_epilogue=jnp.dtype(out_dtype).itemsize == 2,
                             num_sms=default_num_sms())
         if k % config.cta_k == 0 and n % config.cta_n == 0:
             return config
@@ -176,7 +188,7 @@ def tgmm_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_d
     if lhs.dtype != rhs.dtype or lhs.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"tgmm pallas: lhs and rhs must both be bf16 or fp16, got {lhs.dtype}, "
                          f"{rhs.dtype}")
-    config = config or default_tgmm_config(num_rows, k, n)
+    config = config or default_tgmm_config(num_rows, k, n, out_dtype)
     config.validate(num_rows, k, n, lhs.dtype, out_dtype)
     sizes = group_sizes.astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
@@ -340,12 +352,24 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
             def compute_warpgroup():
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
+                def flush(pending):
+                    """Store a finished tile (values, destination, valid) if it is valid."""
+                    values, where, valid = pending
+
+                    @pl.when(valid)
+                    def _():
+                        store(values, where)
+
                 def matmul_item(j, carry):
                     # Row block t + 1 is acquired while the wgmma of block t runs, across items
                     # too: `acquired` says whether this item's first block already was (it was
                     # unless this is the CTA's first item or the previous item was empty).
-                    step, item, acquired = carry
-                    next_item = load_item(j + 1)      # prefetched: used by the next iteration
+                    # With overlap_epilogue, `pending` is the previous item's finished tile,
+                    # stored while this item's first wgmma runs.
+                    # The next item's metadata was loaded an iteration ago (it is needed at
+                    # this item's last block); the one after it loads now.
+                    step, item, next_item, acquired, *pending = carry
+                    after_next = load_item(j + 2)
                     blocks = item["blocks"]
                     next_step = step + blocks
                     has_next = (j + 1 < num_mine) & (next_item["blocks"] > 0)
@@ -354,35 +378,48 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
                     def _acquire_first():
                         acquire(step, item, 0)
 
+                    if pending:
+                        @pl.when(blocks == 0)
+                        def _flush_without_wgmma():
+                            flush(pending)
+
+                    def block(acc_ref, b, first):
+                        t = step + b
+                        slot = lax.rem(t, num_slots)
+                        lhs_smem, rhs_smem = lhs_ring.at[slot], rhs_ring.at[slot]
+                        if split_k:
+                            a = lhs_smem.at[:, pl.ds(wg * tile_k, tile_k)]
+                            b_op = rhs_smem
+                        else:
+                            a = lhs_smem
+                            b_op = rhs_smem.at[:, pl.ds(wg * tile_n, tile_n)]
+                        plgpu.wgmma(acc_ref, a.transpose((1, 0)), b_op)
+                        plgpu.wgmma_wait(1)         # the previous block's wgmma retired
+                        if first:
+                            if pending:
+                                flush(pending)
+                        else:
+                            release(t - 1)
+
+                        # Acquire block t + 1 (this item's next block, or the next item's
+                        # first) under wgmma t. Its slot differs from t's (2+ slots) and its
+                        # load only needed the slots released so far.
+                        last = b == blocks - 1
+                        target = {f: jnp.where(last, next_item[f], item[f])
+                                  for f in ("start", "end", "anchor")}
+
+                        @pl.when(jnp.logical_not(last) | has_next)
+                        def _acquire_next():
+                            acquire(t + 1, target, jnp.where(last, 0, b + 1))
+
                     def acc_scope(acc_ref):
-                        @pl.loop(0, blocks)
+                        @pl.when(blocks > 0)
+                        def _first_block():
+                            block(acc_ref, 0, first=True)
+
+                        @pl.loop(1, blocks)
                         def _block(b):
-                            t = step + b
-                            slot = lax.rem(t, num_slots)
-                            lhs_smem, rhs_smem = lhs_ring.at[slot], rhs_ring.at[slot]
-                            if split_k:
-                                a = lhs_smem.at[:, pl.ds(wg * tile_k, tile_k)]
-                                b_op = rhs_smem
-                            else:
-                                a = lhs_smem
-                                b_op = rhs_smem.at[:, pl.ds(wg * tile_n, tile_n)]
-                            plgpu.wgmma(acc_ref, a.transpose((1, 0)), b_op)
-                            plgpu.wgmma_wait(1)         # the previous block's wgmma retired
-
-                            @pl.when(b > 0)
-                            def _release_previous():
-                                release(t - 1)
-
-                            # Acquire block t + 1 (this item's next block, or the next item's
-                            # first) under wgmma t. Its slot differs from t's (2+ slots) and
-                            # its load only needed the slots released so far.
-                            last = b == blocks - 1
-                            target = {f: jnp.where(last, next_item[f], item[f])
-                                      for f in ("start", "end", "anchor")}
-
-                            @pl.when(jnp.logical_not(last) | has_next)
-                            def _acquire_next():
-                                acquire(t + 1, target, jnp.where(last, 0, b + 1))
+                            block(acc_ref, b, first=False)
 
                         @pl.when(blocks > 0)
                         def _release_last():
@@ -392,11 +429,22 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
                         return acc_ref[...]
 
                     acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_k, tile_n)))  # starts at 0
-                    store(acc, item)
-                    return next_step, next_item, blocks > 0
+                    done = (acc.astype(out_dtype), {f: item[f] for f in ("group", "ki", "ni")},
+                            jnp.bool_(True))
+                    if pending:
+                        return next_step, next_item, after_next, blocks > 0, *done
+                    flush(done)
+                    return next_step, next_item, after_next, blocks > 0
 
-                lax.fori_loop(0, num_mine, matmul_item,
-                              (jnp.int32(0), load_item(0), jnp.bool_(False)))
+                carry = (jnp.int32(0), load_item(0), load_item(1), jnp.bool_(False))
+                if config.overlap_epilogue:
+                    nothing = plgpu.layout_cast(jnp.zeros((tile_k, tile_n), out_dtype),
+                                                plgpu.Layout.WGMMA)
+                    carry += (nothing, dict.fromkeys(("group", "ki", "ni"), jnp.int32(0)),
+                              jnp.bool_(False))
+                _, _, _, _, *pending = lax.fori_loop(0, num_mine, matmul_item, carry)
+                if pending:
+                    flush(pending)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             lax.cond(wg == NUM_COMPUTE_WGS, memory_warpgroup, compute_warpgroup)

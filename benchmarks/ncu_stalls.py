@@ -1,0 +1,60 @@
+"""Warp-stall samples of one kernel grouped by how often each SASS instruction ran.
+
+    ncu --import report.ncu-rep --page source --csv --print-source sass > sass.csv
+    python benchmarks/ncu_stalls.py sass.csv
+
+Instructions that ran equally often belong to the same loop level of the kernel (per row block,
+per work item, per masked block, the memory warpgroup's loop, ...), so the groups show where a
+persistent kernel's warps spend their time without reading the SASS. Prints, per execution
+count, the share of all stall samples and the top stall reasons; then the top instructions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+
+SAMPLES = "Warp Stall Sampling (All Samples)"
+
+
+def number(text: str) -> float:
+    return float(text.replace(",", "")) if text.strip() else 0.0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("csv", help="ncu --page source --csv --print-source sass output")
+    parser.add_argument("--groups", type=int, default=12)
+    parser.add_argument("--instructions", type=int, default=15)
+    args = parser.parse_args(argv)
+    with open(args.csv) as f:
+        rows = list(csv.reader(f))
+    header_at = next(i for i, row in enumerate(rows) if SAMPLES in row)
+    header = rows[header_at]
+    body = [r for r in rows[header_at + 1:] if len(r) == len(header)]
+    col = {name: i for i, name in enumerate(header)}
+    reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
+    total = sum(number(r[col[SAMPLES]]) for r in body) or 1.0
+    groups = collections.defaultdict(lambda: [0.0, 0, collections.Counter()])
+    for r in body:
+        group = groups[int(number(r[col["Instructions Executed"]]))]
+        group[0] += number(r[col[SAMPLES]])
+        group[1] += 1
+        group[2].update({reason: number(r[col[reason]]) for reason in reasons})
+    print(f"{total:.0f} stall samples over {len(body)} instructions\n"
+          f"{'executed':>10} {'instrs':>6} {'samples':>8}  top reasons")
+    by_samples = sorted(groups.items(), key=lambda g: -g[1][0])
+    for executed, (samples, count, why) in by_samples[:args.groups]:
+        top = ", ".join(f"{reason[6:]} {100 * n / samples:.0f}%"
+                        for reason, n in why.most_common(3) if samples)
+        print(f"{executed:>10} {count:>6} {100 * samples / total:7.1f}%  {top}")
+    print("\ntop instructions")
+    for r in sorted(body, key=lambda r: -number(r[col[SAMPLES]]))[:args.instructions]:
+        executed = int(number(r[col["Instructions Executed"]]))
+        print(f"{100 * number(r[col[SAMPLES]]) / total:5.1f}% x{executed:>8}  "
+              f"{r[col['Source']].strip()[:70]}")
+
+
+if __name__ == "__main__":
+    main()
