@@ -54,6 +54,15 @@ SHAPES = {   # name: (M tokens*k, K, N, G)
 }
 
 
+def default_kernel_config(name: str, op: str):
+    """The default jaxmoe kernel config of op ("fwd", "dgrad" or "wgrad") at benchmark shape
+    `name`, with bf16 outputs (dgrad contracts over N and produces K columns)."""
+    m, k, n, g = SHAPES[name]
+    return {"fwd": lambda: default_config(m, k, n, g),
+            "dgrad": lambda: default_config(m, n, k, g),
+            "wgrad": lambda: default_tgmm_config(m, k, n, jnp.bfloat16)}[op]()
+
+
 def group_sizes_for(routing: str, m: int, g: int, seed: int = 0) -> np.ndarray:
     """Dirichlet-skewed sizes summing to m; "empty" gives a quarter of the experts no rows."""
     rng = np.random.default_rng(seed)
@@ -291,17 +300,17 @@ def sweep(name, iters, record, torch, ops=("fwd", "dgrad", "wgrad")):
                 dataclasses.replace(base, wg_split="n")]
 
     cases = {
-        "fwd": (gmm_variants(default_config(m, k, n, g)),
+        "fwd": (gmm_variants(default_kernel_config(name, "fwd")),
                 lambda c: jax.jit(functools.partial(gmm, impl="pallas", config=c,
                                                     preferred_element_type=jnp.bfloat16)),
                 (x, w, sizes), lambda: torch._grouped_mm(tx, tw, offs=offs)),
-        "dgrad": (gmm_variants(default_config(m, n, k, g)),
+        "dgrad": (gmm_variants(default_kernel_config(name, "dgrad")),
                   lambda c: jax.jit(functools.partial(gmm, impl="pallas", config=c,
                                                       transpose_rhs=True,
                                                       preferred_element_type=jnp.bfloat16)),
                   (dy, w, sizes), lambda: torch._grouped_mm(tdy, tw.transpose(-2, -1),
                                                             offs=offs)),
-        "wgrad": (tgmm_variants(default_tgmm_config(m, k, n, jnp.bfloat16)),
+        "wgrad": (tgmm_variants(default_kernel_config(name, "wgrad")),
                   lambda c: jax.jit(functools.partial(tgmm, impl="pallas", config=c,
                                                       preferred_element_type=jnp.bfloat16)),
                   (x, dy, sizes), lambda: torch._grouped_mm(tx.t(), tdy, offs=offs)),

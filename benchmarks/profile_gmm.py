@@ -28,11 +28,9 @@ import jax.numpy as jnp                                           # noqa: E402
 import numpy as np                                                # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.gmm import SHAPES, group_sizes_for                # noqa: E402
+from benchmarks.gmm import SHAPES, default_kernel_config, group_sizes_for  # noqa: E402
 from jaxmoe.mxfp8 import BLOCK_SIZE                               # noqa: E402
 from jaxmoe.ops import gmm, tgmm                                  # noqa: E402
-from jaxmoe.ops.pallas.gmm_hopper import default_config          # noqa: E402
-from jaxmoe.ops.pallas.tgmm_hopper import default_tgmm_config    # noqa: E402
 from jaxmoe.ops.pallas.quantize_hopper import (                   # noqa: E402
     gather_quantize_rowwise_pallas, quantize_columnwise_pallas, quantize_rowwise_pallas)
 
@@ -65,11 +63,8 @@ def make_call(op, impl, shape, torch, changes=None):
     if impl == "pallas":
         # Operands are arguments (as in benchmarks/gmm.py), so that the tile metadata is
         # computed at run time, not folded into constants.
-        config = {"fwd": lambda: default_config(m, k, n, g),
-                  "dgrad": lambda: default_config(m, n, k, g),
-                  "wgrad": lambda: default_tgmm_config(m, k, n, jnp.bfloat16)}[op]()
         kw = dict(impl="pallas", preferred_element_type=jnp.bfloat16,
-                  config=dataclasses.replace(config, **(changes or {})))
+                  config=dataclasses.replace(default_kernel_config(shape, op), **(changes or {})))
         fn, args = {"fwd": (lambda a, b, s: gmm(a, b, s, **kw), (x, w, gs)),
                     "dgrad": (lambda a, b, s: gmm(a, b, s, transpose_rhs=True, **kw), (dy, w, gs)),
                     "wgrad": (lambda a, b, s: tgmm(a, b, s, **kw), (x, dy, gs))}[op]

@@ -429,11 +429,11 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
                         return acc_ref[...]
 
                     acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_k, tile_n)))  # starts at 0
-                    done = (acc.astype(out_dtype), {f: item[f] for f in ("group", "ki", "ni")},
-                            jnp.bool_(True))
+                    tile, where = acc.astype(out_dtype), {f: item[f] for f in ("group", "ki", "ni")}
                     if pending:
-                        return next_step, next_item, after_next, blocks > 0, *done
-                    flush(done)
+                        return (next_step, next_item, after_next, blocks > 0, tile, where,
+                                jnp.bool_(True))
+                    store(tile, where)
                     return next_step, next_item, after_next, blocks > 0
 
                 carry = (jnp.int32(0), load_item(0), load_item(1), jnp.bool_(False))
