@@ -297,7 +297,9 @@ def sweep(name, iters, record, torch, ops=("fwd", "dgrad", "wgrad")):
     def tgmm_variants(base):
         return [base, dataclasses.replace(base, overlap_epilogue=not base.overlap_epilogue),
                 dataclasses.replace(base, epilogue_slots=2),
-                dataclasses.replace(base, wg_split="n")]
+                dataclasses.replace(base, wg_split="n")] + [
+                    dataclasses.replace(base, piece_rows=rows) for rows in (8, 32, 64)
+                    if rows != base.piece_rows]
 
     cases = {
         "fwd": (gmm_variants(default_kernel_config(name, "fwd")),
@@ -406,6 +408,7 @@ def main(argv=None):
                         help="seconds: the shortest timed run of back-to-back calls")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-ops", default="fwd,dgrad,wgrad")
+    parser.add_argument("--tag", default="", help="added to the result file names")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
     import torch
@@ -431,7 +434,8 @@ def main(argv=None):
                "of the same implementation; bf16 in/out, fp32 accumulate; "
                "rel_error = ||out - torch|| / ||torch||",
         results=record, ratios=ratios, sweep=sweep_record)
-    path = os.path.join(args.out, f"gmm_{date}{'' if record else '_sweep'}.json")
+    tag = f"_{args.tag}" if args.tag else ""
+    path = os.path.join(args.out, f"gmm_{date}{tag}{'' if record else '_sweep'}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     if record:

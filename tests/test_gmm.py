@@ -1,4 +1,9 @@
-"""jaxmoe.ops.gmm / tgmm (impl="xla") against a per-group numpy loop, gradients included."""
+"""jaxmoe.ops.gmm / tgmm (impl="xla") against a per-group numpy loop, gradients included.
+
+Every test runs on the host CPU, also on a GPU machine: there XLA would run the fp32 matmuls in
+TF32 (JAX's default matmul precision) and the group sizes would live on the GPU, where the
+host-side size checks do not read them back. The Pallas kernels' tests are in
+test_gmm_pallas.py."""
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +11,12 @@ import numpy as np
 import pytest
 
 from jaxmoe.ops import gmm, tgmm
+
+
+@pytest.fixture(autouse=True)
+def on_host_cpu():
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 def loop_gmm(lhs, rhs, sizes):
@@ -48,7 +59,7 @@ def test_gmm_bf16_inputs_accumulate_in_fp32():
     rng = np.random.default_rng(1)
     lhs = jnp.asarray(rng.standard_normal((32, 256)), jnp.bfloat16)
     rhs = jnp.asarray(rng.standard_normal((2, 256, 8)), jnp.bfloat16)
-    out = gmm(lhs, rhs, jnp.array([16, 16], jnp.int32))
+    out = gmm(lhs, rhs, jnp.array([16, 16], jnp.int32), impl="xla")
     np.testing.assert_allclose(out, loop_gmm(lhs, rhs, [16, 16]), rtol=1e-5, atol=1e-4)
 
 

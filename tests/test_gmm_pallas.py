@@ -13,7 +13,7 @@ import pytest
 
 from jaxmoe import MoEConfig
 from jaxmoe.ops import GmmConfig, TgmmConfig, gmm, on_hopper, tgmm
-from jaxmoe.ops.pallas.tgmm_hopper import default_tgmm_config
+from jaxmoe.ops.pallas.tgmm_hopper import boundary_pieces, default_tgmm_config
 from jaxmoe.ops.pallas.tiles import row_tiles
 from bitwise import bits
 from layer_grads import output_and_grads
@@ -109,9 +109,9 @@ def test_nan_in_one_group_never_reaches_another(interpret):
     assert np.all(np.isfinite(grads[2:]))
 
 
-# The warp-specialised wgrad kernel on small shapes (interpret mode): both warpgroup splits, a
-# shared operand masked in one chunk (by one warpgroup) or in two (one each), the 64-byte swizzle
-# of 32-wide warpgroup tiles, rings of 2-4 slots, one or two epilogue slots, bf16 and fp32 out,
+# The warp-specialised wgrad kernel on small shapes (interpret mode): both warpgroup splits,
+# boundary blocks loaded in 8-, 32- or 64-row pieces, the 64-byte swizzle of 32-wide warpgroup
+# tiles, rings of 2-4 slots, one or two epilogue slots, bf16 and fp32 out,
 # both schedules, more SMs than work items, the epilogue overlapped with the next item's first
 # wgmma (after empty items too).
 WGRAD_STRUCTURES = {
@@ -122,11 +122,13 @@ WGRAD_STRUCTURES = {
                                          max_concurrent_steps=4, num_sms=8), jnp.bfloat16),
     "split_n_ring3_unbalanced": (TgmmConfig(tile_k=64, tile_n=64, wg_split="n",
                                             max_concurrent_steps=3, grid_tile_width=2,
-                                            balanced_schedule=False, num_sms=2), jnp.float32),
+                                            balanced_schedule=False, piece_rows=64, num_sms=2),
+                                 jnp.float32),
     "split_n_32wide": (TgmmConfig(tile_k=64, tile_n=32, wg_split="n", max_concurrent_steps=2,
                                   num_sms=3), jnp.bfloat16),
     "split_k_128rows": (TgmmConfig(tile_k=64, tile_n=64, wg_split="k", tile_rows=128,
-                                   max_concurrent_steps=2, num_sms=3), jnp.bfloat16),
+                                   piece_rows=32, max_concurrent_steps=2, num_sms=3),
+                        jnp.bfloat16),
     "split_k_overlap_epilogue": (TgmmConfig(tile_k=64, tile_n=128, wg_split="k",
                                             max_concurrent_steps=3, epilogue_tile_n=128,
                                             overlap_epilogue=True, num_sms=3), jnp.bfloat16),
@@ -173,9 +175,36 @@ def test_wgrad_structure_ring_reuse_boundaries_and_nan_isolation(interpret, stru
     np.testing.assert_array_equal(bits(out), bits(plain))
 
 
+@pytest.mark.parametrize("piece_rows", [8, 16, 64])
+def test_wgrad_boundary_pieces_hold_only_the_groups_rows(piece_rows):
+    """The zero-masked pieces holding each group's first and last row, which the wgrad kernel
+    loads in place of pieces with other groups' rows: checked row by row against the sizes,
+    incl. an empty group, a group inside one piece, a piece running past M and NaN in foreign
+    rows; the last piece is all zeros."""
+    x = jnp.arange(1, 201, dtype=jnp.float32)[:, None] * jnp.ones((1, 8))
+    x = x.at[3, 2].set(jnp.nan)                       # group 0's row, next to group 1's piece
+    sizes = np.array([11, 0, 5, 150, 30])             # rows 196..199 belong to no group
+    starts = np.cumsum(sizes) - sizes
+    ends = starts + sizes
+    anchors = starts - starts % 8
+    out = np.asarray(boundary_pieces(x, *map(jnp.asarray, (starts, ends, anchors)), piece_rows))
+    assert out.shape == ((2 * len(sizes) + 1) * piece_rows, 8)
+    for g in range(len(sizes)):
+        last_row = max(ends[g] - 1, anchors[g])
+        firsts = (anchors[g], anchors[g] + (last_row - anchors[g]) // piece_rows * piece_rows)
+        for which, first_row in enumerate(firsts):
+            piece = out[(2 * g + which) * piece_rows:(2 * g + which + 1) * piece_rows]
+            for i, values in enumerate(piece):
+                row = first_row + i
+                expected = np.asarray(x[row]) if starts[g] <= row < ends[g] else np.zeros(8)
+                np.testing.assert_array_equal(values, expected)
+    np.testing.assert_array_equal(out[-piece_rows:], 0)
+    assert np.isnan(out[3, 2]) and not np.any(np.isnan(out[2 * piece_rows:]))  # group 0's only
+
+
 def test_wgrad_bits_do_not_depend_on_config(interpret):
     """The reduction order (ascending rows, 16 per wgmma step, from the group's anchor) is the
-    same for every warpgroup split, ring depth, epilogue, grid and tile order. (The CPU
+    same for every warpgroup split, ring depth, piece size, epilogue, grid and tile order. (The CPU
     interpreter runs each wgmma as one numpy matmul of a warpgroup tile by a whole row block,
     whose rounding depends on the tile shape, so there the warpgroup tile and tile_rows stay
     fixed; on the GPU the tile shapes are varied too.)"""
@@ -184,12 +213,12 @@ def test_wgrad_bits_do_not_depend_on_config(interpret):
     configs = [WGRAD_STRUCTURES["split_k_ring2_epi2"][0],
                WGRAD_STRUCTURES["split_n_ring3_unbalanced"][0],
                TgmmConfig(tile_k=64, tile_n=64, wg_split="k", max_concurrent_steps=3,
-                          epilogue_tile_n=32, grid_tile_width=2, num_sms=2)]
+                          epilogue_tile_n=32, grid_tile_width=2, piece_rows=16, num_sms=2)]
     if ON_HOPPER:
         configs = [TgmmConfig(tile_k=tk, tile_n=tn, wg_split=split, max_concurrent_steps=steps,
-                              epilogue_slots=slots)
+                              epilogue_slots=slots, piece_rows=pieces)
                    for tk, tn in ((128, 128), (64, 128), (64, 64)) for split in ("k", "n")
-                   for steps, slots in ((4, 1), (2, 2))
+                   for steps, slots, pieces in ((4, 1, 8), (2, 2, 64))
                    if 128 % (tk * (2 if split == "k" else 1)) == 0
                    and 128 % (tn * (2 if split == "n" else 1)) == 0]
     results = [bits(tgmm(lhs, rhs, sizes, impl="pallas", config=config)) for config in configs]

@@ -13,18 +13,20 @@ in a planar snake (L2 reuse between the CTAs that run at the same time). Per CTA
   * two compute warpgroups each own half of the CTA output tile (stacked along K, wg_split="k":
     CTA tile 2*tile_k x tile_n; or along N, wg_split="n": tile_k x 2*tile_n) as an fp32
     wgmma accumulator in registers. Each keeps one wgmma in flight: while the wgmma of block t
-    runs, the warpgroup releases block t-1's slot (its wgmma has retired) and acquires block
-    t+1 (waits for its TMA and masks it, see below), also across items;
+    runs, the warpgroup releases block t-1's slot (its wgmma has retired) and waits for the TMA
+    of block t+1, also across items;
   * epilogue: cast, SMEM, TMA store. The stores are not awaited, so they drain while the next
     item runs (an epilogue slot is only rewritten once its previous store has read it). With
     overlap_epilogue the cast tile waits in registers and is written to SMEM and stored while
     the next item's first wgmma runs, so the tensor cores do not idle through the epilogue.
 Row blocks sit on a grid anchored at the group's first row rounded down to 8 (TMA into swizzled
-SMEM needs 8-row offsets); a block that holds rows of another group (or rows past M,
-zero-filled by TMA) has those rows replaced by zeros in BOTH operands with a select before its
-wgmma, so NaN/Inf in one group never reaches another group's gradient. The two compute
-warpgroups split this masking by column chunks and meet at a barrier before either multiplies.
-Empty groups store zeros. No atomics; every output tile is written by one work item.
+SMEM needs 8-row offsets). Only a group's first and last block can hold rows of another group
+(or rows past M). The memory warpgroup loads such a block in pieces of piece_rows rows: a piece
+inside the group from lhs/rhs, the piece holding the group's first row and the one holding its
+last row from copies that XLA made before the kernel with the foreign rows zeroed in BOTH
+operands (`boundary_pieces`), pieces past the group's end from a zero piece. So NaN/Inf in one
+group never reaches another group's gradient, and the SMs spend no time masking. Empty groups
+store zeros. No atomics; every output tile is written by one work item.
 
 Reduction order: ascending rows, 16 rows per wgmma step, anchored as above. It does not depend
 on the config; it depends on the group's own rows and on its start modulo 16 (groups that start
@@ -63,8 +65,9 @@ class TgmmConfig:
     count and deal each round of items to the SMs in alternating directions (else: groups in
     order, every round dealt from SM 0). overlap_epilogue: a warpgroup keeps its finished tile
     (cast to the 16-bit output dtype) in registers and stores it while the next item's first
-    wgmma runs, instead of between the two items. None of these change the reduction
-    order."""
+    wgmma runs, instead of between the two items. piece_rows: rows per TMA copy of a row block
+    that holds other groups' rows (see the module docstring). None of these change the
+    reduction order."""
 
     tile_k: int = 128
     tile_n: int = 128
@@ -76,6 +79,7 @@ class TgmmConfig:
     grid_tile_width: int = 8
     balanced_schedule: bool = True
     overlap_epilogue: bool = False
+    piece_rows: int = 16
     num_sms: int = HOPPER_NUM_SMS
 
     @property
@@ -131,8 +135,11 @@ class TgmmConfig:
                              "with tile_k * tile_n <= 128 * 128 (the fp32 accumulator takes "
                              "tile_k * tile_n / 128 registers per thread)")
         if self.tile_rows <= 0 or self.tile_rows % 64:
-            # The foreign-row select loads a row block in the wgmma register layout (64 rows).
+            # The rows are wgmma's K: a multiple of the 128-byte swizzle width (64 bf16 rows).
             raise ValueError(f"tgmm pallas: tile_rows={self.tile_rows} must be a multiple of 64")
+        if self.piece_rows % ROW_ALIGN or self.piece_rows <= 0 or self.tile_rows % self.piece_rows:
+            raise ValueError(f"tgmm pallas: piece_rows={self.piece_rows} must be a positive "
+                             f"multiple of {ROW_ALIGN} that divides tile_rows={self.tile_rows}")
         if self.max_concurrent_steps < 2:
             raise ValueError(f"tgmm pallas: max_concurrent_steps={self.max_concurrent_steps} "
                              "must be >= 2 (a slot stays in use while its wgmma is in flight)")
@@ -167,7 +174,9 @@ class TgmmConfig:
 def default_tgmm_config(num_rows: int, k: int, n: int, out_dtype=jnp.float32) -> TgmmConfig:
     """Shape-based heuristic: the largest CTA tile that divides K x N, 256 x 128 (two 128 x 128
     warpgroup tiles along K) first; 64-row steps, 4 of them in flight; the epilogue overlapped
-    with the next item for 16-bit outputs (benchmarks/results/gmm_*_sweep.json: +2-4%)."""
+    with the next item for 16-bit outputs (benchmarks/results/gmm_2026-11-29_sweep.json: +2-4%);
+    boundary blocks in 16-row pieces (gmm_2026-11-29_wgrad_pieces_sweep.json: 8-row pieces
+    1-5% slower, 32 and 64 up to 2% and 5% slower at the 128-expert shape)."""
     if k % 64 or n % 64:
         raise ValueError(f"tgmm pallas: K={k} and N={n} must be multiples of 64")
     for split, tile_k, tile_n in (("k", 128, 128), ("n", 128, 128), ("k", 64, 128),
@@ -202,9 +211,31 @@ def tgmm_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_d
              if config.balanced_schedule else jnp.arange(sizes.shape[0], dtype=jnp.int32))
     # Per-group metadata in walking order (one load per field, no dependent index load).
     meta = jnp.stack([order, starts[order], ends[order], anchors[order], num_blocks[order]])
+    bounds = (starts, ends, anchors, config.piece_rows)
     kernel = _build_kernel(num_rows, k, n, sizes.shape[0], lhs.dtype, jnp.dtype(out_dtype),
                            config, interpret)
-    return kernel(meta, lhs, rhs)
+    return kernel(meta, lhs, rhs, boundary_pieces(lhs, *bounds), boundary_pieces(rhs, *bounds))
+
+
+def last_piece_row(start, end, anchor, piece_rows: int):
+    """First row of the piece (on the anchor's grid) that holds the group's last row."""
+    return anchor + lax.div(jnp.maximum(end - 1 - anchor, 0), piece_rows) * piece_rows
+
+
+def boundary_pieces(x: jax.Array, starts, ends, anchors, piece_rows: int) -> jax.Array:
+    """The pieces of x [M, W] that hold each group's first and last row (rows anchor + [0,
+    piece_rows) and `last_piece_row` + [0, piece_rows)) with the rows outside the group
+    [start, end) set to zero, then one zero piece: [(2G + 1) * piece_rows, W], group g's pieces
+    at rows (2g + last) * piece_rows. The kernel loads these in place of pieces that hold
+    foreign rows. (One gather and select: the zero piece is a piece with no rows kept.)"""
+    firsts = jnp.stack([anchors, last_piece_row(starts, ends, anchors, piece_rows)], axis=1)
+    firsts = jnp.append(firsts.reshape(-1), 0)
+    lo = jnp.append(jnp.repeat(starts, 2), 0)
+    hi = jnp.append(jnp.repeat(ends, 2), 0)
+    rows = firsts[:, None] + jnp.arange(piece_rows)
+    keep = (rows >= lo[:, None]) & (rows < hi[:, None])
+    gathered = jnp.take(x, jnp.clip(rows, 0, x.shape[0] - 1).reshape(-1), axis=0)
+    return jnp.where(keep.reshape(-1, 1), gathered, jnp.zeros((), x.dtype))
 
 
 @functools.lru_cache(maxsize=None)
@@ -217,6 +248,8 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
     num_items = num_groups * per_group
     num_sms, num_slots = config.num_sms, config.max_concurrent_steps
     epi_n, epi_slots = config.epilogue_n(dtype, out_dtype), config.epilogue_slots
+    piece_rows = config.piece_rows
+    pieces_per_block = tile_rows // piece_rows
     # Swizzle at the width one warpgroup multiplies (for the operand both share, its full
     # width), so that each warpgroup's slice starts on a swizzle tile; wgmma wants one swizzle
     # for both operands.
@@ -230,7 +263,7 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
             return sm
         return jnp.where(j % 2 == 0, sm, num_sms - 1 - sm)
 
-    def body(meta_gmem, lhs_gmem, rhs_gmem, out_gmem):
+    def body(meta_gmem, lhs_gmem, rhs_gmem, lhs_pieces_gmem, rhs_pieces_gmem, out_gmem):
         sm = lax.axis_index("sm")
         num_mine = full_rounds + (lane(sm, full_rounds) < last_round).astype(jnp.int32)
 
@@ -250,18 +283,63 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
             rhs_ring=plgpu.SMEM((num_slots, tile_rows, cta_n), dtype, transforms=rhs_transforms),
             out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, epi_slots, tile_k, epi_n), out_dtype,
                                 transforms=_swizzled(out_dtype, epi_n)),
-            # TMA landed (2 copies per slot); slot free (both compute warpgroups); foreign rows
-            # of the current block zeroed (both compute warpgroups).
-            produced=plgpu.Barrier(num_arrivals=2, num_barriers=num_slots),
+            # TMA landed (an arrival per piece and operand, see load_block); slot free (both
+            # compute warpgroups).
+            produced=plgpu.Barrier(num_arrivals=2 * pieces_per_block, num_barriers=num_slots),
             consumed=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=num_slots),
-            masked=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
             collective_axes="wg",
         )
-        def _scope(lhs_ring, rhs_ring, out_smem, produced, consumed, masked):
+        def _scope(lhs_ring, rhs_ring, out_smem, produced, consumed):
             wg = lax.axis_index("wg")
 
             def memory_warpgroup():
                 plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+                def copy_rows(sources, source_row, slot, dest_row, rows, item):
+                    """TMA `rows` rows of the item's lhs and rhs columns from `sources` (an lhs
+                    and an rhs array) at source_row into ring slot `slot` at dest_row."""
+                    for src, ring, col in zip(sources, (lhs_ring, rhs_ring),
+                                              (item["ki"] * cta_k, item["ni"] * cta_n)):
+                        plgpu.copy_gmem_to_smem(
+                            src.at[pl.ds(pl.multiple_of(source_row, ROW_ALIGN), rows),
+                                   pl.ds(col, ring.shape[2])],
+                            ring.at[slot, pl.ds(dest_row, rows)], produced.at[slot])
+
+                def load_block(item, slot, row):
+                    """Load the row block at `row` (on the anchor's 8-row grid). A block inside
+                    the group is one copy per operand; one holding foreign rows (or rows past M)
+                    is copied piece by piece from the group's rows, its zero-masked boundary
+                    pieces and the zero piece. The barrier counts pieces_per_block arrivals per
+                    operand either way."""
+                    start, end, anchor = item["start"], item["end"], item["anchor"]
+                    foreign = (start > row) | (end < row + tile_rows)
+
+                    @pl.when(jnp.logical_not(foreign))
+                    def _inside():
+                        copy_rows((lhs_gmem, rhs_gmem), row, slot, 0, tile_rows, item)
+                        for _ in range(2 * (pieces_per_block - 1)):
+                            plgpu.barrier_arrive(produced.at[slot])
+
+                    @pl.when(foreign)
+                    def _boundary():
+                        last = last_piece_row(start, end, anchor, piece_rows)
+                        pieces = (lhs_pieces_gmem, rhs_pieces_gmem)
+                        for p in range(pieces_per_block):
+                            lo = row + p * piece_rows
+                            inside = (lo >= start) & (lo + piece_rows <= end)
+                            masked_piece = jnp.where(
+                                lo == anchor, 2 * item["group"],
+                                jnp.where(lo == last, 2 * item["group"] + 1, 2 * num_groups))
+
+                            @pl.when(inside)
+                            def _group_rows():
+                                copy_rows((lhs_gmem, rhs_gmem), lo, slot, p * piece_rows,
+                                          piece_rows, item)
+
+                            @pl.when(jnp.logical_not(inside))
+                            def _masked_rows():
+                                copy_rows(pieces, masked_piece * piece_rows, slot,
+                                          p * piece_rows, piece_rows, item)
 
                 def load_blocks(j, carry):
                     """TMA loads of all row blocks of item j; `step` counts the CTA's blocks."""
@@ -277,15 +355,7 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
                         def _wait_free():       # both compute warpgroups are done with t - slots
                             plgpu.barrier_wait(consumed.at[slot])
 
-                        # Row windows start on the 8-aligned anchor; the last one may run past
-                        # M, where TMA fills zeros (the select discards those rows anyway).
-                        row = pl.multiple_of(item["anchor"] + b * tile_rows, ROW_ALIGN)
-                        plgpu.copy_gmem_to_smem(
-                            lhs_gmem.at[pl.ds(row, tile_rows), pl.ds(item["ki"] * cta_k, cta_k)],
-                            lhs_ring.at[slot], produced.at[slot])
-                        plgpu.copy_gmem_to_smem(
-                            rhs_gmem.at[pl.ds(row, tile_rows), pl.ds(item["ni"] * cta_n, cta_n)],
-                            rhs_ring.at[slot], produced.at[slot])
+                        load_block(item, slot, item["anchor"] + b * tile_rows)
 
                     return step + item["blocks"], next_item
 
@@ -298,38 +368,9 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
                 def _quiesce(t):
                     plgpu.barrier_wait(consumed.at[lax.rem(t, num_slots)])
 
-            def zero_foreign_rows(ref, grid_row, row_lo, row_hi):
-                """Zero the rows outside [row_lo, row_hi) of a [tile_rows, width] SMEM tile. The
-                compute warpgroups split it into column chunks of one swizzle tile each and
-                take halves (the first warpgroup takes a lone chunk)."""
-                chunk = min(lhs_transforms[0].tiling[1], ref.shape[1])
-                num_chunks = ref.shape[1] // chunk
-                for c in range(num_chunks):
-                    @pl.when(wg == (NUM_COMPUTE_WGS * c) // num_chunks)
-                    def _mask_chunk():
-                        part = ref.at[:, pl.ds(c * chunk, chunk)]
-                        rows = grid_row + plgpu.layout_cast(
-                            lax.broadcasted_iota(jnp.int32, part.shape, 0), plgpu.Layout.WGMMA)
-                        keep = (rows >= row_lo) & (rows < row_hi)
-                        part[...] = jnp.where(keep, part[...], jnp.zeros((), part.dtype))
-
-            def acquire(t, item, b):
-                """Wait for the TMA of step t (row block b of `item`); on a boundary block, zero
-                the other groups' rows in both operands, then wait for the other warpgroup's
-                half of that work."""
-                slot = lax.rem(t, num_slots)
-                plgpu.barrier_wait(produced.at[slot])
-                grid_row = item["anchor"] + b * tile_rows
-                row_lo = jnp.maximum(item["start"], grid_row)
-                row_hi = jnp.minimum(item["end"], grid_row + tile_rows)
-
-                @pl.when((row_lo > grid_row) | (row_hi < grid_row + tile_rows))
-                def _zero_foreign_rows():
-                    zero_foreign_rows(lhs_ring.at[slot], grid_row, row_lo, row_hi)
-                    zero_foreign_rows(rhs_ring.at[slot], grid_row, row_lo, row_hi)
-                    plgpu.commit_smem()          # visible to wgmma (async proxy)
-                    plgpu.barrier_arrive(masked)
-                    plgpu.barrier_wait(masked)   # the other warpgroup's chunks are zeroed too
+            def acquire(t):
+                """Wait for the TMA of step t."""
+                plgpu.barrier_wait(produced.at[lax.rem(t, num_slots)])
 
             def release(t):
                 plgpu.barrier_arrive(consumed.at[lax.rem(t, num_slots)])
@@ -376,7 +417,7 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
 
                     @pl.when(jnp.logical_not(acquired) & (blocks > 0))
                     def _acquire_first():
-                        acquire(step, item, 0)
+                        acquire(step)
 
                     if pending:
                         @pl.when(blocks == 0)
@@ -404,13 +445,9 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
                         # Acquire block t + 1 (this item's next block, or the next item's
                         # first) under wgmma t. Its slot differs from t's (2+ slots) and its
                         # load only needed the slots released so far.
-                        last = b == blocks - 1
-                        target = {f: jnp.where(last, next_item[f], item[f])
-                                  for f in ("start", "end", "anchor")}
-
-                        @pl.when(jnp.logical_not(last) | has_next)
+                        @pl.when((b < blocks - 1) | has_next)
                         def _acquire_next():
-                            acquire(t + 1, target, jnp.where(last, 0, b + 1))
+                            acquire(t + 1)
 
                     def acc_scope(acc_ref):
                         @pl.when(blocks > 0)
