@@ -59,7 +59,12 @@ class GmmConfig:
     late; bf16 kernel, max_concurrent_steps >= 2 only). epilogue_slots=2 double-buffers the
     epilogue's SMEM tile, so a column chunk is written while the previous one is stored. None of
     these change the K-reduction order. cluster_n=2 pairs the CTAs along N (see the module
-    docstring); the work items then cover column-tile pairs."""
+    docstring); the work items then cover column-tile pairs. (Pairing them along M instead, to
+    multicast the larger rhs tile as CUTLASS does, with a group's odd last tile split between
+    the two CTAs, gave the same bits but ran 2-10% slower on the H200: its L2 hit rate fell
+    from 66% to 38% and DRAM traffic rose from 38% to 61% of peak at dsv3_ep8, so the kernel
+    became memory-bound (benchmarks/results/gmm_2026-11-30_cluster_m_experiment.json,
+    profiles/ncu_dsv3_ep8_fwd_pallas_rhs_multicast_*.txt).)"""
 
     tile_m: int = 128
     tile_n: int = 128

@@ -96,7 +96,12 @@ def work_list(tiles: RowTiles, num_columns: int, band_width: int) -> WorkList:
     """Order the (row tile, column tile) pairs as described in `WorkList`. The row tiles of each
     kind are one contiguous run (`RowTiles`), so every position's item has a closed form: the
     banded order of that kind's rows alone. One elementwise pass, no scan, sort or scatter (a
-    scan over the items cost 22 us on the H200 at dsv3_ep8, next to a 2.7 ms matmul)."""
+    scan over the items cost 22 us on the H200 at dsv3_ep8, next to a 2.7 ms matmul).
+    Every item costs a whole CTA tile, even a group's short last tile. Running tiles that fit
+    in half the row window at half the work and dealing the items by cost instead (same bits)
+    was up to 15% slower on the H200 (a half tile still loads a whole tile's operands for half
+    the work; not profiled further):
+    benchmarks/results/gmm_2026-11-29_half_items_experiment.json."""
     num_tiles = tiles.num_tiles
     width = min(band_width, num_columns)
     num_matmul, num_zero = tiles.counts[0], tiles.counts[1]
