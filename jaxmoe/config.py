@@ -45,7 +45,16 @@ class MoEConfig:
       z_loss_coeff: z-loss coefficient (None: off).
       input_jitter_eps: multiplicative U(1-eps, 1+eps) jitter on the router input (also at eval,
         as in Megatron).
-      capacity_factor, token_drop_policy, pad_expert_input_to_capacity: token dropping.
+      capacity_factor, token_drop_policy, pad_expert_input_to_capacity: token dropping. Each
+        expert keeps at most `capacity(T)` tokens: with policy "probs" those with the largest
+        probability, with "position" the earliest routed ones. Token order (for "position" and
+        for ties of "probs") is Megatron's, sequence-major: for x [..., S, H], earlier sequence
+        position first, and at the same position the lower batch index (leading axes flattened)
+        first, i.e. the order of Megatron's [S, B] input; for x [T, H], the given order. Feed
+        Megatron's [S, B, H] batch as x.transpose(1, 0, 2) and the same tokens are kept.
+        pad_expert_input_to_capacity pads every expert's block with zero rows to `capacity(T)`
+        (rounded up to expert_row_alignment); Megatron pads with real tokens at probability 0,
+        which gives the same outputs and gradients.
     Experts:
       ffn_hidden_size: F, the per-expert FFN size.
       activation, gated_linear_unit: "silu" + GLU = SwiGLU; "squared_relu"; "gelu"; each with or

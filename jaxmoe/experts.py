@@ -38,9 +38,10 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import combine, dispatch
 from jaxmoe.mxfp8 import MXTensor, dequantize
 from jaxmoe.ops import gmm
+from jaxmoe.ops.dense import dense
 from jaxmoe.ops.mxfp8_gmm import (Mxfp8GmmResiduals, QuantizedWeights, mxfp8_gmm,
                                   mxfp8_gmm_backward, mxfp8_gmm_forward, quantize_weights)
-from jaxmoe.ops.quantize import impl_for_gemm, quantize
+from jaxmoe.ops.quantize import quantize
 from jaxmoe.plan import Plan
 
 F32 = jnp.float32
@@ -124,19 +125,21 @@ def grouped_mlp(rows: jax.Array, row_probs: jax.Array, plan: Plan, fc1_kernel: j
     fc1_kernel, fc2_kernel = fc1_kernel.astype(dtype), fc2_kernel.astype(dtype)
     # The bias is added to the fp32 accumulator before the single rounding, as in TE's epilogue.
     fc1_out_dtype = F32 if fc1_bias is not None else dtype
-    if mxfp8_experts:
-        h = mxfp8_gmm(rows, fc1_kernel, sizes, lhs_rowwise=rows_rowwise, impl=gmm_impl,
-                      rhs_quantized=None if expert_weights is None else expert_weights.fc1,
-                      preferred_element_type=fc1_out_dtype)
-    else:
-        fc1_input = (rows if rows_rowwise is None
-                     else _straight_through(rows, dequantize(rows_rowwise, dtype)))
-        h = gmm(fc1_input, fc1_kernel, sizes, impl=gmm_impl,
-                preferred_element_type=fc1_out_dtype)
-    if fc1_bias is not None:
-        h = h + _per_row(fc1_bias, plan.row_expert).astype(F32)
-    h = h.astype(dtype)
-    a = weighted_activation(h, row_probs, config)
+    with jax.named_scope("fc1"):
+        if mxfp8_experts:
+            h = mxfp8_gmm(rows, fc1_kernel, sizes, lhs_rowwise=rows_rowwise, impl=gmm_impl,
+                          rhs_quantized=None if expert_weights is None else expert_weights.fc1,
+                          preferred_element_type=fc1_out_dtype)
+        else:
+            fc1_input = (rows if rows_rowwise is None
+                         else _straight_through(rows, dequantize(rows_rowwise, dtype)))
+            h = gmm(fc1_input, fc1_kernel, sizes, impl=gmm_impl,
+                    preferred_element_type=fc1_out_dtype)
+        if fc1_bias is not None:
+            h = h + _per_row(fc1_bias, plan.row_expert).astype(F32)
+        h = h.astype(dtype)
+    with jax.named_scope("activation"):
+        a = weighted_activation(h, row_probs, config)
     row_bias = (None if fc2_bias is None else
                 _per_row(fc2_bias, plan.row_expert).astype(F32) * row_probs.astype(F32)[:, None])
     if mxfp8_experts:
@@ -144,11 +147,13 @@ def grouped_mlp(rows: jax.Array, row_probs: jax.Array, plan: Plan, fc1_kernel: j
         out, combined = _mxfp8_fc2_and_combine(a, fc2_kernel, row_bias, plan, fc2_weights,
                                                config.combine_bwd_dtype, gmm_impl)
     else:
-        out = _add_row_bias(gmm(a, fc2_kernel, sizes, impl=gmm_impl,
-                                preferred_element_type=dtype), row_bias)
-        combined = combine(out, plan)
-        if config.combine_bwd_dtype == "mxfp8":
-            combined = _gradient_through_mxfp8(combined)
+        with jax.named_scope("fc2"):
+            out = _add_row_bias(gmm(a, fc2_kernel, sizes, impl=gmm_impl,
+                                    preferred_element_type=dtype), row_bias)
+        with jax.named_scope("combine"):
+            combined = combine(out, plan)
+            if config.combine_bwd_dtype == "mxfp8":
+                combined = _gradient_through_mxfp8(combined, gmm_impl)
     return ExpertStages(fc1_output=h, activation=a, output=out, combined=combined)
 
 
@@ -166,15 +171,15 @@ def _straight_through(x, value):
 _straight_through.defvjp(lambda x, value: (value, None), lambda _, grad: (grad, None))
 
 
-@jax.custom_vjp
-def _gradient_through_mxfp8(y):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gradient_through_mxfp8(y, impl):
     """The identity, whose gradient is rounded through rowwise MXFP8 (quantize, dequantize)."""
     return y
 
 
 _gradient_through_mxfp8.defvjp(
-    lambda y: (y, None),
-    lambda _, grad: (dequantize(quantize(grad, axis=1), grad.dtype),))   # same bits on any impl
+    lambda y, impl: (y, None),
+    lambda impl, _, grad: (dequantize(quantize(grad, axis=1, impl=impl), grad.dtype),))
 
 
 @struct.dataclass
@@ -191,22 +196,27 @@ def _mxfp8_fc2_and_combine(a, fc2_kernel, row_bias, plan, fc2_weights, combine_b
 
     One custom VJP for both, so that the backward can quantize the token-level gradient before
     dispatching it and hand that MXTensor to fc2's dgrad (combine_bwd_dtype "mxfp8")."""
-    out = _add_row_bias(mxfp8_gmm(a, fc2_kernel, plan.group_sizes, impl=gmm_impl,
-                                  rhs_quantized=fc2_weights,
-                                  preferred_element_type=a.dtype), row_bias)
-    return out, combine(out, plan)
+    with jax.named_scope("fc2"):
+        out = _add_row_bias(mxfp8_gmm(a, fc2_kernel, plan.group_sizes, impl=gmm_impl,
+                                      rhs_quantized=fc2_weights,
+                                      preferred_element_type=a.dtype), row_bias)
+    with jax.named_scope("combine"):
+        return out, combine(out, plan)
 
 
 def _mxfp8_fc2_and_combine_fwd(a, fc2_kernel, row_bias, plan, fc2_weights, combine_bwd_dtype,
                                gmm_impl):
     a, fc2_kernel, row_bias, plan, fc2_weights = custom_vjp_primal_tree_values(
         (a, fc2_kernel, row_bias, plan, fc2_weights))
-    out, gemm_residuals = mxfp8_gmm_forward(a, fc2_kernel, plan.group_sizes, None, a.dtype,
-                                            gmm_impl, fc2_weights)
-    out = _add_row_bias(out, row_bias)
+    with jax.named_scope("fc2"):
+        out, gemm_residuals = mxfp8_gmm_forward(a, fc2_kernel, plan.group_sizes, None, a.dtype,
+                                                gmm_impl, fc2_weights)
+        out = _add_row_bias(out, row_bias)
     residuals = _Fc2CombineResiduals(gemm=gemm_residuals, plan=plan,
                                      has_bias=row_bias is not None)
-    return (out, combine(out, plan)), residuals
+    with jax.named_scope("combine"):
+        combined = combine(out, plan)
+    return (out, combined), residuals
 
 
 def _mxfp8_fc2_and_combine_bwd(combine_bwd_dtype, gmm_impl, residuals, cotangents):
@@ -214,16 +224,18 @@ def _mxfp8_fc2_and_combine_bwd(combine_bwd_dtype, gmm_impl, residuals, cotangent
     plan = residuals.plan
     if isinstance(d_combined, SymbolicZero):          # only the fc2_output stage is used
         d_combined = jnp.zeros(d_combined.shape, d_combined.dtype)
-    d_rows = dispatch(d_combined, plan)          # bf16 rows: fc2's wgrad copy, the bias gradient
-    grad_rowwise = None
-    if not isinstance(d_out, SymbolicZero):
-        # The fc2_output stage itself is differentiated: the dispatched token gradient is no
-        # longer the whole row gradient, so the sum is quantized on the compute side.
-        d_rows = d_rows + d_out
-    elif combine_bwd_dtype == "mxfp8":
-        grad_rowwise = dispatch(
-            quantize(d_combined, axis=1, impl=impl_for_gemm(residuals.gemm.impl)), plan)
-    d_a, d_kernel = mxfp8_gmm_backward(residuals.gemm, d_rows, grad_rowwise)
+    with jax.named_scope("combine"):
+        d_rows = dispatch(d_combined, plan)      # bf16 rows: fc2's wgrad copy, the bias gradient
+        grad_rowwise = None
+        if not isinstance(d_out, SymbolicZero):
+            # The fc2_output stage itself is differentiated: the dispatched token gradient is no
+            # longer the whole row gradient, so the sum is quantized on the compute side.
+            d_rows = d_rows + d_out
+        elif combine_bwd_dtype == "mxfp8":
+            grad_rowwise = dispatch(
+                quantize(d_combined, axis=1, impl=residuals.gemm.impl), plan)
+    with jax.named_scope("fc2"):
+        d_a, d_kernel = mxfp8_gmm_backward(residuals.gemm, d_rows, grad_rowwise)
     d_row_bias = d_rows.astype(F32) if residuals.has_bias else None
     return d_a, d_kernel, d_row_bias, None, None
 
@@ -233,15 +245,15 @@ _mxfp8_fc2_and_combine.defvjp(_mxfp8_fc2_and_combine_fwd, _mxfp8_fc2_and_combine
 
 
 def shared_mlp(x: jax.Array, fc1_kernel: jax.Array, fc2_kernel: jax.Array,
-               gate_kernel: jax.Array | None, config: MoEConfig) -> jax.Array:
+               gate_kernel: jax.Array | None, config: MoEConfig, impl: str = "auto") -> jax.Array:
     """Shared expert on every token: fc2(act(fc1 x)) with the same rounding points as the routed
-    experts (no probability), times sigmoid(x @ gate) rounded in the compute dtype when gated."""
+    experts (no probability), times sigmoid(x @ gate) rounded in the compute dtype when gated.
+    Its matmuls run on `jaxmoe.ops.dense` (batch-invariant on the GPU kernels)."""
     dtype = x.dtype
-    h = jnp.dot(x, fc1_kernel.astype(dtype), preferred_element_type=F32).astype(dtype)
-    out = jnp.dot(weighted_activation(h, None, config), fc2_kernel.astype(dtype),
-                  preferred_element_type=F32).astype(dtype)
+    h = dense(x, fc1_kernel.astype(dtype), impl=impl)
+    out = dense(weighted_activation(h, None, config), fc2_kernel.astype(dtype), impl=impl)
     if gate_kernel is not None:
-        logit = jnp.dot(x, gate_kernel.astype(dtype), preferred_element_type=F32).astype(dtype)
+        logit = dense(x, gate_kernel.astype(dtype), impl=impl)
         gate = jax.nn.sigmoid(logit.astype(F32)).astype(dtype)
         out = out * gate
     return out

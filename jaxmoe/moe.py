@@ -26,7 +26,7 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import dispatch, gather_slots
 from jaxmoe.experts import ExpertWeightsMx, grouped_mlp, quantize_expert_weights, shared_mlp
 from jaxmoe.mxfp8 import BLOCK_SIZE
-from jaxmoe.ops.quantize import impl_for_gemm, quantize
+from jaxmoe.ops.quantize import quantize
 from jaxmoe.plan import make_plan
 
 F32 = jnp.float32
@@ -81,21 +81,27 @@ class TopKRouter(nnx.Module):
         self.jitter_rngs = (rngs["jitter"].fork()
                             if config.input_jitter_eps is not None else nnx.data(None))
 
-    def logits(self, x: jax.Array) -> jax.Array:
-        """[T, E] logits in the router dtype (input jitter applied when configured)."""
+    def logits(self, x: jax.Array, impl: str = "auto") -> jax.Array:
+        """[T, E] logits in the router dtype (input jitter applied when configured); `impl` is
+        `jaxmoe.ops.dense`'s."""
         eps = self.config.input_jitter_eps
         if eps is not None:
             noise = jax.random.uniform(self.jitter_rngs(), x.shape, F32, 1.0 - eps, 1.0 + eps)
             x = (x.astype(F32) * noise).astype(x.dtype)
         router_dtype = F32 if self.config.router_dtype == "fp32" else x.dtype
         bias = None if self.bias is None else self.bias[...]
-        return routing_lib.router_logits(x, self.kernel[...], bias, router_dtype)
+        return routing_lib.router_logits(x, self.kernel[...], bias, router_dtype, impl)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, routing_lib.Routing]:
-        logits = self.logits(x)
+    def __call__(self, x: jax.Array, impl: str = "auto",
+                 sequence_shape: tuple[int, ...] | None = None
+                 ) -> tuple[jax.Array, routing_lib.Routing]:
+        """(logits, routing) for tokens x [T, H]; `sequence_shape` is the layer input's
+        x.shape[:-1] (it fixes the token order of capacity dropping, see
+        `routing.capacity_keep_mask`; None: the given order)."""
+        logits = self.logits(x, impl)
         expert_bias = (None if self.expert_bias is None
                        else jax.lax.stop_gradient(self.expert_bias[...]))
-        return logits, routing_lib.route(logits, self.config, expert_bias)
+        return logits, routing_lib.route(logits, self.config, expert_bias, sequence_shape)
 
 
 class GroupedMLP(nnx.Module):
@@ -132,9 +138,9 @@ class SharedExpertMLP(nnx.Module):
         self.gate_kernel = (nnx.Param(_normal(rngs, (hidden_size, 1), init_std, param_dtype))
                             if config.shared_expert_gate else None)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, impl: str = "auto") -> jax.Array:
         gate = None if self.gate_kernel is None else self.gate_kernel[...]
-        return shared_mlp(x, self.fc1_kernel[...], self.fc2_kernel[...], gate, self.config)
+        return shared_mlp(x, self.fc1_kernel[...], self.fc2_kernel[...], gate, self.config, impl)
 
 
 class MoE(nnx.Module):
@@ -149,13 +155,18 @@ class MoE(nnx.Module):
       param_dtype: parameter dtype (bf16 or fp32); the expert bias is always fp32.
       dtype: compute dtype (default: param_dtype); inputs and weights are cast to it.
       init_std, num_layers: Megatron's init_method_std and the model depth (fc2 init scaling).
-      gmm_impl: grouped-matmul implementation for `jaxmoe.ops.gmm` ("auto" or "xla").
+      gmm_impl: implementation of every matmul and quantize in the layer ("auto", "pallas" or
+        "xla"): the grouped expert matmuls (`jaxmoe.ops.gmm`), the token-row matmuls of the
+        router and the shared expert (`jaxmoe.ops.dense`) and the MXFP8 quantizers. "auto" runs
+        the Pallas kernels on a Hopper GPU (batch-invariant) and XLA elsewhere.
+      dense_impl: implementation of the token-row matmuls alone (router, shared expert); None:
+        `gmm_impl`. "xla" there trades batch invariance on the GPU for cuBLAS (benchmarks).
       rngs: `nnx.Rngs`; "params" initialises weights, "jitter" drives the input jitter.
     """
 
     def __init__(self, config: MoEConfig, hidden_size: int, *, param_dtype: Any = jnp.bfloat16,
                  dtype: Any = None, init_std: float = 0.02, num_layers: int = 1,
-                 gmm_impl: str = "auto", rngs: nnx.Rngs):
+                 gmm_impl: str = "auto", dense_impl: str | None = None, rngs: nnx.Rngs):
         if not isinstance(config, MoEConfig):
             raise TypeError(f"MoE: config must be a MoEConfig, got {type(config).__name__}")
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
@@ -168,6 +179,7 @@ class MoE(nnx.Module):
         self.hidden_size = hidden_size
         self.dtype = jnp.dtype(dtype if dtype is not None else param_dtype)
         self.gmm_impl = gmm_impl
+        self.dense_impl = gmm_impl if dense_impl is None else dense_impl
         output_std = init_std / math.sqrt(2.0 * num_layers)
         kw = dict(param_dtype=param_dtype, init_std=init_std, rngs=rngs)
         self.router = TopKRouter(config, hidden_size, **kw)
@@ -239,24 +251,31 @@ class MoE(nnx.Module):
         tokens = x.reshape(-1, self.hidden_size).astype(self.dtype)
         flat_mask = None if padding_mask is None else padding_mask.reshape(-1)
 
-        logits, routing = self.router(tokens)
-        plan = make_plan(routing, config)
-        rows = dispatch(tokens, plan)
-        # dispatch_dtype "mxfp8": quantize each token once, before the dispatch (blocks along H).
-        rows_rowwise = (dispatch(quantize(tokens, axis=1, impl=impl_for_gemm(self.gmm_impl)), plan)
-                        if config.dispatch_dtype == "mxfp8" else None)
-        row_probs = gather_slots(routing.probs, plan)
+        with jax.named_scope("router"):
+            logits, routing = self.router(tokens, self.dense_impl, x.shape[:-1])
+        with jax.named_scope("plan"):
+            plan = make_plan(routing, config)
+        with jax.named_scope("dispatch"):
+            rows = dispatch(tokens, plan)
+            # dispatch_dtype "mxfp8": quantize each token once, before the dispatch (blocks
+            # along H).
+            rows_rowwise = (dispatch(quantize(tokens, axis=1, impl=self.gmm_impl), plan)
+                            if config.dispatch_dtype == "mxfp8" else None)
+            row_probs = gather_slots(routing.probs, plan)
         expert = self.experts(rows, row_probs, plan, rows_rowwise=rows_rowwise,
                               expert_weights=expert_weights, gmm_impl=self.gmm_impl)
         combined = expert.combined
-        shared = None if self.shared_experts is None else self.shared_experts(tokens)
-        y = combined if shared is None else combined + shared
+        with jax.named_scope("shared_expert"):
+            shared = (None if self.shared_experts is None
+                      else self.shared_experts(tokens, self.dense_impl))
+            y = combined if shared is None else combined + shared
 
-        aux = MoEAux(load_balancing_loss=self._load_balancing_loss(logits, x.shape[:-1],
-                                                                   flat_mask),
-                     z_loss=routing_lib.z_loss(logits, config.z_loss_coeff, flat_mask),
-                     tokens_per_expert=routing_lib.tokens_per_expert(
-                         routing, config.num_experts, flat_mask))
+        with jax.named_scope("aux_losses"):
+            aux = MoEAux(load_balancing_loss=self._load_balancing_loss(logits, x.shape[:-1],
+                                                                       flat_mask),
+                         z_loss=routing_lib.z_loss(logits, config.z_loss_coeff, flat_mask),
+                         tokens_per_expert=routing_lib.tokens_per_expert(
+                             routing, config.num_experts, flat_mask))
         stages = dict(router_logits=logits, probs=routing.probs, indices=routing.indices,
                       kept=routing.kept, plan=plan, dispatched_rows=rows,
                       dispatched_mxfp8=rows_rowwise, row_probs=row_probs,

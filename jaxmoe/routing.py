@@ -5,17 +5,22 @@ probabilities cast back to the logits dtype, expert bias affects selection only,
 renormalisation after dropping.
 
 Ties: every top-k in this module (experts per token, groups per token, tokens per expert under
-capacity) is resolved toward the LOWER index, i.e. the earlier expert / group / token wins. Megatron
-uses `torch.topk`, whose tie order is an implementation detail; this rule is jaxmoe's definition.
+capacity) is resolved toward the LOWER index, i.e. the earlier expert / group / token wins, tokens
+counted in Megatron's sequence-major order (`megatron_token_order`). Megatron uses `torch.topk`,
+whose tie order is an implementation detail; this rule is jaxmoe's definition.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxmoe.config import MoEConfig
+from jaxmoe.ops.dense import dense
 
 F32 = jnp.float32
 
@@ -35,13 +40,11 @@ class Routing:
 
 
 def router_logits(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
-                  router_dtype) -> jax.Array:
+                  router_dtype, impl: str = "auto") -> jax.Array:
     """Router logits [T, E]: x[T, H] @ kernel[H, E] (+ bias) accumulated in fp32, rounded once to
-    `router_dtype` (the compute dtype by default, fp32 with `router_dtype='fp32'`)."""
-    acc = jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=F32)
-    if bias is not None:
-        acc = acc + bias.astype(F32)
-    return acc.astype(router_dtype)
+    `router_dtype` (the compute dtype by default, fp32 with `router_dtype='fp32'`), on
+    `jaxmoe.ops.dense` (batch-invariant on the GPU kernels)."""
+    return dense(x, kernel.astype(x.dtype), bias, out_dtype=router_dtype, impl=impl)
 
 
 def _divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
@@ -117,37 +120,62 @@ def dense_probs(probs: jax.Array, indices: jax.Array, num_experts: int) -> jax.A
     return jnp.sum(jnp.where(one_hot, probs[..., None], 0), axis=-2).astype(probs.dtype)
 
 
-def capacity_keep_mask(probs: jax.Array, indices: jax.Array, config: MoEConfig) -> jax.Array:
+def megatron_token_order(num_tokens: int, sequence_shape: tuple[int, ...] | None) -> np.ndarray:
+    """[T] token ids in Megatron's token order, the order in which capacity dropping ranks them.
+
+    jaxmoe's tokens are x[..., S, H] flattened batch-major (token b * S + s). Megatron feeds
+    [S, B, H] and flattens sequence-major, so its order is: earlier sequence position first, and
+    at the same position the lower (flattened leading) batch index first. `sequence_shape` is
+    x.shape[:-1]; with None or a single axis ([T, H]: one sequence, or tokens already in the
+    caller's order) the order is the given one."""
+    if sequence_shape is None or len(sequence_shape) < 2:
+        return np.arange(num_tokens)
+    if math.prod(sequence_shape) != num_tokens:
+        raise ValueError(f"sequence_shape {tuple(sequence_shape)} does not hold {num_tokens} "
+                         "tokens")
+    return np.arange(num_tokens).reshape(-1, sequence_shape[-1]).T.reshape(-1)
+
+
+def capacity_keep_mask(probs: jax.Array, indices: jax.Array, config: MoEConfig,
+                       sequence_shape: tuple[int, ...] | None = None) -> jax.Array:
     """[T, k] bool: which routed pairs survive the per-expert capacity (all when no capacity).
 
     Policy "probs" keeps, per expert, the `capacity` tokens with the largest probability (ties:
-    lower token index); policy "position" keeps the earliest `capacity` routed tokens."""
+    the earlier token); policy "position" keeps the earliest `capacity` routed tokens. "Earlier"
+    is Megatron's token order, sequence-major (see `megatron_token_order`; `sequence_shape` is
+    x.shape[:-1]), so that a layer fed Megatron's batch transposed to [B, S, H] keeps the
+    tokens Megatron keeps."""
     num_tokens = probs.shape[0]
     capacity = config.capacity(num_tokens)
     if capacity is None or capacity >= num_tokens:
         return jnp.ones(indices.shape, bool)
+    order = megatron_token_order(num_tokens, sequence_shape)
+    probs, indices = probs[order], indices[order]
     num_experts = config.num_experts
     routed = jnp.any(indices[..., None] == jnp.arange(num_experts), axis=1)        # [T, E]
     if config.token_drop_policy == "probs":
-        order = jnp.argsort(-dense_probs(probs, indices, num_experts).T.astype(F32),
-                            axis=1, stable=True)                                   # [E, T]
-        rank = jnp.argsort(order, axis=1).T                                        # [T, E]
+        order_by_prob = jnp.argsort(-dense_probs(probs, indices, num_experts).T.astype(F32),
+                                    axis=1, stable=True)                           # [E, T]
+        rank = jnp.argsort(order_by_prob, axis=1).T                                # [T, E]
         keep_dense = rank < capacity
     else:
         earlier_routed = jnp.cumsum(routed, axis=0) - routed                       # [T, E]
         keep_dense = earlier_routed < capacity
-    return jnp.take_along_axis(keep_dense, indices, axis=1)
+    return jnp.take_along_axis(keep_dense, indices, axis=1)[np.argsort(order)]
 
 
-def route(logits: jax.Array, config: MoEConfig,
-          expert_bias: jax.Array | None = None) -> Routing:
-    """Top-k routing plus capacity dropping (dropped pairs get probability 0, no renormalisation)."""
+def route(logits: jax.Array, config: MoEConfig, expert_bias: jax.Array | None = None,
+          sequence_shape: tuple[int, ...] | None = None) -> Routing:
+    """Top-k routing plus capacity dropping (dropped pairs get probability 0, no renormalisation).
+
+    sequence_shape: x.shape[:-1] of the layer input the T tokens come from; it fixes the token
+    order of capacity dropping (see `capacity_keep_mask`). None: the given order."""
     if logits.ndim != 2 or logits.shape[1] != config.num_experts:
         raise ValueError(f"route: logits must be [T, {config.num_experts}], got {logits.shape}")
     if (expert_bias is not None) != config.enable_expert_bias:
         raise ValueError("route: expert_bias must be given exactly when enable_expert_bias is set")
     probs, indices = topk_routing(logits, config, expert_bias)
-    kept = capacity_keep_mask(probs, indices, config)
+    kept = capacity_keep_mask(probs, indices, config, sequence_shape)
     return Routing(probs=jnp.where(kept, probs, jnp.zeros_like(probs)), indices=indices, kept=kept)
 
 

@@ -7,7 +7,8 @@ semantics are visible without any sort-based permutation, padding or grouped mat
 Sources: shared spec `megatron_moe.md` §1.2, §1.3, §1.5, §1.6, §3.2-§3.5, §4, §5, §8 and the
 definitions that jaxmoe fixes where Megatron is ambiguous:
   * every top-k tie goes to the LOWER index (experts, groups, and tokens under capacity);
-  * capacity policy "position" keeps the earliest routed tokens; "probs" the largest probabilities;
+  * capacity policy "position" keeps the earliest routed tokens; "probs" the largest probabilities
+    (ties: the earlier token); "earlier" in Megatron's token order, sequence-major ([S, B]);
   * padding to capacity adds zero rows (probability 0), which change no output;
   * combine: per token, the kept expert outputs in ascending expert id, fp32 sum, one rounding;
   * weighted activation computed in fp32 and rounded once; fc2 bias as round(f32(o) + f32(b2)*p);
@@ -154,12 +155,26 @@ def capacity(num_tokens: int, config) -> int | None:
     return math.ceil(num_tokens * config.top_k / config.num_experts * config.capacity_factor)
 
 
-def capacity_kept(probs: np.ndarray, indices: np.ndarray, config) -> np.ndarray:
+def megatron_order(num_tokens: int, sequence_shape=None) -> list[int]:
+    """Token ids in Megatron's order. Tokens are x[..., S, H] flattened batch-major (token
+    b * S + s); Megatron's input is [S, B, H] flattened sequence-major, so it visits position 0
+    of every sequence (batch 0, 1, ...), then position 1, ... With sequence_shape None or of one
+    axis the order is the given one."""
+    if sequence_shape is None or len(sequence_shape) < 2:
+        return list(range(num_tokens))
+    seq_len = sequence_shape[-1]
+    num_sequences = num_tokens // seq_len
+    return [b * seq_len + s for s in range(seq_len) for b in range(num_sequences)]
+
+
+def capacity_kept(probs: np.ndarray, indices: np.ndarray, config, sequence_shape=None
+                  ) -> np.ndarray:
     """[T, k] bool: which routed (token, expert) pairs fit in their expert's capacity.
 
-    One expert at a time. Policy "probs": the expert keeps the `capacity` tokens with the largest
-    probability for it (every token competes; a token not routed there has probability 0; ties:
-    lower token). Policy "position": it keeps its earliest `capacity` routed tokens. With
+    One expert at a time, tokens visited in Megatron's order (`megatron_order`). Policy "probs":
+    the expert keeps the `capacity` tokens with the largest probability for it (every token
+    competes; a token not routed there has probability 0; ties: the token visited first).
+    Policy "position": it keeps the first `capacity` routed tokens visited. With
     `pad_expert_input_to_capacity` the kept pairs are the same; the free slots are zero rows with
     probability 0 that contribute nothing, so the reference has nothing more to do."""
     num_tokens, k = indices.shape
@@ -167,13 +182,14 @@ def capacity_kept(probs: np.ndarray, indices: np.ndarray, config) -> np.ndarray:
     cap = capacity(num_tokens, config)
     if cap is None or cap >= num_tokens:
         return kept
+    order = megatron_order(num_tokens, sequence_shape)
     for e in range(config.num_experts):
-        routed = [(t, j) for t in range(num_tokens) for j in range(k) if indices[t, j] == e]
+        routed = [(t, j) for t in order for j in range(k) if indices[t, j] == e]
         if config.token_drop_policy == "probs":
             prob_for_e = np.zeros(num_tokens)
             for t, j in routed:
                 prob_for_e[t] = float(probs[t, j])
-            winners = set(top_k_lower_index(prob_for_e, cap))
+            winners = {order[i] for i in top_k_lower_index(prob_for_e[order], cap)}
         else:
             winners = {t for t, _ in routed[:cap]}
         for t, j in routed:
@@ -181,9 +197,10 @@ def capacity_kept(probs: np.ndarray, indices: np.ndarray, config) -> np.ndarray:
     return kept
 
 
-def route(logits: np.ndarray, config, expert_bias=None) -> RefRouting:
-    """Route every token (one at a time), then drop over capacity; dropped probs are 0 and the
-    surviving ones are NOT renormalised."""
+def route(logits: np.ndarray, config, expert_bias=None, sequence_shape=None) -> RefRouting:
+    """Route every token (one at a time), then drop over capacity (tokens in Megatron's order
+    for `sequence_shape`, see `capacity_kept`); dropped probs are 0 and the surviving ones are
+    NOT renormalised."""
     logits = np.asarray(logits)
     probs, indices = [], []
     for t in range(logits.shape[0]):
@@ -192,7 +209,7 @@ def route(logits: np.ndarray, config, expert_bias=None) -> RefRouting:
         indices.append(i)
     probs = np.stack(probs)
     indices = np.asarray(indices, np.int64)
-    kept = capacity_kept(probs, indices, config)
+    kept = capacity_kept(probs, indices, config, sequence_shape)
     probs = np.where(kept, probs, np.zeros_like(probs))
     return RefRouting(probs=probs, indices=indices, kept=kept)
 
@@ -391,16 +408,19 @@ class RefOutput:
     scale: np.ndarray
 
 
-def moe_forward(x: np.ndarray, params: LayerParams, config, dtype) -> RefOutput:
+def moe_forward(x: np.ndarray, params: LayerParams, config, dtype, sequence_shape=None
+                ) -> RefOutput:
     """The whole layer, one token at a time.
 
-    x: [T, H] (cast to the compute dtype `dtype` first, like the layer does). Padding tokens need
-    no special case: they are routed and computed like any other token (padding only changes
-    the losses and the counts)."""
+    x: [T, H] (cast to the compute dtype `dtype` first, like the layer does); sequence_shape:
+    the layer input's x.shape[:-1] when x was flattened from [..., S, H] (it orders the tokens
+    for capacity dropping; None: the given order). Padding tokens need no special case: they
+    are routed and computed like any other token (padding only changes the losses and the
+    counts)."""
     dtype = np.dtype(dtype)
     x = np.asarray(x).astype(dtype)
     logits = router_logits(x, params, config, dtype)
-    routing = route(logits, config, params.expert_bias)
+    routing = route(logits, config, params.expert_bias, sequence_shape)
     num_tokens, hidden = x.shape
     y = np.zeros((num_tokens, hidden), dtype)
     scale = np.zeros((num_tokens, hidden))

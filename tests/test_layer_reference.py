@@ -8,6 +8,7 @@ the module for the reference (`moe.experts.fc1_kernel[...]`, ...).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -84,9 +85,9 @@ def forward_masked(moe, x, mask):
     return moe(x, padding_mask=mask)
 
 
-@nnx.jit
-def router_decision(moe, tokens):
-    return moe.router(tokens)[1]
+@functools.partial(nnx.jit, static_argnums=2)
+def router_decision(moe, tokens, sequence_shape):
+    return moe.router(tokens, sequence_shape=sequence_shape)[1]
 
 
 def random_x(seed: int, dtype, shape=(BATCH, SEQ, HIDDEN)) -> np.ndarray:
@@ -148,8 +149,9 @@ def check_layer_against_reference(config, dtype, seed=0, x_seed=1, hidden=HIDDEN
         x = random_x(x_seed, dtype, (BATCH, SEQ, hidden))
     y, aux = forward(moe, jnp.asarray(x))
     tokens = x.reshape(-1, hidden)
-    expected = ref.moe_forward(tokens, reference_params(moe), config, np.dtype(dtype))
-    decision = router_decision(moe, jnp.asarray(tokens))
+    expected = ref.moe_forward(tokens, reference_params(moe), config, np.dtype(dtype),
+                               x.shape[:-1])
+    decision = router_decision(moe, jnp.asarray(tokens), x.shape[:-1])
     # The routing decision must be identical (a flip would be a different expert, not an ulp).
     np.testing.assert_array_equal(np.asarray(decision.indices), expected.routing.indices)
     np.testing.assert_array_equal(np.asarray(decision.kept), expected.routing.kept)
@@ -241,7 +243,8 @@ def test_expert_row_alignment_is_bitwise_invisible():
 def test_identical_tokens_empty_experts_and_capacity_ties(policy):
     """40 copies of one token + 24 random ones: the copies share their top-2 experts, most
     experts are (nearly) empty, and under capacity the copies tie exactly (same probability),
-    so the lowest token indices must be kept (both policies). Alignment 4."""
+    so the copies visited first in Megatron's token order (sequence-major) must be kept (both
+    policies). Alignment 4."""
     config = CONFIGS["mixtral"].replace(capacity_factor=0.5, token_drop_policy=policy,
                                         expert_row_alignment=4)
     x = random_x(9, BF16).reshape(-1, HIDDEN)
@@ -249,7 +252,8 @@ def test_identical_tokens_empty_experts_and_capacity_ties(policy):
     x = x.reshape(BATCH, SEQ, HIDDEN)
     _, _, y, expected = check_layer_against_reference(config, BF16, seed=8, x=x)
     first = expected.routing.indices[0]
-    kept_copies = expected.routing.kept[:40]
+    copies = [t for t in ref.megatron_order(BATCH * SEQ, (BATCH, SEQ)) if t < 40]
+    kept_copies = expected.routing.kept[copies]
     cap = config.capacity(64)
     for j in range(2):
         # the first `cap` copies fit their expert's capacity (other tokens may also use it)
@@ -257,7 +261,7 @@ def test_identical_tokens_empty_experts_and_capacity_ties(policy):
         assert np.all(kept_copies[:, j][:kept_copies[:, j].sum()])
     assert np.all(expected.routing.indices[:40] == first)
     y = y.reshape(-1, HIDDEN)
-    assert np.all(y[39] == 0) and np.any(y[0] != 0)
+    assert np.all(y[copies[-1]] == 0) and np.any(y[copies[0]] != 0)
 
 
 @pytest.mark.parametrize("name", ["gelu_glu_bias", "deepseek"])

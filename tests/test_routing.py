@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxmoe
 from jaxmoe import MoEConfig
@@ -36,15 +37,16 @@ SIG2, SIG2C = 0.8807970779778823, 0.11920292202211769    # sigma(2), 1 - sigma(2
 
 
 # ------------------------------------------------------------------------------------ helpers
-@functools.partial(jax.jit, static_argnums=1)
-def _route(logits, config, expert_bias=None):
-    return routing.route(logits, config, expert_bias)
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def _route(logits, config, expert_bias=None, sequence_shape=None):
+    return routing.route(logits, config, expert_bias, sequence_shape)
 
 
-def route(logits, config, expert_bias=None):
-    """jaxmoe routing as numpy (probs, indices, kept)."""
+def route(logits, config, expert_bias=None, sequence_shape=None):
+    """jaxmoe routing as numpy (probs, indices, kept); sequence_shape: the layer input's
+    x.shape[:-1] (token order of capacity dropping)."""
     bias = None if expert_bias is None else jnp.asarray(expert_bias, jnp.float32)
-    out = _route(jnp.asarray(logits), config, bias)
+    out = _route(jnp.asarray(logits), config, bias, sequence_shape)
     return np.asarray(out.probs), np.asarray(out.indices), np.asarray(out.kept)
 
 
@@ -400,9 +402,10 @@ _CAPACITY_CASES = [
 @pytest.mark.parametrize("policy,pad,score", _CAPACITY_CASES,
                          ids=[f"{p}-{'pad' if q else 'nopad'}-{s}" for p, q, s in _CAPACITY_CASES])
 def test_capacity_matches_loop_reference(policy, pad, score):
-    """Random tie-heavy logits, T=64, E=8, k=2 (capacity 8 with factor 0.5): kept masks equal the
-    reference exactly, dropped probs are 0, kept probs equal the uncapped probs bitwise, and the
-    counts match (never above capacity)."""
+    """Random tie-heavy logits, T=64, E=8, k=2 (capacity 8 with factor 0.5), as 64 tokens in the
+    given order and as 4 sequences of 16 (Megatron's sequence-major token order): kept masks
+    equal the reference exactly, dropped probs are 0, kept probs equal the uncapped probs
+    bitwise, and the counts match (never above capacity)."""
     extra = {"softmax": {}, "sigmoid": dict(score_function="sigmoid"),
              "pre_softmax": dict(pre_softmax=True)}[score]
     config = cfg(8, 2, capacity_factor=0.5, token_drop_policy=policy,
@@ -410,7 +413,7 @@ def test_capacity_matches_loop_reference(policy, pad, score):
     uncapped = cfg(8, 2, **extra)
     cap = config.capacity(64)
     assert cap == 8
-    for dtype in (F32, BF16):
+    for dtype, sequence_shape in ((F32, None), (BF16, None), (F32, (4, 16)), (BF16, (4, 16))):
         for seed in range(2):
             rng = np.random.default_rng(seed)
             logits = random_logits(rng, 64, 8, dtype)
@@ -420,10 +423,10 @@ def test_capacity_matches_loop_reference(policy, pad, score):
                 # test_sigmoid_equal_scores_normalise_to_exactly_one_half; no grid rows here.
                 logits = (rng.standard_normal((64, 8)) * 2).astype(F32)
             logits[:16, 0] = 6    # make expert 0 oversubscribed with equal probabilities
-            probs, idx, kept = route(logits, config)
-            expected = ref.route(logits, config)
+            probs, idx, kept = route(logits, config, sequence_shape=sequence_shape)
+            expected = ref.route(logits, config, sequence_shape=sequence_shape)
             free_probs, free_idx, _ = route(logits, uncapped)
-            where = f"{dtype.name} seed={seed}"
+            where = f"{dtype.name} seed={seed} sequence_shape={sequence_shape}"
             np.testing.assert_array_equal(idx, expected.indices, err_msg=where)
             np.testing.assert_array_equal(kept, expected.kept, err_msg=where)
             np.testing.assert_array_equal(idx, free_idx, err_msg=where)
@@ -438,6 +441,53 @@ def test_capacity_matches_loop_reference(policy, pad, score):
                     result, 8, None if m is None else jnp.asarray(m)))
                 np.testing.assert_array_equal(counts, ref.tokens_per_expert(expected, 8, m))
                 assert counts.max() <= cap
+
+
+# Token order of capacity dropping. B=2 sequences of S=3 tokens, every token routed to experts
+# 0 (p .7311) and 1 (p .2689): capacity ceil(6 * 2 / 4 * 1.0) = 3 per expert. Megatron's order
+# is sequence-major, (s0 b0), (s0 b1), (s1 b0), ...: tokens 0, 3, 1, 4, 2, 5 of the batch-major
+# layout, so both experts keep tokens 0, 3 and 1 (both policies: the equal probabilities of
+# "probs" tie and go to the earlier token). The batch-major order would keep 0, 1, 2.
+_ORDER_LOGITS = np.tile(np.array([2, 1, -5, -5], np.float32), (6, 1))
+_ORDER_KEPT_SEQUENCE_MAJOR = [1, 1, 0, 1, 0, 0]
+_ORDER_KEPT_GIVEN_ORDER = [1, 1, 1, 0, 0, 0]
+
+
+@pytest.mark.parametrize("policy", ["position", "probs"])
+def test_capacity_ranks_tokens_sequence_major(policy):
+    config = cfg(capacity_factor=1.0, token_drop_policy=policy)
+    assert config.capacity(6) == 3
+    assert routing.megatron_token_order(6, (2, 3)).tolist() == [0, 3, 1, 4, 2, 5]
+    for shape, expected in (((2, 3), _ORDER_KEPT_SEQUENCE_MAJOR),
+                            ((1, 2, 3), _ORDER_KEPT_SEQUENCE_MAJOR),
+                            (None, _ORDER_KEPT_GIVEN_ORDER), ((6,), _ORDER_KEPT_GIVEN_ORDER)):
+        _, idx, kept = route(_ORDER_LOGITS, config, sequence_shape=shape)
+        np.testing.assert_array_equal(idx, [[0, 1]] * 6)
+        np.testing.assert_array_equal(kept, np.repeat(np.array(expected, bool)[:, None], 2, 1),
+                                      err_msg=str(shape))
+        np.testing.assert_array_equal(ref.route(_ORDER_LOGITS, config, sequence_shape=shape).kept,
+                                      kept, err_msg=str(shape))
+    with pytest.raises(ValueError, match="does not hold 6 tokens"):
+        routing.route(jnp.asarray(_ORDER_LOGITS), config, sequence_shape=(2, 4))
+
+
+@pytest.mark.parametrize("policy", ["position", "probs"])
+def test_layer_keeps_the_tokens_megatron_keeps(policy):
+    """A Megatron batch x_sbh [S, B, H] fed to the layer as x_sbh.transpose(1, 0, 2) ([B, S, H])
+    keeps the tokens of its [S*B, H] flattening taken in the given order, i.e. Megatron's: the
+    outputs agree token by token. Flattening [B, S, H] batch-major instead changes the kept
+    tokens under "position"; under "probs" without ties the order does not matter."""
+    config = MoEConfig(num_experts=8, ffn_hidden_size=16, top_k=2, capacity_factor=0.5,
+                       token_drop_policy=policy)
+    moe = jaxmoe.MoE(config, 32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x_sbh = jax.random.normal(jax.random.key(1), (16, 4, 32), jnp.float32)
+    layer = nnx.jit(lambda moe, x: moe(x)[0])
+    y_sbh = np.asarray(layer(moe, x_sbh.transpose(1, 0, 2))).transpose(1, 0, 2)
+    y_megatron_order = np.asarray(layer(moe, x_sbh.reshape(64, 32))).reshape(16, 4, 32)
+    np.testing.assert_array_equal(y_sbh, y_megatron_order)
+    x_batch_major = x_sbh.transpose(1, 0, 2).reshape(64, 32)
+    y_batch_major = np.asarray(layer(moe, x_batch_major)).reshape(4, 16, 32).transpose(1, 0, 2)
+    assert np.array_equal(y_batch_major, y_sbh) == (policy == "probs")
 
 
 # ------------------------------------------------------------------------------------ losses

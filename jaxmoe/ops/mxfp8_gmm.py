@@ -57,7 +57,7 @@ from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor, dequantize, scale_multipliers
 from jaxmoe.ops.gmm import (_check_group_sizes, _check_impl, _pad_rows, _pallas_rows, gmm,
                             on_hopper, tgmm)
 from jaxmoe.ops.pallas.gmm_hopper import GmmConfig, gmm_mxfp8_pallas
-from jaxmoe.ops.quantize import impl_for_gemm, quantize
+from jaxmoe.ops.quantize import quantize
 
 
 @struct.dataclass
@@ -213,7 +213,7 @@ def tgmm_mxfp8(lhs: MXTensor, rhs: MXTensor, group_sizes: jax.Array, *, impl: st
 
 
 def _quantize(x, axis, impl):
-    return quantize(x, axis=axis, impl=impl_for_gemm(impl))
+    return quantize(x, axis=axis, impl=impl)
 
 
 def _fprop(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl):

@@ -8,6 +8,13 @@
                  multiple of 64 (bf16) / 32 (fp32); bf16 or fp32 input, not empty. Other
                  problems raise ValueError.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
+
+Gradients: an MXTensor carries none (its data is fp8, its scales are integers). Both functions
+take their input through `jax.lax.stop_gradient`, so they run inside `jax.grad` on every impl
+(the kernels have no differentiation rule). Code that differentiates through a quantizer sends
+the gradient to the high-precision tensor as if the quantizer were the identity
+(straight-through, as Transformer Engine does): the layer does this for the dispatched tokens,
+the combine gradient and every MXFP8 GEMM operand (`jaxmoe.ops.mxfp8_gmm`).
 """
 
 from __future__ import annotations
@@ -57,15 +64,10 @@ def _resolve(impl, problem, op):
     return impl
 
 
-def impl_for_gemm(gmm_impl: str) -> str:
-    """The quantize impl that goes with a grouped-matmul impl: the reference with "xla", else
-    the kernels wherever they take the problem."""
-    return "xla" if gmm_impl == "xla" else "auto"
-
-
 def quantize(x: jax.Array, axis: int = -1, fmt: str = "e4m3", *, impl: str = "auto") -> MXTensor:
-    """`jaxmoe.mxfp8.quantize(x, axis, fmt)` (same checks, same bits) on the chosen `impl`."""
-    x = jnp.asarray(x)
+    """`jaxmoe.mxfp8.quantize(x, axis, fmt)` (same checks, same bits) on the chosen `impl`; no
+    gradient flows through it (module docstring)."""
+    x = jax.lax.stop_gradient(jnp.asarray(x))
     if x.ndim == 0 or not -x.ndim <= axis < x.ndim:
         raise ValueError(f"quantize: axis {axis} is out of range for shape {x.shape}")
     axis %= x.ndim
@@ -87,8 +89,9 @@ def dispatch_quantize(x: jax.Array, row_token: jax.Array, fmt: str = "e4m3", *,
                       impl: str = "auto") -> MXTensor:
     """Rows x[row_token[r]] ([M, H], zeros where row_token[r] == T, a padding row) quantized
     with blocks along H, without a bf16 copy of the gathered rows on "pallas". Equals
-    `quantize(jnp.concatenate([x, zeros])[row_token], axis=1)` bitwise."""
-    x = jnp.asarray(x)
+    `quantize(jnp.concatenate([x, zeros])[row_token], axis=1)` bitwise. No gradient flows
+    through it (module docstring)."""
+    x = jax.lax.stop_gradient(jnp.asarray(x))
     if x.ndim != 2 or row_token.ndim != 1:
         raise ValueError(f"dispatch_quantize: x must be [T, H] and row_token [M], got {x.shape} "
                          f"and {row_token.shape}")

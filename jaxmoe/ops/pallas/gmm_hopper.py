@@ -495,6 +495,7 @@ def _build_kernel(num_rows, k, n, num_groups, num_items, dtype, out_dtype, trans
 
     kernel = plgpu.kernel(
         body,
+        kernel_name="gmm_mxfp8" if scaled else "gmm",
         out_type=jax.ShapeDtypeStruct((num_rows, n), out_dtype),
         grid=(num_clusters,),
         grid_names=("sm",),

@@ -348,6 +348,7 @@ def _rowwise_kernel(num_blocks, dtype, fmt_name, arithmetic, interpret, gather):
 
     return plgpu.kernel(
         body,
+        kernel_name="quantize_rowwise" if gather is None else "dispatch_quantize",
         out_type=(jax.ShapeDtypeStruct((num_blocks, BLOCK_SIZE), fmt.dtype),
                   jax.ShapeDtypeStruct((num_tiles * tile,), jnp.uint8)),
         grid=(num_ctas,),
@@ -413,6 +414,7 @@ def _columnwise_kernel(m, k, dtype, fmt_name, arithmetic, interpret):
 
     return plgpu.kernel(
         body,
+        kernel_name="quantize_columnwise",
         out_type=(jax.ShapeDtypeStruct((m, k), fmt.dtype),
                   jax.ShapeDtypeStruct((m // BLOCK_SIZE, col_tiles * width), jnp.uint8)),
         grid=(num_ctas,),

@@ -488,6 +488,7 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
 
     return plgpu.kernel(
         body,
+        kernel_name="tgmm",
         out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
         grid=(num_sms,),
         grid_names=("sm",),

@@ -1,0 +1,141 @@
+"""Dense matmul whose rows are tokens: `dense(x, w, bias)` = round(x @ w (+ bias)), fp32 accumulation.
+
+The layer's token-row matmuls (router, shared expert) go through this op so that a token's
+result never depends on how many other tokens share the call (batch invariance). XLA's dot on
+the GPU does not promise that: cuBLAS picks its kernel and split by the number of rows.
+
+Implementations (`impl=`):
+  "xla"    `jnp.dot` with fp32 accumulation, differentiated by JAX (the reference). On XLA:CPU a
+           row's result does not depend on the other rows once T >= 2 (tested).
+  "pallas" the grouped-matmul kernel with one group (`ops/pallas/gmm_hopper.py`), whose
+           reduction order depends only on K: batch-invariant. K and N are zero-padded to
+           multiples of 64 where needed (zero products leave every sum unchanged). Backward:
+           d x on the same kernel (batch-invariant per token); d w on the weight-gradient
+           kernel (`ops/pallas/tgmm_hopper.py`) over row chunks of the batch, summed in fp32 in
+           chunk order (a fixed order: the same bits in every run and every compilation, which
+           an autotuned library GEMM does not promise); d bias an fp32 sum. An fp32 output's
+           gradient is split exactly into three bf16 pieces, so both products keep fp32
+           precision.
+  "auto"   "pallas" on a Hopper GPU for bf16/fp16 operands, else "xla".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxmoe.ops.gmm import _check_impl, gmm, on_hopper, tgmm
+from jaxmoe.ops.pallas.tgmm_hopper import default_tgmm_config
+
+F32 = jnp.float32
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_KERNEL_MULTIPLE = 64
+
+
+def dense(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, out_dtype=None,
+          impl: str = "auto") -> jax.Array:
+    """round(x @ w + bias) -> [T, N] in `out_dtype` (default x.dtype), for x [T, K] and w [K, N]
+    of one floating dtype and bias [N] (any float dtype, added in fp32) or None; the product is
+    accumulated in fp32 and rounded once. Differentiable."""
+    _check_impl(impl, "dense")
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"dense: x must be [T, K] and w [K, N]; got {x.shape}, {w.shape}")
+    if x.dtype != w.dtype or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"dense: x and w must share one floating dtype, got {x.dtype}, {w.dtype}")
+    if bias is not None and bias.shape != (w.shape[1],):
+        raise ValueError(f"dense: bias must be [{w.shape[1]}], got {bias.shape}")
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    if impl == "auto":
+        impl = "pallas" if jnp.dtype(x.dtype) in _KERNEL_DTYPES and on_hopper() else "xla"
+    if impl == "xla":
+        acc = jnp.dot(x, w, preferred_element_type=F32)
+        return (acc if bias is None else acc + bias.astype(F32)).astype(out_dtype)
+    if jnp.dtype(x.dtype) not in _KERNEL_DTYPES:
+        raise ValueError(f"dense(impl='pallas'): operands must be bf16 or fp16, got {x.dtype}; "
+                         "use impl='xla' or 'auto'")
+    return _dense_pallas(x, w, bias, out_dtype)
+
+
+def _pad_to_kernel(a: jax.Array, axis: int) -> jax.Array:
+    """a with zeros appended along `axis` up to a multiple of 64 (a no-op when it is one)."""
+    extra = -a.shape[axis] % _KERNEL_MULTIPLE
+    if not extra:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(a, widths)
+
+
+def _one_group(x: jax.Array) -> jax.Array:
+    return jnp.full((1,), x.shape[0], jnp.int32)
+
+
+def _product(x, w, out_dtype):
+    """x @ w on the kernel, K and N padded to its multiples, result [T, N] in out_dtype."""
+    out = gmm(_pad_to_kernel(x, 1), _pad_to_kernel(_pad_to_kernel(w, 0), 1)[None], _one_group(x),
+              impl="pallas", preferred_element_type=out_dtype)
+    return out[:, :w.shape[1]]
+
+
+def _bf16_pieces(g: jax.Array, dtype) -> list[jax.Array]:
+    """g as a list of `dtype` arrays that add up to g exactly: [g] when g already has that
+    dtype, else three (hi, mid, lo) for an fp32 g, each the leading 8 significant bits of what
+    the earlier ones leave (truncated, so that no piece overflows; Inf and NaN stay in hi). Exact
+    for |g| >= 2^-110, where no piece is a denormal (flushed to zero on GPUs and XLA:CPU)."""
+    if g.dtype == dtype:
+        return [g]
+    pieces, rest = [], g.astype(F32)
+    for _ in range(3):
+        bits = jax.lax.bitcast_convert_type(rest, jnp.uint32) & jnp.uint32(0xFFFF0000)
+        piece = jax.lax.bitcast_convert_type(bits, F32)
+        pieces.append(piece.astype(dtype))
+        rest = jnp.where(jnp.isfinite(rest), rest - piece, 0.0)
+    return pieces
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dense_pallas(x, w, bias, out_dtype):
+    if bias is None:
+        return _product(x, w, out_dtype)
+    return (_product(x, w, F32) + bias.astype(F32)).astype(out_dtype)
+
+
+def _dense_pallas_fwd(x, w, bias, out_dtype):
+    return _dense_pallas(x, w, bias, out_dtype), (x, w, bias)
+
+
+def _row_chunks(num_rows: int, k: int, n: int) -> jax.Array:
+    """Chunk sizes [C] splitting the batch for the weight gradient: enough chunks that the
+    kernel's (chunk, K tile, N tile) items fill the SMs, each a multiple of 512 rows but the
+    last, at least one."""
+    config = default_tgmm_config(num_rows, k, n)
+    items = (k // config.cta_k) * (n // config.cta_n)
+    chunks = max(1, min(-(-config.num_sms // items), num_rows // 512))
+    size = -(-num_rows // chunks // 512) * 512
+    chunks = -(-num_rows // size)
+    return jnp.array([size] * (chunks - 1) + [num_rows - size * (chunks - 1)], jnp.int32)
+
+
+def _dense_pallas_bwd(out_dtype, residuals, grad):
+    x, w, bias = residuals
+    x_padded = _pad_to_kernel(x, 1)
+    w_padded = _pad_to_kernel(_pad_to_kernel(w, 0), 1)[None]
+    chunks = _row_chunks(x.shape[0], x_padded.shape[1], w_padded.shape[2])
+    d_x = d_w = None
+    for piece in _bf16_pieces(grad, x.dtype):
+        piece = _pad_to_kernel(piece, 1)
+        part_x = gmm(piece, w_padded, _one_group(x), transpose_rhs=True, impl="pallas",
+                     preferred_element_type=F32)
+        part_w = jnp.sum(tgmm(x_padded, piece, chunks, impl="pallas",
+                              preferred_element_type=F32), axis=0)
+        d_x = part_x if d_x is None else d_x + part_x
+        d_w = part_w if d_w is None else d_w + part_w
+    d_x = d_x[:, :x.shape[1]].astype(x.dtype)
+    d_w = d_w[:w.shape[0], :w.shape[1]].astype(w.dtype)
+    d_bias = None if bias is None else jnp.sum(grad.astype(F32), axis=0).astype(bias.dtype)
+    return d_x, d_w, d_bias
+
+
+_dense_pallas.defvjp(_dense_pallas_fwd, _dense_pallas_bwd)
