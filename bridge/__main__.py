@@ -32,17 +32,26 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--config", metavar="CONFIG_JSON",
                      help="Megatron config (needed when the checkpoint saved no args)")
     cmp.add_argument("--seed", type=int, default=0, help="seed of the random x and dy")
+    cmp.add_argument("--shape", type=int, nargs=2, metavar=("B", "S"),
+                     help="batch and sequence length of the random x (default "
+                          f"{compare.INPUT_SHAPE[0]} {compare.INPUT_SHAPE[1]}; not with --io)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 pass, 1 a bound violated, 2 error)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.shape and args.io:
+        parser.error("--shape sets the random input; with --io the input is io.pt's x")
+    if args.shape and min(args.shape) < 1:
+        parser.error(f"--shape needs B, S >= 1, got {args.shape[0]} {args.shape[1]}")
     try:
         ckpt = megatron.load(args.megatron, args.config)
         io = load_torch_file(args.io) if args.io else None
         report = compare.compare_layer(ckpt, args.layer, io=io, device=args.device,
-                                       seed=args.seed)
+                                       seed=args.seed,
+                                       input_shape=tuple(args.shape or compare.INPUT_SHAPE))
     except BridgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -3,8 +3,8 @@
 Same semantics and rounding points as `jaxmoe` (see its module docstrings):
   * routing in fp32 with every top-k tie going to the LOWER index, implemented explicitly with a
     stable descending sort (never relying on torch.topk's tie order); group-limited routing,
-    expert bias (selection only), scaling factor, capacity dropping ("probs"/"position"),
-    aux / seq / global aux loss and z-loss;
+    expert bias (selection only), scaling factor, capacity dropping ("probs"/"position", tokens
+    ranked in Megatron's sequence-major order), aux / seq / global aux loss and z-loss;
   * the permutation plan: expert-major, tokens ascending, each expert block padded with zero rows
     to `expert_row_alignment` (or to capacity), the same static row count as jaxmoe;
   * dispatch and combine as mutually transposed gathers (custom autograd functions, so the
@@ -111,30 +111,45 @@ def _one_hot(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     return indices[..., None] == torch.arange(num_experts, device=indices.device)
 
 
-def capacity_keep_mask(probs, indices, config: jaxmoe.MoEConfig) -> torch.Tensor:
+def megatron_token_order(num_tokens: int, sequence_shape, device=None) -> torch.Tensor:
+    """[T] token ids in Megatron's (sequence-major) order: for tokens of x [..., S, H] flattened
+    batch-major, position s before s + 1 and, at one position, batch b before b + 1; for
+    sequence_shape None or of one axis, the given order (jaxmoe's `megatron_token_order`)."""
+    ids = torch.arange(num_tokens, device=device)
+    if sequence_shape is None or len(sequence_shape) < 2:
+        return ids
+    return ids.reshape(-1, sequence_shape[-1]).T.reshape(-1)
+
+
+def capacity_keep_mask(probs, indices, config: jaxmoe.MoEConfig, sequence_shape=None
+                       ) -> torch.Tensor:
     """[T, k] bool: pairs kept under the per-expert capacity (policy "probs": largest
-    probability, ties to the lower token; "position": earliest tokens)."""
+    probability, ties to the earlier token; "position": earliest tokens), tokens in Megatron's
+    order (`megatron_token_order` of sequence_shape = x.shape[:-1])."""
     num_tokens = probs.shape[0]
     capacity = config.capacity(num_tokens)
     if capacity is None or capacity >= num_tokens:
         return torch.ones_like(indices, dtype=torch.bool)
+    order = megatron_token_order(num_tokens, sequence_shape, indices.device)
+    probs, indices = probs[order], indices[order]
     one_hot = _one_hot(indices, config.num_experts)
     if config.token_drop_policy == "probs":
         dense = torch.where(one_hot, probs[..., None], torch.zeros((), dtype=probs.dtype)).sum(1)
-        order = torch.sort(-dense.T.to(F32), dim=1, stable=True)[1]                  # [E, T]
-        rank = torch.sort(order, dim=1, stable=True)[1].T                            # [T, E]
+        by_prob = torch.sort(-dense.T.to(F32), dim=1, stable=True)[1]               # [E, T]
+        rank = torch.sort(by_prob, dim=1, stable=True)[1].T                         # [T, E]
         keep_dense = rank < capacity
     else:
         routed = one_hot.any(1).to(torch.int64)
         keep_dense = (torch.cumsum(routed, 0) - routed) < capacity
-    return keep_dense.gather(1, indices)
+    return keep_dense.gather(1, indices)[torch.argsort(order)]
 
 
 def route(logits: torch.Tensor, config: jaxmoe.MoEConfig,
-          expert_bias: torch.Tensor | None = None) -> Routing:
-    """Top-k routing plus capacity dropping (dropped pairs get probability 0)."""
+          expert_bias: torch.Tensor | None = None, sequence_shape=None) -> Routing:
+    """Top-k routing plus capacity dropping (dropped pairs get probability 0); sequence_shape
+    (x.shape[:-1]) fixes the token order of the dropping."""
     probs, indices = topk_routing(logits, config, expert_bias)
-    kept = capacity_keep_mask(probs, indices, config)
+    kept = capacity_keep_mask(probs, indices, config, sequence_shape)
     return Routing(torch.where(kept, probs, torch.zeros_like(probs)), indices, kept)
 
 
@@ -546,7 +561,8 @@ class MoE(torch.nn.Module):
             router_input = (tokens.to(F32) * noise).to(tokens.dtype)
         router_dtype = F32 if c.router_dtype == "fp32" else tokens.dtype
         logits = router_logits(router_input, self.router_weight, self.router_bias, router_dtype)
-        routing = route(logits, c, None if self.expert_bias is None else self.expert_bias.detach())
+        routing = route(logits, c, None if self.expert_bias is None else self.expert_bias.detach(),
+                        tuple(x.shape[:-1]))
         plan = make_plan(routing, c)
         rows = dispatch(tokens, plan)
         row_probs = gather_slots(routing.probs, plan)

@@ -1,6 +1,6 @@
-"""bridge.megatron on the three real Megatron-Core 0.19.2 fixtures (tests/fixtures/megatron):
-both formats, every expert layout, TP/EP/PP rank merging, round trips, errors, unsafe pickles,
-and the MXFP8 refit."""
+"""bridge.megatron on the real Megatron-Core 0.19.2 fixtures (tests/fixtures/megatron): both
+formats, every expert layout, TP/EP/PP rank merging, round trips, errors, unsafe pickles, the
+MXFP8 refit, and the comparison tool on the capacity fixtures (token order, pad fillers)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from bridge import compare, megatron
+from bridge.__main__ import main
 from bridge.dlpack import to_jax
 from bridge.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
                            ExpertCountError, MissingRankFilesError, MXFP8LayoutError,
@@ -25,8 +26,13 @@ from bridge.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpoi
 from bridge.safe_load import load_torch_file
 from jaxmoe import mxfp8
 
+sys.path.insert(0, os.path.dirname(__file__))
+from test_bridge_reference import batch_major_pairs  # noqa: E402
+
 ROOT = os.path.join(os.path.dirname(__file__), "fixtures", "megatron")
-FIXTURES = ["mixtral_fp32", "deepseek_bf16", "nemotron_sqrelu_bf16"]
+CAPACITY_FIXTURES = ["capacity_probs_bf16", "capacity_position_bf16",
+                     "capacity_position_padded_bf16", "capacity_sigmoid_groups_fp32"]
+FIXTURES = ["mixtral_fp32", "deepseek_bf16", "nemotron_sqrelu_bf16"] + CAPACITY_FIXTURES
 
 
 def fixture(name: str, *parts: str) -> str:
@@ -84,6 +90,38 @@ def test_matches_megatron_recordings(name):
     assert vs["ok"], {k: v for k, v in vs["stages"].items() if not v["ok"]}
     assert report["routing_exact"]
     assert report["ok"], {k: v for k, v in report["stages"].items() if not v["ok"]}
+
+
+@pytest.mark.parametrize("name", CAPACITY_FIXTURES)
+def test_capacity_fixtures_pass_the_compare_tool(name, tmp_path, capsys):
+    """`python -m bridge compare --io` exits 0 on the capacity fixtures: Megatron dropped pairs,
+    jaxmoe keeps exactly the pairs Megatron kept (Megatron's [S, B] token order), and with
+    pad-to-capacity Megatron's map holds `capacity` tokens per expert, the fillers at
+    probability 0. Under "position", ranking jaxmoe's [B, S] tokens batch-major would keep
+    other tokens (the mismatch this order fixes)."""
+    out = tmp_path / "report.json"
+    status = main(["compare", "--megatron", fixture(name, "torch_dist"), "--layer", "0",
+                   "--io", fixture(name, "io.pt"), "--config", fixture(name, "config.json"),
+                   "--json", str(out)])
+    text = capsys.readouterr().out
+    assert status == 0, text
+    report = json.loads(out.read_text())
+    assert report["routing_exact"] and report["vs_megatron"]["routing_exact"]
+    io_ = load_torch_file(fixture(name, "io.pt"))
+    ckpt = load_fixture(name, "torch_dist")
+    config = ckpt.config
+    routing_map = io_["routing_map"].numpy()
+    num_tokens = routing_map.shape[0]
+    assert report["dropped_pairs"] > 0
+    fillers = report["vs_megatron"]["routing_fillers"]
+    if config.pad_expert_input_to_capacity:
+        assert np.all(routing_map.sum(0) == config.capacity(num_tokens)) and fillers > 0
+    else:
+        kept_pairs = num_tokens * config.top_k - report["dropped_pairs"]
+        assert fillers == 0 and routing_map.sum() == kept_pairs
+    if config.token_drop_policy == "position":
+        assert not np.array_equal(batch_major_pairs(ckpt, io_["x"]),
+                                  compare.megatron_routing_pairs(io_, config)[0])
 
 
 # ------------------------------------------------------------------------------- round trips

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from flax import nnx
 
 import jaxmoe
@@ -215,3 +216,138 @@ def test_grouped_mm_switch_stays_within_the_bf16_bounds():
         bound = compare._bound(compare.BOUNDS, stage, reference.dtype)
         result = compare.compare_stage(stage, compare.host(results[1][stage]), reference, bound)
         assert result.ok, result
+
+
+# ------------------------------------------------------------------------------------ capacity
+# The four capacity configs of tests/fixtures/megatron/make_megatron_fixtures.py (H=64, F=64,
+# 144 tokens as B=2 sequences of S=72), as jaxmoe configs with their parameter dtype.
+_CAPACITY_BF16 = dict(num_experts=8, top_k=2, ffn_hidden_size=64, capacity_factor=1.0,
+                      aux_loss_coeff=1e-2)
+CAPACITY_CONFIGS = {
+    "capacity_probs_bf16": (dict(_CAPACITY_BF16, token_drop_policy="probs"), jnp.bfloat16),
+    "capacity_position_bf16": (dict(_CAPACITY_BF16, token_drop_policy="position"),
+                               jnp.bfloat16),
+    "capacity_position_padded_bf16": (dict(_CAPACITY_BF16, token_drop_policy="position",
+                                           pad_expert_input_to_capacity=True), jnp.bfloat16),
+    "capacity_sigmoid_groups_fp32": (dict(
+        num_experts=16, top_k=4, ffn_hidden_size=64, score_function="sigmoid",
+        enable_expert_bias=True, num_groups=4, group_topk=2, topk_scaling_factor=2.0,
+        load_balancing_type="seq_aux_loss", aux_loss_coeff=1e-3, z_loss_coeff=1e-3,
+        capacity_factor=1.5, token_drop_policy="probs"), jnp.float32),
+}
+CAPACITY_SHAPE = (2, 72)
+
+
+def capacity_checkpoint(name: str, path) -> megatron.MegatronCheckpoint:
+    """A jaxmoe.MoE of capacity config `name` with Megatron's random init (and a random expert
+    bias), written by bridge.megatron.save and loaded back."""
+    fields, dtype = CAPACITY_CONFIGS[name]
+    moe = jaxmoe.MoE(jaxmoe.MoEConfig(**fields), 64, param_dtype=dtype, rngs=nnx.Rngs(0))
+    if moe.router.expert_bias is not None:
+        moe.router.expert_bias[...] = jax.random.normal(jax.random.key(1), (16,)) * 0.05
+    megatron.save(moe, str(path))
+    return megatron.load(str(path))
+
+
+def megatron_style_recording(ckpt: megatron.MegatronCheckpoint, x_sbh: torch.Tensor,
+                             dy_sbh: torch.Tensor) -> dict:
+    """The io.pt that Megatron-Core 0.19.2 would record for this layer, emulated in PyTorch
+    where capacity is concerned: tokens in Megatron's [S, B] order, `apply_router_token_dropping`
+    (per expert the top-`capacity` tokens by dense probability or by routing_map over the token
+    axis, the earlier token first among equals; with pad-to-capacity the capacity mask itself
+    is the map, fillers included at probability 0) and SequentialMLP on each expert's tokens,
+    fillers included. Scores and losses are the reference's (their semantics are not at stake
+    here)."""
+    config, weights = ckpt.config, ckpt.layer(0)
+    seq, batch, hidden = x_sbh.shape
+    num_tokens, num_experts, ffn = seq * batch, config.num_experts, config.ffn_hidden_size
+    x = x_sbh.reshape(num_tokens, hidden).clone().requires_grad_(True)
+    router_weight = weights.router_weight.clone().requires_grad_(True)
+    fc1 = weights.fc1_weight.clone().requires_grad_(True)
+    fc2 = weights.fc2_weight.clone().requires_grad_(True)
+    logits = torch_reference.router_logits(x, router_weight, None,
+                                           torch.float32 if config.router_dtype == "fp32"
+                                           else x.dtype)
+    probs, indices = torch_reference.topk_routing(logits, config, weights.expert_bias)
+    dense_probs = torch.zeros_like(logits).scatter(1, indices, probs)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+    capacity = config.capacity(num_tokens)
+    key = dense_probs if config.token_drop_policy == "probs" else routing_map.float()
+    chosen = torch.sort(key.detach().float(), dim=0, descending=True, stable=True)[1][:capacity]
+    capacity_mask = torch.zeros_like(routing_map).scatter(0, chosen, True)
+    final_map = capacity_mask if config.pad_expert_input_to_capacity else (
+        routing_map & capacity_mask)
+    final_probs = dense_probs * final_map
+    y = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+    for e in range(num_experts):
+        tokens = final_map[:, e].nonzero()[:, 0]
+        h = (x[tokens].float() @ fc1[e].float().T).to(x.dtype).float()
+        a = (F.silu(h[:, :ffn]) * h[:, ffn:] * final_probs[tokens, e, None].float()).to(x.dtype)
+        y = y.index_add(0, tokens, (a.float() @ fc2[e].float().T).to(x.dtype).float())
+    y = y.to(x.dtype)
+    logits_bs = logits.reshape(seq, batch, num_experts).transpose(0, 1).reshape(-1, num_experts)
+    aux = (torch_reference.load_balancing_loss(logits_bs, config, (batch, seq))
+           + torch_reference.z_loss(logits, config.z_loss_coeff))
+    ((y.float() * dy_sbh.reshape(num_tokens, hidden).float()).sum() + aux).backward()
+    grads = {"router.weight": router_weight.grad}
+    for e in range(num_experts):
+        grads[f"experts.local_experts.{e}.linear_fc1.weight"] = fc1.grad[e]
+        grads[f"experts.local_experts.{e}.linear_fc2.weight"] = fc2.grad[e]
+    return dict(x=x_sbh, dy=dy_sbh, y=y.detach().reshape(seq, batch, hidden),
+                dx=x.grad.reshape(seq, batch, hidden), param_grads=grads,
+                router_probs=final_probs.detach(), routing_map=final_map)
+
+
+@pytest.mark.parametrize("name", sorted(CAPACITY_CONFIGS))
+def test_compare_tool_with_capacity(name, tmp_path, capsys):
+    """Checkpoints of the capacity fixture configs written by bridge.megatron.save, 144 seeded
+    random tokens: jaxmoe and the reference keep the same pairs and every stage is in bounds
+    (for the fp32 config this includes grad_fc1_weight, whose row-ULPs are unbounded, see
+    bridge/README.md)."""
+    capacity_checkpoint(name, tmp_path / "ckpt")
+    out = tmp_path / "report.json"
+    status, text = run_cli(["compare", "--megatron", str(tmp_path / "ckpt"), "--layer", "0",
+                            "--shape", *map(str, CAPACITY_SHAPE), "--json", str(out)], capsys)
+    assert status == 0, text
+    report = json.loads(out.read_text())
+    assert report["routing_exact"] and report["dropped_pairs"] > 0
+    assert report["stages"]["kept"]["ok"] and report["stages"]["output"]["shape"] == [2, 72, 64]
+
+
+@pytest.mark.parametrize("name", sorted(CAPACITY_CONFIGS))
+def test_compare_tool_with_a_megatron_style_capacity_recording(name, tmp_path):
+    """vs_megatron on an emulated Megatron recording (`megatron_style_recording`): jaxmoe's kept
+    pairs equal Megatron's routing_map without its pad-to-capacity fillers, and y, dx and the
+    gradients agree although Megatron runs the fillers through the experts. Under "position"
+    ranking jaxmoe's [B, S] tokens batch-major (the old rule) would keep other tokens."""
+    ckpt = capacity_checkpoint(name, tmp_path / "ckpt")
+    config = ckpt.config
+    generator = torch.Generator().manual_seed(3)
+    dtype = ckpt.layer(0).fc1_weight.dtype
+    x, dy = (torch.randn(CAPACITY_SHAPE[::-1] + (64,), generator=generator).to(dtype)
+             for _ in range(2))
+    io = megatron_style_recording(ckpt, x, dy)
+    report = compare.compare_layer(ckpt, 0, io=io)
+    vs = report["vs_megatron"]
+    assert vs["routing_exact"], vs["stages"]["routing_map"]
+    assert vs["ok"] and report["ok"], {k: v for k, v in vs["stages"].items() if not v["ok"]}
+    assert (vs["routing_fillers"] > 0) == config.pad_expert_input_to_capacity
+    assert report["dropped_pairs"] > 0
+    if config.token_drop_policy == "position":
+        assert not np.array_equal(batch_major_pairs(ckpt, x),
+                                  compare.megatron_routing_pairs(io, config)[0])
+
+
+def batch_major_pairs(ckpt: megatron.MegatronCheckpoint, x_sbh: torch.Tensor) -> np.ndarray:
+    """The kept (token, expert) map [S*B, E] (rows in Megatron's order) that jaxmoe's layer 0
+    would give x_sbh.transpose(0, 1) if capacity ranked its [B, S] tokens batch-major (the rule
+    before Megatron's sequence-major order was adopted)."""
+    seq, batch, hidden = x_sbh.shape
+    config = ckpt.config
+    moe = megatron.build_moe(ckpt, 0)
+    logits = moe.router.logits(to_jax(x_sbh.transpose(0, 1).reshape(-1, hidden)))
+    bias = None if moe.router.expert_bias is None else moe.router.expert_bias[...]
+    routing = jax_routing.route(logits, config, bias)
+    kept = compare._kept_map(np.asarray(routing.indices), np.asarray(routing.kept),
+                             config.num_experts)
+    return kept.reshape(batch, seq, -1).transpose(1, 0, 2).reshape(seq * batch, -1)
