@@ -1,10 +1,13 @@
 # Two commands for a new machine:
 #   make run    install jaxmoe into .venv and run the demo (python -m jaxmoe.demo)
 #   make test   install jaxmoe with the test and PyTorch-bridge extras into .venv, run the tests
+# On a machine with an NVIDIA Hopper GPU (H100/H200):
+#   make test-gpu   the GPU test suite (pytest -m gpu, real layer sizes); writes its record to
+#                   benchmarks/results/gpu_suite_<date>.json
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test clean
+.PHONY: run test test-gpu clean
 
 $(PY):
 	@PY=$$(tools/find_python.sh) && echo "using $$PY" && "$$PY" -m venv $(VENV)
@@ -18,11 +21,18 @@ $(VENV)/.installed-test: pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e ".[test,bridge]"
 	@touch $@
 
+$(VENV)/.installed-gpu: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e ".[test,bridge,cuda]"
+	@touch $@
+
 run: $(VENV)/.installed-run
 	$(PY) -m jaxmoe.demo $(ARGS)
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q $(ARGS)
+
+test-gpu: $(VENV)/.installed-gpu
+	$(PY) -m pytest -q -m gpu --results-json benchmarks/results/gpu_suite_$$(date +%F).json $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -25,16 +25,11 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import glob
-import gzip
 import json
-import math
 import os
 import platform
 import statistics
 import sys
-import tempfile
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -43,6 +38,7 @@ import jax.numpy as jnp                                           # noqa: E402
 import numpy as np                                                # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.timing import sync, time_it, time_round_robin, timed_runs  # noqa: E402
 from jaxmoe.ops import gmm, tgmm                                  # noqa: E402
 from jaxmoe.ops.pallas.gmm_hopper import default_config          # noqa: E402
 from jaxmoe.ops.pallas.tgmm_hopper import default_tgmm_config    # noqa: E402
@@ -72,97 +68,6 @@ def group_sizes_for(routing: str, m: int, g: int, seed: int = 0) -> np.ndarray:
     weights = np.zeros(g)
     weights[active] = rng.dirichlet(np.full(active.sum(), 1.0))
     return rng.multinomial(m, weights).astype(np.int32)
-
-
-def time_it(fn, *, iters: int, repeats: int = 5) -> float:
-    """Median seconds per call over `repeats` runs of `iters` back-to-back calls."""
-    return time_round_robin([fn], iters=iters, repeats=repeats)[0]
-
-
-def time_round_robin(fns, *, iters: int, repeats: int = 5,
-                     min_window: float = 0.2) -> list[float]:
-    """Median seconds per call of each fn over the `timed_runs`."""
-    return [statistics.median(times) for times in timed_runs(
-        fns, iters=iters, repeats=repeats, min_window=min_window)]
-
-
-def timed_runs(fns, *, iters: int, repeats: int = 5, min_window: float = 0.2) -> list[list[float]]:
-    """Seconds per call of each fn in each of `repeats` timed runs of back-to-back calls (at
-    least `iters` calls and `min_window` seconds each), the fns taking turns within each repeat.
-    The H200 runs these kernels at its power limit, where the clock depends on the recent load,
-    so each timed run follows as many untimed calls of the same fn (its own steady state, not
-    the previous fn's), and the turns spread slower drifts over all fns alike."""
-    counts = []
-    for fn in fns:
-        _sync(fn())
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn()
-        _sync(out)
-        per_call = (time.perf_counter() - start) / iters
-        counts.append(max(iters, math.ceil(min_window / per_call)))
-    samples = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, calls, times in zip(fns, counts, samples):
-            for _ in range(calls):
-                out = fn()
-            _sync(out)
-            start = time.perf_counter()
-            for _ in range(calls):
-                out = fn()
-            _sync(out)
-            times.append((time.perf_counter() - start) / calls)
-    return samples
-
-
-def device_seconds(fn, *, calls: int = 1, iters: int = 10) -> float:
-    """Device seconds per op call: the summed durations of the work that `iters` back-to-back
-    runs of fn put on the GPU (fn makes `calls` calls of the op), divided by iters * calls.
-    For ops shorter than the host's dispatch of them, which a host clock would time instead.
-    JAX results: the GPU stream records of the JAX profiler; torch: CUDA events around the
-    runs."""
-    out = fn()
-    _sync(out)
-    import torch
-    if isinstance(out, torch.Tensor):
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record()
-        for _ in range(iters):
-            out = fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / (iters * calls)
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            for _ in range(iters):
-                out = fn()
-            jax.block_until_ready(out)
-        [path] = glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"),
-                           recursive=True)
-        with gzip.open(path) as f:
-            events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-
-    def names(kind, key):
-        return {key(e): e["args"]["name"] for e in events
-                if e.get("ph") == "M" and e.get("name") == kind}
-
-    process = names("process_name", lambda e: e["pid"])
-    thread = names("thread_name", lambda e: (e["pid"], e.get("tid")))
-    busy_us = sum(e["dur"] for e in events
-                  if e.get("ph") == "X" and process.get(e["pid"], "").startswith("/device:GPU")
-                  and thread.get((e["pid"], e.get("tid")), "").startswith("Stream"))
-    if not busy_us:
-        raise RuntimeError("device_seconds: the profile holds no GPU stream records")
-    return busy_us / 1e6 / (iters * calls)
-
-
-def _sync(out):
-    import torch
-    if isinstance(out, torch.Tensor):
-        torch.cuda.synchronize()
-    else:
-        jax.block_until_ready(out)
 
 
 def bench_shape(name, routing, iters, torch, record, min_window=0.2):
@@ -229,7 +134,7 @@ def bench_shape(name, routing, iters, torch, record, min_window=0.2):
                 if impl == "lax_ragged_dot":
                     report(op, impl, time_it(fn, iters=2, repeats=2), error)
                 else:
-                    _sync(fn())
+                    sync(fn())
                     timed.append((impl, fn, error))
             except Exception as e:
                 report(op, impl, failure=e)

@@ -33,8 +33,8 @@ import jax.numpy as jnp                                           # noqa: E402
 import numpy as np                                                # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.gmm import (SHAPES, bar_plot, cell, device_seconds,  # noqa: E402
-                            group_sizes_for, time_it)
+from benchmarks.gmm import SHAPES, bar_plot, cell, group_sizes_for  # noqa: E402
+from benchmarks.timing import device_seconds, time_it            # noqa: E402
 from jaxmoe.mxfp8 import BLOCK_SIZE                               # noqa: E402
 from jaxmoe.ops import (dispatch_quantize, gmm, gmm_mxfp8, quantize, tgmm,  # noqa: E402
                         tgmm_mxfp8)

@@ -1,0 +1,311 @@
+"""Per-stage device time of the MoE layer from a JAX profile.
+
+Every kernel of the profile (GPU stream records; XLA:CPU op records on a machine without a GPU)
+is traced back to the HLO instruction that launched it (the record's `hlo_op`, looked up in the
+compiled module's text; else the kernel name, which XLA derives from the instruction name). The
+instruction's op_name metadata carries the layer's named scopes (`jaxmoe.moe`: router, plan,
+dispatch, fc1, activation, fc2, combine, shared_expert, aux_losses): the innermost one is the
+stage ("other": outside the layer, e.g. the benchmark's loss), and `transpose(` marks the
+backward pass (custom VJP rules included). The kind of work:
+  gemm      Pallas Mosaic GPU kernels that write no 8-bit data (the grouped-matmul kernels of
+            jaxmoe/ops/pallas/gmm_hopper.py and tgmm_hopper.py, also behind the router and the
+            shared expert), cuBLAS / Triton GEMM calls, fusions holding a dot;
+  quantize  MXFP8 (de)quantization: Pallas kernels writing fp8 / uint8 data, XLA ops under a
+            jaxmoe quantize / dequantize function (op_name "jit(_quantize_impl)", ...);
+  other     everything else (routing, sorting, gathers, elementwise, copies, the grouped
+            matmuls' work lists).
+Kernels that XLA runs inside a command buffer (a CUDA graph) carry the buffer's name as their
+`hlo_op`, the name of the computation holding the buffer's instructions: an XLA kernel is found
+there by its name, a Pallas kernel (jaxmoe names its kernels: gmm, gmm_mxfp8, tgmm,
+quantize_rowwise, quantize_columnwise, dispatch_quantize) by its place among the buffer's
+Mosaic GPU custom calls (the graph runs them in that order).
+Records that cannot be traced back are "unattributed" and classified by kernel name alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from typing import NamedTuple
+
+from benchmarks.timing import TraceEvent, gpu_stream_events
+
+STAGES = ("router", "plan", "dispatch", "fc1", "activation", "fc2", "combine", "shared_expert",
+          "aux_losses")
+_BYTE_DATA = re.compile(r"\b(f8e\w*|u8)\[")
+_GEMM_KERNEL_NAME = re.compile(r"gemm|gmm|matmul|nvjet|xmma|cutlass|cublas", re.I)
+_MOSAIC_KERNEL = "mosaic_gpu"
+_GEMM_OPCODES = ("dot", "ragged-dot", "convolution")
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_CALLED = re.compile(r"\b(?:calls|to_apply|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+_SCOPE = re.compile(r"^(?:[\w-]+\()*([\w-]+)\)*$")
+
+
+class Instruction(NamedTuple):
+    """What the stage attribution needs of one HLO instruction."""
+
+    name: str
+    result_type: str       # e.g. "bf16[4096,7168]{1,0}" or a tuple of them
+    opcode: str
+    target: str            # custom_call_target ("" for other opcodes)
+    op_name: str
+    called: tuple          # names of the computations it calls (fusion bodies, ...)
+    gemm_config: bool      # its backend config names a GEMM (Triton / cuBLAS fusions)
+
+
+class HloModule(NamedTuple):
+    """A compiled HLO module's instructions by name and its computations' instruction names."""
+
+    name: str
+    instructions: dict
+    computations: dict
+
+
+def parse_hlo(text: str) -> HloModule:
+    """Parse `jax.stages.Compiled.as_text()`: instructions with their result type, opcode,
+    custom-call target, op_name and called computations."""
+    module_name = re.match(r"HloModule\s+([\w.\-]+)", text)
+    instructions, computations, current = {}, {}, None
+    for line in text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            current = computations.setdefault(header.group(1), [])
+            continue
+        match = _INSTRUCTION.match(line)
+        if not match or current is None:
+            continue
+        name, body = match.groups()
+        op_name = _OP_NAME.search(body)
+        target = _TARGET.search(body)
+        called = [n for group in _CALLED.findall(body) for n in re.findall(r"[\w.\-]+", group)]
+        result_type, opcode = _split_type(body)
+        instructions[name] = Instruction(
+            name=name, result_type=result_type, opcode=opcode,
+            target=target.group(1) if target else "",
+            op_name=op_name.group(1) if op_name else "", called=tuple(called),
+            gemm_config=bool(re.search(r"backend_config=.*gemm", body, re.I)))
+        current.append(name)
+    return HloModule(name=module_name.group(1) if module_name else "", instructions=instructions,
+                     computations=computations)
+
+
+def _split_type(body: str) -> tuple[str, str]:
+    """(result type, opcode) of an instruction body `type opcode(operands), attributes`."""
+    if body.startswith("("):                      # a tuple type
+        depth = 0
+        for end, char in enumerate(body):
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth == 0:
+                break
+        result_type, rest = body[:end + 1], body[end + 1:]
+    else:
+        result_type, _, rest = body.partition(" ")
+    match = re.match(r"\s*([\w\-]+)\(", rest)
+    return result_type, match.group(1) if match else ""
+
+
+def scope_stage(op_name: str) -> str:
+    """The innermost layer stage among the named scopes of op_name, else "other"."""
+    stage = "other"
+    for component in op_name.split("/"):
+        match = _SCOPE.match(component)
+        if match and match.group(1) in STAGES:
+            stage = match.group(1)
+    return stage
+
+
+def _fused(module: HloModule, instruction: Instruction, depth: int = 2) -> list:
+    """The instructions of the computations `instruction` calls (two levels deep)."""
+    inner = [module.instructions[n] for c in instruction.called
+             for n in module.computations.get(c, ()) if n in module.instructions]
+    if depth > 1:
+        inner += [i for f in inner for i in _fused(module, f, depth - 1)]
+    return inner
+
+
+def _op_name(module: HloModule, instruction: Instruction) -> str:
+    """The instruction's op_name, or (fusions without one) the most common op_name inside."""
+    if instruction.op_name:
+        return instruction.op_name
+    inner = collections.Counter(i.op_name for i in _fused(module, instruction) if i.op_name)
+    return inner.most_common(1)[0][0] if inner else ""
+
+
+def _kind(module: HloModule, instruction: Instruction) -> str:
+    """"gemm", "quantize" or "other" for the work of one instruction."""
+    if "quantize" in _op_name(module, instruction):
+        return "quantize"
+    if "mosaic" in instruction.target:
+        return "quantize" if _BYTE_DATA.search(instruction.result_type) else "gemm"
+    if (instruction.opcode in _GEMM_OPCODES or instruction.gemm_config
+            or _GEMM_KERNEL_NAME.search(instruction.target)
+            or any(i.opcode in _GEMM_OPCODES for i in _fused(module, instruction))):
+        return "gemm"
+    return "other"
+
+
+class Attribution(NamedTuple):
+    """One profile record traced back to the layer: stage, pass and kind of work."""
+
+    kernel: str
+    hlo_op: str
+    op_name: str
+    stage: str             # a STAGES entry, "other" (outside the layer) or "unattributed"
+    backward: bool
+    kind: str              # "gemm", "quantize" or "other"
+    matched_by: str        # "hlo_op", "kernel_name", "record_op_name" or "none"
+    dur_us: float
+    start_us: float
+
+
+def _kernel_style(name: str) -> str:
+    """An HLO name as XLA writes it into kernel and thunk names ("." and "-" as "_")."""
+    return re.sub(r"[.\-]", "_", name)
+
+
+class CommandBuffers:
+    """The Mosaic GPU custom calls of each command-buffer computation, in order, and a cursor
+    per buffer: the n-th Pallas kernel record of a buffer is its (n mod count)-th call."""
+
+    def __init__(self, module: HloModule):
+        # Records name a buffer as the kernels' names do: "." and "-" written as "_".
+        self.calls = {_kernel_style(name): [i for i in instructions if _MOSAIC_KERNEL in
+                                            module.instructions[i].target]
+                      for name, instructions in module.computations.items()}
+        self.cursor = collections.Counter()
+
+    def next_call(self, computation: str) -> str | None:
+        computation = _kernel_style(computation)
+        calls = self.calls.get(computation)
+        if not calls:
+            return None
+        self.cursor[computation] += 1
+        return calls[(self.cursor[computation] - 1) % len(calls)]
+
+
+def attribute(event: TraceEvent, module: HloModule, by_kernel_name: dict,
+              buffers: CommandBuffers) -> Attribution:
+    """Trace one profile record back to its HLO instruction, stage, pass and kind (records in
+    start order: `buffers` counts the Pallas kernels of each command buffer)."""
+    args = event.args
+    hlo_ops = [n.strip() for n in re.split(r"[,;]", str(args.get("hlo_op", ""))) if n.strip()]
+    instruction, matched_by = None, "none"
+    for name in reversed(hlo_ops):
+        if name in module.instructions:
+            instruction, matched_by = module.instructions[name], "hlo_op"
+            break
+    if instruction is None and event.name in by_kernel_name:
+        instruction, matched_by = by_kernel_name[event.name], "kernel_name"
+    if instruction is None and _MOSAIC_KERNEL in event.name:
+        call = next((c for c in map(buffers.next_call, reversed(hlo_ops)) if c), None)
+        if call is not None:
+            instruction, matched_by = module.instructions[call], "command_buffer_order"
+    if instruction is not None:
+        op_name = _op_name(module, instruction)
+        kind = _kind(module, instruction)
+    else:
+        op_name = _record_op_name(args)
+        matched_by = "record_op_name" if op_name else "none"
+        kind = ("quantize" if "quantize" in event.name or "quantize" in op_name
+                else "gemm" if _GEMM_KERNEL_NAME.search(event.name) else "other")
+    stage = scope_stage(op_name) if op_name else "unattributed"
+    return Attribution(kernel=event.name, hlo_op=instruction.name if instruction else
+                       ",".join(hlo_ops), op_name=op_name, stage=stage,
+                       backward="transpose(" in op_name, kind=kind, matched_by=matched_by,
+                       dur_us=event.dur_us, start_us=event.start_us)
+
+
+def _record_op_name(args: dict) -> str:
+    """An op_name carried by the record itself (detailed XLA GPU annotations: op_name, or the
+    module prefix + the instruction's short name), else ""."""
+    if args.get("op_name"):
+        return str(args["op_name"])
+    if args.get("name"):
+        return "/".join(filter(None, (str(args.get("prefix", "")), str(args["name"]))))
+    long_name = str(args.get("long_name", args.get("tf_op", "")))
+    return long_name if "/" in long_name else ""
+
+
+def module_events(events: list[TraceEvent], module: HloModule) -> list[TraceEvent]:
+    """The records of one compiled module's runs: GPU stream records when the profile has any
+    (else the XLA:CPU op records, innermost only: their thunks nest), without the records of
+    other modules when some records name this one."""
+    device = gpu_stream_events(events)
+    if not device:
+        device = _innermost([e for e in events if "hlo_op" in e.args])
+    mine = [e for e in device if e.args.get("hlo_module", module.name) == module.name]
+    return mine or device
+
+
+def _innermost(events: list[TraceEvent]) -> list[TraceEvent]:
+    """The events of each thread that contain no other event of that thread."""
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        by_thread[(e.process, e.thread)].append(e)
+    result = []
+    for thread_events in by_thread.values():
+        thread_events.sort(key=lambda e: (e.start_us, -e.dur_us))
+        for e, following in zip(thread_events, thread_events[1:] + [None]):
+            if following is None or following.start_us >= e.start_us + e.dur_us:
+                result.append(e)
+    return result
+
+
+def describe_profile(events: list[TraceEvent], samples: int = 12) -> dict:
+    """What the profile's records look like, for fixing the attribution offline: records per
+    process / thread, the argument names of the GPU stream records (else of the XLA:CPU op
+    records), and the full arguments of the first record of `samples` distinct kernels (long
+    values cut)."""
+    device = gpu_stream_events(events) or [e for e in events if "hlo_op" in e.args]
+    threads = collections.Counter(f"{e.process} | {e.thread}" for e in events)
+    first_of_kernel = {}
+    for e in device:
+        first_of_kernel.setdefault(e.name, e)
+    return dict(
+        records_per_thread=dict(threads.most_common(30)),
+        record_arg_names=sorted({key for e in device for key in e.args}),
+        sample_records=[dict(name=e.name, dur_us=e.dur_us, thread=e.thread,
+                             args={k: str(v)[:300] for k, v in e.args.items()})
+                        for e in list(first_of_kernel.values())[:samples]])
+
+
+def stage_breakdown(events: list[TraceEvent], hlo_text: str, steps: int
+                    ) -> tuple[dict, list[Attribution]]:
+    """Device milliseconds per step by stage (forward / backward, GEMM / quantize / other) from
+    the profile records of `steps` runs of the compiled module `hlo_text`, and the attributed
+    records of the last step (for inspection)."""
+    module = parse_hlo(hlo_text)
+    by_kernel_name = {_kernel_style(name): instruction
+                      for name, instruction in module.instructions.items()}
+    buffers = CommandBuffers(module)
+    rows = [attribute(e, module, by_kernel_name, buffers)
+            for e in sorted(module_events(events, module), key=lambda e: e.start_us)]
+    per_step = 1e-3 / steps
+    total = sum(r.dur_us for r in rows) * per_step
+    stages = {}
+    for stage in STAGES + ("other", "unattributed"):
+        mine = [r for r in rows if r.stage == stage]
+        if not mine:
+            continue
+        ms = sum(r.dur_us for r in mine) * per_step
+        stages[stage] = dict(
+            ms=ms, share=ms / total if total else None,
+            fwd_ms=sum(r.dur_us for r in mine if not r.backward) * per_step,
+            bwd_ms=sum(r.dur_us for r in mine if r.backward) * per_step,
+            **{f"{kind}_ms": sum(r.dur_us for r in mine if r.kind == kind) * per_step
+               for kind in ("gemm", "quantize", "other")})
+    kinds = {kind: sum(r.dur_us for r in rows if r.kind == kind) * per_step
+             for kind in ("gemm", "quantize", "other")}
+    summary = dict(
+        steps=steps, kernels_per_step=len(rows) / steps, device_ms=total,
+        fwd_ms=sum(r.dur_us for r in rows if not r.backward) * per_step,
+        bwd_ms=sum(r.dur_us for r in rows if r.backward) * per_step,
+        gemm_ms=kinds["gemm"], quantize_ms=kinds["quantize"], other_ms=kinds["other"],
+        non_gemm_ms=total - kinds["gemm"],
+        non_gemm_share=(total - kinds["gemm"]) / total if total else None,
+        matched_by=dict(collections.Counter(r.matched_by for r in rows)), stages=stages)
+    return summary, rows[-(len(rows) // steps or len(rows)):] if rows else []

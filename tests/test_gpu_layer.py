@@ -1,0 +1,286 @@
+"""The layer as a user runs it on the GPU, at real sizes (`make test-gpu`, on an H100/H200).
+
+For every layer size of `jaxmoe.shapes` in bf16 and MXFP8, with the default `gmm_impl="auto"`
+(every matmul and quantize on the Pallas kernels):
+  D1  run to run: the training step (loss, y, d x, every parameter gradient) gives the same bits
+      twice, and in a separately compiled executable; no library GEMM (cuBLAS, cuDNN, Triton)
+      is left in the compiled step, so no autotuner choice can change bits between processes.
+  D2  batch invariance: a token's output bits are the same alone (most experts then empty), in
+      the first half of the batch, in the reversed batch, and next to padding tokens.
+  D3  the training forward (inside the gradient) equals the inference forward bitwise.
+  NaN isolation, the kernels against `gmm_impl="xla"` within stated bounds, and one training
+  step that lowers the loss.
+Negative controls: a one-element change of the input changes the step's bits; XLA's dot (what
+the router ran on before, cuBLAS on the GPU) gives a token other router logits alone than in the
+batch, and other logits than the kernel.
+
+`--layer-shapes tiny` runs the suite on CPU with the kernels in the Mosaic GPU interpreter (to
+check the suite itself; it is slow there). `--results-json` writes the record (conftest.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from bitwise import assert_bitwise, differs
+from jaxmoe import MoE, MoEConfig
+from jaxmoe.ops import on_hopper
+from jaxmoe.routing import router_logits
+from jaxmoe.shapes import SHAPES, LayerShape
+
+pytestmark = pytest.mark.gpu
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+TINY = LayerShape("tiny", MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=64,
+                                    aux_loss_coeff=1e-2, shared_expert_intermediate_size=64,
+                                    shared_expert_gate=True), 256, batch=2, seq_len=32)
+XLA_COMPARISON_TOKENS = 256      # sequence length of the kernels-vs-XLA comparison (batch 1)
+# Library GEMMs in compiled HLO: cuBLAS / cuDNN custom calls, XLA's Triton GEMM fusions. (A
+# plain "__triton" fusion is XLA's Triton code for reductions and elementwise work.)
+LIBRARY_GEMM = re.compile(r"__cublas|__cudnn|__triton_gemm|__triton_nested_gemm|__triton_scaled")
+
+
+def pytest_generate_tests(metafunc):
+    if "case" in metafunc.fixturenames:
+        shapes = metafunc.config.getoption("--layer-shapes").split(",")
+        precisions = metafunc.config.getoption("--layer-precisions").split(",")
+        cases = [(s, p) for s in shapes for p in precisions]
+        metafunc.parametrize("case", cases, ids=[f"{s}-{p}" for s, p in cases], scope="module")
+
+
+@pytest.fixture(scope="module")
+def kernels_here():
+    """On a CPU (the `tiny` check of the suite), the kernels run in the interpreter."""
+    if on_hopper():
+        yield "auto"
+        return
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=False)):
+        yield "pallas"
+
+
+class Layer:
+    """One layer size and precision: the model, its input and upstream gradient, and compiled
+    programs (the training step, and forwards per input shape)."""
+
+    def __init__(self, shape: LayerShape, precision: str, impl: str, seed: int = 0):
+        self.shape, self.precision, self.impl = shape, precision, impl
+        self.config = shape.with_precision(precision).config
+        self.model = self.build(impl, seed)
+        self.graphdef, self.params, self.rest = nnx.split(self.model, nnx.Param, ...)
+        kx, kdy = jax.random.split(jax.random.key(seed + 1))
+        dims = (shape.batch, shape.seq_len, shape.hidden_size)
+        self.x = jax.random.normal(kx, dims, F32).astype(BF16)
+        self.dy = jax.random.normal(kdy, dims, F32)
+        start = time.perf_counter()
+        self.train = self.compile_train(self.params, self.x, self.dy)
+        self.train_compile_seconds = time.perf_counter() - start
+        self._forwards = {}
+
+    def build(self, impl: str, seed: int) -> MoE:
+        model = MoE(self.config, self.shape.hidden_size, param_dtype=BF16, gmm_impl=impl,
+                    rngs=nnx.Rngs(seed))
+        if model.router.expert_bias is not None:          # a bias that changes the routing
+            bias = jax.random.normal(jax.random.key(seed + 7), (self.config.num_experts,), F32)
+            model.router.expert_bias[...] = 0.05 * bias
+        return model
+
+    def train_step_fn(self, graphdef, rest):
+        """(params, x, dy) -> ((loss, (y, router logits)), (d params, d x)) of
+        sum(y * dy) + aux losses."""
+        def loss(params, x, dy):
+            y, aux, stages = nnx.merge(graphdef, params, rest).forward_with_stages(x)
+            return (jnp.sum(y.astype(F32) * dy) + aux.total_loss,
+                    (y, stages["router_logits"]))
+
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+
+    def compile_train(self, params, x, dy, graphdef=None, rest=None):
+        fn = self.train_step_fn(graphdef or self.graphdef, self.rest if rest is None else rest)
+        return jax.jit(fn).lower(params, x, dy).compile()
+
+    def forward(self, x, padding_mask=None):
+        """(y, router logits [T, E], tokens per expert) of the inference forward."""
+        if padding_mask is None:
+            padding_mask = jnp.zeros(x.shape[:-1], bool)
+        if x.shape not in self._forwards:
+            def fn(params, x, padding_mask):
+                model = nnx.merge(self.graphdef, params, self.rest)
+                y, aux, stages = model.forward_with_stages(x, padding_mask=padding_mask)
+                return y, stages["router_logits"], aux.tokens_per_expert
+            self._forwards[x.shape] = jax.jit(fn)
+        return self._forwards[x.shape](self.params, x, padding_mask)
+
+    def router_accumulators(self, x, impl):
+        """The router's fp32 logits (before any rounding to the router dtype) on `impl`: "xla"
+        (XLA's dot, cuBLAS on the GPU: the negative controls) or the layer's own."""
+        router = self.model.router
+        bias = None if router.bias is None else router.bias[...]
+        tokens = x.reshape(-1, self.shape.hidden_size)
+        return jax.jit(functools.partial(router_logits, router_dtype=F32, impl=impl))(
+            tokens, router.kernel[...], bias)
+
+
+@pytest.fixture(scope="module")
+def layer(case, kernels_here):
+    name, precision = case
+    shape = TINY if name == "tiny" else SHAPES[name]
+    built = Layer(shape, precision, kernels_here)
+    yield built
+    del built
+    jax.clear_caches()
+
+
+def leaves(tree):
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(tree)]
+
+
+def assert_trees_bitwise(a, b):
+    for u, v in zip(leaves(a), leaves(b), strict=True):
+        assert_bitwise(u, v)
+
+
+def timed(fn, *args):
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------- D1
+def test_d1_training_step_run_to_run(layer, record_property):
+    first, seconds = timed(layer.train, layer.params, layer.x, layer.dy)
+    second = layer.train(layer.params, layer.x, layer.dy)
+    assert_trees_bitwise(first, second)
+    record_property("train_compile_seconds", round(layer.train_compile_seconds, 2))
+    record_property("train_step_seconds", round(seconds, 4))
+    # Negative control: one input element one bf16 ulp up changes the step's bits.
+    nudged = layer.x.at[0, 0, 0].set(jnp.nextafter(layer.x[0, 0, 0], jnp.inf).astype(BF16))
+    changed = layer.train(layer.params, nudged, layer.dy)
+    assert any(differs(u, v) for u, v in zip(leaves(changed), leaves(first)))
+
+
+def test_d1_separately_compiled_step_gives_the_same_bits(layer, record_property):
+    start = time.perf_counter()
+    again = layer.compile_train(layer.params, layer.x, layer.dy)
+    record_property("second_compile_seconds", round(time.perf_counter() - start, 2))
+    assert_trees_bitwise(again(layer.params, layer.x, layer.dy),
+                         layer.train(layer.params, layer.x, layer.dy))
+
+
+def test_d1_no_library_gemm_in_the_training_step(layer):
+    """Every matmul of the step is one of jaxmoe's kernels (fixed reduction order): no cuBLAS,
+    cuDNN or Triton GEMM, whose algorithm an autotuner picks per compilation."""
+    assert not LIBRARY_GEMM.findall(layer.train.as_text())
+    if on_hopper():       # control: XLA's dot of the tokens with an expert matrix is one
+        tokens = layer.x.reshape(-1, layer.shape.hidden_size)
+        weight = layer.model.experts.fc1_kernel[0]
+        control = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=F32)).lower(
+            tokens, weight).compile().as_text()
+        assert LIBRARY_GEMM.findall(control)
+
+
+# ---------------------------------------------------------------------------------------- D2
+def test_d2_batch_invariance(layer, record_property):
+    shape = layer.shape
+    y, logits, _ = layer.forward(layer.x)
+    y, logits = np.asarray(y), np.asarray(logits).reshape(shape.batch, shape.seq_len, -1)
+    for b, s in ((0, 0), (shape.batch - 1, shape.seq_len - 1)):
+        y_one, logits_one, counts = layer.forward(layer.x[b:b + 1, s:s + 1])
+        assert_bitwise(np.asarray(logits_one)[0], logits[b, s])
+        assert_bitwise(np.asarray(y_one)[0, 0], y[b, s])
+        empty = int(np.sum(np.asarray(counts) == 0))
+        assert empty >= layer.config.num_experts - layer.config.top_k
+    record_property("empty_experts_token_alone", empty)
+    half = shape.seq_len // 2
+    assert_bitwise(np.asarray(layer.forward(layer.x[:, :half])[0]), y[:, :half])
+    assert_bitwise(np.asarray(layer.forward(layer.x[::-1, ::-1])[0]), y[::-1, ::-1])
+    # The last sequence replaced by padding tokens (other values, masked): the rest unchanged.
+    garbage = jax.random.normal(jax.random.key(11), layer.x.shape[1:], F32).astype(BF16) * 3
+    padded_x = layer.x.at[-1].set(garbage)
+    mask = jnp.zeros(layer.x.shape[:-1], bool).at[-1].set(True)
+    assert_bitwise(np.asarray(layer.forward(padded_x, mask)[0])[:-1], y[:-1])
+
+
+def test_d2_router_accumulators_and_negative_control(layer):
+    """The router's fp32 accumulators (finer than the rounded logits) of the first token are
+    the same bits alone as in the batch on the layer's matmul. Control: on XLA's dot (cuBLAS on
+    the GPU) they are not: what the checks above catch when a token-row matmul is not
+    invariant."""
+    one = layer.x[:1, :1]
+    assert_bitwise(np.asarray(layer.router_accumulators(one, layer.impl)),
+                   np.asarray(layer.router_accumulators(layer.x, layer.impl))[:1])
+    assert differs(np.asarray(layer.router_accumulators(one, "xla")),
+                   np.asarray(layer.router_accumulators(layer.x, "xla"))[:1])
+
+
+# ---------------------------------------------------------------------------------------- D3
+def test_d3_training_forward_equals_inference_forward(layer):
+    (_, (y_train, logits_train)), _ = layer.train(layer.params, layer.x, layer.dy)
+    y_inference, logits_inference, _ = layer.forward(layer.x)
+    assert_bitwise(np.asarray(y_train), np.asarray(y_inference))
+    assert_bitwise(np.asarray(logits_train), np.asarray(logits_inference))
+    # Control: the same check catches another reduction order of the router's accumulators.
+    assert differs(np.asarray(layer.router_accumulators(layer.x, "xla")),
+                   np.asarray(layer.router_accumulators(layer.x, layer.impl)))
+
+
+# ------------------------------------------------------------------------- NaN, XLA, training
+def test_nan_token_stays_in_its_row(layer):
+    y, _, _ = layer.forward(layer.x)
+    poisoned, _, _ = layer.forward(layer.x.at[0, 3, 7].set(jnp.nan))
+    poisoned, y = np.asarray(poisoned, np.float32), np.asarray(y, np.float32)
+    assert not np.all(np.isfinite(poisoned[0, 3]))
+    others = np.ones(poisoned.shape[:2], bool)
+    others[0, 3] = False
+    assert_bitwise(poisoned[others], y[others])
+
+
+def test_kernels_match_xla_within_bounds(layer, record_property):
+    """The same layer (same weights) on the kernels and on `gmm_impl="xla"`, a batch of 256
+    tokens. Bound (normwise, every output and gradient): ||kernel - xla|| <= 2^-5 ||xla||. Both
+    accumulate in fp32 and round at the same points, so they differ by accumulation order:
+    where an fp32 sum lands on the other side of a bf16 rounding boundary an element moves by
+    one ulp (2^-8 relative), at most once per rounding point on its path (router, fc1,
+    activation, fc2, combine: 5 x 2^-8 < 2^-5); with MXFP8 such a last-bit difference can move
+    a quantized value one e4m3 step (2^-3 relative), seen in ~1% of elements
+    (sqrt(1%) x 2^-3 < 2^-5). A near-tie routing decision that flips moves that one token."""
+    x = layer.x[:1, :XLA_COMPARISON_TOKENS]
+    dy = layer.dy[:1, :XLA_COMPARISON_TOKENS]
+    xla_graphdef, xla_params, xla_rest = nnx.split(layer.build("xla", seed=0), nnx.Param, ...)
+    assert_trees_bitwise(xla_params, layer.params)
+    kernel_out = layer.compile_train(layer.params, x, dy)(layer.params, x, dy)
+    xla_out = layer.compile_train(xla_params, x, dy, xla_graphdef, xla_rest)(xla_params, x, dy)
+    worst = 0.0
+    for a, b in zip(leaves(kernel_out), leaves(xla_out), strict=True):
+        a, b = a.astype(np.float64), b.astype(np.float64)
+        error = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+        worst = max(worst, error)
+        assert error <= 2.0 ** -5
+    record_property("worst_normwise_error", worst)
+
+
+def test_training_step_lowers_the_loss(layer, record_property):
+    """One gradient step (each parameter moved by 1% of its RMS along its gradient) lowers
+    <y, dy> + aux loss; every gradient is finite and not all zero."""
+    (loss, _), (grads, d_x) = layer.train(layer.params, layer.x, layer.dy)
+    for g in leaves(grads) + [np.asarray(d_x)]:
+        g = g.astype(np.float32)
+        assert np.all(np.isfinite(g)) and np.any(g)
+
+    def step(p, g):
+        p32, g32 = p.astype(F32), g.astype(F32)
+        rate = 0.01 * jnp.sqrt(jnp.mean(p32 ** 2) / jnp.maximum(jnp.mean(g32 ** 2), 1e-30))
+        return (p32 - rate * g32).astype(p.dtype)
+
+    stepped = jax.tree.map(step, layer.params, grads)
+    (new_loss, _), _ = layer.train(stepped, layer.x, layer.dy)
+    record_property("loss_before_after", [float(loss), float(new_loss)])
+    assert float(new_loss) < float(loss)
