@@ -253,7 +253,8 @@ class ShapeBench:
         """Build, check, time and profile every implementation in every mode."""
         programs = self._jax_programs()
         compiled: dict = {}
-        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        with concurrent.futures.ThreadPoolExecutor(
+                max_workers=max(1, min(len(programs), os.cpu_count() or 1))) as pool:
             futures = {}
             for key, (fn, fn_args) in programs.items():
                 lowered, seconds = _timed(lambda: jax.jit(fn).lower(*fn_args))

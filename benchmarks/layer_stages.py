@@ -7,18 +7,20 @@ instruction's op_name metadata carries the layer's named scopes (`jaxmoe.moe`: r
 dispatch, fc1, activation, fc2, combine, shared_expert, aux_losses): the innermost one is the
 stage ("other": outside the layer, e.g. the benchmark's loss), and `transpose(` marks the
 backward pass (custom VJP rules included). The kind of work:
-  gemm      Pallas Mosaic GPU kernels that write no 8-bit data (the grouped-matmul kernels of
-            jaxmoe/ops/pallas/gmm_hopper.py and tgmm_hopper.py, also behind the router and the
-            shared expert), cuBLAS / Triton GEMM calls, fusions holding a dot;
-  quantize  MXFP8 (de)quantization: Pallas kernels writing fp8 / uint8 data, XLA ops under a
-            jaxmoe quantize / dequantize function (op_name "jit(_quantize_impl)", ...);
-  other     everything else (routing, sorting, gathers, elementwise, copies, the grouped
-            matmuls' work lists).
+  gemm      the grouped-matmul Pallas kernels (gmm, tgmm, gmm_mxfp8: jaxmoe/ops/pallas/
+            gmm_hopper.py and tgmm_hopper.py, also behind the router and the shared expert),
+            unnamed Pallas kernels that write no 8-bit data, cuBLAS / Triton GEMM calls,
+            fusions holding a dot;
+  quantize  MXFP8 (de)quantization: the quantize kernels, Pallas kernels writing fp8 / uint8
+            data, XLA ops under a jaxmoe quantize / dequantize function (op_name
+            "jit(_quantize_impl)", ...);
+  other     everything else (routing, sorting, the dispatch and combine kernels, gathers,
+            elementwise, copies, the grouped matmuls' work lists).
 Kernels that XLA runs inside a command buffer (a CUDA graph) carry the buffer's name as their
-`hlo_op`, the name of the computation holding the buffer's instructions: an XLA kernel is found
-there by its name, a Pallas kernel (jaxmoe names its kernels: gmm, gmm_mxfp8, tgmm,
-quantize_rowwise, quantize_columnwise, dispatch_quantize) by its place among the buffer's
-Mosaic GPU custom calls (the graph runs them in that order).
+`hlo_op` (a computation that the compiled module's text may not show): an XLA kernel is found
+by its name, a Pallas kernel (jaxmoe names its kernels: gmm, gmm_mxfp8, tgmm, dispatch,
+combine, quantize_rowwise, quantize_columnwise, dispatch_quantize) by its place in the
+scheduled order of the module's Mosaic GPU custom calls (`MosaicSchedule`).
 Records that cannot be traced back are "unattributed" and classified by kernel name alone.
 """
 
@@ -36,6 +38,10 @@ _BYTE_DATA = re.compile(r"\b(f8e\w*|u8)\[")
 _GEMM_KERNEL_NAME = re.compile(r"gemm|gmm|matmul|nvjet|xmma|cutlass|cublas", re.I)
 _MOSAIC_KERNEL = "mosaic_gpu"
 _GEMM_OPCODES = ("dot", "ragged-dot", "convolution")
+# jaxmoe's Pallas kernels by name (a record is "<name>_mosaic_gpu_kernel") and their work.
+PALLAS_KERNEL_KINDS = {"gmm": "gemm", "tgmm": "gemm", "gmm_mxfp8": "gemm",
+                       "quantize_rowwise": "quantize", "quantize_columnwise": "quantize",
+                       "dispatch_quantize": "quantize", "dispatch": "other", "combine": "other"}
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -63,17 +69,19 @@ class HloModule(NamedTuple):
     name: str
     instructions: dict
     computations: dict
+    entry: str = ""
 
 
 def parse_hlo(text: str) -> HloModule:
     """Parse `jax.stages.Compiled.as_text()`: instructions with their result type, opcode,
     custom-call target, op_name and called computations."""
     module_name = re.match(r"HloModule\s+([\w.\-]+)", text)
-    instructions, computations, current = {}, {}, None
+    instructions, computations, current, entry = {}, {}, None, ""
     for line in text.splitlines():
         header = _COMPUTATION.match(line)
         if header:
             current = computations.setdefault(header.group(1), [])
+            entry = header.group(1) if line.startswith("ENTRY") else entry
             continue
         match = _INSTRUCTION.match(line)
         if not match or current is None:
@@ -90,7 +98,7 @@ def parse_hlo(text: str) -> HloModule:
             gemm_config=bool(re.search(r"backend_config=.*gemm", body, re.I)))
         current.append(name)
     return HloModule(name=module_name.group(1) if module_name else "", instructions=instructions,
-                     computations=computations)
+                     computations=computations, entry=entry)
 
 
 def _split_type(body: str) -> tuple[str, str]:
@@ -167,30 +175,46 @@ def _kernel_style(name: str) -> str:
     return re.sub(r"[.\-]", "_", name)
 
 
-class CommandBuffers:
-    """The Mosaic GPU custom calls of each command-buffer computation, in order, and a cursor
-    per buffer: the n-th Pallas kernel record of a buffer is its (n mod count)-th call."""
+class MosaicSchedule:
+    """The module's Mosaic GPU custom calls in execution order (the compiled module is
+    scheduled: the entry computation in program order, `call`s to command-buffer computations
+    expanded) and a cursor over them, for the Pallas kernel records that name no instruction
+    (XLA runs them inside command buffers, CUDA graphs whose records carry the buffer's name,
+    or a computation missing from the module's text): such a record is the call after the
+    last Pallas kernel seen, step after step."""
 
     def __init__(self, module: HloModule):
-        # Records name a buffer as the kernels' names do: "." and "-" written as "_".
-        self.calls = {_kernel_style(name): [i for i in instructions if _MOSAIC_KERNEL in
-                                            module.instructions[i].target]
-                      for name, instructions in module.computations.items()}
-        self.cursor = collections.Counter()
+        self.calls: list[str] = []
+        self._walk(module, module.entry, depth=0)
+        self.position = {name: i for i, name in enumerate(self.calls)}
+        self.cursor = 0
 
-    def next_call(self, computation: str) -> str | None:
-        computation = _kernel_style(computation)
-        calls = self.calls.get(computation)
-        if not calls:
+    def _walk(self, module, computation, depth):
+        for name in module.computations.get(computation, ()):
+            instruction = module.instructions[name]
+            if _MOSAIC_KERNEL in instruction.target:
+                self.calls.append(name)
+            elif instruction.opcode == "call" and depth < 4:
+                for called in instruction.called:
+                    self._walk(module, called, depth + 1)
+
+    def seen(self, name: str) -> None:
+        """A Pallas kernel record matched to the call `name` by its own hlo_op."""
+        if name in self.position:
+            self.cursor = self.position[name] + 1
+
+    def next_call(self) -> str | None:
+        if not self.calls:
             return None
-        self.cursor[computation] += 1
-        return calls[(self.cursor[computation] - 1) % len(calls)]
+        call = self.calls[self.cursor % len(self.calls)]
+        self.cursor = self.cursor % len(self.calls) + 1
+        return call
 
 
 def attribute(event: TraceEvent, module: HloModule, by_kernel_name: dict,
-              buffers: CommandBuffers) -> Attribution:
+              schedule: MosaicSchedule) -> Attribution:
     """Trace one profile record back to its HLO instruction, stage, pass and kind (records in
-    start order: `buffers` counts the Pallas kernels of each command buffer)."""
+    start order: `schedule` places the Pallas kernels that name no instruction)."""
     args = event.args
     hlo_ops = [n.strip() for n in re.split(r"[,;]", str(args.get("hlo_op", ""))) if n.strip()]
     instruction, matched_by = None, "none"
@@ -200,13 +224,17 @@ def attribute(event: TraceEvent, module: HloModule, by_kernel_name: dict,
             break
     if instruction is None and event.name in by_kernel_name:
         instruction, matched_by = by_kernel_name[event.name], "kernel_name"
-    if instruction is None and _MOSAIC_KERNEL in event.name:
-        call = next((c for c in map(buffers.next_call, reversed(hlo_ops)) if c), None)
-        if call is not None:
-            instruction, matched_by = module.instructions[call], "command_buffer_order"
+    if _MOSAIC_KERNEL in event.name:
+        if instruction is not None:
+            schedule.seen(instruction.name)
+        else:
+            call = schedule.next_call()
+            if call is not None:
+                instruction, matched_by = module.instructions[call], "schedule_order"
     if instruction is not None:
         op_name = _op_name(module, instruction)
-        kind = _kind(module, instruction)
+        kind = PALLAS_KERNEL_KINDS.get(event.name.removesuffix(f"_{_MOSAIC_KERNEL}_kernel"),
+                                       _kind(module, instruction))
     else:
         op_name = _record_op_name(args)
         matched_by = "record_op_name" if op_name else "none"
@@ -281,8 +309,8 @@ def stage_breakdown(events: list[TraceEvent], hlo_text: str, steps: int
     module = parse_hlo(hlo_text)
     by_kernel_name = {_kernel_style(name): instruction
                       for name, instruction in module.instructions.items()}
-    buffers = CommandBuffers(module)
-    rows = [attribute(e, module, by_kernel_name, buffers)
+    schedule = MosaicSchedule(module)
+    rows = [attribute(e, module, by_kernel_name, schedule)
             for e in sorted(module_events(events, module), key=lambda e: e.start_us)]
     per_step = 1e-3 / steps
     total = sum(r.dur_us for r in rows) * per_step

@@ -289,8 +289,7 @@ def _sum_rows(rows: torch.Tensor, plan: Plan, out_dtype: torch.dtype) -> torch.T
     ordered_rows = plan.slot_row.gather(1, plan.combine_slot)
     total = padded[ordered_rows[:, 0]].to(F32)
     for j in range(1, plan.top_k):
-        row = ordered_rows[:, j]
-        total = torch.where((row < plan.num_rows)[:, None], total + padded[row].to(F32), total)
+        total = total + padded[ordered_rows[:, j]].to(F32)      # a dropped slot adds +0.0
     return total.to(out_dtype)
 
 
@@ -333,8 +332,8 @@ def dispatch(x: torch.Tensor, plan: Plan) -> torch.Tensor:
 
 
 def combine(rows: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """Expert buffer [M, H] -> [T, H]: fp32 sum in ascending expert order, one rounding;
-    backward = dispatch."""
+    """Expert buffer [M, H] -> [T, H]: fp32 sum in ascending expert order from the first row
+    (a dropped slot adds +0.0), one rounding; backward = dispatch."""
     return _Combine.apply(rows, plan)
 
 

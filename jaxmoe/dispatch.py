@@ -4,10 +4,11 @@ Both are gathers and each is the other's transpose, so neither the forward nor t
 has a scatter-add:
   * dispatch(x)[r] = x[token(r)] (zero for padding rows); its VJP is combine.
   * combine(rows)[t] = sum of the token's kept rows in ascending expert order, accumulated in
-    fp32 and rounded once; its VJP is dispatch.
+    fp32 from the first row and rounded once (a dropped slot adds +0.0); its VJP is dispatch.
   * gather_slots(p)[r] = p[slot(r)] moves per-slot values (the routing probabilities) into the
     buffer; each slot owns at most one row, so its VJP is the gather back along `slot_row`.
 A token's combined value depends only on its own rows, in a fixed order: batch invariant.
+The bf16 / fp32 row moves run on `jaxmoe.ops.permute` (`impl`: Hopper kernels or XLA, same bits).
 
 `dispatch` also moves rowwise MXFP8 tensors (fp8 data and E8M0 scale rows gathered by the same
 index), so that tokens can be quantized once, before the dispatch. An MXTensor carries no
@@ -17,94 +18,94 @@ gradient: the layer sends the gradient of the quantized tokens back through the 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from jaxmoe.mxfp8 import MXTensor
+from jaxmoe.ops.permute import combine_rows, dispatch_rows
 from jaxmoe.plan import Plan
 
-F32 = jnp.float32
+
+def _token_rows(plan: Plan) -> jax.Array:
+    """[T, k] each token's buffer rows in ascending expert order (M for dropped slots, last)."""
+    return jnp.take_along_axis(plan.slot_row, plan.combine_slot, axis=1)
 
 
-def _with_zero_row(a: jax.Array) -> jax.Array:
-    """a with one zero entry appended along axis 0 (the target of padding indices)."""
-    return jnp.concatenate([a, jnp.zeros((1,) + a.shape[1:], a.dtype)], axis=0)
+def _dispatch(x, plan, impl):
+    return dispatch_rows(x, plan.row_token(), impl=impl)
 
 
-def _dispatch(x, plan):
-    return jnp.take(_with_zero_row(x), plan.row_token(), axis=0)
+def _combine(rows, plan, out_dtype, impl):
+    return combine_rows(rows, _token_rows(plan), out_dtype, impl=impl)
 
 
-def _combine(rows, plan, out_dtype):
-    padded = _with_zero_row(rows)
-    ordered_rows = jnp.take_along_axis(plan.slot_row, plan.combine_slot, axis=1)   # [T, k]
-    total = None
-    for j in range(plan.top_k):
-        row = ordered_rows[:, j]
-        term = jnp.take(padded, row, axis=0).astype(F32)
-        if total is None:
-            total = term
-        else:
-            total = jnp.where((row < plan.num_rows)[:, None], total + term, total)
-    return total.astype(out_dtype)
-
-
-def dispatch(x: jax.Array | MXTensor, plan: Plan) -> jax.Array | MXTensor:
+def dispatch(x: jax.Array | MXTensor, plan: Plan, impl: str = "auto") -> jax.Array | MXTensor:
     """Gather token rows x[T, H] into the expert buffer [M, H] laid out by `plan`; padding rows
-    are zero.
+    are zero. `impl`: `jaxmoe.ops.permute`'s ("auto": the Hopper kernel on a Hopper GPU).
 
     x may be a rowwise (axis 1) MXTensor: its data and scale rows move together, padding rows
     get zero data and scale byte 0, so the result equals quantizing the dispatched rows bitwise.
     Differentiable for arrays only (the VJP is `combine`)."""
     if not isinstance(x, MXTensor):
-        return _dispatch_array(x, plan)
+        return _dispatch_array(x, plan, impl)
     if x.ndim != 2 or x.axis != 1:
         raise ValueError(f"dispatch: an MXTensor must be [T, H] with blocks along H (axis 1), "
                          f"got shape {x.shape} with blocks along axis {x.axis}")
-    return MXTensor(data=_dispatch(x.data, plan), scale=_dispatch(x.scale, plan), axis=1,
-                    fmt=x.fmt)
+    return MXTensor(data=_dispatch(x.data, plan, "xla"), scale=_dispatch(x.scale, plan, "xla"),
+                    axis=1, fmt=x.fmt)
 
 
-@jax.custom_vjp
-def _dispatch_array(x, plan):
-    return _dispatch(x, plan)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dispatch_array(x, plan, impl):
+    return _dispatch(x, plan, impl)
 
 
-def _dispatch_fwd(x, plan):
-    return _dispatch(x, plan), (plan, jnp.zeros((0,), x.dtype))
+def _dispatch_fwd(x, plan, impl):
+    return _dispatch(x, plan, impl), (plan, jnp.zeros((0,), x.dtype))
 
 
-def _dispatch_bwd(residuals, grad):
+def _dispatch_bwd(impl, residuals, grad):
     plan, dtype_carrier = residuals
-    return _combine(grad, plan, dtype_carrier.dtype), None
+    return _combine(grad, plan, dtype_carrier.dtype, impl), None
 
 
 _dispatch_array.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
-@jax.custom_vjp
-def combine(rows: jax.Array, plan: Plan) -> jax.Array:
-    """y[t] = sum over token t's kept rows in ascending expert order (fp32 accumulation, one
-    rounding to rows.dtype) -> [T, H]."""
-    return _combine(rows, plan, rows.dtype)
+def combine(rows: jax.Array, plan: Plan, impl: str = "auto") -> jax.Array:
+    """y[t] = sum of token t's kept rows in ascending expert order (fp32 accumulation from the
+    first row, one rounding to rows.dtype; `jaxmoe.ops.permute.combine_rows`) -> [T, H].
+    `impl`: `jaxmoe.ops.permute`'s."""
+    return _combine_array(rows, plan, impl)
 
 
-def _combine_fwd(rows, plan):
-    return _combine(rows, plan, rows.dtype), (plan, jnp.zeros((0,), rows.dtype))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _combine_array(rows, plan, impl):
+    return _combine(rows, plan, rows.dtype, impl)
 
 
-def _combine_bwd(residuals, grad):
+def _combine_fwd(rows, plan, impl):
+    return _combine(rows, plan, rows.dtype, impl), (plan, jnp.zeros((0,), rows.dtype))
+
+
+def _combine_bwd(impl, residuals, grad):
     plan, dtype_carrier = residuals
-    return _dispatch(grad, plan).astype(dtype_carrier.dtype), None
+    return _dispatch(grad, plan, impl).astype(dtype_carrier.dtype), None
 
 
-combine.defvjp(_combine_fwd, _combine_bwd)
+_combine_array.defvjp(_combine_fwd, _combine_bwd)
 
 
 @jax.custom_vjp
 def gather_slots(values: jax.Array, plan: Plan) -> jax.Array:
     """Per-slot values [T, k] -> per-row values [M] (zero for padding rows)."""
     return jnp.take(_with_zero_row(values.reshape(-1)), plan.row_slot)
+
+
+def _with_zero_row(a: jax.Array) -> jax.Array:
+    return jnp.concatenate([a, jnp.zeros((1,) + a.shape[1:], a.dtype)], axis=0)
 
 
 def _gather_slots_fwd(values, plan):

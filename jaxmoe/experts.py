@@ -151,7 +151,7 @@ def grouped_mlp(rows: jax.Array, row_probs: jax.Array, plan: Plan, fc1_kernel: j
             out = _add_row_bias(gmm(a, fc2_kernel, sizes, impl=gmm_impl,
                                     preferred_element_type=dtype), row_bias)
         with jax.named_scope("combine"):
-            combined = combine(out, plan)
+            combined = combine(out, plan, gmm_impl)
             if config.combine_bwd_dtype == "mxfp8":
                 combined = _gradient_through_mxfp8(combined, gmm_impl)
     return ExpertStages(fc1_output=h, activation=a, output=out, combined=combined)
@@ -201,7 +201,7 @@ def _mxfp8_fc2_and_combine(a, fc2_kernel, row_bias, plan, fc2_weights, combine_b
                                       rhs_quantized=fc2_weights,
                                       preferred_element_type=a.dtype), row_bias)
     with jax.named_scope("combine"):
-        return out, combine(out, plan)
+        return out, combine(out, plan, gmm_impl)
 
 
 def _mxfp8_fc2_and_combine_fwd(a, fc2_kernel, row_bias, plan, fc2_weights, combine_bwd_dtype,
@@ -215,7 +215,7 @@ def _mxfp8_fc2_and_combine_fwd(a, fc2_kernel, row_bias, plan, fc2_weights, combi
     residuals = _Fc2CombineResiduals(gemm=gemm_residuals, plan=plan,
                                      has_bias=row_bias is not None)
     with jax.named_scope("combine"):
-        combined = combine(out, plan)
+        combined = combine(out, plan, gmm_impl)
     return (out, combined), residuals
 
 
@@ -225,7 +225,8 @@ def _mxfp8_fc2_and_combine_bwd(combine_bwd_dtype, gmm_impl, residuals, cotangent
     if isinstance(d_combined, SymbolicZero):          # only the fc2_output stage is used
         d_combined = jnp.zeros(d_combined.shape, d_combined.dtype)
     with jax.named_scope("combine"):
-        d_rows = dispatch(d_combined, plan)      # bf16 rows: fc2's wgrad copy, the bias gradient
+        # bf16 rows: fc2's wgrad copy, the bias gradient
+        d_rows = dispatch(d_combined, plan, gmm_impl)
         grad_rowwise = None
         if not isinstance(d_out, SymbolicZero):
             # The fc2_output stage itself is differentiated: the dispatched token gradient is no

@@ -155,10 +155,12 @@ class MoE(nnx.Module):
       param_dtype: parameter dtype (bf16 or fp32); the expert bias is always fp32.
       dtype: compute dtype (default: param_dtype); inputs and weights are cast to it.
       init_std, num_layers: Megatron's init_method_std and the model depth (fc2 init scaling).
-      gmm_impl: implementation of every matmul and quantize in the layer ("auto", "pallas" or
-        "xla"): the grouped expert matmuls (`jaxmoe.ops.gmm`), the token-row matmuls of the
-        router and the shared expert (`jaxmoe.ops.dense`) and the MXFP8 quantizers. "auto" runs
-        the Pallas kernels on a Hopper GPU (batch-invariant) and XLA elsewhere.
+      gmm_impl: implementation of every matmul, row permutation and quantize in the layer
+        ("auto", "pallas" or "xla"): the grouped expert matmuls (`jaxmoe.ops.gmm`), the
+        token-row matmuls of the router and the shared expert (`jaxmoe.ops.dense`), the dispatch
+        and combine (`jaxmoe.ops.permute`) and the MXFP8 quantizers. "auto" runs the Pallas
+        kernels on a Hopper GPU (batch-invariant) and XLA elsewhere; every impl gives the
+        dispatch and combine the same bits.
       dense_impl: implementation of the token-row matmuls alone (router, shared expert); None:
         `gmm_impl`. "xla" there trades batch invariance on the GPU for cuBLAS (benchmarks).
       rngs: `nnx.Rngs`; "params" initialises weights, "jitter" drives the input jitter.
@@ -256,7 +258,7 @@ class MoE(nnx.Module):
         with jax.named_scope("plan"):
             plan = make_plan(routing, config)
         with jax.named_scope("dispatch"):
-            rows = dispatch(tokens, plan)
+            rows = dispatch(tokens, plan, self.gmm_impl)
             # dispatch_dtype "mxfp8": quantize each token once, before the dispatch (blocks
             # along H).
             rows_rowwise = (dispatch(quantize(tokens, axis=1, impl=self.gmm_impl), plan)

@@ -89,8 +89,10 @@ def make_plan(routing: Routing, config: MoEConfig) -> Plan:
     slot_expert = jnp.where(routing.kept, routing.indices, num_experts).reshape(-1)
     order = jnp.argsort(slot_expert, stable=True)              # expert-major, tokens ascending
     sorted_expert = slot_expert[order]
-    bounds = jnp.searchsorted(sorted_expert, jnp.arange(num_experts + 1, dtype=jnp.int32))
-    sorted_start, tokens_per_group = bounds[:-1], jnp.diff(bounds)
+    # Per-expert counts (integer adds: exact in any order) and where each expert's run starts.
+    tokens_per_group = jnp.bincount(slot_expert, length=num_experts + 1)[:num_experts]
+    sorted_start = jnp.concatenate([jnp.zeros(1, jnp.int32),
+                                    jnp.cumsum(tokens_per_group)[:-1].astype(jnp.int32)])
 
     if config.pad_expert_input_to_capacity:
         padded = jnp.full((num_experts,), _round_up(config.capacity(num_tokens), align))
@@ -111,7 +113,9 @@ def make_plan(routing: Routing, config: MoEConfig) -> Plan:
 
     # Row -> slot: find the row's expert block, then its rank inside the block.
     rows = jnp.arange(num_rows, dtype=jnp.int32)
-    row_expert = (jnp.searchsorted(block_start[1:], rows, side="right")).astype(jnp.int32)
+    # E block boundaries against every row at once: no sequential binary-search loop.
+    row_expert = jnp.searchsorted(block_start[1:], rows, side="right",
+                                  method="compare_all").astype(jnp.int32)
     clipped = jnp.minimum(row_expert, num_experts - 1)
     rank = rows - block_start[clipped]
     is_real = (row_expert < num_experts) & (rank < tokens_per_group[clipped])

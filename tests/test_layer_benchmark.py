@@ -189,5 +189,42 @@ def test_kernels_inside_a_command_buffer_are_attributed_in_order():
     summary, rows = stage_breakdown(events, COMMAND_BUFFER_HLO, steps=2)
     assert [(r.stage, r.backward, r.kind) for r in rows] == [
         ("fc1", False, "gemm"), ("activation", False, "other"), ("fc2", True, "gemm")]
-    assert summary["matched_by"] == {"command_buffer_order": 4, "kernel_name": 2}
+    assert summary["matched_by"] == {"schedule_order": 4, "kernel_name": 2}
     assert summary["non_gemm_ms"] == pytest.approx(0.010)
+
+
+SCHEDULED_HLO = """HloModule jit_train, is_scheduled=true
+
+ENTRY %main (a: bf16[64,64], b: bf16[64,64]) -> bf16[64,64] {
+  %a = bf16[64,64]{1,0} parameter(0)
+  %b = bf16[64,64]{1,0} parameter(1)
+  %mpmd_map.9 = bf16[64,64]{1,0} custom-call(%a, %b), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(train)/jvp(router)/gmm/mpmd_map"}
+  %mpmd_map.10 = bf16[64,64]{1,0} custom-call(%a, %b), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(train)/jvp(fc1)/gmm/mpmd_map"}
+  %loop_add_fusion.2 = bf16[64,64]{1,0} add(%a, %b), metadata={op_name="jit(train)/jvp(activation)/add"}
+  %mpmd_map.11 = bf16[64,64]{1,0} custom-call(%a, %b), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(train)/jvp(combine)/combine/mpmd_map"}
+  ROOT %mpmd_map.12 = bf16[64,64]{1,0} custom-call(%a, %b), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(train)/transpose(jvp(fc2))/gmm/mpmd_map"}
+}
+"""
+
+
+def test_kernels_of_buffers_missing_from_the_text_follow_the_schedule():
+    """On the GPU the compiled module's text shows no command-buffer computation: a Pallas
+    record naming an unknown buffer is the scheduled Mosaic call after the last one seen (one
+    matched by its own hlo_op moves the cursor), step after step."""
+    def record(kernel, start_us, hlo_op="command_buffer_48"):
+        return TraceEvent("/device:GPU:0", "Stream #14(Kernel)", kernel, start_us, 10.0,
+                          {"hlo_module": "jit_train", "hlo_op": hlo_op})
+
+    events = []
+    for step in range(2):
+        t = 100.0 * step
+        events += [record("gmm_mosaic_gpu_kernel", t),
+                   record("gmm_mosaic_gpu_kernel", t + 10, hlo_op="mpmd_map.10"),
+                   record("loop_add_fusion_2", t + 20),
+                   record("combine_mosaic_gpu_kernel", t + 30),
+                   record("gmm_mosaic_gpu_kernel", t + 40)]
+    summary, rows = stage_breakdown(events, SCHEDULED_HLO, steps=2)
+    assert [(r.stage, r.backward, r.kind) for r in rows] == [
+        ("router", False, "gemm"), ("fc1", False, "gemm"), ("activation", False, "other"),
+        ("combine", False, "other"), ("fc2", True, "gemm")]
+    assert summary["matched_by"] == {"schedule_order": 6, "hlo_op": 2, "kernel_name": 2}

@@ -13,7 +13,7 @@ from jax.experimental.mosaic.gpu.core import artificial_shared_memory_limit
 
 from jaxmoe import mxfp8
 from jaxmoe.ops import dispatch_quantize, on_hopper, quantize
-from jaxmoe.ops.pallas import quantize_hopper
+from jaxmoe.ops.pallas import quantize_hopper, row_pipeline
 from jaxmoe.ops.pallas.gmm_hopper import default_num_sms
 from jaxmoe.ops.pallas.quantize_hopper import (gather_quantize_rowwise_pallas,
                                                quantize_columnwise_pallas,
@@ -119,11 +119,11 @@ def long_pipeline(kind, dtype):
     """(x shape, dispatch rows) with a partial last tile and 3 tiles more than the interpreter's
     CTAs hold in their rings, so that every CTA reuses its SMEM slots."""
     k = {"rowwise": 256, "columnwise": 400, "gather": 2048}[kind]
-    tiles = quantize_hopper.STAGES * quantize_hopper.CTAS_PER_SM * default_num_sms() + 3
+    tiles = row_pipeline.STAGES * row_pipeline.CTAS_PER_SM * default_num_sms() + 3
     if kind == "columnwise":
-        return (32 * pl.cdiv(tiles, pl.cdiv(k, quantize_hopper.tile_elems(dtype))), k), None
-    tile = (quantize_hopper.tile_elems(dtype) if kind == "rowwise"
-            else quantize_hopper._gather_plan(k, dtype)[0])
+        return (32 * pl.cdiv(tiles, pl.cdiv(k, row_pipeline.tile_elems(dtype))), k), None
+    tile = (row_pipeline.tile_elems(dtype) if kind == "rowwise"
+            else row_pipeline.gather_plan(k, dtype)[0])
     rows = tiles * tile * 32 // k - 1
     return ((64, k), rows) if kind == "gather" else ((rows, k), None)
 
@@ -160,7 +160,7 @@ def test_dispatch_quantize_equals_quantize_of_the_gathered_rows(interpret, fmt):
 
 def test_gather_loads_whole_rows_at_the_benchmark_widths():
     """bf16 tiles of whole token rows: 2 x 8 KB (H 4096), 1 x 14 KB (7168), 4 x 4 KB (2048)."""
-    plan = functools.partial(quantize_hopper._gather_plan, dtype=jnp.bfloat16)
+    plan = functools.partial(row_pipeline.gather_plan, dtype=jnp.bfloat16)
     assert [plan(h) for h in (4096, 7168, 2048)] == [(256, 128), (224, 224), (256, 64)]
 
 
@@ -173,8 +173,8 @@ def test_gather_plans_keep_every_tma_aligned(dtype):
     for k in range(32, 20000, 32):
         if quantize_hopper.gather_problem((1, k), dtype, 1):
             continue
-        tile, segment = quantize_hopper._gather_plan(k, dtype)
-        assert tile % (64 // itemsize) == 0 and tile <= quantize_hopper.tile_elems(dtype)
+        tile, segment = row_pipeline.gather_plan(k, dtype)
+        assert tile % (64 // itemsize) == 0 and tile <= row_pipeline.tile_elems(dtype)
         assert tile % segment == 0 and (k // 32) % segment == 0
         assert segment * 32 * itemsize % 128 == 0
 
@@ -212,7 +212,7 @@ def test_lowering_at_real_shapes(kind, dtype, arithmetic):
             fn = functools.partial(quantize_rowwise_pallas if kind == "rowwise"
                                    else quantize_columnwise_pallas, arithmetic=arithmetic)
             args = (s((m, k), dtype),)
-        with artificial_shared_memory_limit(quantize_hopper.SMEM_PER_CTA):
+        with artificial_shared_memory_limit(row_pipeline.SMEM_PER_CTA):
             jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 

@@ -71,6 +71,18 @@ def on_hopper() -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"
 
 
+def resolve_impl(impl: str, problem: str | None, op: str) -> str:
+    """"xla" or "pallas" for a call of `op` whose kernel cannot run for the reason `problem`
+    (None: it can): "auto" picks "pallas" on a Hopper GPU when it can, "pallas" raises
+    ValueError with the problem."""
+    _check_impl(impl, op)
+    if impl == "pallas" and problem:
+        raise ValueError(f"{op}(impl='pallas'): {problem}; use impl='xla' or 'auto'")
+    if impl == "auto":
+        return "pallas" if problem is None and on_hopper() else "xla"
+    return impl
+
+
 def _pallas_problem_error(lhs, rhs, k, n) -> str | None:
     """Why the Pallas kernels cannot run this problem (None when they can)."""
     if lhs.dtype != rhs.dtype or lhs.dtype not in _PALLAS_DTYPES:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxmoe import mxfp8
 from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor
-from jaxmoe.ops.gmm import _check_impl, on_hopper
+from jaxmoe.ops.gmm import resolve_impl
 from jaxmoe.ops.pallas.quantize_hopper import (columnwise_problem, gather_problem,
                                                gather_quantize_rowwise_pallas,
                                                quantize_columnwise_pallas,
@@ -55,15 +55,6 @@ def _kernel_problem(x, axis) -> str | None:
             f"axis 0 of a 2-D [M, K]")
 
 
-def _resolve(impl, problem, op):
-    _check_impl(impl, op)
-    if impl == "pallas" and problem:
-        raise ValueError(f"{op}(impl='pallas'): {problem}; use impl='xla' or 'auto'")
-    if impl == "auto":
-        return "pallas" if problem is None and on_hopper() else "xla"
-    return impl
-
-
 def quantize(x: jax.Array, axis: int = -1, fmt: str = "e4m3", *, impl: str = "auto") -> MXTensor:
     """`jaxmoe.mxfp8.quantize(x, axis, fmt)` (same checks, same bits) on the chosen `impl`; no
     gradient flows through it (module docstring)."""
@@ -71,7 +62,7 @@ def quantize(x: jax.Array, axis: int = -1, fmt: str = "e4m3", *, impl: str = "au
     if x.ndim == 0 or not -x.ndim <= axis < x.ndim:
         raise ValueError(f"quantize: axis {axis} is out of range for shape {x.shape}")
     axis %= x.ndim
-    if _resolve(impl, _kernel_problem(x, axis), "quantize") == "xla":
+    if resolve_impl(impl, _kernel_problem(x, axis), "quantize") == "xla":
         return mxfp8.quantize(x, axis=axis, fmt=fmt)
     if x.shape[axis] % BLOCK_SIZE:
         raise ValueError(f"quantize: axis {axis} has length {x.shape[axis]}, not a multiple of "
@@ -96,7 +87,7 @@ def dispatch_quantize(x: jax.Array, row_token: jax.Array, fmt: str = "e4m3", *,
         raise ValueError(f"dispatch_quantize: x must be [T, H] and row_token [M], got {x.shape} "
                          f"and {row_token.shape}")
     problem = _dtype_problem(x) or gather_problem(x.shape, x.dtype, row_token.shape[0])
-    if _resolve(impl, problem, "dispatch_quantize") == "xla":
+    if resolve_impl(impl, problem, "dispatch_quantize") == "xla":
         padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])
         return mxfp8.quantize(jnp.take(padded, row_token, axis=0), axis=1, fmt=fmt)
     data, scale = gather_quantize_rowwise_pallas(x, row_token, fmt)

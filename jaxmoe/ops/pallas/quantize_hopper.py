@@ -10,8 +10,9 @@ the amax bits). The elements are encoded with `arithmetic=`:
 
 Design. Quantizing is bound by HBM bandwidth (it reads 2 or 4 bytes per element and writes
 1 + 1/32), so the kernels keep many TMA transfers in flight and little work per element:
-  * Persistent grid: CTAS_PER_SM (2) CTAs of one warpgroup per SM; CTA c walks tiles c, c + G,
-    c + 2G, ... (G CTAs) through a ring of STAGES (4) SMEM slots (`_pipeline`): while it
+  * Persistent grid (`row_pipeline`, shared with the dispatch and combine kernels):
+    CTAS_PER_SM (2) CTAs of one warpgroup per SM; CTA c walks tiles c, c + G, c + 2G, ...
+    (G CTAs) through a ring of STAGES (4) SMEM slots (`row_pipeline.pipeline`): while it
     quantizes tile i, the TMA loads of tiles i+1..i+3 are in flight and the TMA stores of the
     previous tiles drain. Two CTAs of 128 threads fit the register file whatever ptxas
     allocates (255 registers), so both are resident and the static tile split stays balanced;
@@ -33,8 +34,8 @@ Design. Quantizing is bound by HBM bandwidth (it reads 2 or 4 bytes per element 
                   a warp reads 128-byte row lines): amax is 31 local maxes, no shuffle.
       gather      (dispatch_quantize) the rowwise tile over the [M*K/32, 32] output, loaded
                   from x viewed as [T*K/32, 32] by TMAs of whole token rows or row segments
-                  (`_gather_plan`; bf16 H = 4096: 2 x 8 KB per tile, 7168: 1 x 14 KB, 2048:
-                  4 x 4 KB). A padding row (row_token == T) loads from past the end of x: the TMA
+                  (`row_pipeline.gather_plan`; bf16 H = 4096: 2 x 8 KB per tile, 7168:
+                  1 x 14 KB, 2048: 4 x 4 KB). A padding row (row_token == T) loads from past the end of x: the TMA
                   fills it with zeros, which quantize to data 0 and scale byte 0.
   * Partial last tiles (any M for rowwise and gather, K % 16 == 0 for columnwise): TMA loads
     fill out-of-bounds rows/columns with zeros and the 32-row fp8 data stores drop them; every
@@ -50,7 +51,6 @@ layout from them.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -60,22 +60,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.mxfp8 import (_ABS, _FORMATS, _INF, BLOCK_SIZE, _e8m0_from_amax_bits,
                           _encode_elements, _float32_bits)
-from jaxmoe.ops.pallas.gmm_hopper import default_num_sms
+from jaxmoe.ops.pallas.row_pipeline import (ALIGN, COMPILER_PARAMS, STAGES, gather_fetch,
+                                            gather_plan, num_ctas, pipeline, tile_elems)
 
-# Tuning knobs (the kernels are built on first use; clear the lru caches after changing them).
-# Keep CTAS_PER_SM x STAGES x (tile SMEM, ~25 KB) within the SM's 228 KB, or fewer CTAs share an
-# SM than the grid assumes; TILE_BYTES a multiple of 16 KB (the columnwise layout's span).
-TILE_BYTES = 16 * 1024    # input bytes per tile (one TMA load)
-STAGES = 4                # SMEM ring slots per CTA: tiles in flight
-CTAS_PER_SM = 2           # persistent CTAs per SM
-_ALIGN = 128              # bytes: TMA SMEM address alignment, and a barrier's expected bytes
-#                           are split evenly over the 128 threads of the warpgroup
-SMEM_PER_CTA = 228 * 1024 // CTAS_PER_SM - 1024   # an SM's 228 KB, less 1 KB reserved per CTA
-# No automatic warpgroup barriers around SMEM accesses: `_pipeline` places the ones it needs. No
-# reduction crosses warps, so no SMEM is reserved for reductions.
-_COMPILER_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
-                                        unsafe_no_auto_barriers=True,
-                                        reduction_scratch_bytes=0)
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 ARITHMETIC = ("exact", "float")
@@ -84,11 +71,6 @@ ARITHMETIC = ("exact", "float")
 def default_arithmetic() -> str:
     """"float" on a GPU, "exact" elsewhere (the CPU interpreter flushes denormals)."""
     return "float" if jax.devices()[0].platform == "gpu" else "exact"
-
-
-def tile_elems(dtype) -> int:
-    """Elements along the non-block side of a tile: TILE_BYTES of `dtype` in 32-element blocks."""
-    return TILE_BYTES // (BLOCK_SIZE * jnp.dtype(dtype).itemsize)
 
 
 def _rowwise_layout(dtype):
@@ -142,48 +124,6 @@ def _quantize_tile(x_smem, data_smem, scale_smem, axis, layout, fmt, arithmetic)
     data_smem[...] = _encode(bits, e, axis, layout, fmt, arithmetic)
 
 
-def _num_ctas(num_tiles: int) -> int:
-    """Size of the persistent grid: CTAS_PER_SM per SM, at most one per tile."""
-    return min(num_tiles, CTAS_PER_SM * default_num_sms())
-
-
-def _pipeline(num_tiles, num_ctas, loaded, fetch, compute, store):
-    """Run this CTA's tiles (c, c + num_ctas, ...) through a ring of STAGES SMEM slots.
-
-    fetch(tile) returns issue(slot, barrier), which starts the tile's TMA loads into `slot`,
-    arriving on `barrier`; fetch runs at the start of the step that ends with issue, so that
-    GMEM reads it makes (the gather's row tokens) are in flight during the compute. compute(slot)
-    quantizes a loaded slot into the slot's output buffers and store(tile, slot) starts their
-    TMA stores. Step i waits for its loads and for the stores of step i - STAGES (same output
-    slot), computes, stores, then reuses the input slot for tile i + STAGES.
-    `loaded`: STAGES barriers. No thread reads SMEM that another writes within a step, so the
-    only warpgroup barriers needed are those of the waits and of commit_smem."""
-    cta = lax.axis_index("cta")
-    steps = (num_tiles - 1 - cta) // num_ctas + 1
-
-    def tile(step):
-        return cta + step * num_ctas
-
-    for step in range(STAGES):
-        issue = fetch(tile(step))
-        pl.when(step < steps)(functools.partial(issue, step, loaded.at[step]))
-
-    def body(step, carry):
-        slot = lax.rem(step, STAGES)
-        issue_next = fetch(tile(step + STAGES))
-        plgpu.barrier_wait(loaded.at[slot])
-        plgpu.wait_smem_to_gmem(STAGES - 1, wait_read_only=True)
-        compute(slot)
-        plgpu.commit_smem()
-        store(tile(step), slot)
-        plgpu.commit_smem_to_gmem_group()
-        pl.when(step + STAGES < steps)(functools.partial(issue_next, slot, loaded.at[slot]))
-        return carry
-
-    lax.fori_loop(0, steps, body, None)
-    plgpu.wait_smem_to_gmem(0)
-
-
 def _problem(what, shape, dtype, needs) -> str | None:
     """The first unmet need of a kernel, as an error message, or None. `needs`: pairs
     (description, predicate on (M, K))."""
@@ -213,8 +153,8 @@ def columnwise_problem(shape, dtype) -> str | None:
 def gather_problem(shape, dtype, num_rows) -> str | None:
     """Why `gather_quantize_rowwise_pallas` cannot gather num_rows rows of x of this shape/dtype
     (None: it can): a row must be whole blocks and a whole number of 128 bytes
-    (`_gather_plan`)."""
-    multiple = max(BLOCK_SIZE, _ALIGN // jnp.dtype(dtype).itemsize)
+    (`row_pipeline.gather_plan`)."""
+    multiple = max(BLOCK_SIZE, ALIGN // jnp.dtype(dtype).itemsize)
     return _problem("gather", shape, dtype,
                     [(f"K % {multiple} == 0", lambda t, k: k % multiple == 0),
                      ("at least one row to gather", lambda t, k: num_rows > 0)])
@@ -229,23 +169,6 @@ def _check(problem, fmt, arithmetic):
         raise ValueError(f"MXFP8 quantize kernel: unknown format {fmt!r}")
     if problem:
         raise ValueError(problem)
-
-
-def _gather_plan(k, dtype):
-    """(tile, segment) for gathering rows of K elements (K * itemsize a multiple of 128): a tile
-    of `tile` output blocks (a multiple of the rowwise layout's 64 / itemsize rows, at most
-    tile_elems) is loaded as tile / segment TMAs of `segment` consecutive blocks of one token
-    row. The largest segment wins, then the largest tile: whole rows when they fit (bf16: K =
-    4096 gives 2 rows of 8 KB per tile, 7168 one row of 14 KB, 2048 four rows of 4 KB). A
-    segment is a multiple of 128 bytes: the SMEM alignment of a TMA, and its byte count must
-    split evenly over the 128 threads that arrive on the barrier."""
-    row_blocks = k // BLOCK_SIZE
-    unit = 64 // jnp.dtype(dtype).itemsize
-    plans = [(math.gcd(tile, row_blocks), tile)
-             for tile in range(unit, tile_elems(dtype) + 1, unit)]
-    segment, tile = max(plan for plan in plans
-                        if plan[0] * BLOCK_SIZE * jnp.dtype(dtype).itemsize % _ALIGN == 0)
-    return tile, segment
 
 
 def quantize_rowwise_pallas(x: jax.Array, fmt: str = "e4m3", *, arithmetic=None,
@@ -267,7 +190,7 @@ def gather_quantize_rowwise_pallas(x: jax.Array, row_token: jax.Array, fmt: str 
     blocks along K, or zeros (data 0, scale byte 0) where row_token[r] == T (a padding row).
     Returns (data [M, K], scale [M, K/32]), bitwise equal to quantizing the gathered rows.
     Any M; K % 64 == 0 for bf16, K % 32 == 0 for fp32. Tiles load whole token rows or row
-    segments (`_gather_plan`)."""
+    segments (`row_pipeline.gather_plan`)."""
     arithmetic = arithmetic or default_arithmetic()
     _check(gather_problem(x.shape, x.dtype, row_token.shape[0]), fmt, arithmetic)
     num_tokens, k = x.shape
@@ -289,50 +212,27 @@ def _contiguous_fetch(x_gmem, x_smem, tile):
     return fetch
 
 
-def _gather_fetch(token_gmem, x_gmem, x_smem, tile, segment, gather):
-    """Gather loads: output blocks [t * tile, (t + 1) * tile) as tile / segment TMAs of
-    `segment` blocks, each inside one output row r, read from row row_token[r] of x ([T * R, 32]
-    blocks, R per row). Rows past M and padding rows (token T) read past the end of x: zeros."""
-    num_tokens, num_rows, row_blocks = gather
-
-    def fetch(t):
-        sources = []
-        for j in range(tile // segment):
-            block = t * tile + j * segment
-            row = block // row_blocks
-            token = jnp.where(row < num_rows, token_gmem[jnp.minimum(row, num_rows - 1)],
-                              num_tokens)
-            sources.append(token * row_blocks + block % row_blocks)
-
-        def issue(slot, barrier):
-            for j, source in enumerate(sources):
-                plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(source, segment)],
-                                        x_smem.at[slot, pl.ds(j * segment, segment)], barrier)
-        return issue
-    return fetch
-
-
 @functools.lru_cache(maxsize=None)
 def _rowwise_kernel(num_blocks, dtype, fmt_name, arithmetic, interpret, gather):
     """Kernel for rowwise blocks: fp8 [num_blocks, 32] and scales [num_tiles * tile] (whole
     tiles, so that their 1-D stores never cross the end; the caller slices) of x [num_blocks, 32]
-    or, with gather = (T, M, R), of (row_token [M], x [T * R, 32]) (`_gather_fetch`)."""
+    or, with gather = (T, M, R), of (row_token [M], x [T * R, 32]) (`row_pipeline.gather_fetch`)."""
     fmt = _FORMATS[fmt_name]
     if gather is None:
         tile, segment = tile_elems(dtype), None
     else:
-        tile, segment = _gather_plan(gather[2] * BLOCK_SIZE, dtype)
+        tile, segment = gather_plan(gather[2] * BLOCK_SIZE, dtype)
     num_tiles = pl.cdiv(num_blocks, tile)
-    num_ctas = _num_ctas(num_tiles)
+    ctas = num_ctas(num_tiles)
     layout = _rowwise_layout(dtype)
-    scale_slot = pl.cdiv(tile, _ALIGN) * _ALIGN     # a TMA reads each slot: 128-byte aligned
+    scale_slot = pl.cdiv(tile, ALIGN) * ALIGN     # a TMA reads each slot: 128-byte aligned
 
     def body(*refs):
         *inputs, data_gmem, scale_gmem, x_smem, data_smem, scale_smem, loaded = refs
         if gather is None:
             fetch = _contiguous_fetch(*inputs, x_smem, tile)
         else:
-            fetch = _gather_fetch(*inputs, x_smem, tile, segment, gather)
+            fetch = gather_fetch(*inputs, x_smem, tile, segment, gather)
 
         def compute(slot):
             _quantize_tile(x_smem.at[slot], data_smem.at[slot],
@@ -344,21 +244,21 @@ def _rowwise_kernel(num_blocks, dtype, fmt_name, arithmetic, interpret, gather):
             plgpu.copy_smem_to_gmem(scale_smem.at[slot, pl.ds(0, tile)],
                                     scale_gmem.at[pl.ds(t * tile, tile)], commit_group=False)
 
-        _pipeline(num_tiles, num_ctas, loaded, fetch, compute, store)
+        pipeline(num_tiles, ctas, loaded, fetch, compute, store)
 
     return plgpu.kernel(
         body,
         kernel_name="quantize_rowwise" if gather is None else "dispatch_quantize",
         out_type=(jax.ShapeDtypeStruct((num_blocks, BLOCK_SIZE), fmt.dtype),
                   jax.ShapeDtypeStruct((num_tiles * tile,), jnp.uint8)),
-        grid=(num_ctas,),
+        grid=(ctas,),
         grid_names=("cta",),
         scratch_types=[plgpu.SMEM((STAGES, tile, BLOCK_SIZE), dtype),
                        plgpu.SMEM((STAGES, tile, BLOCK_SIZE), fmt.dtype),
                        plgpu.SMEM((STAGES, scale_slot), jnp.uint8),
                        plgpu.Barrier(num_arrivals=1 if gather is None else tile // segment,
                                      num_barriers=STAGES)],
-        compiler_params=_COMPILER_PARAMS,
+        compiler_params=COMPILER_PARAMS,
         interpret=interpret,
     )
 
@@ -384,7 +284,7 @@ def _columnwise_kernel(m, k, dtype, fmt_name, arithmetic, interpret):
     width = tile_elems(dtype)
     col_tiles = pl.cdiv(k, width)
     num_tiles = m // BLOCK_SIZE * col_tiles
-    num_ctas = _num_ctas(num_tiles)
+    ctas = num_ctas(num_tiles)
     layout = _columnwise_layout(dtype)
 
     def window(t):
@@ -410,19 +310,19 @@ def _columnwise_kernel(m, k, dtype, fmt_name, arithmetic, interpret):
             plgpu.copy_smem_to_gmem(scale_smem.at[slot], scale_gmem.at[pl.ds(row, 1), cols],
                                     commit_group=False)
 
-        _pipeline(num_tiles, num_ctas, loaded, fetch, compute, store)
+        pipeline(num_tiles, ctas, loaded, fetch, compute, store)
 
     return plgpu.kernel(
         body,
         kernel_name="quantize_columnwise",
         out_type=(jax.ShapeDtypeStruct((m, k), fmt.dtype),
                   jax.ShapeDtypeStruct((m // BLOCK_SIZE, col_tiles * width), jnp.uint8)),
-        grid=(num_ctas,),
+        grid=(ctas,),
         grid_names=("cta",),
         scratch_types=[plgpu.SMEM((STAGES, BLOCK_SIZE, width), dtype),
                        plgpu.SMEM((STAGES, BLOCK_SIZE, width), fmt.dtype),
                        plgpu.SMEM((STAGES, 1, width), jnp.uint8),
                        plgpu.Barrier(num_barriers=STAGES)],
-        compiler_params=_COMPILER_PARAMS,
+        compiler_params=COMPILER_PARAMS,
         interpret=interpret,
     )

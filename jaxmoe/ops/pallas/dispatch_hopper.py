@@ -1,0 +1,86 @@
+"""The dispatch gather for Hopper (Pallas Mosaic GPU): rows[r] = x[row_token[r]], zeros where
+row_token[r] == T (a padding row); bitwise a copy.
+
+Design: a pure TMA copy, bound by HBM bandwidth. x [T, H] is viewed as [T * H/32, 32] blocks
+and the output [M, H] as [M * H/32, 32]. A tile is `row_pipeline.gather_plan`'s run of output
+blocks (16 KB: whole token rows or row segments, e.g. 4 rows of 4 KB at bf16 H = 2048), loaded
+by one TMA per segment from the token's row and stored by one TMA from the same SMEM slot
+(`row_pipeline.copy_pipeline`: no registers touch the data). A padding row loads from past the
+end of x, which the TMA fills with zeros; the stores of a partial last tile drop the rows past
+M. SMEM per CTA: STAGES x 16 KB.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxmoe.mxfp8 import BLOCK_SIZE
+from jaxmoe.ops.pallas.row_pipeline import (ALIGN, COMPILER_PARAMS, STAGES, copy_pipeline,
+                                            gather_fetch, gather_plan, num_ctas)
+
+_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+
+
+def dispatch_problem(shape, dtype, num_rows) -> str | None:
+    """Why `dispatch_pallas` cannot gather num_rows rows of an x of this shape / dtype (None: it
+    can): x must be a non-empty 2-D bf16 / fp16 / fp32 array whose rows are whole multiples of
+    128 bytes and of 32 elements (the TMA segments of `row_pipeline.gather_plan`)."""
+    dtype = jnp.dtype(dtype)
+    if len(shape) != 2 or dtype not in _DTYPES or 0 in shape:
+        return (f"dispatch kernel: needs a non-empty 2-D bf16/fp16/fp32 array, got "
+                f"{tuple(shape)} {dtype.name}")
+    multiple = max(BLOCK_SIZE, ALIGN // dtype.itemsize)
+    if shape[1] % multiple:
+        return f"dispatch kernel: needs H % {multiple} == 0 for {dtype.name}, got H = {shape[1]}"
+    if num_rows < 1:
+        return "dispatch kernel: needs at least one row to gather"
+    return None
+
+
+def dispatch_pallas(x: jax.Array, row_token: jax.Array, *, interpret=None) -> jax.Array:
+    """rows [M, H]: row r is x[row_token[r]] (x [T, H]), or zeros where row_token[r] == T.
+    row_token: [M] int32 in [0, T]."""
+    problem = dispatch_problem(x.shape, x.dtype, row_token.shape[0])
+    if problem:
+        raise ValueError(problem)
+    num_tokens, h = x.shape
+    (num_rows,) = row_token.shape
+    kernel = _dispatch_kernel(num_tokens, num_rows, h // BLOCK_SIZE, jnp.dtype(x.dtype),
+                              interpret)
+    out = kernel(row_token.astype(jnp.int32), x.reshape(num_tokens * h // BLOCK_SIZE, BLOCK_SIZE))
+    return out.reshape(num_rows, h)
+
+
+@functools.lru_cache(maxsize=None)
+def _dispatch_kernel(num_tokens, num_rows, row_blocks, dtype, interpret):
+    tile, segment = gather_plan(row_blocks * BLOCK_SIZE, dtype)
+    num_blocks = num_rows * row_blocks
+    num_tiles = pl.cdiv(num_blocks, tile)
+    ctas = num_ctas(num_tiles)
+
+    def body(token_gmem, x_gmem, out_gmem, x_smem, loaded):
+        fetch = gather_fetch(token_gmem, x_gmem, x_smem, tile, segment,
+                             (num_tokens, num_rows, row_blocks))
+
+        def store(t, slot):
+            plgpu.copy_smem_to_gmem(x_smem.at[slot], out_gmem.at[pl.ds(t * tile, tile)],
+                                    commit_group=False)
+
+        copy_pipeline(num_tiles, ctas, loaded, fetch, store)
+
+    return plgpu.kernel(
+        body,
+        kernel_name="dispatch",
+        out_type=jax.ShapeDtypeStruct((num_blocks, BLOCK_SIZE), dtype),
+        grid=(ctas,),
+        grid_names=("cta",),
+        scratch_types=[plgpu.SMEM((STAGES, tile, BLOCK_SIZE), dtype),
+                       plgpu.Barrier(num_arrivals=tile // segment, num_barriers=STAGES)],
+        compiler_params=COMPILER_PARAMS,
+        interpret=interpret,
+    )

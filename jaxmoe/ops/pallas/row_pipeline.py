@@ -1,0 +1,155 @@
+"""The TMA pipeline shared by the bandwidth-bound Hopper kernels (MXFP8 quantize, the dispatch
+gather, the combine): a persistent grid of CTAs of one warpgroup, each walking its tiles through
+a ring of SMEM slots, and the row gather that loads a tile from token rows picked by an index.
+
+Such kernels read and write HBM once and do little work per byte, so they keep many TMA
+transfers in flight: CTAS_PER_SM (2) CTAs per SM, each with STAGES (4) tiles of about
+TILE_BYTES (16 KB) in flight. Arrays are viewed as [N, 32] blocks of 32 consecutive elements
+(free for a row-major array whose rows are whole blocks); a tile is a run of blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxmoe.mxfp8 import BLOCK_SIZE
+from jaxmoe.ops.pallas.gmm_hopper import default_num_sms
+
+# Tuning knobs (the kernels are built on first use; clear their lru caches after changing them).
+# Keep CTAS_PER_SM x STAGES x (tile SMEM) within the SM's 228 KB, or fewer CTAs share an SM
+# than the grid assumes; TILE_BYTES a multiple of 16 KB (the columnwise quantize layout's span).
+TILE_BYTES = 16 * 1024    # input bytes per tile
+STAGES = 4                # SMEM ring slots per CTA: tiles in flight
+CTAS_PER_SM = 2           # persistent CTAs per SM
+ALIGN = 128               # bytes: TMA SMEM address alignment, and a barrier's expected bytes
+#                           are split evenly over the 128 threads of the warpgroup
+SMEM_PER_CTA = 228 * 1024 // CTAS_PER_SM - 1024   # an SM's 228 KB, less 1 KB reserved per CTA
+# No automatic warpgroup barriers around SMEM accesses: the pipelines place the ones they need.
+# No reduction crosses warps, so no SMEM is reserved for reductions.
+COMPILER_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                       unsafe_no_auto_barriers=True,
+                                       reduction_scratch_bytes=0)
+
+
+def tile_elems(dtype) -> int:
+    """Blocks per tile: TILE_BYTES of `dtype` in 32-element blocks."""
+    return TILE_BYTES // (BLOCK_SIZE * jnp.dtype(dtype).itemsize)
+
+
+def num_ctas(num_tiles: int) -> int:
+    """Size of the persistent grid: CTAS_PER_SM per SM, at most one per tile."""
+    return min(num_tiles, CTAS_PER_SM * default_num_sms())
+
+
+def _start(num_tiles, ctas, loaded, fetch):
+    """This CTA's (tile of a step, step count), with the loads of its first STAGES tiles
+    issued into slots 0..STAGES-1."""
+    cta = lax.axis_index("cta")
+    steps = (num_tiles - 1 - cta) // ctas + 1
+
+    def tile(step):
+        return cta + step * ctas
+
+    for step in range(STAGES):
+        issue = fetch(tile(step))
+        pl.when(step < steps)(functools.partial(issue, step, loaded.at[step]))
+    return tile, steps
+
+
+def pipeline(num_tiles, ctas, loaded, fetch, compute, store):
+    """Run this CTA's tiles (c, c + ctas, ...) through a ring of STAGES SMEM slots, computing
+    each loaded tile into a separate output slot.
+
+    fetch(tile) returns issue(slot, barrier), which starts the tile's TMA loads into `slot`,
+    arriving on `barrier`; fetch runs at the start of the step that ends with issue, so that
+    GMEM reads it makes (the gather's row tokens) are in flight during the compute. compute(slot)
+    turns a loaded slot into the slot's output buffers and store(tile, slot) starts their TMA
+    stores. Step i waits for its loads and for the stores of step i - STAGES (same output slot),
+    computes, stores, then reuses the input slot for tile i + STAGES.
+    `loaded`: STAGES barriers. No thread reads SMEM that another writes within a step, so the
+    only warpgroup barriers needed are those of the waits and of commit_smem."""
+    tile, steps = _start(num_tiles, ctas, loaded, fetch)
+
+    def body(step, carry):
+        slot = lax.rem(step, STAGES)
+        issue_next = fetch(tile(step + STAGES))
+        plgpu.barrier_wait(loaded.at[slot])
+        plgpu.wait_smem_to_gmem(STAGES - 1, wait_read_only=True)
+        compute(slot)
+        plgpu.commit_smem()
+        store(tile(step), slot)
+        plgpu.commit_smem_to_gmem_group()
+        pl.when(step + STAGES < steps)(functools.partial(issue_next, slot, loaded.at[slot]))
+        return carry
+
+    lax.fori_loop(0, steps, body, None)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def copy_pipeline(num_tiles, ctas, loaded, fetch, store):
+    """Like `pipeline` without a compute: each loaded slot is stored as it is. A slot is
+    refilled one step after its store was issued, once that store has read it, so STAGES - 1
+    tiles are loading while a store drains."""
+    tile, steps = _start(num_tiles, ctas, loaded, fetch)
+
+    def body(step, carry):
+        slot = lax.rem(step, STAGES)
+        previous = lax.rem(step + STAGES - 1, STAGES)
+        issue_next = fetch(tile(step - 1 + STAGES))
+        plgpu.barrier_wait(loaded.at[slot])
+        store(tile(step), slot)
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)      # the previous step's store read
+        refill = (step >= 1) & (step - 1 + STAGES < steps)
+        pl.when(refill)(functools.partial(issue_next, previous, loaded.at[previous]))
+        return carry
+
+    lax.fori_loop(0, steps, body, None)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def gather_plan(k, dtype):
+    """(tile, segment) for gathering rows of K elements (K * itemsize a multiple of 128): a tile
+    of `tile` 32-element blocks (a multiple of 64 / itemsize, at most tile_elems) is loaded as
+    tile / segment TMAs of `segment` consecutive blocks of one token row. The largest segment
+    wins, then the largest tile: whole rows when they fit (bf16: K = 4096 gives 2 rows of 8 KB
+    per tile, 7168 one row of 14 KB, 2048 four rows of 4 KB). A segment is a multiple of 128
+    bytes: the SMEM alignment of a TMA, and its byte count must split evenly over the 128
+    threads that arrive on the barrier."""
+    row_blocks = k // BLOCK_SIZE
+    unit = 64 // jnp.dtype(dtype).itemsize
+    plans = [(math.gcd(tile, row_blocks), tile)
+             for tile in range(unit, tile_elems(dtype) + 1, unit)]
+    segment, tile = max(plan for plan in plans
+                        if plan[0] * BLOCK_SIZE * jnp.dtype(dtype).itemsize % ALIGN == 0)
+    return tile, segment
+
+
+def gather_fetch(token_gmem, x_gmem, x_smem, tile, segment, gather):
+    """Gather loads: output blocks [t * tile, (t + 1) * tile) as tile / segment TMAs of
+    `segment` blocks, each inside one output row r, read from row row_token[r] of x ([T * R, 32]
+    blocks, R per row); gather = (T, M, R). Rows past M and padding rows (token T) read past the
+    end of x: the TMA fills them with zeros."""
+    num_tokens, num_rows, row_blocks = gather
+
+    def fetch(t):
+        sources = []
+        for j in range(tile // segment):
+            block = t * tile + j * segment
+            row = block // row_blocks
+            token = jnp.where(row < num_rows, token_gmem[jnp.minimum(row, num_rows - 1)],
+                              num_tokens)
+            sources.append(token * row_blocks + block % row_blocks)
+
+        def issue(slot, barrier):
+            for j, source in enumerate(sources):
+                plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(source, segment)],
+                                        x_smem.at[slot, pl.ds(j * segment, segment)], barrier)
+        return issue
+    return fetch

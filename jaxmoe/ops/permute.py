@@ -1,0 +1,63 @@
+"""The layer's two row permutations with a choice of implementation: `dispatch_rows` (token
+rows -> expert buffer rows, a gather) and `combine_rows` (each token's k buffer rows summed
+back into its token row). Both are bitwise equal on every impl.
+
+  impl "xla"     the references below (gathers from the array with one zero row appended).
+  impl "pallas"  the Hopper kernels (ops/pallas/dispatch_hopper.py, combine_hopper.py), TMA
+                 copies bound by HBM bandwidth: bf16 / fp16 / fp32 rows of a multiple of 128
+                 bytes and 32 elements. Other problems raise ValueError.
+  impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
+
+Neither has a differentiation rule of its own: `jaxmoe.dispatch` pairs them as each other's
+transpose.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxmoe.ops.gmm import resolve_impl
+from jaxmoe.ops.pallas.combine_hopper import combine_pallas, combine_problem
+from jaxmoe.ops.pallas.dispatch_hopper import dispatch_pallas, dispatch_problem
+
+F32 = jnp.float32
+
+
+def _with_zero_row(a: jax.Array) -> jax.Array:
+    return jnp.concatenate([a, jnp.zeros((1,) + a.shape[1:], a.dtype)], axis=0)
+
+
+def dispatch_rows(x: jax.Array, row_token: jax.Array, *, impl: str = "auto") -> jax.Array:
+    """rows [M, H]: rows[r] = x[row_token[r]] for x [T, H], zeros where row_token[r] == T (a
+    padding row). row_token: [M] integers in [0, T]."""
+    if x.ndim != 2 or row_token.ndim != 1:
+        raise ValueError(f"dispatch_rows: x must be [T, H] and row_token [M], got {x.shape} and "
+                         f"{row_token.shape}")
+    problem = dispatch_problem(x.shape, x.dtype, row_token.shape[0])
+    if resolve_impl(impl, problem, "dispatch_rows") == "pallas":
+        return dispatch_pallas(x, row_token)
+    return jnp.take(_with_zero_row(x), row_token, axis=0, mode="clip")
+
+
+def combine_rows(rows: jax.Array, token_rows: jax.Array, out_dtype=None, *,
+                 impl: str = "auto") -> jax.Array:
+    """y [T, H] in out_dtype (default rows.dtype): each token's k rows added in fp32 in slot
+    order, starting from slot 0, and rounded once:
+        y[t] = round(f32 rows[token_rows[t, 0]] + ... + f32 rows[token_rows[t, k-1]]),
+    where a slot with token_rows[t, j] == M (no row: dropped) adds +0.0. A token's value
+    depends on its own rows alone, in a fixed order: batch-invariant and deterministic.
+    rows: [M, H]; token_rows: [T, k] integers in [0, M]."""
+    out_dtype = jnp.dtype(out_dtype or rows.dtype)
+    if rows.ndim != 2 or token_rows.ndim != 2 or token_rows.shape[1] < 1:
+        raise ValueError(f"combine_rows: rows must be [M, H] and token_rows [T, k >= 1], got "
+                         f"{rows.shape} and {token_rows.shape}")
+    problem = combine_problem(rows.shape, rows.dtype, token_rows.shape, out_dtype)
+    if resolve_impl(impl, problem, "combine_rows") == "pallas":
+        return combine_pallas(rows, token_rows, out_dtype)
+    padded = _with_zero_row(rows)
+    total = None
+    for j in range(token_rows.shape[1]):
+        term = jnp.take(padded, token_rows[:, j], axis=0, mode="clip").astype(F32)
+        total = term if total is None else total + term
+    return total.astype(out_dtype)
