@@ -101,11 +101,7 @@ _combine_array.defvjp(_combine_fwd, _combine_bwd)
 @jax.custom_vjp
 def gather_slots(values: jax.Array, plan: Plan) -> jax.Array:
     """Per-slot values [T, k] -> per-row values [M] (zero for padding rows)."""
-    return jnp.take(_with_zero_row(values.reshape(-1)), plan.row_slot)
-
-
-def _with_zero_row(a: jax.Array) -> jax.Array:
-    return jnp.concatenate([a, jnp.zeros((1,) + a.shape[1:], a.dtype)], axis=0)
+    return dispatch_rows(values.reshape(-1, 1), plan.row_slot, impl="xla")[:, 0]
 
 
 def _gather_slots_fwd(values, plan):
@@ -113,7 +109,8 @@ def _gather_slots_fwd(values, plan):
 
 
 def _gather_slots_bwd(plan, grad):
-    return jnp.take(_with_zero_row(grad), plan.slot_row), None
+    slots = dispatch_rows(grad[:, None], plan.slot_row.reshape(-1), impl="xla")
+    return slots.reshape(plan.slot_row.shape), None
 
 
 gather_slots.defvjp(_gather_slots_fwd, _gather_slots_bwd)
