@@ -3,7 +3,7 @@
 * Tests marked `gpu` need a Hopper GPU and are skipped elsewhere, except the layer suite
   (tests/test_gpu_layer.py) when `--layer-shapes tiny` runs it on CPU (the kernels in the
   interpreter) to check the suite itself.
-* The `interpret` fixture runs Pallas Mosaic GPU kernels on CPU.
+* The `interpret` fixture runs Pallas Mosaic GPU kernels on CPU, each call race-checked.
 * `--results-json PATH` writes every test's outcome, duration and recorded properties
   (`record_property`) with the device and versions to PATH: the GPU suite's record
   (`make test-gpu`).
@@ -16,9 +16,7 @@ import subprocess
 
 import jax
 import pytest
-from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-from jax.experimental.pallas import mosaic_gpu as plgpu
-
+from interpreter import race_checked_interpreter
 from jaxmoe.ops import on_hopper
 
 
@@ -34,15 +32,13 @@ def pytest_addoption(parser):
 
 @pytest.fixture
 def interpret():
-    """Run Mosaic GPU kernels in the CPU interpreter with the race detector (no-op on a GPU).
-    The detector checks the last interpreted kernel of the test."""
+    """Run Mosaic GPU kernels in the CPU interpreter with the race detector, every kernel call
+    of the test checked (tests/interpreter.py); a no-op on a GPU."""
     if on_hopper():
         yield
         return
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
+    with race_checked_interpreter():
         yield
-        races = interpret_pallas_call.get_races()
-    assert not races.races_found, "race detected"
 
 
 def pytest_collection_modifyitems(config, items):

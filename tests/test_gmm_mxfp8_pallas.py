@@ -11,7 +11,6 @@ On the GPU the fp8 tensor cores add a block's 32 products with fewer fraction bi
 2^-12 sum over the block of |a_k b_k|."""
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -145,12 +144,10 @@ def test_lowering_at_real_shapes(shape):
     s = jax.ShapeDtypeStruct
     fn = functools.partial(gmm_mxfp8, impl="pallas", preferred_element_type=jnp.bfloat16,
                            config=default_mxfp8_config(m, k, n, g), strategy="fp8_wgmma")
-    start = time.perf_counter()
     jax.jit(lambda ld, ls, rd, rs, sizes: fn(mx(ld, ls, 1), mx(rd, rs, 2), sizes)).trace(
         s((m, k), jnp.float8_e4m3fn), s((m, k // 32), jnp.uint8),
         s((g, n, k), jnp.float8_e4m3fn), s((g, n, k // 32), jnp.uint8),
         s((g,), jnp.int32)).lower(lowering_platforms=("cuda",))
-    assert time.perf_counter() - start < 10
 
 
 def mx(data, scale, axis):

@@ -321,24 +321,32 @@ def test_tile_schedule_covers_every_row_once():
     np.testing.assert_array_equal(owner, expected)
 
 
-@pytest.mark.parametrize("num_groups", [8, 256])
-def test_lowering_for_hopper_is_fast_for_many_experts(num_groups):
-    """Full Pallas -> Mosaic GPU lowering on CPU (no GPU needed) at a real MoE shape: tile
-    metadata is computed outside the kernel, so 256 experts lower as fast as 8."""
-    shapes = (jax.ShapeDtypeStruct((65536, 2048), jnp.bfloat16),
-              jax.ShapeDtypeStruct((num_groups, 2048, 1536), jnp.bfloat16),
-              jax.ShapeDtypeStruct((num_groups,), jnp.int32))
+def _lower_gmm_and_tgmm(num_rows, k, n, num_groups) -> float:
+    """Seconds to lower the forward, dgrad and wgrad kernels (Pallas -> Mosaic GPU, on CPU)."""
+    lhs = jax.ShapeDtypeStruct((num_rows, k), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((num_groups,), jnp.int32)
     start = time.perf_counter()
     for transpose_rhs in (False, True):
-        rhs = shapes[1] if not transpose_rhs else jax.ShapeDtypeStruct(
-            (num_groups, 1536, 2048), jnp.bfloat16)
+        rhs = jax.ShapeDtypeStruct((num_groups, n, k) if transpose_rhs else (num_groups, k, n),
+                                   jnp.bfloat16)
         fn = functools.partial(gmm, impl="pallas", transpose_rhs=transpose_rhs,
                                preferred_element_type=jnp.bfloat16, config=GmmConfig())
-        jax.jit(fn).trace(shapes[0], rhs, shapes[2]).lower(lowering_platforms=("cuda",))
+        jax.jit(fn).trace(lhs, rhs, sizes).lower(lowering_platforms=("cuda",))
     wgrad = functools.partial(tgmm, impl="pallas", config=TgmmConfig())
-    jax.jit(wgrad).trace(shapes[0], jax.ShapeDtypeStruct((65536, 1536), jnp.bfloat16),
-                         shapes[2]).lower(lowering_platforms=("cuda",))
-    assert time.perf_counter() - start < 10
+    jax.jit(wgrad).trace(lhs, jax.ShapeDtypeStruct((num_rows, n), jnp.bfloat16),
+                         sizes).lower(lowering_platforms=("cuda",))
+    return time.perf_counter() - start
+
+
+def test_lowering_for_hopper_is_as_fast_for_256_experts_as_for_8():
+    """Full Pallas -> Mosaic GPU lowering on CPU (no GPU needed) at a real MoE shape: tile
+    metadata is computed outside the kernel, so 256 experts lower about as fast as 8 (an
+    in-kernel loop over the groups would take ~32x longer). A first lowering at another shape
+    takes the one-time costs out of the ratio."""
+    _lower_gmm_and_tgmm(4096, 1024, 512, 4)
+    eight = _lower_gmm_and_tgmm(65536, 2048, 1536, 8)
+    many = _lower_gmm_and_tgmm(65536, 2048, 1536, 256)
+    assert many < 2 * eight, (many, eight)
 
 
 def test_pallas_refuses_unsupported_problems():

@@ -111,6 +111,34 @@ def test_global_aux_loss_accumulates_and_resets():
     assert float(model.global_tokens_per_expert[...].sum()) == 0
 
 
+def test_global_aux_loss_uses_the_window_average_of_the_counts():
+    """Two batches routed to complementary experts: the second loss is E * coeff / (k * T^2) * sum_e (sum_t scores of
+    the second batch) * (mean count over both batches), computed here in NumPy from the router
+    logits. Negative control: with the second batch's counts alone the value differs."""
+    config = CONFIG.replace(load_balancing_type="global_aux_loss")
+    model = MoE(config, H, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    model.router.kernel[...] = model.router.kernel[...] * 100      # peaked, unequal scores
+    # -x flips the (bias-free) logits: the second batch picks the experts the first did not.
+    batches = [x_of(seed=1), -x_of(seed=1)]
+    scores, counts = [], []
+    for x in batches:
+        logits = np.asarray(model.forward_with_stages(x)[2]["router_logits"], np.float64)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        top = np.argsort(-probs, axis=-1, kind="stable")[:, :config.top_k]
+        scores.append(probs.sum(0))
+        counts.append(np.bincount(top.reshape(-1), minlength=config.num_experts))
+    model.reset_global_aux_state()
+    model(batches[0])
+    loss = float(model(batches[1])[1].load_balancing_loss)
+    tokens = batches[1].size // H
+    scale = config.num_experts * config.aux_loss_coeff / (config.top_k * tokens ** 2)
+    expected = float(np.sum(scores[1] * (counts[0] + counts[1]) / 2) * scale)
+    this_batch_only = float(np.sum(scores[1] * counts[1]) * scale)
+    assert loss == pytest.approx(expected, rel=1e-5)
+    assert abs(this_batch_only - expected) > 1e-2 * abs(expected)
+
+
 def test_input_jitter_is_seeded_and_changes_router_input():
     config = CONFIG.replace(input_jitter_eps=0.5)
     x = x_of()
