@@ -112,9 +112,10 @@ def test_global_aux_loss_accumulates_and_resets():
 
 
 def test_global_aux_loss_uses_the_window_average_of_the_counts():
-    """Two batches routed to complementary experts: the second loss is E * coeff / (k * T^2) * sum_e (sum_t scores of
-    the second batch) * (mean count over both batches), computed here in NumPy from the router
-    logits. Negative control: with the second batch's counts alone the value differs."""
+    """Two batches routed to complementary experts: the second loss is
+    E * coeff / (k * T^2) * sum_e (sum_t scores of the second batch) * (mean count over both
+    batches), computed here in NumPy from the router logits. Negative control: with the second
+    batch's counts alone the value differs."""
     config = CONFIG.replace(load_balancing_type="global_aux_loss")
     model = MoE(config, H, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     model.router.kernel[...] = model.router.kernel[...] * 100      # peaked, unequal scores

@@ -18,7 +18,7 @@ from jaxmoe.ops.pallas.gmm_hopper import default_num_sms
 from jaxmoe.ops.pallas.quantize_hopper import (gather_quantize_rowwise_pallas,
                                                quantize_columnwise_pallas,
                                                quantize_rowwise_pallas)
-from bitwise import assert_bitwise, differs
+from bitwise import assert_bitwise, bits
 
 ON_HOPPER = on_hopper()
 SPECIALS = [jnp.nan, -jnp.nan, jnp.inf, -jnp.inf, -0.0, 1e-40, -3e-39, 2e-45, 3e38, 448.0,
@@ -141,11 +141,20 @@ def test_rowwise_leading_dims_and_any_row_count(interpret):
     assert_same_mx(quantize(x, axis=-1, impl="pallas"), mxfp8.quantize(x, axis=-1))
 
 
-def test_negative_control_one_element_changes_the_bits(interpret):
+def test_negative_control_one_element_changes_its_block_alone(interpret):
+    """A changed element changes the kernel's bits (the comparisons above can see a one-element
+    difference), and only inside its own 32-element block: data and scale of every other block
+    stay those of the reference (a kernel that mixed blocks, or a stale tile, would show here)."""
     x = tensor((64, 128), jnp.bfloat16, seed=2)
     changed = x.at[10, 7].set(x[10, 7] * 3 + 1)
-    assert differs(np.asarray(quantize(changed, axis=1, impl="pallas").data),
-                   np.asarray(mxfp8.quantize(x, axis=1).data))
+    ours = quantize(changed, axis=1, impl="pallas")
+    ref = mxfp8.quantize(x, axis=1)
+    data_differs = bits(ours.data) != bits(ref.data)
+    scale_differs = bits(ours.scale) != bits(ref.scale)
+    assert data_differs.any()
+    assert not data_differs[np.arange(64) != 10].any() and not data_differs[10, 32:].any()
+    assert not scale_differs[np.arange(64) != 10].any() and not scale_differs[10, 1:].any()
+    assert_same_mx(ours, mxfp8.quantize(changed, axis=1))
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])

@@ -1,17 +1,18 @@
-"""The combine for Hopper (Pallas Mosaic GPU): y[t] = round(sum over j of f32 rows[token_rows[t,
-j]]), the k rows of token t added in fp32 in the order j = 0, 1, ..., k-1 (left to right,
-starting from the first row) and rounded once; a slot whose row is M (dropped, or no row)
-adds +0.0. Bitwise equal to that sum in XLA (`jaxmoe.ops.permute.combine`'s reference).
+"""The combine for Hopper (Pallas Mosaic GPU): y[t] = round(sum over j of f32
+rows[token_rows[t, j]]), the k rows of token t added in fp32 in the order j = 0, 1, ..., k-1
+(left to right, starting from the first row) and rounded once; a slot whose row is M
+(dropped, or no row) adds +0.0. Bitwise equal to that sum in XLA (the reference of
+`jaxmoe.ops.permute.combine_rows`).
 
 Design: bound by HBM bandwidth (reads k rows of H per token, writes one). rows [M, H] are
 viewed as [M * H/32, 32] blocks and y [T, H] as [T * H/32, 32]. A tile is one token's
 `segment` consecutive blocks, or a few whole short tokens (`combine_plan`: the k pieces make
 at most 16 KB), loaded by one TMA per token and slot into an SMEM slot of [k, blocks, 32]; a
-dropped slot loads from past the end of rows, which the TMA fills with zeros. The warpgroup sums the k pieces in
-registers (a strided layout: each thread holds `vector` consecutive elements, 16-byte SMEM
-accesses when the tile is a multiple of 1024 elements: bf16 H = 2048, 4096, 7168) and the
-rounded tile leaves by one TMA store (`row_pipeline.pipeline`). SMEM per CTA: STAGES x (16 KB
-+ the output tile).
+dropped slot loads from past the end of rows, which the TMA fills with zeros. The warpgroup
+sums the k pieces in registers (a strided layout: each thread holds `vector` consecutive
+elements; 16-byte SMEM accesses when the tile is a multiple of 1024 elements, as at bf16
+H = 2048, 4096, 7168) and the rounded tile leaves by one TMA store (`row_pipeline.pipeline`).
+SMEM per CTA: STAGES x (16 KB + the output tile).
 """
 
 from __future__ import annotations

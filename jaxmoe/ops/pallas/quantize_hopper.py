@@ -35,8 +35,9 @@ Design. Quantizing is bound by HBM bandwidth (it reads 2 or 4 bytes per element 
       gather      (dispatch_quantize) the rowwise tile over the [M*K/32, 32] output, loaded
                   from x viewed as [T*K/32, 32] by TMAs of whole token rows or row segments
                   (`row_pipeline.gather_plan`; bf16 H = 4096: 2 x 8 KB per tile, 7168:
-                  1 x 14 KB, 2048: 4 x 4 KB). A padding row (row_token == T) loads from past the end of x: the TMA
-                  fills it with zeros, which quantize to data 0 and scale byte 0.
+                  1 x 14 KB, 2048: 4 x 4 KB). A padding row (row_token == T) loads from past
+                  the end of x: the TMA fills it with zeros, which quantize to data 0 and
+                  scale byte 0.
   * Partial last tiles (any M for rowwise and gather, K % 16 == 0 for columnwise): TMA loads
     fill out-of-bounds rows/columns with zeros and the 32-row fp8 data stores drop them; every
     clipped edge falls on a whole 16-byte chunk (fp8 rows of 32 bytes; K % 16 == 0). Scale
