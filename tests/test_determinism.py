@@ -3,6 +3,10 @@
 Bits are compared through integer views (NaN-aware, -0 != +0): `assert_bitwise`.
 """
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +17,7 @@ import jaxmoe
 from jaxmoe import MoE, MoEConfig
 from jaxmoe.experts import grouped_mlp
 from jaxmoe.ops import gmm
-from bitwise import assert_bitwise, differs
+from bitwise import assert_bitwise, bits, differs
 
 H = 32
 BASE = MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=32, aux_loss_coeff=1e-2,
@@ -34,20 +38,48 @@ def tokens(n, seed=1):
 
 
 # ------------------------------------------------------------------------------ D1 run-to-run
-def test_run_to_run_forward_and_gradients_identical():
-    model, x = make(), tokens(48)
+def step_bits(seed_tokens=48):
+    """[y, d x, every parameter gradient] of one training step of the BASE layer, as NumPy
+    arrays, from separately compiled executables of the forward and the gradient."""
+    model, x = make(), tokens(seed_tokens)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def loss(model, x):
-        y, aux = model(x)
-        return jnp.sum(y.astype(jnp.float32) ** 2) + aux.total_loss
+    def loss(params, x):
+        y, aux = nnx.merge(graphdef, params, rest)(x)
+        return jnp.sum(y.astype(jnp.float32) ** 2) + aux.total_loss, y
 
-    grad_fn = nnx.jit(nnx.grad(loss, argnums=(0, 1)))
-    y1, y2 = forward(model, x), forward(model, x)
-    assert_bitwise(y1, y2)
-    (gm1, gx1), (gm2, gx2) = grad_fn(model, x), grad_fn(model, x)
-    assert_bitwise(gx1, gx2)
-    for a, b in zip(jax.tree.leaves(nnx.state(gm1)), jax.tree.leaves(nnx.state(gm2))):
+    step = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True)).lower(params, x).compile()
+    (d_params, d_x), y = step(params, x)
+    return [np.asarray(a) for a in [y, d_x, *jax.tree.leaves(d_params)]]
+
+
+_OTHER_PROCESS = """
+import sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+import test_determinism
+from bitwise import bits
+np.savez({out!r}, *[bits(a) for a in test_determinism.step_bits()])
+"""
+
+
+def test_run_to_run_forward_and_gradients_identical(tmp_path):
+    """The same step compiled twice in this process, and once in another process whose XLA:CPU
+    runs its Eigen ops single-threaded (another split of the work): the same bits. Negative
+    control: a one-ulp change of one input element changes the layer's output."""
+    first, second = step_bits(), step_bits()
+    for a, b in zip(first, second, strict=True):
         assert_bitwise(a, b)
+    out = tmp_path / "other.npz"
+    env = dict(os.environ, XLA_FLAGS="--xla_cpu_multi_thread_eigen=false", JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, "-c", _OTHER_PROCESS.format(
+        tests=os.path.dirname(__file__), out=str(out))], env=env, check=True)
+    other = np.load(out)
+    for i, a in enumerate(first):
+        assert_bitwise(bits(a), other[f"arr_{i}"])
+    model, x = make(), tokens(48)
+    nudged = x.at[0, 0].set(jnp.nextafter(x[0, 0], jnp.inf).astype(x.dtype))
+    assert differs(np.asarray(forward(model, nudged)), first[0])
 
 
 def test_negative_control_combine_order_is_visible_in_bits():
