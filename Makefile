@@ -1,13 +1,15 @@
 # Two commands for a new machine:
 #   make run    install jaxmoe into .venv and run the demo (python -m jaxmoe.demo)
-#   make test   install jaxmoe with the test and PyTorch-bridge extras into .venv, run the tests
+#   make test   install jaxmoe with the test and PyTorch-bridge extras into .venv, lint (ruff),
+#               run the tests
+#   make test-quick   lint and the tests that do not interpret Pallas kernels (the inner loop)
 # On a machine with an NVIDIA Hopper GPU (H100/H200):
 #   make test-gpu   the GPU test suite (pytest -m gpu, real layer sizes); writes its record to
 #                   benchmarks/results/gpu_suite_<date>.json
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test test-gpu clean
+.PHONY: run test test-quick lint test-gpu clean
 
 $(PY):
 	@PY=$$(tools/find_python.sh) && echo "using $$PY" && "$$PY" -m venv $(VENV)
@@ -28,8 +30,15 @@ $(VENV)/.installed-gpu: pyproject.toml | $(PY)
 run: $(VENV)/.installed-run
 	$(PY) -m jaxmoe.demo $(ARGS)
 
-test: $(VENV)/.installed-test
+lint: $(VENV)/.installed-test
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q $(ARGS)
+
+test-quick: lint
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 test-gpu: $(VENV)/.installed-gpu
 	$(PY) -m pytest -q -m gpu --results-json benchmarks/results/gpu_suite_$$(date +%F).json $(ARGS)

@@ -2,8 +2,9 @@
 
     python benchmarks/gmm_mxfp8.py [--shapes mixtral,qwen3_30b,dsv3_ep8] [--out DIR]
 
-For each DESIGN.md shape (Dirichlet-skewed group sizes rounded to multiples of 32, the layer's
-MXFP8 alignment), in one process, GEMMs on already-quantized operands:
+For each shape of `benchmarks/gmm.py`'s `SHAPES` (the layer sizes of `jaxmoe/shapes.py`;
+Dirichlet-skewed group sizes rounded to multiples of 32, the layer's MXFP8 alignment), in one
+process, GEMMs on already-quantized operands:
   fwd    x @ W[g]        jaxmoe_mxfp8 (strategy "fp8_wgmma": the fp8 kernel) |
                          jaxmoe_mxfp8_dequant (strategy "dequantize": bf16 copies, then the bf16
                          kernel; the default) | jaxmoe_bf16 |
@@ -28,23 +29,24 @@ import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax                                                        # noqa: E402
-import jax.numpy as jnp                                           # noqa: E402
-import numpy as np                                                # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gmm import SHAPES, bar_plot, cell, group_sizes_for  # noqa: E402
-from benchmarks.timing import device_seconds, time_it            # noqa: E402
-from jaxmoe.mxfp8 import BLOCK_SIZE                               # noqa: E402
-from jaxmoe.ops import (dispatch_quantize, gmm, gmm_mxfp8, quantize, tgmm,  # noqa: E402
-                        tgmm_mxfp8)
-from jaxmoe.ops.pallas.quantize_hopper import (ARITHMETIC,  # noqa: E402
-                                               gather_quantize_rowwise_pallas,
-                                               quantize_columnwise_pallas,
-                                               quantize_rowwise_pallas)
+from benchmarks.timing import device_seconds, time_it  # noqa: E402
+from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
+from jaxmoe.ops import dispatch_quantize, gmm, gmm_mxtensor, quantize, tgmm, tgmm_mxtensor  # noqa: E402
+from jaxmoe.ops.pallas.quantize_hopper import (  # noqa: E402
+    ARITHMETIC,
+    gather_quantize_rowwise_pallas,
+    quantize_columnwise_pallas,
+    quantize_rowwise_pallas,
+)
 
 BF16 = jnp.bfloat16
-QUANTIZE_COPIES = 8     # input copies per timed call of a quantize kernel (see `batched`)
+QUANTIZE_COPIES = 8  # input copies per timed call of a quantize kernel (see `batched`)
 
 
 def aligned_sizes(m: int, g: int) -> np.ndarray:
@@ -73,24 +75,41 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
         """Time fn and record seconds per call: host-clocked (`time_it`), or, with `calls`
         (fn makes that many calls of the op), from device records (`device_seconds`)."""
         try:
-            seconds = (time_it(fn, iters=iters) if calls is None
-                       else device_seconds(fn, calls=calls, iters=iters))
+            seconds = (
+                time_it(fn, iters=iters)
+                if calls is None
+                else device_seconds(fn, calls=calls, iters=iters)
+            )
             value = work / seconds / 1e12
             record.append(dict(shape=name, op=op, impl=impl, ms=seconds * 1e3, **{unit: value}))
-            print(f"  {name:10s} {op:8s} {impl:26s} {seconds * 1e3:8.3f} ms {value:8.1f} "
-                  f"{'TF/s' if unit == 'tflops' else 'TB/s'}", flush=True)
-        except Exception as e:                      # a competitor that cannot run this case
-            record.append(dict(shape=name, op=op, impl=impl,
-                               error=f"{type(e).__name__}: {str(e)[:300]}"))
-            print(f"  {name:10s} {op:8s} {impl:26s} FAILED {type(e).__name__}: {str(e)[:200]}",
-                  flush=True)
+            print(
+                f"  {name:10s} {op:8s} {impl:26s} {seconds * 1e3:8.3f} ms {value:8.1f} "
+                f"{'TF/s' if unit == 'tflops' else 'TB/s'}",
+                flush=True,
+            )
+        except Exception as e:  # a competitor that cannot run this case
+            record.append(
+                dict(shape=name, op=op, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}")
+            )
+            print(
+                f"  {name:10s} {op:8s} {impl:26s} FAILED {type(e).__name__}: {str(e)[:200]}",
+                flush=True,
+            )
 
-    mx = jax.jit(functools.partial(gmm_mxfp8, impl="pallas", preferred_element_type=BF16,
-                                   strategy="fp8_wgmma"))
-    mx_dequant = jax.jit(functools.partial(gmm_mxfp8, impl="pallas", preferred_element_type=BF16,
-                                           strategy="dequantize"))
-    bf = jax.jit(functools.partial(gmm, impl="pallas", preferred_element_type=BF16),
-                 static_argnames="transpose_rhs")
+    mx = jax.jit(
+        functools.partial(
+            gmm_mxtensor, impl="pallas", preferred_element_type=BF16, strategy="fp8_wgmma"
+        )
+    )
+    mx_dequant = jax.jit(
+        functools.partial(
+            gmm_mxtensor, impl="pallas", preferred_element_type=BF16, strategy="dequantize"
+        )
+    )
+    bf = jax.jit(
+        functools.partial(gmm, impl="pallas", preferred_element_type=BF16),
+        static_argnames="transpose_rhs",
+    )
     offs = torch.from_numpy(np.cumsum(sizes).astype(np.int32)).cuda()
     tx, tw, tdy = (torch.from_dlpack(a) for a in (x, w, dy))
 
@@ -100,8 +119,8 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
         return
     # Quantized operands, each blocked along its GEMM's contraction dim (K-major for Hopper).
     x_q, dy_q = quantize(x, axis=1), quantize(dy, axis=1)
-    w_fprop = quantize(jnp.swapaxes(w, 1, 2), axis=2)        # [G, N, K], blocks along K
-    w_dgrad = quantize(w, axis=2)                            # [G, K, N], blocks along N
+    w_fprop = quantize(jnp.swapaxes(w, 1, 2), axis=2)  # [G, N, K], blocks along K
+    w_dgrad = quantize(w, axis=2)  # [G, K, N], blocks along N
     x_col, dy_col = quantize(x, axis=0), quantize(dy, axis=0)
     jax.block_until_ready((x_q, dy_q, w_fprop, w_dgrad, x_col, dy_col))
 
@@ -111,14 +130,24 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
         run("fwd", "jaxmoe_mxfp8_dequant", lambda: mx_dequant(x_q, w_fprop, gs))
         run("fwd", "jaxmoe_bf16", lambda: bf(x, w, gs))
         tx8, sx = torch_rowwise_fp8(torch, tx, 1)
-        tw8, sw = torch_rowwise_fp8(torch, tw.transpose(-2, -1).contiguous(), 2)   # [G, N, K]
-        run("fwd", "torch_scaled_grouped_mm", lambda: torch._scaled_grouped_mm(
-            tx8, tw8.transpose(-2, -1), sx, sw, offs=offs, out_dtype=torch.bfloat16))
+        tw8, sw = torch_rowwise_fp8(torch, tw.transpose(-2, -1).contiguous(), 2)  # [G, N, K]
+        run(
+            "fwd",
+            "torch_scaled_grouped_mm",
+            lambda: torch._scaled_grouped_mm(
+                tx8, tw8.transpose(-2, -1), sx, sw, offs=offs, out_dtype=torch.bfloat16
+            ),
+        )
         run("fwd", "torch_grouped_mm", lambda: torch._grouped_mm(tx, tw, offs=offs))
         err = jnp.linalg.norm((mx(x_q, w_fprop, gs) - bf(x, w, gs)).astype(jnp.float32))
-        record.append(dict(shape=name, op="fwd", impl="jaxmoe_mxfp8",
-                           rel_error_vs_bf16=float(err / jnp.linalg.norm(
-                               bf(x, w, gs).astype(jnp.float32)))))
+        record.append(
+            dict(
+                shape=name,
+                op="fwd",
+                impl="jaxmoe_mxfp8",
+                rel_error_vs_bf16=float(err / jnp.linalg.norm(bf(x, w, gs).astype(jnp.float32))),
+            )
+        )
 
     # ---- dgrad: dx[M, K]
     if "dgrad" in ops:
@@ -126,27 +155,36 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
         run("dgrad", "jaxmoe_mxfp8_dequant", lambda: mx_dequant(dy_q, w_dgrad, gs))
         run("dgrad", "jaxmoe_bf16", lambda: bf(dy, w, gs, transpose_rhs=True))
         tdy8, sdy = torch_rowwise_fp8(torch, tdy, 1)
-        tw8d, swd = torch_rowwise_fp8(torch, tw, 2)                                 # [G, K, N]
-        run("dgrad", "torch_scaled_grouped_mm", lambda: torch._scaled_grouped_mm(
-            tdy8, tw8d.transpose(-2, -1), sdy, swd, offs=offs, out_dtype=torch.bfloat16))
+        tw8d, swd = torch_rowwise_fp8(torch, tw, 2)  # [G, K, N]
+        run(
+            "dgrad",
+            "torch_scaled_grouped_mm",
+            lambda: torch._scaled_grouped_mm(
+                tdy8, tw8d.transpose(-2, -1), sdy, swd, offs=offs, out_dtype=torch.bfloat16
+            ),
+        )
         twt = tw.transpose(-2, -1)
         run("dgrad", "torch_grouped_mm", lambda: torch._grouped_mm(tdy, twt, offs=offs))
 
     # ---- wgrad: dW[G, K, N]
     if "wgrad" in ops:
-        mx_t = jax.jit(functools.partial(tgmm_mxfp8, impl="pallas",
-                                         preferred_element_type=BF16))
+        mx_t = jax.jit(functools.partial(tgmm_mxtensor, impl="pallas", preferred_element_type=BF16))
         bf_t = jax.jit(functools.partial(tgmm, impl="pallas", preferred_element_type=BF16))
         run("wgrad", "jaxmoe_mxfp8", lambda: mx_t(x_col, dy_col, gs))
         run("wgrad", "jaxmoe_bf16", lambda: bf_t(x, dy, gs))
         # 2d x 2d (ragged K): torch wants one scale per row of each operand *per group*; unit
         # scales on directly cast data time the same kernel (the values are irrelevant here).
-        txt8 = tx.t().contiguous().to(torch.float8_e4m3fn)                         # [K, M]
-        tdyt8 = tdy.t().contiguous().to(torch.float8_e4m3fn)                       # [N, M]
+        txt8 = tx.t().contiguous().to(torch.float8_e4m3fn)  # [K, M]
+        tdyt8 = tdy.t().contiguous().to(torch.float8_e4m3fn)  # [N, M]
         sxt = torch.ones(k * g, device="cuda", dtype=torch.float32)
         sdyt = torch.ones(n * g, device="cuda", dtype=torch.float32)
-        run("wgrad", "torch_scaled_grouped_mm", lambda: torch._scaled_grouped_mm(
-            txt8, tdyt8.t(), sxt, sdyt, offs=offs, out_dtype=torch.bfloat16))
+        run(
+            "wgrad",
+            "torch_scaled_grouped_mm",
+            lambda: torch._scaled_grouped_mm(
+                txt8, tdyt8.t(), sxt, sdyt, offs=offs, out_dtype=torch.bfloat16
+            ),
+        )
         txt = tx.t()
         run("wgrad", "torch_grouped_mm", lambda: torch._grouped_mm(txt, tdy, offs=offs))
 
@@ -170,33 +208,60 @@ def bench_quantize(x, run, torch):
     kernels = {"rowwise": quantize_rowwise_pallas, "columnwise": quantize_columnwise_pallas}
     for axis, kind in ((1, "rowwise"), (0, "columnwise")):
         fn = functools.partial(quantize, axis=axis, impl="xla")
-        run("quantize", f"xla_quantize_{kind}", batched(fn, x), work=q_bytes, unit="tbps",
-            calls=QUANTIZE_COPIES)
+        run(
+            "quantize",
+            f"xla_quantize_{kind}",
+            batched(fn, x),
+            work=q_bytes,
+            unit="tbps",
+            calls=QUANTIZE_COPIES,
+        )
         for arithmetic in ARITHMETIC:
             fn = functools.partial(kernels[kind], arithmetic=arithmetic)
-            run("quantize", f"pallas_{arithmetic}_quantize_{kind}", batched(fn, x),
-                work=q_bytes, unit="tbps", calls=QUANTIZE_COPIES)
+            run(
+                "quantize",
+                f"pallas_{arithmetic}_quantize_{kind}",
+                batched(fn, x),
+                work=q_bytes,
+                unit="tbps",
+                calls=QUANTIZE_COPIES,
+            )
     tokens = x[: m // 2]
     row_token = jax.random.permutation(jax.random.key(1), jnp.arange(m) % (m // 2))
     row_token = jnp.where(jax.random.uniform(jax.random.key(2), (m,)) < 0.05, m // 2, row_token)
     fn = functools.partial(dispatch_quantize, impl="xla")
-    run("quantize", "xla_dispatch_quantize", batched(fn, tokens, row_token), work=q_bytes,
-        unit="tbps", calls=QUANTIZE_COPIES)
+    run(
+        "quantize",
+        "xla_dispatch_quantize",
+        batched(fn, tokens, row_token),
+        work=q_bytes,
+        unit="tbps",
+        calls=QUANTIZE_COPIES,
+    )
     for arithmetic in ARITHMETIC:
         fn = functools.partial(gather_quantize_rowwise_pallas, arithmetic=arithmetic)
-        run("quantize", f"pallas_{arithmetic}_dispatch_quantize",
-            batched(fn, tokens, row_token), work=q_bytes, unit="tbps", calls=QUANTIZE_COPIES)
-    pairs = [(torch.empty(q_bytes // 2, dtype=torch.uint8, device="cuda"),
-              torch.empty(q_bytes // 2, dtype=torch.uint8, device="cuda"))
-             for _ in range(QUANTIZE_COPIES)]
+        run(
+            "quantize",
+            f"pallas_{arithmetic}_dispatch_quantize",
+            batched(fn, tokens, row_token),
+            work=q_bytes,
+            unit="tbps",
+            calls=QUANTIZE_COPIES,
+        )
+    pairs = [
+        (
+            torch.empty(q_bytes // 2, dtype=torch.uint8, device="cuda"),
+            torch.empty(q_bytes // 2, dtype=torch.uint8, device="cuda"),
+        )
+        for _ in range(QUANTIZE_COPIES)
+    ]
 
     def copies():
         for src, dst in pairs:
             dst.copy_(src)
         return dst
 
-    run("quantize", "d2d_copy_same_bytes", copies, work=q_bytes, unit="tbps",
-        calls=QUANTIZE_COPIES)
+    run("quantize", "d2d_copy_same_bytes", copies, work=q_bytes, unit="tbps", calls=QUANTIZE_COPIES)
 
 
 def summarize(record):
@@ -205,52 +270,79 @@ def summarize(record):
         if "tflops" in r:
             table.setdefault((r["shape"], r["op"]), {})[r["impl"]] = r["tflops"]
     ratios = []
-    print(f"\n{'shape':10s} {'op':6s} {'mxfp8':>7s} {'dequant':>7s} {'bf16':>7s} {'t_fp8':>7s} "
-          f"{'t_bf16':>7s} {'mx/bf16':>8s} {'mx/t_fp8':>8s}")
+    print(
+        f"\n{'shape':10s} {'op':6s} {'mxfp8':>7s} {'dequant':>7s} {'bf16':>7s} {'t_fp8':>7s} "
+        f"{'t_bf16':>7s} {'mx/bf16':>8s} {'mx/t_fp8':>8s}"
+    )
     for (shape, op), t in table.items():
-        ours, bf16, tfp8 = t.get("jaxmoe_mxfp8"), t.get("jaxmoe_bf16"), \
-            t.get("torch_scaled_grouped_mm")
-        ratio = dict(shape=shape, op=op,
-                     mxfp8_vs_jaxmoe_bf16=ours / bf16 if ours and bf16 else None,
-                     mxfp8_vs_torch_scaled=ours / tfp8 if ours and tfp8 else None,
-                     dequant_vs_jaxmoe_bf16=(t["jaxmoe_mxfp8_dequant"] / bf16
-                                             if "jaxmoe_mxfp8_dequant" in t and bf16 else None))
+        ours, bf16, tfp8 = (
+            t.get("jaxmoe_mxfp8"),
+            t.get("jaxmoe_bf16"),
+            t.get("torch_scaled_grouped_mm"),
+        )
+        ratio = dict(
+            shape=shape,
+            op=op,
+            mxfp8_vs_jaxmoe_bf16=ours / bf16 if ours and bf16 else None,
+            mxfp8_vs_torch_scaled=ours / tfp8 if ours and tfp8 else None,
+            dequant_vs_jaxmoe_bf16=(
+                t["jaxmoe_mxfp8_dequant"] / bf16 if "jaxmoe_mxfp8_dequant" in t and bf16 else None
+            ),
+        )
         ratios.append(ratio)
-        print(f"{shape:10s} {op:6s} {cell(ours)} {cell(t.get('jaxmoe_mxfp8_dequant'))} "
-              f"{cell(bf16)} {cell(tfp8)} {cell(t.get('torch_grouped_mm'))} "
-              f"{cell(ratio['mxfp8_vs_jaxmoe_bf16'], True)} "
-              f"{cell(ratio['mxfp8_vs_torch_scaled'], True)}")
+        print(
+            f"{shape:10s} {op:6s} {cell(ours)} {cell(t.get('jaxmoe_mxfp8_dequant'))} "
+            f"{cell(bf16)} {cell(tfp8)} {cell(t.get('torch_grouped_mm'))} "
+            f"{cell(ratio['mxfp8_vs_jaxmoe_bf16'], True)} "
+            f"{cell(ratio['mxfp8_vs_torch_scaled'], True)}"
+        )
     bandwidth = {}
     for r in record:
         if "tbps" in r:
             bandwidth.setdefault(r["shape"], {})[r["impl"]] = r["tbps"]
     for shape, t in bandwidth.items():
         copy = t.get("d2d_copy_same_bytes")
-        print(f"\n{shape}: quantize TB/s (share of a device copy of "
-              f"{copy or float('nan'):.2f} TB/s)")
+        print(
+            f"\n{shape}: quantize TB/s (share of a device copy of {copy or float('nan'):.2f} TB/s)"
+        )
         for impl, tbps in t.items():
             if impl != "d2d_copy_same_bytes" and copy:
-                ratios.append(dict(shape=shape, op="quantize", impl=impl,
-                                   share_of_copy=tbps / copy))
+                ratios.append(
+                    dict(shape=shape, op="quantize", impl=impl, share_of_copy=tbps / copy)
+                )
                 print(f"  {impl:34s} {tbps:6.2f} {tbps / copy:6.1%}")
     return ratios
 
 
 def plot(record, shapes, path):
-    bar_plot(record, shapes, ["jaxmoe_mxfp8", "jaxmoe_mxfp8_dequant", "jaxmoe_bf16",
-                              "torch_scaled_grouped_mm", "torch_grouped_mm"],
-             "MXFP8 vs bf16 grouped matmul on one H200", path)
+    bar_plot(
+        record,
+        shapes,
+        [
+            "jaxmoe_mxfp8",
+            "jaxmoe_mxfp8_dequant",
+            "jaxmoe_bf16",
+            "torch_scaled_grouped_mm",
+            "torch_grouped_mm",
+        ],
+        "MXFP8 vs bf16 grouped matmul on one H200",
+        path,
+    )
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--ops", default="fwd,dgrad,wgrad,quantize",
-                        help="subset to run; a subset's JSON gets the ops in its name")
+    parser.add_argument(
+        "--ops",
+        default="fwd,dgrad,wgrad,quantize",
+        help="subset to run; a subset's JSON gets the ops in its name",
+    )
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
     import torch
+
     device = jax.devices()[0]
     shapes = args.shapes.split(",")
     record = []
@@ -260,16 +352,22 @@ def main(argv=None):
     date = datetime.date.today().isoformat()
     os.makedirs(args.out, exist_ok=True)
     result = dict(
-        benchmark="gmm_mxfp8", date=date, device=device.device_kind,
-        jax=jax.__version__, torch=torch.__version__, python=platform.python_version(),
+        benchmark="gmm_mxfp8",
+        date=date,
+        device=device.device_kind,
+        jax=jax.__version__,
+        torch=torch.__version__,
+        python=platform.python_version(),
         shapes={s: dict(zip(("M", "K", "N", "G"), SHAPES[s])) for s in shapes},
         method="GEMMs: median of 5 repeats x iters back-to-back calls, synchronised, each "
-               "repeat after iters untimed calls; operands quantized "
-               "beforehand (quantization timed separately as op 'quantize'); bf16 out; FLOPs "
-               "count the routed rows only. Quantize kernels and the copy: device time (JAX "
-               f"profiler GPU records / CUDA events) over {args.iters} runs of "
-               f"{QUANTIZE_COPIES} calls on rotating input copies, per call",
-        results=record, ratios=ratios)
+        "repeat after iters untimed calls; operands quantized "
+        "beforehand (quantization timed separately as op 'quantize'); bf16 out; FLOPs "
+        "count the routed rows only. Quantize kernels and the copy: device time (JAX "
+        f"profiler GPU records / CUDA events) over {args.iters} runs of "
+        f"{QUANTIZE_COPIES} calls on rotating input copies, per call",
+        results=record,
+        ratios=ratios,
+    )
     ops = args.ops.split(",")
     suffix = "" if set(ops) == {"fwd", "dgrad", "wgrad", "quantize"} else "_" + "_".join(ops)
     path = os.path.join(args.out, f"gmm_mxfp8_{date}{suffix}.json")

@@ -41,49 +41,78 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import flax                                                       # noqa: E402
-import jax                                                        # noqa: E402
-import jax.numpy as jnp                                           # noqa: E402
-import torch                                                      # noqa: E402
-from flax import nnx                                              # noqa: E402
+import flax  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.layer_competitors import (check_supported, jax_moe,  # noqa: E402
-                                          torch_moe)
+from benchmarks.layer_competitors import check_supported, jax_moe, torch_moe  # noqa: E402
 from benchmarks.layer_stages import STAGES, describe_profile, stage_breakdown  # noqa: E402
 from benchmarks.timing import profile_events, sync, timed_runs  # noqa: E402
-from jaxmoe import MoE, MoEConfig                                 # noqa: E402
-from jaxmoe.shapes import SHAPES, LayerShape                      # noqa: E402
+from jaxmoe import MoE, MoEConfig  # noqa: E402
+from jaxmoe.shapes import SHAPES, LayerShape  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 MODES = ("train", "inference")
 # jaxmoe variant: (precision, dense_impl)
-JAXMOE = {"jaxmoe_bf16": ("bf16", None), "jaxmoe_bf16_xla_dense": ("bf16", "xla"),
-          "jaxmoe_mxfp8": ("mxfp8", None)}
+JAXMOE = {
+    "jaxmoe_bf16": ("bf16", None),
+    "jaxmoe_bf16_xla_dense": ("bf16", "xla"),
+    "jaxmoe_mxfp8": ("mxfp8", None),
+}
 COMPETITORS = ("torch_grouped_mm", "torch_compile", "jax_ragged_dot")
 REFERENCE = "jaxmoe_bf16"
 PROFILE_STEPS = 3
 # CPU smoke-test sizes (not in the default run): a Mixtral-like and a DeepSeek-like layer.
-TINY_SHAPES = {shape.name: shape for shape in (
-    LayerShape("tiny", MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=64,
-                                 aux_loss_coeff=1e-2), 64, batch=2, seq_len=32),
-    LayerShape("tiny_deepseek", MoEConfig(
-        num_experts=16, top_k=4, ffn_hidden_size=64, score_function="sigmoid",
-        enable_expert_bias=True, num_groups=4, group_topk=2, topk_scaling_factor=2.5,
-        router_dtype="fp32", load_balancing_type="seq_aux_loss", aux_loss_coeff=1e-4,
-        shared_expert_intermediate_size=64, shared_expert_gate=True), 64, batch=2, seq_len=32),
-)}
+TINY_SHAPES = {
+    shape.name: shape
+    for shape in (
+        LayerShape(
+            "tiny",
+            MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=64, aux_loss_coeff=1e-2),
+            64,
+            batch=2,
+            seq_len=32,
+        ),
+        LayerShape(
+            "tiny_deepseek",
+            MoEConfig(
+                num_experts=16,
+                top_k=4,
+                ffn_hidden_size=64,
+                score_function="sigmoid",
+                enable_expert_bias=True,
+                num_groups=4,
+                group_topk=2,
+                topk_scaling_factor=2.5,
+                router_dtype="fp32",
+                load_balancing_type="seq_aux_loss",
+                aux_loss_coeff=1e-4,
+                shared_expert_intermediate_size=64,
+                shared_expert_gate=True,
+            ),
+            64,
+            batch=2,
+            seq_len=32,
+        ),
+    )
+}
 _START = time.perf_counter()
 
 
 def log(message: str) -> None:
     """A progress line with the wall time and the seconds since the start (flushed)."""
-    print(f"[{datetime.datetime.now():%H:%M:%S} +{time.perf_counter() - _START:6.1f}s] "
-          f"{message}", flush=True)
+    print(
+        f"[{datetime.datetime.now():%H:%M:%S} +{time.perf_counter() - _START:6.1f}s] {message}",
+        flush=True,
+    )
 
 
 def error_text(e: BaseException) -> str:
@@ -94,21 +123,30 @@ def error_text(e: BaseException) -> str:
 # ------------------------------------------------------------------------------- programs
 def flat_arrays(state) -> dict[str, Any]:
     """An nnx State as {"router.kernel": array, ...} (the competitors' weight names)."""
-    return {".".join(map(str, path)): variable[...]
-            for path, variable in nnx.to_flat_state(state)}
+    return {".".join(map(str, path)): variable[...] for path, variable in nnx.to_flat_state(state)}
 
 
 def init_weights(shape: LayerShape):
     """(params, other state) of a bf16-parameter `jaxmoe.MoE` for `shape` (nnx.Rngs(0)), made
     in one compiled call."""
-    return jax.jit(lambda: nnx.split(MoE(shape.config, shape.hidden_size, param_dtype=BF16,
-                                         rngs=nnx.Rngs(0)), nnx.Param, ...)[1:])()
+    return jax.jit(
+        lambda: nnx.split(
+            MoE(shape.config, shape.hidden_size, param_dtype=BF16, rngs=nnx.Rngs(0)), nnx.Param, ...
+        )[1:]
+    )()
 
 
 def jaxmoe_graphdef(shape: LayerShape, dense_impl: str | None):
     """The graph of a bf16-parameter `jaxmoe.MoE` for `shape` (no weights are made)."""
-    abstract = nnx.eval_shape(lambda: MoE(shape.config, shape.hidden_size, param_dtype=BF16,
-                                          dense_impl=dense_impl, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(
+        lambda: MoE(
+            shape.config,
+            shape.hidden_size,
+            param_dtype=BF16,
+            dense_impl=dense_impl,
+            rngs=nnx.Rngs(0),
+        )
+    )
     return nnx.graphdef(abstract)
 
 
@@ -132,13 +170,15 @@ def ragged_forward(shape: LayerShape, weights, fixed, x):
 def jax_steps(forward: Callable) -> tuple[Callable, Callable]:
     """(train, inference) functions of a JAX forward(trainable, fixed, x) -> (y, aux loss,
     extra): train(trainable, fixed, x, dy) -> (loss, extra, d x, d trainable)."""
+
     def loss(trainable, x, fixed, dy):
         y, aux_loss, extra = forward(trainable, fixed, x)
         return jnp.sum(y.astype(F32) * dy.astype(F32)) + aux_loss, extra
 
     def train(trainable, fixed, x, dy):
-        (value, extra), (d_trainable, d_x) = jax.value_and_grad(
-            loss, argnums=(0, 1), has_aux=True)(trainable, x, fixed, dy)
+        (value, extra), (d_trainable, d_x) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+            trainable, x, fixed, dy
+        )
         return value, extra, d_x, d_trainable
 
     return train, forward
@@ -147,6 +187,7 @@ def jax_steps(forward: Callable) -> tuple[Callable, Callable]:
 def torch_steps(forward: Callable, weights: dict, fixed: dict) -> tuple[Callable, Callable]:
     """(train, inference) of a torch forward(w, x) -> (y, aux loss, extra), same outputs as
     `jax_steps`; autograd through x and every trainable weight."""
+
     def train(x, dy):
         x = x.detach().requires_grad_(True)
         y, aux_loss, extra = forward({**weights, **fixed}, x)
@@ -164,6 +205,7 @@ def torch_steps(forward: Callable, weights: dict, fixed: dict) -> tuple[Callable
 def comparable(out, mode: str, num_tokens: int) -> dict:
     """The outputs of a train / inference call by name, tokens flattened to [T, ...] (torch
     tensors become JAX arrays sharing their memory; integer ones int32 copies)."""
+
     def as_jax(a):
         if type(a).__module__.startswith("torch"):
             a = a.detach() if a.is_floating_point() else a.detach().int()
@@ -171,13 +213,13 @@ def comparable(out, mode: str, num_tokens: int) -> dict:
         return a
 
     out = jax.tree.map(as_jax, out)
-    if mode == "train":                # the loss (a sum of products of both signs) is left out
+    if mode == "train":  # the loss (a sum of products of both signs) is left out
         _, _, d_x, d_weights = out
         d_weights = d_weights if isinstance(d_weights, dict) else flat_arrays(d_weights)
         return {"dx": d_x.reshape(num_tokens, -1), **d_weights}
     y, aux_loss, extra = out
     named = {"y": y.reshape(num_tokens, -1), "aux_loss": aux_loss}
-    if extra.ndim == 2:                                  # a competitor's [T, k] expert ids
+    if extra.ndim == 2:  # a competitor's [T, k] expert ids
         named["indices"] = extra
     return named
 
@@ -198,14 +240,18 @@ def same_routing(a, b):
 def compare(outputs: dict, reference: dict, reference_indices) -> dict:
     """Relative errors of every output the reference has; with expert ids, the share of tokens
     routed differently and the error of y over the tokens routed alike."""
-    errors = {name: float(rel_error(value, reference[name]))
-              for name, value in outputs.items() if name in reference}
+    errors = {
+        name: float(rel_error(value, reference[name]))
+        for name, value in outputs.items()
+        if name in reference
+    }
     result = dict(rel_error=errors, max_rel_error=max(errors.values(), default=None))
     if "indices" in outputs and reference_indices is not None:
         agree = same_routing(outputs["indices"], reference_indices)
         result["routing_mismatch"] = 1.0 - float(jnp.mean(agree))
-        errors["y_routed_alike"] = float(rel_error(outputs["y"] * agree[:, None],
-                                                   reference["y"] * agree[:, None]))
+        errors["y_routed_alike"] = float(
+            rel_error(outputs["y"] * agree[:, None], reference["y"] * agree[:, None])
+        )
     return result
 
 
@@ -224,7 +270,7 @@ class Candidate(NamedTuple):
     impl: str
     call: Callable
     compile_s: float
-    hlo_text: str | None        # the compiled HLO of a jaxmoe variant (stage attribution)
+    hlo_text: str | None  # the compiled HLO of a jaxmoe variant (stage attribution)
 
 
 def _timed(fn):
@@ -232,7 +278,7 @@ def _timed(fn):
     start = time.perf_counter()
     try:
         return fn(), time.perf_counter() - start
-    except Exception as e:                          # recorded by the caller
+    except Exception as e:  # recorded by the caller
         return e, time.perf_counter() - start
 
 
@@ -254,7 +300,8 @@ class ShapeBench:
         programs = self._jax_programs()
         compiled: dict = {}
         with concurrent.futures.ThreadPoolExecutor(
-                max_workers=max(1, min(len(programs), os.cpu_count() or 1))) as pool:
+            max_workers=max(1, min(len(programs), os.cpu_count() or 1))
+        ) as pool:
             futures = {}
             for key, (fn, fn_args) in programs.items():
                 lowered, seconds = _timed(lambda: jax.jit(fn).lower(*fn_args))
@@ -269,8 +316,11 @@ class ShapeBench:
                 compiled[key] = (result, lower_s + compile_s)
         log(f"{self.shape.name}: compiled")
         routing = compiled.pop(("routing", "inference"), (None, 0))[0]
-        indices = (None if routing is None or isinstance(routing, Exception)
-                   else _timed(lambda: routing(self.params, self.rest, self.x))[0])
+        indices = (
+            None
+            if routing is None or isinstance(routing, Exception)
+            else _timed(lambda: routing(self.params, self.rest, self.x))[0]
+        )
         indices = None if isinstance(indices, Exception) else indices
         for mode in self.args.modes:
             candidates = []
@@ -282,10 +332,10 @@ class ShapeBench:
                     self._record(mode, impl, error=error_text(executable), compile_s=seconds)
                     continue
                 fn_args = programs[(impl, mode)][1]
-                hlo_text = (executable.as_text() if impl in JAXMOE and self.args.profile
-                            else None)
-                candidates.append(Candidate(impl, functools.partial(executable, *fn_args),
-                                            seconds, hlo_text))
+                hlo_text = executable.as_text() if impl in JAXMOE and self.args.profile else None
+                candidates.append(
+                    Candidate(impl, functools.partial(executable, *fn_args), seconds, hlo_text)
+                )
             candidates += torch_candidates.get(mode, [])
             self._bench_mode(mode, candidates, indices)
 
@@ -309,18 +359,23 @@ class ShapeBench:
             programs[("jax_ragged_dot", "inference")] = (inference, (weights, fixed, x_tokens))
         if set(self.args.impls) & set(COMPETITORS) and "inference" in self.args.modes:
             graphdef = jaxmoe_graphdef(shape, None)
-            programs[("routing", "inference")] = (functools.partial(jaxmoe_routing, graphdef),
-                                                  (params, rest, x))
-        return {key: value for key, value in programs.items()
-                if key[1] in self.args.modes or key[0] == "routing"}
+            programs[("routing", "inference")] = (
+                functools.partial(jaxmoe_routing, graphdef),
+                (params, rest, x),
+            )
+        return {
+            key: value
+            for key, value in programs.items()
+            if key[1] in self.args.modes or key[0] == "routing"
+        }
 
     def _torch_candidates(self) -> dict:
         """mode -> torch Candidates, warmed up (torch.compile's compilation happens here)."""
         wanted = [c for c in ("torch_grouped_mm", "torch_compile") if c in self.args.impls]
         if not wanted:
             return {}
-        if "torch_compile" in wanted:               # no graphs of earlier shapes (dynamo's
-            torch._dynamo.reset()                   # cache is keyed by code, not by shape)
+        if "torch_compile" in wanted:  # no graphs of earlier shapes (dynamo's
+            torch._dynamo.reset()  # cache is keyed by code, not by shape)
         config, seq_len = self.shape.config, self.shape.seq_len
         try:
             check_supported(config)
@@ -330,8 +385,10 @@ class ShapeBench:
                     self._record(mode, impl, error=error_text(e))
             return {}
         # torch views of the JAX arrays (DLPack, no copies)
-        weights = {name: torch.from_dlpack(a).requires_grad_(True)
-                   for name, a in flat_arrays(self.params).items()}
+        weights = {
+            name: torch.from_dlpack(a).requires_grad_(True)
+            for name, a in flat_arrays(self.params).items()
+        }
         fixed = {name: torch.from_dlpack(a) for name, a in flat_arrays(self.rest).items()}
         x = torch.from_dlpack(self.x.reshape(self.tokens, -1))
         dy = torch.from_dlpack(self.dy.reshape(self.tokens, -1))
@@ -341,11 +398,14 @@ class ShapeBench:
 
         candidates = {}
         for impl in wanted:
-            impl_forward = (torch.compile(forward, dynamic=False) if impl == "torch_compile"
-                            else forward)
+            impl_forward = (
+                torch.compile(forward, dynamic=False) if impl == "torch_compile" else forward
+            )
             train, inference = torch_steps(impl_forward, weights, fixed)
-            for mode, call in (("train", lambda t=train: t(x, dy)),
-                               ("inference", lambda i=inference: i(x))):
+            for mode, call in (
+                ("train", lambda t=train: t(x, dy)),
+                ("inference", lambda i=inference: i(x)),
+            ):
                 if mode not in self.args.modes:
                     continue
                 out, seconds = _timed(lambda c=call: sync(c()))
@@ -363,8 +423,9 @@ class ShapeBench:
         for candidate in candidates:
             out, _ = _timed(lambda: sync(candidate.call()))
             if isinstance(out, Exception):
-                self._record(mode, candidate.impl, error=error_text(out),
-                             compile_s=candidate.compile_s)
+                self._record(
+                    mode, candidate.impl, error=error_text(out), compile_s=candidate.compile_s
+                )
                 continue
             outputs = comparable(out, mode, self.tokens)
             if candidate.impl == REFERENCE:
@@ -380,16 +441,28 @@ class ShapeBench:
         for candidate in runnable:
             times = runs.get(candidate.impl)
             if isinstance(times, Exception) or times is None:
-                self._record(mode, candidate.impl, error=error_text(times or RuntimeError(
-                    "not timed")), compile_s=candidate.compile_s)
+                self._record(
+                    mode,
+                    candidate.impl,
+                    error=error_text(times or RuntimeError("not timed")),
+                    compile_s=candidate.compile_s,
+                )
                 continue
             seconds = statistics.median(times)
-            self._record(mode, candidate.impl, ms=seconds * 1e3,
-                         ms_runs=[t * 1e3 for t in times], tokens_per_s=self.tokens / seconds,
-                         expert_tflops=flops / seconds / 1e12, compile_s=candidate.compile_s,
-                         **checks.get(candidate.impl, {}))
-            log(f"{name} {mode}: {candidate.impl:22s} {seconds * 1e3:9.3f} ms "
-                f"{flops / seconds / 1e12:7.1f} TF/s")
+            self._record(
+                mode,
+                candidate.impl,
+                ms=seconds * 1e3,
+                ms_runs=[t * 1e3 for t in times],
+                tokens_per_s=self.tokens / seconds,
+                expert_tflops=flops / seconds / 1e12,
+                compile_s=candidate.compile_s,
+                **checks.get(candidate.impl, {}),
+            )
+            log(
+                f"{name} {mode}: {candidate.impl:22s} {seconds * 1e3:9.3f} ms "
+                f"{flops / seconds / 1e12:7.1f} TF/s"
+            )
         for candidate in runnable:
             if candidate.hlo_text is not None:
                 self._profile(mode, candidate)
@@ -397,11 +470,12 @@ class ShapeBench:
     def _time(self, mode: str, candidates: list) -> dict:
         """impl -> seconds of each timed run, in turns; one at a time if the turns fail."""
         args = self.args
-        timing = functools.partial(timed_runs, iters=args.iters, repeats=args.repeats,
-                                   min_window=args.min_window)
+        timing = functools.partial(
+            timed_runs, iters=args.iters, repeats=args.repeats, min_window=args.min_window
+        )
         try:
             return dict(zip([c.impl for c in candidates], timing([c.call for c in candidates])))
-        except Exception as e:                          # retried one by one below
+        except Exception as e:  # retried one by one below
             log(f"{self.shape.name} {mode}: timing in turns failed ({error_text(e)[:120]})")
         return {c.impl: _timed(lambda c=c: timing([c.call])[0])[0] for c in candidates}
 
@@ -410,26 +484,39 @@ class ShapeBench:
         try:
             events = profile_events(candidate.call, runs=PROFILE_STEPS)
             breakdown, rows = stage_breakdown(events, candidate.hlo_text, PROFILE_STEPS)
-        except Exception as e:                          # the timings stand without it
-            self.result["errors"].append(dict(shape=self.shape.name, mode=mode,
-                                              impl=candidate.impl, stage="profile",
-                                              error=error_text(e)))
+        except Exception as e:  # the timings stand without it
+            self.result["errors"].append(
+                dict(
+                    shape=self.shape.name,
+                    mode=mode,
+                    impl=candidate.impl,
+                    stage="profile",
+                    error=error_text(e),
+                )
+            )
             log(f"{self.shape.name} {mode}: profile of {candidate.impl} failed: {error_text(e)}")
             return
-        self.result["stages"].append(dict(shape=self.shape.name, mode=mode,
-                                          impl=candidate.impl, **breakdown))
+        self.result["stages"].append(
+            dict(shape=self.shape.name, mode=mode, impl=candidate.impl, **breakdown)
+        )
         self.kernels[f"{self.shape.name}/{mode}/{candidate.impl}"] = dict(
             **describe_profile(events),
-            kernels=[{k: round(v, 3) if isinstance(v, float) else v
-                      for k, v in row._asdict().items()} for row in rows])
-        log(f"{self.shape.name} {mode}: profiled {candidate.impl}: "
+            kernels=[
+                {k: round(v, 3) if isinstance(v, float) else v for k, v in row._asdict().items()}
+                for row in rows
+            ],
+        )
+        log(
+            f"{self.shape.name} {mode}: profiled {candidate.impl}: "
             f"{breakdown['device_ms']:.3f} device ms/step, non-GEMM "
-            f"{100 * (breakdown['non_gemm_share'] or 0):.1f}%, matched {breakdown['matched_by']}")
+            f"{100 * (breakdown['non_gemm_share'] or 0):.1f}%, matched {breakdown['matched_by']}"
+        )
 
     def _record(self, mode: str, impl: str, **fields) -> None:
         precision = JAXMOE.get(impl, ("bf16",))[0]
-        self.result["records"].append(dict(shape=self.shape.name, mode=mode, impl=impl,
-                                           precision=precision, **fields))
+        self.result["records"].append(
+            dict(shape=self.shape.name, mode=mode, impl=impl, precision=precision, **fields)
+        )
         if "error" in fields:
             log(f"{self.shape.name} {mode}: {impl} FAILED {fields['error'][:200]}")
 
@@ -443,28 +530,53 @@ def summarize(result: dict) -> list[dict]:
     summary = []
     for shape in dict.fromkeys(r["shape"] for r in result["records"]):
         for mode in MODES:
-            ms = {r["impl"]: r.get("ms") for r in result["records"]
-                  if r["shape"] == shape and r["mode"] == mode}
+            ms = {
+                r["impl"]: r.get("ms")
+                for r in result["records"]
+                if r["shape"] == shape and r["mode"] == mode
+            }
             if not ms:
                 continue
             ours = ms.get(REFERENCE)
-            stages = next((s for s in result["stages"] if s["shape"] == shape
-                           and s["mode"] == mode and s["impl"] == REFERENCE), {})
+            stages = next(
+                (
+                    s
+                    for s in result["stages"]
+                    if s["shape"] == shape and s["mode"] == mode and s["impl"] == REFERENCE
+                ),
+                {},
+            )
             xla_dense, mxfp8 = ms.get("jaxmoe_bf16_xla_dense"), ms.get("jaxmoe_mxfp8")
-            summary.append(dict(
-                shape=shape, mode=mode, jaxmoe_bf16_ms=ours,
-                speedup={impl: value / ours for impl, value in ms.items()
-                         if value and ours and impl != REFERENCE},
-                invariance_cost=ours / xla_dense - 1 if ours and xla_dense else None,
-                mxfp8_over_bf16=mxfp8 / ours if ours and mxfp8 else None,
-                non_gemm_share=stages.get("non_gemm_share")))
+            summary.append(
+                dict(
+                    shape=shape,
+                    mode=mode,
+                    jaxmoe_bf16_ms=ours,
+                    speedup={
+                        impl: value / ours
+                        for impl, value in ms.items()
+                        if value and ours and impl != REFERENCE
+                    },
+                    invariance_cost=ours / xla_dense - 1 if ours and xla_dense else None,
+                    mxfp8_over_bf16=mxfp8 / ours if ours and mxfp8 else None,
+                    non_gemm_share=stages.get("non_gemm_share"),
+                )
+            )
     return summary
 
 
-LABELS = dict(zip([*JAXMOE, *COMPETITORS],
-                  ("bf16", "xla_dense", "mxfp8", "torch", "torch.compile", "jax_ragged")))
-SHORT_STAGES = {"activation": "act", "shared_expert": "shared", "aux_losses": "aux",
-                "unattributed": "unattr"}
+LABELS = dict(
+    zip(
+        [*JAXMOE, *COMPETITORS],
+        ("bf16", "xla_dense", "mxfp8", "torch", "torch.compile", "jax_ragged"),
+    )
+)
+SHORT_STAGES = {
+    "activation": "act",
+    "shared_expert": "shared",
+    "aux_losses": "aux",
+    "unattributed": "unattr",
+}
 
 
 def print_summary(result: dict) -> None:
@@ -476,30 +588,46 @@ def print_summary(result: dict) -> None:
     for s in result["stages"]:
         total = s["device_ms"] or float("nan")
         parts = " ".join(f"{SHORT_STAGES.get(k, k)} {v['ms']:.2f}" for k, v in s["stages"].items())
-        print(f"{s['shape']:17s} {s['mode']:5.5s} {LABELS[s['impl']]:9s} {s['device_ms']:7.2f} | "
-              f"{parts} | {100 * s['gemm_ms'] / total:.0f}/{100 * s['quantize_ms'] / total:.0f}/"
-              f"{100 * s['non_gemm_ms'] / total:.1f}%")
-    print("\n== deviation from jaxmoe_bf16: max relative error (train: dx and weight gradients; "
-          "inference: y) [share of tokens routed differently, y error on the others] ==")
+        print(
+            f"{s['shape']:17s} {s['mode']:5.5s} {LABELS[s['impl']]:9s} {s['device_ms']:7.2f} | "
+            f"{parts} | {100 * s['gemm_ms'] / total:.0f}/{100 * s['quantize_ms'] / total:.0f}/"
+            f"{100 * s['non_gemm_ms'] / total:.1f}%"
+        )
+    print(
+        "\n== deviation from jaxmoe_bf16: max relative error (train: dx and weight gradients; "
+        "inference: y) [share of tokens routed differently, y error on the others] =="
+    )
     for row in result["summary"]:
         cells = []
         for r in records:
-            if (r["shape"], r["mode"]) == (row["shape"], row["mode"]) and r.get("max_rel_error"
-                                                                                ) is not None:
+            if (r["shape"], r["mode"]) == (row["shape"], row["mode"]) and r.get(
+                "max_rel_error"
+            ) is not None:
                 mismatch = r.get("routing_mismatch")
-                cells.append(f"{LABELS[r['impl']]} {r['max_rel_error']:.1e}" + (
-                    f" [{100 * mismatch:.2f}%, {r['rel_error']['y_routed_alike']:.1e}]"
-                    if mismatch is not None else ""))
+                cells.append(
+                    f"{LABELS[r['impl']]} {r['max_rel_error']:.1e}"
+                    + (
+                        f" [{100 * mismatch:.2f}%, {r['rel_error']['y_routed_alike']:.1e}]"
+                        if mismatch is not None
+                        else ""
+                    )
+                )
         print(f"{row['shape']:17s} {row['mode']:9s} " + " | ".join(cells))
     for e in [r for r in records if "error" in r] + result["errors"]:
         print(f"FAILED {e['shape']} {e['mode']} {e['impl']}: {e['error'][:150]}")
-    print("\n== MoE layer, ms per step (median); (x) = that impl's ms / jaxmoe_bf16's ms; "
-          "TF/s: jaxmoe_bf16's expert GEMMs ==")
-    print(f"{'shape':17s} {'mode':9s}" + "".join(f"{v:>15s}" for v in LABELS.values())
-          + f"{'TF/s':>6s}{'inv.cost':>9s}{'nonGEMM':>8s}")
+    print(
+        "\n== MoE layer, ms per step (median); (x) = that impl's ms / jaxmoe_bf16's ms; "
+        "TF/s: jaxmoe_bf16's expert GEMMs =="
+    )
+    print(
+        f"{'shape':17s} {'mode':9s}"
+        + "".join(f"{v:>15s}" for v in LABELS.values())
+        + f"{'TF/s':>6s}{'inv.cost':>9s}{'nonGEMM':>8s}"
+    )
     for row in result["summary"]:
-        mine = {r["impl"]: r for r in records
-                if (r["shape"], r["mode"]) == (row["shape"], row["mode"])}
+        mine = {
+            r["impl"]: r for r in records if (r["shape"], r["mode"]) == (row["shape"], row["mode"])
+        }
         cells = []
         for impl in LABELS:
             record = mine.get(impl)
@@ -507,18 +635,24 @@ def print_summary(result: dict) -> None:
                 cells.append("-")
             elif "ms" not in record:
                 error = record.get("error", "")
-                cells.append("OOM" if "RESOURCE_EXHAUSTED" in error
-                             or "out of memory" in error.lower() else "FAIL")
+                cells.append(
+                    "OOM"
+                    if "RESOURCE_EXHAUSTED" in error or "out of memory" in error.lower()
+                    else "FAIL"
+                )
             elif impl in row["speedup"]:
                 cells.append(f"{record['ms']:.2f} ({row['speedup'][impl]:.2f})")
             else:
                 cells.append(f"{record['ms']:.3f}")
         tflops = mine.get(REFERENCE, {}).get("expert_tflops")
         inv, non_gemm = row["invariance_cost"], row["non_gemm_share"]
-        print(f"{row['shape']:17s} {row['mode']:9s}" + "".join(f"{c:>15s}" for c in cells)
-              + (f"{tflops:6.0f}" if tflops else f"{'-':>6s}")
-              + (f"{100 * inv:+8.1f}%" if inv is not None else f"{'-':>9s}")
-              + (f"{100 * non_gemm:7.1f}%" if non_gemm is not None else f"{'-':>8s}"))
+        print(
+            f"{row['shape']:17s} {row['mode']:9s}"
+            + "".join(f"{c:>15s}" for c in cells)
+            + (f"{tflops:6.0f}" if tflops else f"{'-':>6s}")
+            + (f"{100 * inv:+8.1f}%" if inv is not None else f"{'-':>9s}")
+            + (f"{100 * non_gemm:7.1f}%" if non_gemm is not None else f"{'-':>8s}")
+        )
     print("targets: invariance cost <= 5% of the train step; non-GEMM <= 10% of the layer")
 
 
@@ -526,18 +660,28 @@ def plot(result: dict, path: str) -> None:
     """Bars of ms per implementation and shape (train, inference) and the stacked per-stage
     device ms of jaxmoe's bf16 and MXFP8 train steps."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+
     shapes = list(dict.fromkeys(r["shape"] for r in result["records"]))
     impls = [*JAXMOE, *COMPETITORS]
     fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
     width = 0.8 / len(impls)
     for ax, mode in zip(axes, MODES):
         for i, impl in enumerate(impls):
-            values = [next((r["ms"] for r in result["records"] if r["shape"] == s
-                            and r["mode"] == mode and r["impl"] == impl and "ms" in r), 0)
-                      for s in shapes]
+            values = [
+                next(
+                    (
+                        r["ms"]
+                        for r in result["records"]
+                        if r["shape"] == s and r["mode"] == mode and r["impl"] == impl and "ms" in r
+                    ),
+                    0,
+                )
+                for s in shapes
+            ]
             ax.bar(np.arange(len(shapes)) + i * width, values, width, label=impl)
         ax.set_xticks(np.arange(len(shapes)) + 0.4 - width / 2)
         ax.set_xticklabels(shapes, fontsize=8)
@@ -550,11 +694,22 @@ def plot(result: dict, path: str) -> None:
     variants = [(shape, impl) for shape in shapes for impl in ("jaxmoe_bf16", "jaxmoe_mxfp8")]
     bottom = np.zeros(len(variants))
     for i, stage in enumerate(STAGES + ("other", "unattributed")):
-        values = np.array([next((s["stages"].get(stage, {}).get("ms", 0) for s in result["stages"]
-                                 if s["shape"] == shape and s["mode"] == "train"
-                                 and s["impl"] == impl), 0) for shape, impl in variants])
-        ax.bar(np.arange(len(variants)), values, 0.6, bottom=bottom, label=stage,
-               color=plt.cm.tab20(i))
+        values = np.array(
+            [
+                next(
+                    (
+                        s["stages"].get(stage, {}).get("ms", 0)
+                        for s in result["stages"]
+                        if s["shape"] == shape and s["mode"] == "train" and s["impl"] == impl
+                    ),
+                    0,
+                )
+                for shape, impl in variants
+            ]
+        )
+        ax.bar(
+            np.arange(len(variants)), values, 0.6, bottom=bottom, label=stage, color=plt.cm.tab20(i)
+        )
         bottom += values
     ax.set_xticks(np.arange(len(variants)))
     ax.set_xticklabels([f"{shape}\n{impl[7:]}" for shape, impl in variants], fontsize=7)
@@ -575,45 +730,61 @@ def write_outputs(result: dict, kernels: dict, paths: dict) -> None:
         json.dump(kernels, f)
     try:
         plot(result, paths["png"])
-    except ImportError as e:                            # matplotlib missing: no plot
+    except ImportError as e:  # matplotlib missing: no plot
         log(f"no plot ({error_text(e)})")
 
 
 def environment() -> dict:
     """Device, versions and date of the run."""
     device = jax.devices()[0]
-    return dict(benchmark="layer", date=datetime.date.today().isoformat(),
-                time=datetime.datetime.now().isoformat(timespec="seconds"),
-                device=device.device_kind, platform=device.platform,
-                num_sms=getattr(device, "core_count", None), jax=jax.__version__,
-                flax=flax.__version__, torch=torch.__version__,
-                python=platform.python_version())
+    return dict(
+        benchmark="layer",
+        date=datetime.date.today().isoformat(),
+        time=datetime.datetime.now().isoformat(timespec="seconds"),
+        device=device.device_kind,
+        platform=device.platform,
+        num_sms=getattr(device, "core_count", None),
+        jax=jax.__version__,
+        flax=flax.__version__,
+        torch=torch.__version__,
+        python=platform.python_version(),
+    )
 
 
 def main(argv=None):
     """Parse the command line (`argv`: None for sys.argv), benchmark every shape in turn,
     writing the results after each, and print the summary."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES),
-                        help=f"comma-separated, from {list(SHAPES)} (CPU smoke sizes: "
-                             f"{list(TINY_SHAPES)})")
+    parser.add_argument(
+        "--shapes",
+        default=",".join(SHAPES),
+        help=f"comma-separated, from {list(SHAPES)} (CPU smoke sizes: {list(TINY_SHAPES)})",
+    )
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--impls", default=",".join([*JAXMOE, *COMPETITORS]),
-                        help="comma-separated implementations to run")
-    parser.add_argument("--no-competitors", action="store_true",
-                        help="only the jaxmoe variants of --impls")
+    parser.add_argument(
+        "--impls",
+        default=",".join([*JAXMOE, *COMPETITORS]),
+        help="comma-separated implementations to run",
+    )
+    parser.add_argument(
+        "--no-competitors", action="store_true", help="only the jaxmoe variants of --impls"
+    )
     parser.add_argument("--no-profile", dest="profile", action="store_false")
-    parser.add_argument("--iters", type=int, default=1,
-                        help="the fewest calls per timed run")
-    parser.add_argument("--min-window", type=float, default=0.1,
-                        help="seconds: the shortest timed run of back-to-back calls")
+    parser.add_argument("--iters", type=int, default=1, help="the fewest calls per timed run")
+    parser.add_argument(
+        "--min-window",
+        type=float,
+        default=0.1,
+        help="seconds: the shortest timed run of back-to-back calls",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tag", default="", help="added to the result file names")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
-    args.impls = [i for i in args.impls.split(",")
-                  if i and not (args.no_competitors and i in COMPETITORS)]
+    args.impls = [
+        i for i in args.impls.split(",") if i and not (args.no_competitors and i in COMPETITORS)
+    ]
     for value, allowed in ((args.modes, MODES), (args.impls, (*JAXMOE, *COMPETITORS))):
         if set(value) - set(allowed):
             parser.error(f"unknown {sorted(set(value) - set(allowed))}; choose from {allowed}")
@@ -622,29 +793,47 @@ def main(argv=None):
     if set(names) - set(shapes):
         parser.error(f"unknown shapes {sorted(set(names) - set(shapes))}")
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"layer_{datetime.date.today().isoformat()}"
-                                  + (f"_{args.tag}" if args.tag else ""))
+    stem = os.path.join(
+        args.out,
+        f"layer_{datetime.date.today().isoformat()}" + (f"_{args.tag}" if args.tag else ""),
+    )
     paths = dict(json=stem + ".json", kernels=stem + "_kernels.json", png=stem + ".png")
-    result = dict(**environment(), shapes={}, records=[], stages=[], summary=[], errors=[],
-                  method=f"median of {args.repeats} timed runs of back-to-back calls (>= "
-                         f"{args.iters} calls and >= {args.min_window} s each, device "
-                         "synchronised), implementations in turns, each timed run after as "
-                         "many untimed calls of the same implementation; stage breakdown from "
-                         f"a JAX profile of {PROFILE_STEPS} steps")
+    result = dict(
+        **environment(),
+        shapes={},
+        records=[],
+        stages=[],
+        summary=[],
+        errors=[],
+        method=f"median of {args.repeats} timed runs of back-to-back calls (>= "
+        f"{args.iters} calls and >= {args.min_window} s each, device "
+        "synchronised), implementations in turns, each timed run after as "
+        "many untimed calls of the same implementation; stage breakdown from "
+        f"a JAX profile of {PROFILE_STEPS} steps",
+    )
     kernels: dict = {}
-    log(f"layer benchmark on {result['device']}: shapes {names}, modes {args.modes}, "
-        f"implementations {args.impls}, profile {args.profile}")
+    log(
+        f"layer benchmark on {result['device']}: shapes {names}, modes {args.modes}, "
+        f"implementations {args.impls}, profile {args.profile}"
+    )
     for name in names:
         shape = shapes[name]
         result["shapes"][name] = dict(
-            tokens=shape.num_tokens, batch=shape.batch, seq_len=shape.seq_len,
-            hidden=shape.hidden_size, **{k: v for k, v in vars(shape.config).items()
-                                         if isinstance(v, (int, float, str, type(None)))},
-            expert_gemm_gflop={m: expert_gemm_flops(shape, m) / 1e9 for m in MODES})
+            tokens=shape.num_tokens,
+            batch=shape.batch,
+            seq_len=shape.seq_len,
+            hidden=shape.hidden_size,
+            **{
+                k: v
+                for k, v in vars(shape.config).items()
+                if isinstance(v, (int, float, str, type(None)))
+            },
+            expert_gemm_gflop={m: expert_gemm_flops(shape, m) / 1e9 for m in MODES},
+        )
         log(f"{name}: start")
         try:
             ShapeBench(shape, args, result, kernels).run()
-        except Exception as e:                          # the other shapes still run
+        except Exception as e:  # the other shapes still run
             result["errors"].append(dict(shape=name, mode="-", impl="-", error=error_text(e)))
             log(f"{name}: FAILED {error_text(e)}")
         gc.collect()

@@ -31,13 +31,16 @@ F32 = jnp.float32
 def check_supported(config: MoEConfig) -> None:
     """Raise NotImplementedError for the config options the competitors leave out."""
     unsupported = dict(
-        capacity_factor=config.capacity_factor is not None, add_bias_linear=config.add_bias_linear,
-        pre_softmax=config.pre_softmax, z_loss_coeff=config.z_loss_coeff is not None,
+        capacity_factor=config.capacity_factor is not None,
+        add_bias_linear=config.add_bias_linear,
+        pre_softmax=config.pre_softmax,
+        z_loss_coeff=config.z_loss_coeff is not None,
         input_jitter_eps=config.input_jitter_eps is not None,
         activation=config.activation != "silu" or not config.gated_linear_unit,
         score_function=config.score_function not in ("softmax", "sigmoid"),
         load_balancing_type=config.load_balancing_type == "global_aux_loss",
-        precision=config.expert_precision != "bf16" or config.dispatch_dtype != "bf16")
+        precision=config.expert_precision != "bf16" or config.dispatch_dtype != "bf16",
+    )
     missing = [name for name, flag in unsupported.items() if flag]
     if missing:
         raise NotImplementedError(f"the competitor MoEs do not implement {missing}")
@@ -52,8 +55,9 @@ def _switch_loss(scores, routed, config: MoEConfig, seq_len: int):
     scores = scores.reshape(-1, tokens, config.num_experts)
     routed = routed.reshape(-1, tokens, config.num_experts)
     per_group = (scores.sum(1) * routed.sum(1)).sum(-1)
-    return per_group.mean() * (config.num_experts * config.aux_loss_coeff
-                               / (config.top_k * tokens * tokens))
+    return per_group.mean() * (
+        config.num_experts * config.aux_loss_coeff / (config.top_k * tokens * tokens)
+    )
 
 
 # ----------------------------------------------------------------------------------- PyTorch
@@ -61,13 +65,15 @@ def torch_moe(w: dict, x: torch.Tensor, config: MoEConfig, seq_len: int):
     """(y [T, H], aux loss fp32 scalar, expert ids [T, k]) for tokens x [T, H] (bf16)."""
     k, num_experts = config.top_k, config.num_experts
     router_kernel = w["router.kernel"]
-    logits = (x.float() @ router_kernel.float() if config.router_dtype == "fp32"
-              else x @ router_kernel)
+    logits = (
+        x.float() @ router_kernel.float() if config.router_dtype == "fp32" else x @ router_kernel
+    )
     probs, indices = _torch_route(logits, config, w.get("router.expert_bias"))
     flat = indices.reshape(-1)
     sorted_ids, order = torch.sort(flat, stable=True)
-    offs = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device),
-                              right=True).to(torch.int32)
+    offs = torch.searchsorted(
+        sorted_ids, torch.arange(num_experts, device=x.device), right=True
+    ).to(torch.int32)
     rows = x.index_select(0, order // k)
     h = torch._grouped_mm(rows, w["experts.fc1_kernel"], offs=offs)
     gate, up = h.float().chunk(2, dim=-1)
@@ -96,7 +102,8 @@ def _torch_route(logits, config: MoEConfig, expert_bias):
             chosen = group_scores.topk(config.group_topk, dim=-1).indices
             allowed = (chosen[:, :, None] == torch.arange(groups, device=logits.device)).any(1)
             selection = selection.masked_fill(
-                ~allowed.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+                ~allowed.repeat_interleave(grouped.shape[-1], dim=1), float("-inf")
+            )
         indices = torch.topk(selection, k, dim=-1).indices
         probs = scores.gather(1, indices)
         probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
@@ -165,8 +172,9 @@ def _jax_route(logits, config: MoEConfig, expert_bias):
             group_scores = jax.lax.top_k(grouped, k // config.group_topk)[0].sum(-1)
             chosen = jax.lax.top_k(group_scores, config.group_topk)[1]
             allowed = jnp.any(chosen[:, :, None] == jnp.arange(groups), axis=1)
-            selection = jnp.where(jnp.repeat(allowed, grouped.shape[-1], axis=1), selection,
-                                  -jnp.inf)
+            selection = jnp.where(
+                jnp.repeat(allowed, grouped.shape[-1], axis=1), selection, -jnp.inf
+            )
         indices = jax.lax.top_k(selection, k)[1]
         probs = jnp.take_along_axis(scores, indices, axis=1)
         probs = probs / (probs.sum(-1, keepdims=True) + 1e-20)
@@ -178,8 +186,11 @@ def _jax_route(logits, config: MoEConfig, expert_bias):
 def _jax_shared_expert(w, x):
     h = jnp.dot(x, w["shared_experts.fc1_kernel"], preferred_element_type=F32).astype(x.dtype)
     gate, up = jnp.split(h.astype(F32), 2, axis=-1)
-    out = jnp.dot((jax.nn.silu(gate) * up).astype(x.dtype), w["shared_experts.fc2_kernel"],
-                  preferred_element_type=F32).astype(x.dtype)
+    out = jnp.dot(
+        (jax.nn.silu(gate) * up).astype(x.dtype),
+        w["shared_experts.fc2_kernel"],
+        preferred_element_type=F32,
+    ).astype(x.dtype)
     if "shared_experts.gate_kernel" in w:
         logit = jnp.dot(x, w["shared_experts.gate_kernel"], preferred_element_type=F32)
         out = out * jax.nn.sigmoid(logit.astype(x.dtype).astype(F32)).astype(x.dtype)

@@ -27,21 +27,38 @@ Records that cannot be traced back are "unattributed" and classified by kernel n
 from __future__ import annotations
 
 import collections
+import itertools
 import re
 from typing import NamedTuple
 
 from benchmarks.timing import TraceEvent, gpu_stream_events
 
-STAGES = ("router", "plan", "dispatch", "fc1", "activation", "fc2", "combine", "shared_expert",
-          "aux_losses")
+STAGES = (
+    "router",
+    "plan",
+    "dispatch",
+    "fc1",
+    "activation",
+    "fc2",
+    "combine",
+    "shared_expert",
+    "aux_losses",
+)
 _BYTE_DATA = re.compile(r"\b(f8e\w*|u8)\[")
 _GEMM_KERNEL_NAME = re.compile(r"gemm|gmm|matmul|nvjet|xmma|cutlass|cublas", re.I)
 _MOSAIC_KERNEL = "mosaic_gpu"
 _GEMM_OPCODES = ("dot", "ragged-dot", "convolution")
 # jaxmoe's Pallas kernels by name (a record is "<name>_mosaic_gpu_kernel") and their work.
-PALLAS_KERNEL_KINDS = {"gmm": "gemm", "tgmm": "gemm", "gmm_mxfp8": "gemm",
-                       "quantize_rowwise": "quantize", "quantize_columnwise": "quantize",
-                       "dispatch_quantize": "quantize", "dispatch": "other", "combine": "other"}
+PALLAS_KERNEL_KINDS = {
+    "gmm": "gemm",
+    "tgmm": "gemm",
+    "gmm_mxfp8": "gemm",
+    "quantize_rowwise": "quantize",
+    "quantize_columnwise": "quantize",
+    "dispatch_quantize": "quantize",
+    "dispatch": "other",
+    "combine": "other",
+}
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -55,12 +72,12 @@ class Instruction(NamedTuple):
     """What the stage attribution needs of one HLO instruction."""
 
     name: str
-    result_type: str       # e.g. "bf16[4096,7168]{1,0}" or a tuple of them
+    result_type: str  # e.g. "bf16[4096,7168]{1,0}" or a tuple of them
     opcode: str
-    target: str            # custom_call_target ("" for other opcodes)
+    target: str  # custom_call_target ("" for other opcodes)
     op_name: str
-    called: tuple          # names of the computations it calls (fusion bodies, ...)
-    gemm_config: bool      # its backend config names a GEMM (Triton / cuBLAS fusions)
+    called: tuple  # names of the computations it calls (fusion bodies, ...)
+    gemm_config: bool  # its backend config names a GEMM (Triton / cuBLAS fusions)
 
 
 class HloModule(NamedTuple):
@@ -92,24 +109,29 @@ def parse_hlo(text: str) -> HloModule:
         called = [n for group in _CALLED.findall(body) for n in re.findall(r"[\w.\-]+", group)]
         result_type, opcode = _split_type(body)
         instructions[name] = Instruction(
-            name=name, result_type=result_type, opcode=opcode,
+            name=name,
+            result_type=result_type,
+            opcode=opcode,
             target=target.group(1) if target else "",
-            op_name=op_name.group(1) if op_name else "", called=tuple(called),
-            gemm_config=bool(re.search(r"backend_config=.*gemm", body, re.I)))
+            op_name=op_name.group(1) if op_name else "",
+            called=tuple(called),
+            gemm_config=bool(re.search(r"backend_config=.*gemm", body, re.I)),
+        )
         current.append(name)
-    return HloModule(name=module_name.group(1) if module_name else "", instructions=instructions,
-                     computations=computations, entry=entry)
+    return HloModule(
+        name=module_name.group(1) if module_name else "",
+        instructions=instructions,
+        computations=computations,
+        entry=entry,
+    )
 
 
 def _split_type(body: str) -> tuple[str, str]:
     """(result type, opcode) of an instruction body `type opcode(operands), attributes`."""
-    if body.startswith("("):                      # a tuple type
-        depth = 0
-        for end, char in enumerate(body):
-            depth += {"(": 1, ")": -1}.get(char, 0)
-            if depth == 0:
-                break
-        result_type, rest = body[:end + 1], body[end + 1:]
+    if body.startswith("("):  # a tuple type
+        depths = itertools.accumulate({"(": 1, ")": -1}.get(char, 0) for char in body)
+        end = next(i for i, depth in enumerate(depths) if depth == 0)
+        result_type, rest = body[: end + 1], body[end + 1 :]
     else:
         result_type, _, rest = body.partition(" ")
     match = re.match(r"\s*([\w\-]+)\(", rest)
@@ -128,8 +150,12 @@ def scope_stage(op_name: str) -> str:
 
 def _fused(module: HloModule, instruction: Instruction, depth: int = 2) -> list:
     """The instructions of the computations `instruction` calls (two levels deep)."""
-    inner = [module.instructions[n] for c in instruction.called
-             for n in module.computations.get(c, ()) if n in module.instructions]
+    inner = [
+        module.instructions[n]
+        for c in instruction.called
+        for n in module.computations.get(c, ())
+        if n in module.instructions
+    ]
     if depth > 1:
         inner += [i for f in inner for i in _fused(module, f, depth - 1)]
     return inner
@@ -144,14 +170,17 @@ def _op_name(module: HloModule, instruction: Instruction) -> str:
 
 
 def _kind(module: HloModule, instruction: Instruction) -> str:
-    """"gemm", "quantize" or "other" for the work of one instruction."""
+    """ "gemm", "quantize" or "other" for the work of one instruction."""
     if "quantize" in _op_name(module, instruction):
         return "quantize"
     if "mosaic" in instruction.target:
         return "quantize" if _BYTE_DATA.search(instruction.result_type) else "gemm"
-    if (instruction.opcode in _GEMM_OPCODES or instruction.gemm_config
-            or _GEMM_KERNEL_NAME.search(instruction.target)
-            or any(i.opcode in _GEMM_OPCODES for i in _fused(module, instruction))):
+    if (
+        instruction.opcode in _GEMM_OPCODES
+        or instruction.gemm_config
+        or _GEMM_KERNEL_NAME.search(instruction.target)
+        or any(i.opcode in _GEMM_OPCODES for i in _fused(module, instruction))
+    ):
         return "gemm"
     return "other"
 
@@ -162,10 +191,10 @@ class Attribution(NamedTuple):
     kernel: str
     hlo_op: str
     op_name: str
-    stage: str             # a STAGES entry, "other" (outside the layer) or "unattributed"
+    stage: str  # a STAGES entry, "other" (outside the layer) or "unattributed"
     backward: bool
-    kind: str              # "gemm", "quantize" or "other"
-    matched_by: str        # "hlo_op", "kernel_name", "record_op_name" or "none"
+    kind: str  # "gemm", "quantize" or "other"
+    matched_by: str  # "hlo_op", "kernel_name", "record_op_name" or "none"
     dur_us: float
     start_us: float
 
@@ -211,8 +240,9 @@ class MosaicSchedule:
         return call
 
 
-def attribute(event: TraceEvent, module: HloModule, by_kernel_name: dict,
-              schedule: MosaicSchedule) -> Attribution:
+def attribute(
+    event: TraceEvent, module: HloModule, by_kernel_name: dict, schedule: MosaicSchedule
+) -> Attribution:
     """Trace one profile record back to its HLO instruction, stage, pass and kind (records in
     start order: `schedule` places the Pallas kernels that name no instruction)."""
     args = event.args
@@ -233,18 +263,31 @@ def attribute(event: TraceEvent, module: HloModule, by_kernel_name: dict,
                 instruction, matched_by = module.instructions[call], "schedule_order"
     if instruction is not None:
         op_name = _op_name(module, instruction)
-        kind = PALLAS_KERNEL_KINDS.get(event.name.removesuffix(f"_{_MOSAIC_KERNEL}_kernel"),
-                                       _kind(module, instruction))
+        kind = PALLAS_KERNEL_KINDS.get(
+            event.name.removesuffix(f"_{_MOSAIC_KERNEL}_kernel"), _kind(module, instruction)
+        )
     else:
         op_name = _record_op_name(args)
         matched_by = "record_op_name" if op_name else "none"
-        kind = ("quantize" if "quantize" in event.name or "quantize" in op_name
-                else "gemm" if _GEMM_KERNEL_NAME.search(event.name) else "other")
+        kind = (
+            "quantize"
+            if "quantize" in event.name or "quantize" in op_name
+            else "gemm"
+            if _GEMM_KERNEL_NAME.search(event.name)
+            else "other"
+        )
     stage = scope_stage(op_name) if op_name else "unattributed"
-    return Attribution(kernel=event.name, hlo_op=instruction.name if instruction else
-                       ",".join(hlo_ops), op_name=op_name, stage=stage,
-                       backward="transpose(" in op_name, kind=kind, matched_by=matched_by,
-                       dur_us=event.dur_us, start_us=event.start_us)
+    return Attribution(
+        kernel=event.name,
+        hlo_op=instruction.name if instruction else ",".join(hlo_ops),
+        op_name=op_name,
+        stage=stage,
+        backward="transpose(" in op_name,
+        kind=kind,
+        matched_by=matched_by,
+        dur_us=event.dur_us,
+        start_us=event.start_us,
+    )
 
 
 def _record_op_name(args: dict) -> str:
@@ -296,22 +339,33 @@ def describe_profile(events: list[TraceEvent], samples: int = 12) -> dict:
     return dict(
         records_per_thread=dict(threads.most_common(30)),
         record_arg_names=sorted({key for e in device for key in e.args}),
-        sample_records=[dict(name=e.name, dur_us=e.dur_us, thread=e.thread,
-                             args={k: str(v)[:300] for k, v in e.args.items()})
-                        for e in list(first_of_kernel.values())[:samples]])
+        sample_records=[
+            dict(
+                name=e.name,
+                dur_us=e.dur_us,
+                thread=e.thread,
+                args={k: str(v)[:300] for k, v in e.args.items()},
+            )
+            for e in list(first_of_kernel.values())[:samples]
+        ],
+    )
 
 
-def stage_breakdown(events: list[TraceEvent], hlo_text: str, steps: int
-                    ) -> tuple[dict, list[Attribution]]:
+def stage_breakdown(
+    events: list[TraceEvent], hlo_text: str, steps: int
+) -> tuple[dict, list[Attribution]]:
     """Device milliseconds per step by stage (forward / backward, GEMM / quantize / other) from
     the profile records of `steps` runs of the compiled module `hlo_text`, and the attributed
     records of the last step (for inspection)."""
     module = parse_hlo(hlo_text)
-    by_kernel_name = {_kernel_style(name): instruction
-                      for name, instruction in module.instructions.items()}
+    by_kernel_name = {
+        _kernel_style(name): instruction for name, instruction in module.instructions.items()
+    }
     schedule = MosaicSchedule(module)
-    rows = [attribute(e, module, by_kernel_name, schedule)
-            for e in sorted(module_events(events, module), key=lambda e: e.start_us)]
+    rows = [
+        attribute(e, module, by_kernel_name, schedule)
+        for e in sorted(module_events(events, module), key=lambda e: e.start_us)
+    ]
     per_step = 1e-3 / steps
     total = sum(r.dur_us for r in rows) * per_step
     stages = {}
@@ -321,19 +375,31 @@ def stage_breakdown(events: list[TraceEvent], hlo_text: str, steps: int
             continue
         ms = sum(r.dur_us for r in mine) * per_step
         stages[stage] = dict(
-            ms=ms, share=ms / total if total else None,
+            ms=ms,
+            share=ms / total if total else None,
             fwd_ms=sum(r.dur_us for r in mine if not r.backward) * per_step,
             bwd_ms=sum(r.dur_us for r in mine if r.backward) * per_step,
-            **{f"{kind}_ms": sum(r.dur_us for r in mine if r.kind == kind) * per_step
-               for kind in ("gemm", "quantize", "other")})
-    kinds = {kind: sum(r.dur_us for r in rows if r.kind == kind) * per_step
-             for kind in ("gemm", "quantize", "other")}
+            **{
+                f"{kind}_ms": sum(r.dur_us for r in mine if r.kind == kind) * per_step
+                for kind in ("gemm", "quantize", "other")
+            },
+        )
+    kinds = {
+        kind: sum(r.dur_us for r in rows if r.kind == kind) * per_step
+        for kind in ("gemm", "quantize", "other")
+    }
     summary = dict(
-        steps=steps, kernels_per_step=len(rows) / steps, device_ms=total,
+        steps=steps,
+        kernels_per_step=len(rows) / steps,
+        device_ms=total,
         fwd_ms=sum(r.dur_us for r in rows if not r.backward) * per_step,
         bwd_ms=sum(r.dur_us for r in rows if r.backward) * per_step,
-        gemm_ms=kinds["gemm"], quantize_ms=kinds["quantize"], other_ms=kinds["other"],
+        gemm_ms=kinds["gemm"],
+        quantize_ms=kinds["quantize"],
+        other_ms=kinds["other"],
         non_gemm_ms=total - kinds["gemm"],
         non_gemm_share=(total - kinds["gemm"]) / total if total else None,
-        matched_by=dict(collections.Counter(r.matched_by for r in rows)), stages=stages)
-    return summary, rows[-(len(rows) // steps or len(rows)):] if rows else []
+        matched_by=dict(collections.Counter(r.matched_by for r in rows)),
+        stages=stages,
+    )
+    return summary, rows[-(len(rows) // steps or len(rows)) :] if rows else []

@@ -32,7 +32,7 @@ def main(argv=None):
         rows = list(csv.reader(f))
     header_at = next(i for i, row in enumerate(rows) if SAMPLES in row)
     header = rows[header_at]
-    body = [r for r in rows[header_at + 1:] if len(r) == len(header)]
+    body = [r for r in rows[header_at + 1 :] if len(r) == len(header)]
     col = {name: i for i, name in enumerate(header)}
     reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
     total = sum(number(r[col[SAMPLES]]) for r in body) or 1.0
@@ -42,18 +42,23 @@ def main(argv=None):
         group[0] += number(r[col[SAMPLES]])
         group[1] += 1
         group[2].update({reason: number(r[col[reason]]) for reason in reasons})
-    print(f"{total:.0f} stall samples over {len(body)} instructions\n"
-          f"{'executed':>10} {'instrs':>6} {'samples':>8}  top reasons")
+    print(
+        f"{total:.0f} stall samples over {len(body)} instructions\n"
+        f"{'executed':>10} {'instrs':>6} {'samples':>8}  top reasons"
+    )
     by_samples = sorted(groups.items(), key=lambda g: -g[1][0])
-    for executed, (samples, count, why) in by_samples[:args.groups]:
-        top = ", ".join(f"{reason[6:]} {100 * n / samples:.0f}%"
-                        for reason, n in why.most_common(3) if samples)
+    for executed, (samples, count, why) in by_samples[: args.groups]:
+        top = ", ".join(
+            f"{reason[6:]} {100 * n / samples:.0f}%" for reason, n in why.most_common(3) if samples
+        )
         print(f"{executed:>10} {count:>6} {100 * samples / total:7.1f}%  {top}")
     print("\ntop instructions")
-    for r in sorted(body, key=lambda r: -number(r[col[SAMPLES]]))[:args.instructions]:
+    for r in sorted(body, key=lambda r: -number(r[col[SAMPLES]]))[: args.instructions]:
         executed = int(number(r[col["Instructions Executed"]]))
-        print(f"{100 * number(r[col[SAMPLES]]) / total:5.1f}% x{executed:>8}  "
-              f"{r[col['Source']].strip()[:70]}")
+        print(
+            f"{100 * number(r[col[SAMPLES]]) / total:5.1f}% x{executed:>8}  "
+            f"{r[col['Source']].strip()[:70]}"
+        )
 
 
 if __name__ == "__main__":

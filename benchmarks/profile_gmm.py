@@ -23,19 +23,29 @@ import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax                                                        # noqa: E402
-import jax.numpy as jnp                                           # noqa: E402
-import numpy as np                                                # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gmm import SHAPES, default_kernel_config, group_sizes_for  # noqa: E402
-from jaxmoe.mxfp8 import BLOCK_SIZE                               # noqa: E402
-from jaxmoe.ops import gmm, tgmm                                  # noqa: E402
-from jaxmoe.ops.pallas.quantize_hopper import (                   # noqa: E402
-    gather_quantize_rowwise_pallas, quantize_columnwise_pallas, quantize_rowwise_pallas)
+from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
+from jaxmoe.ops import gmm, tgmm  # noqa: E402
+from jaxmoe.ops.pallas.quantize_hopper import (  # noqa: E402
+    gather_quantize_rowwise_pallas,
+    quantize_columnwise_pallas,
+    quantize_rowwise_pallas,
+)
 
-OPS = ("fwd", "dgrad", "wgrad", "quantize_rowwise", "quantize_columnwise", "dispatch_quantize",
-       "copy")
+OPS = (
+    "fwd",
+    "dgrad",
+    "wgrad",
+    "quantize_rowwise",
+    "quantize_columnwise",
+    "dispatch_quantize",
+    "copy",
+)
 
 
 def make_call(op, impl, shape, torch, changes=None):
@@ -45,16 +55,18 @@ def make_call(op, impl, shape, torch, changes=None):
     x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
     torch_sync = lambda out: torch.cuda.synchronize()
     if op.startswith("quantize") or op == "dispatch_quantize":
-        if op == "dispatch_quantize":      # as benchmarks/gmm_mxfp8.py: m/2 tokens, each twice
+        if op == "dispatch_quantize":  # as benchmarks/gmm_mxfp8.py: m/2 tokens, each twice
             row_token = jax.random.permutation(jax.random.key(1), jnp.arange(m) % (m // 2))
             fn, tokens = jax.jit(gather_quantize_rowwise_pallas), x[: m // 2]
             return (lambda: fn(tokens, row_token)), jax.block_until_ready
-        fn = jax.jit(quantize_rowwise_pallas if op == "quantize_rowwise"
-                     else quantize_columnwise_pallas)
+        fn = jax.jit(
+            quantize_rowwise_pallas if op == "quantize_rowwise" else quantize_columnwise_pallas
+        )
         return (lambda: fn(x)), jax.block_until_ready
     if op == "copy":
-        src = torch.empty((x.size * 3 + x.size // BLOCK_SIZE) // 2, dtype=torch.uint8,
-                          device="cuda")
+        src = torch.empty(
+            (x.size * 3 + x.size // BLOCK_SIZE) // 2, dtype=torch.uint8, device="cuda"
+        )
         dst = torch.empty_like(src)
         return (lambda: dst.copy_(src)), torch_sync
     w = jax.random.normal(jax.random.key(1), (g, k, n), jnp.bfloat16) * 0.02
@@ -63,18 +75,25 @@ def make_call(op, impl, shape, torch, changes=None):
     if impl == "pallas":
         # Operands are arguments (as in benchmarks/gmm.py), so that the tile metadata is
         # computed at run time, not folded into constants.
-        kw = dict(impl="pallas", preferred_element_type=jnp.bfloat16,
-                  config=dataclasses.replace(default_kernel_config(shape, op), **(changes or {})))
-        fn, args = {"fwd": (lambda a, b, s: gmm(a, b, s, **kw), (x, w, gs)),
-                    "dgrad": (lambda a, b, s: gmm(a, b, s, transpose_rhs=True, **kw), (dy, w, gs)),
-                    "wgrad": (lambda a, b, s: tgmm(a, b, s, **kw), (x, dy, gs))}[op]
+        kw = dict(
+            impl="pallas",
+            preferred_element_type=jnp.bfloat16,
+            config=dataclasses.replace(default_kernel_config(shape, op), **(changes or {})),
+        )
+        fn, args = {
+            "fwd": (lambda a, b, s: gmm(a, b, s, **kw), (x, w, gs)),
+            "dgrad": (lambda a, b, s: gmm(a, b, s, transpose_rhs=True, **kw), (dy, w, gs)),
+            "wgrad": (lambda a, b, s: tgmm(a, b, s, **kw), (x, dy, gs)),
+        }[op]
         fn = jax.jit(fn)
         return (lambda: fn(*args)), jax.block_until_ready
     tx, tw, tdy = (torch.from_dlpack(a) for a in (x, w, dy))
     offs = torch.from_numpy(np.cumsum(sizes).astype(np.int32)).cuda()
-    call = {"fwd": lambda: torch._grouped_mm(tx, tw, offs=offs),
-            "dgrad": lambda: torch._grouped_mm(tdy, tw.transpose(-2, -1), offs=offs),
-            "wgrad": lambda: torch._grouped_mm(tx.t(), tdy, offs=offs)}[op]
+    call = {
+        "fwd": lambda: torch._grouped_mm(tx, tw, offs=offs),
+        "dgrad": lambda: torch._grouped_mm(tdy, tw.transpose(-2, -1), offs=offs),
+        "wgrad": lambda: torch._grouped_mm(tx.t(), tdy, offs=offs),
+    }[op]
     return call, torch_sync
 
 
@@ -89,6 +108,7 @@ def main(argv=None):
     if unknown := set(ops) - set(OPS):
         parser.error(f"unknown ops {sorted(unknown)}; choose from {OPS}")
     import torch
+
     calls = [make_call(op, args.impl, args.shape, torch, json.loads(args.config)) for op in ops]
     for call, sync in calls:
         sync(call())

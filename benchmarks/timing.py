@@ -25,11 +25,12 @@ def time_it(fn, *, iters: int, repeats: int = 5) -> float:
     return time_round_robin([fn], iters=iters, repeats=repeats)[0]
 
 
-def time_round_robin(fns, *, iters: int, repeats: int = 5,
-                     min_window: float = 0.2) -> list[float]:
+def time_round_robin(fns, *, iters: int, repeats: int = 5, min_window: float = 0.2) -> list[float]:
     """Median seconds per call of each fn over the `timed_runs`."""
-    return [statistics.median(times) for times in timed_runs(
-        fns, iters=iters, repeats=repeats, min_window=min_window)]
+    return [
+        statistics.median(times)
+        for times in timed_runs(fns, iters=iters, repeats=repeats, min_window=min_window)
+    ]
 
 
 def timed_runs(fns, *, iters: int, repeats: int = 5, min_window: float = 0.2) -> list[list[float]]:
@@ -71,6 +72,7 @@ def device_seconds(fn, *, calls: int = 1, iters: int = 10) -> float:
     sync(out)
     if _is_torch_tensor(out):
         import torch
+
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         start.record()
         for _ in range(iters):
@@ -120,22 +122,33 @@ def read_trace_events(trace_dir: str) -> list[TraceEvent]:
     events = data["traceEvents"] if isinstance(data, dict) else data
 
     def names(kind, key):
-        return {key(e): e["args"]["name"] for e in events
-                if e.get("ph") == "M" and e.get("name") == kind}
+        return {
+            key(e): e["args"]["name"]
+            for e in events
+            if e.get("ph") == "M" and e.get("name") == kind
+        }
 
     process = names("process_name", lambda e: e["pid"])
     thread = names("thread_name", lambda e: (e["pid"], e.get("tid")))
-    return [TraceEvent(process=process.get(e["pid"], ""),
-                       thread=thread.get((e["pid"], e.get("tid")), ""), name=e.get("name", ""),
-                       start_us=float(e.get("ts", 0.0)), dur_us=float(e.get("dur", 0.0)),
-                       args=e.get("args", {}))
-            for e in events if e.get("ph") == "X"]
+    return [
+        TraceEvent(
+            process=process.get(e["pid"], ""),
+            thread=thread.get((e["pid"], e.get("tid")), ""),
+            name=e.get("name", ""),
+            start_us=float(e.get("ts", 0.0)),
+            dur_us=float(e.get("dur", 0.0)),
+            args=e.get("args", {}),
+        )
+        for e in events
+        if e.get("ph") == "X"
+    ]
 
 
 def gpu_stream_events(events: list[TraceEvent]) -> list[TraceEvent]:
     """The events that ran on a GPU stream (kernels, copies, memsets)."""
-    return [e for e in events
-            if e.process.startswith("/device:GPU") and e.thread.startswith("Stream")]
+    return [
+        e for e in events if e.process.startswith("/device:GPU") and e.thread.startswith("Stream")
+    ]
 
 
 def sync(out):
@@ -143,6 +156,7 @@ def sync(out):
     leaves = jax.tree.leaves(out)
     if any(_is_torch_tensor(leaf) and leaf.is_cuda for leaf in leaves):
         import torch
+
         torch.cuda.synchronize()
     jax.block_until_ready([leaf for leaf in leaves if isinstance(leaf, jax.Array)])
     return out

@@ -3,18 +3,20 @@
 Both layers are built from one Megatron checkpoint layer and fed the same input bytes (moved from
 torch to JAX over DLPack, data pointers checked). For every stage the report gives the fraction of
 bitwise-equal elements, the max absolute difference and the max ULP distance in the stage's dtype
-(integer-view metric of determinism.md §4.5: key = i if i >= 0 else -(i & 0x7f..f); NaN equals NaN
-only at the same position), and the max row-ULP (matrix-ULP for fp32 weight gradients, see
-`row_ulp_distance`). Each stage has a bound (see `BOUNDS` and bridge/README.md for their
-derivation); the run passes when every stage is within its bound. Routing under capacity is
-compared as kept (token, expert) pairs (`megatron_routing_pairs` for Megatron's side).
+(integer-view metric of docs/determinism.md, "The ULP metric of the compare tool": key = i if
+i >= 0 else -(i & 0x7f..f); NaN equals NaN only at the same position), and the max row-ULP
+(matrix-ULP for fp32 weight gradients, see `row_ulp_distance`). Each stage has a bound (see
+`BOUNDS` and bridge/README.md for their derivation); the run passes when every stage is within
+its bound. Routing under capacity is compared as kept (token, expert) pairs
+(`megatron_routing_pairs` for Megatron's side).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +30,7 @@ from bridge.dlpack import to_jax
 from bridge.errors import ConfigError
 
 F32 = jnp.float32
-INPUT_SHAPE = (2, 32)            # (batch, sequence) of the seeded random input
+INPUT_SHAPE = (2, 32)  # (batch, sequence) of the seeded random input
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,24 +58,46 @@ def _row_ulp(n: int) -> Bound:
 _EXACT, _BITWISE = Bound("exact"), Bound("bitwise")
 _FP32_WEIGHT_GRAD = Bound("matrix_ulp", limit=64)
 BOUNDS: dict[tuple[str, str], Bound] = {
-    ("indices", "int"): _EXACT, ("kept", "int"): _EXACT, ("dispatched_rows", "fp32"): _BITWISE,
+    ("indices", "int"): _EXACT,
+    ("kept", "int"): _EXACT,
+    ("dispatched_rows", "fp32"): _BITWISE,
     ("dispatched_rows", "bf16"): _BITWISE,
-    ("router_logits", "fp32"): _row_ulp(16), ("probs", "fp32"): _row_ulp(16),
-    ("aux_loss", "fp32"): _row_ulp(16), ("weight_grad", "fp32"): _FP32_WEIGHT_GRAD,
+    ("router_logits", "fp32"): _row_ulp(16),
+    ("probs", "fp32"): _row_ulp(16),
+    ("aux_loss", "fp32"): _row_ulp(16),
+    ("weight_grad", "fp32"): _FP32_WEIGHT_GRAD,
 }
-for _stage in ("fc1_output", "activation", "fc2_output", "combined", "shared_output", "output",
-               "grad"):
+for _stage in (
+    "fc1_output",
+    "activation",
+    "fc2_output",
+    "combined",
+    "shared_output",
+    "output",
+    "grad",
+):
     BOUNDS[(_stage, "fp32")] = _row_ulp(64)
-for _stage in ("router_logits", "probs", "fc1_output", "activation", "fc2_output", "combined",
-               "shared_output", "output"):
+for _stage in (
+    "router_logits",
+    "probs",
+    "fc1_output",
+    "activation",
+    "fc2_output",
+    "combined",
+    "shared_output",
+    "output",
+):
     BOUNDS[(_stage, "bf16")] = _row_ulp(1)
 BOUNDS[("grad", "bf16")] = BOUNDS[("weight_grad", "bf16")] = _row_ulp(4)
 # jaxmoe vs Megatron's recorded outputs (io.pt).
 MEGATRON_BOUNDS: dict[tuple[str, str], Bound] = {
     ("routing_map", "int"): _EXACT,
-    ("output", "fp32"): _row_ulp(64), ("output", "bf16"): _row_ulp(4),
-    ("grad", "fp32"): _row_ulp(64), ("grad", "bf16"): _row_ulp(4),
-    ("weight_grad", "fp32"): _FP32_WEIGHT_GRAD, ("weight_grad", "bf16"): _row_ulp(4),
+    ("output", "fp32"): _row_ulp(64),
+    ("output", "bf16"): _row_ulp(4),
+    ("grad", "fp32"): _row_ulp(64),
+    ("grad", "bf16"): _row_ulp(4),
+    ("weight_grad", "fp32"): _FP32_WEIGHT_GRAD,
+    ("weight_grad", "bf16"): _row_ulp(4),
 }
 
 
@@ -98,20 +122,22 @@ _INT_VIEWS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def ulp_keys(a: np.ndarray) -> np.ndarray:
-    """Monotone integer keys of floats (determinism.md §4.5), as int64; +0 and -0 share a key."""
+    """Monotone integer keys of floats (docs/determinism.md, "The ULP metric of the compare
+    tool"), as int64; +0 and -0 share a key."""
     bits = a.view(_INT_VIEWS[a.dtype.itemsize]).astype(np.int64)
     magnitude_mask = (1 << (8 * a.dtype.itemsize - 1)) - 1
     return np.where(bits >= 0, bits, -(bits & magnitude_mask))
 
 
-def row_ulp_distance(actual: np.ndarray, reference: np.ndarray,
-                     axes: tuple[int, ...] = (-1,)) -> np.ndarray:
+def row_ulp_distance(
+    actual: np.ndarray, reference: np.ndarray, axes: tuple[int, ...] = (-1,)
+) -> np.ndarray:
     """|actual - reference| in ULPs (of the reference dtype) of the largest |reference| in each
     row (the last axis; `axes=(-2, -1)`: in each matrix): robust where per-element ULPs explode,
     i.e. for values produced by cancellation near zero."""
     info = ml_dtypes.finfo(reference.dtype)
     ref = reference.astype(np.float64)
-    axes = axes[-ref.ndim:] if ref.ndim else ()
+    axes = axes[-ref.ndim :] if ref.ndim else ()
     row_max = np.max(np.abs(ref), axis=axes, keepdims=True) if axes else np.abs(ref)
     with np.errstate(divide="ignore"):
         exponent = np.maximum(np.floor(np.log2(row_max)), info.minexp)
@@ -119,15 +145,16 @@ def row_ulp_distance(actual: np.ndarray, reference: np.ndarray,
 
 
 def stage_metrics(a: np.ndarray, b: np.ndarray, matrix: bool = False) -> dict[str, float]:
-    """bitwise_fraction, max_abs, max_ulp (per element, determinism.md §4.5, in b's dtype) and
-    max_row_ulp (see `row_ulp_distance`) of `a` against the reference `b`; with `matrix` also
-    max_matrix_ulp (the same over the last two axes). One-sided NaNs give inf; integer arrays
-    get their max abs difference as every ULP figure."""
+    """bitwise_fraction, max_abs, max_ulp (per element, docs/determinism.md, "The ULP metric of
+    the compare tool", in b's dtype) and max_row_ulp (see `row_ulp_distance`) of `a` against the
+    reference `b`; with `matrix` also max_matrix_ulp (the same over the last two axes).
+    One-sided NaNs give inf; integer arrays get their max abs difference as every ULP figure."""
     keys = ("max_abs", "max_ulp", "max_row_ulp") + (("max_matrix_ulp",) if matrix else ())
 
     def result(bitwise_fraction, value=None, **values):
-        return dict(bitwise_fraction=bitwise_fraction,
-                    **{key: values.get(key, value) for key in keys})
+        return dict(
+            bitwise_fraction=bitwise_fraction, **{key: values.get(key, value) for key in keys}
+        )
 
     if a.shape != b.shape or a.dtype != b.dtype:
         return result(0.0, math.inf)
@@ -136,8 +163,9 @@ def stage_metrics(a: np.ndarray, b: np.ndarray, matrix: bool = False) -> dict[st
     view = _INT_VIEWS[a.dtype.itemsize]
     bitwise = a.view(view) == b.view(view)
     if not _is_float(a.dtype):
-        return result(float(bitwise.mean()),
-                      float(np.max(np.abs(a.astype(np.int64) - b.astype(np.int64)))))
+        return result(
+            float(bitwise.mean()), float(np.max(np.abs(a.astype(np.int64) - b.astype(np.int64))))
+        )
     nan_a, nan_b = np.isnan(a.astype(np.float64)), np.isnan(b.astype(np.float64))
     bitwise |= nan_a & nan_b
     if (nan_a != nan_b).any():
@@ -145,11 +173,15 @@ def stage_metrics(a: np.ndarray, b: np.ndarray, matrix: bool = False) -> dict[st
     finite = ~(nan_a | nan_b)
     abs_diff = np.abs(a.astype(np.float64) - b.astype(np.float64))[finite]
     ulp = np.abs(ulp_keys(a) - ulp_keys(b))[finite]
-    values = dict(max_abs=float(abs_diff.max(initial=0.0)), max_ulp=float(ulp.max(initial=0)),
-                  max_row_ulp=float(row_ulp_distance(a, b)[finite].max(initial=0.0)))
+    values = dict(
+        max_abs=float(abs_diff.max(initial=0.0)),
+        max_ulp=float(ulp.max(initial=0)),
+        max_row_ulp=float(row_ulp_distance(a, b)[finite].max(initial=0.0)),
+    )
     if matrix:
         values["max_matrix_ulp"] = float(
-            row_ulp_distance(a, b, axes=(-2, -1))[finite].max(initial=0.0))
+            row_ulp_distance(a, b, axes=(-2, -1))[finite].max(initial=0.0)
+        )
     return result(float(bitwise.mean()), **values)
 
 
@@ -185,12 +217,19 @@ class StageResult:
         return out
 
 
-def compare_stage(name: str, actual: np.ndarray, reference: np.ndarray, bound: Bound
-                  ) -> StageResult:
+def compare_stage(
+    name: str, actual: np.ndarray, reference: np.ndarray, bound: Bound
+) -> StageResult:
     """Metrics of `actual` against `reference` and whether they satisfy `bound`."""
     metrics = stage_metrics(actual, reference, matrix=bound.kind == "matrix_ulp")
-    return StageResult(name=name, dtype=str(reference.dtype), shape=tuple(reference.shape),
-                       bound=bound.describe(), ok=within(bound, metrics), **metrics)
+    return StageResult(
+        name=name,
+        dtype=str(reference.dtype),
+        shape=tuple(reference.shape),
+        bound=bound.describe(),
+        ok=within(bound, metrics),
+        **metrics,
+    )
 
 
 # --------------------------------------------------------------------------------- the runs
@@ -211,7 +250,8 @@ def _run_jaxmoe(moe, x: jax.Array, dy: jax.Array):
         return jnp.sum(y.astype(F32) * dy.astype(F32)) + aux.total_loss, (y, aux, stages)
 
     (_, (y, aux, stages)), (param_grads, grad_x) = nnx.value_and_grad(
-        objective, argnums=(0, 1), has_aux=True)(moe, x)
+        objective, argnums=(0, 1), has_aux=True
+    )(moe, x)
     grads = {}
     for module, attr, field, perm in megatron.JAXMOE_PARAMS:
         owner = param_grads.get(module) if module in param_grads else None
@@ -226,19 +266,29 @@ def _run_torch(ref: torch_reference.MoE, x: torch.Tensor, dy: torch.Tensor):
     x = x.detach().clone().requires_grad_(True)
     y, aux, stages = ref.forward_with_stages(x)
     ((y.float() * dy.float()).sum() + aux.total_loss).backward()
-    grads = {"grad_" + name: host(p.grad) for name, p in ref.named_parameters()
-             if p.grad is not None}
+    grads = {
+        "grad_" + name: host(p.grad) for name, p in ref.named_parameters() if p.grad is not None
+    }
     return y, aux, stages, x.grad, grads
 
 
 def _stage_arrays(y, aux, stages, grad_x, grads) -> dict[str, np.ndarray]:
-    out = {name: host(stages[name]) for name in
-           ("router_logits", "probs", "dispatched_rows", "fc1_output", "activation",
-            "fc2_output", "combined")}
-    out["indices"] = host(stages["indices"]).astype(np.int64)
-    out["kept"] = host(stages["kept"])
-    if stages["shared_output"] is not None:
-        out["shared_output"] = host(stages["shared_output"])
+    out = {
+        name: host(getattr(stages, name))
+        for name in (
+            "router_logits",
+            "probs",
+            "dispatched_rows",
+            "fc1_output",
+            "activation",
+            "fc2_output",
+            "combined",
+        )
+    }
+    out["indices"] = host(stages.indices).astype(np.int64)
+    out["kept"] = host(stages.kept)
+    if stages.shared_output is not None:
+        out["shared_output"] = host(stages.shared_output)
     out["output"] = host(y)
     out["aux_loss"] = np.asarray(host(aux.total_loss), np.float32).reshape(1)
     out["grad_x"] = host(grad_x)
@@ -263,9 +313,16 @@ def _kept_map(indices: np.ndarray, kept: np.ndarray, num_experts: int) -> np.nda
 _TOKEN_STAGES = ("router_logits", "probs", "indices", "kept", "output", "aux_loss")
 
 
-def compare_layer(ckpt: megatron.MegatronCheckpoint, layer: int, *, io: Mapping | None = None,
-                  device: str = "cpu", seed: int = 0, config=None,
-                  input_shape: tuple[int, int] = INPUT_SHAPE) -> dict[str, Any]:
+def compare_layer(
+    ckpt: megatron.MegatronCheckpoint,
+    layer: int,
+    *,
+    io: Mapping | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+    config=None,
+    input_shape: tuple[int, int] = INPUT_SHAPE,
+) -> dict[str, Any]:
     """Run jaxmoe and the PyTorch reference on layer `layer` and compare every stage (plus
     Megatron's recorded y, dx, parameter grads and routing_map when `io` is given). Without
     `io` the input is seeded random of shape `input_shape` (batch, sequence) + (H,). Returns the
@@ -278,8 +335,10 @@ def compare_layer(ckpt: megatron.MegatronCheckpoint, layer: int, *, io: Mapping 
     if config is None:
         raise ConfigError("the checkpoint has no saved args: pass --config CONFIG_JSON")
     if config.input_jitter_eps is not None:
-        raise ConfigError("input jitter draws different random numbers in each framework; "
-                          "compare with moe_input_jitter_eps unset")
+        raise ConfigError(
+            "input jitter draws different random numbers in each framework; "
+            "compare with moe_input_jitter_eps unset"
+        )
     torch_device = torch.device("cuda" if device == "gpu" else "cpu")
     jax_device = jax.devices("gpu" if device == "gpu" else "cpu")[0]
     weights = ckpt.layer(layer)
@@ -298,27 +357,36 @@ def compare_layer(ckpt: megatron.MegatronCheckpoint, layer: int, *, io: Mapping 
     with jax.default_device(jax_device), jax.default_matmul_precision("highest"):
         moe = megatron.build_moe(ckpt, layer, config=config)
         nnx.update(moe, jax.device_put(nnx.state(moe), jax_device))
-        x_jax, dy_jax = to_jax(x), to_jax(dy)          # zero-copy, data pointers checked
+        x_jax, dy_jax = to_jax(x), to_jax(dy)  # zero-copy, data pointers checked
         jax_out = _stage_arrays(*_run_jaxmoe(moe, x_jax, dy_jax))
     ref = torch_reference.MoE.from_megatron(ckpt, layer, config=config, device=torch_device)
     torch_out = _stage_arrays(*_run_torch(ref, x, dy))
 
     stages = {}
-    routing_exact = all(np.array_equal(jax_out[name], torch_out[name])
-                        for name in ("indices", "kept"))
+    routing_exact = all(
+        np.array_equal(jax_out[name], torch_out[name]) for name in ("indices", "kept")
+    )
     for name, reference in torch_out.items():
         if name not in jax_out:
             continue
         if not routing_exact and name not in _TOKEN_STAGES and not name.startswith("grad"):
-            continue       # buffers laid out by different routings are not comparable
-        stages[name] = compare_stage(name, jax_out[name], reference,
-                                     _bound(BOUNDS, name, reference.dtype))
+            continue  # buffers laid out by different routings are not comparable
+        stages[name] = compare_stage(
+            name, jax_out[name], reference, _bound(BOUNDS, name, reference.dtype)
+        )
     report: dict[str, Any] = dict(
-        checkpoint=ckpt.path, layer=layer, device=device, dtype=str(dtype).replace("torch.", ""),
-        routing_exact=routing_exact, dropped_pairs=int(np.sum(~jax_out["kept"])),
-        output={key: stages["output"].as_json()[key]
-                for key in ("max_abs", "max_ulp", "max_row_ulp", "bitwise_fraction")},
-        stages={name: result.as_json() for name, result in stages.items()})
+        checkpoint=ckpt.path,
+        layer=layer,
+        device=device,
+        dtype=str(dtype).replace("torch.", ""),
+        routing_exact=routing_exact,
+        dropped_pairs=int(np.sum(~jax_out["kept"])),
+        output={
+            key: stages["output"].as_json()[key]
+            for key in ("max_abs", "max_ulp", "max_row_ulp", "bitwise_fraction")
+        },
+        stages={name: result.as_json() for name, result in stages.items()},
+    )
     ok = routing_exact and all(result.ok for result in stages.values())
     if io is not None:
         report["vs_megatron"] = _vs_megatron(jax_out, io, config)
@@ -350,53 +418,84 @@ def _vs_megatron(jax_out: Mapping[str, np.ndarray], io: Mapping, config) -> dict
     kept = _kept_map(jax_out["indices"], jax_out["kept"], num_experts)
     kept = kept.reshape(batch, seq, num_experts).transpose(1, 0, 2).reshape(-1, num_experts)
     megatron_pairs, fillers = megatron_routing_pairs(io, config)
-    pairs = {"routing_map": (kept, megatron_pairs),
-             "output": (jax_out["output"].transpose(1, 0, 2), host(io["y"])),
-             "grad_x": (jax_out["grad_x"].transpose(1, 0, 2), host(io["dx"]))}
+    pairs = {
+        "routing_map": (kept, megatron_pairs),
+        "output": (jax_out["output"].transpose(1, 0, 2), host(io["y"])),
+        "grad_x": (jax_out["grad_x"].transpose(1, 0, 2), host(io["dx"])),
+    }
     for name, reference in _megatron_grads(io["param_grads"]).items():
         pairs[name] = (jax_out[name], reference)
-    results = {name: compare_stage(name, actual, reference,
-                                   _bound(MEGATRON_BOUNDS, name, reference.dtype))
-               for name, (actual, reference) in pairs.items()}
-    return dict(routing_exact=results["routing_map"].ok, routing_fillers=fillers,
-                output={key: results["output"].as_json()[key]
-                        for key in ("max_abs", "max_ulp", "max_row_ulp", "bitwise_fraction")},
-                stages={name: r.as_json() for name, r in results.items()},
-                ok=all(r.ok for r in results.values()))
+    results = {
+        name: compare_stage(name, actual, reference, _bound(MEGATRON_BOUNDS, name, reference.dtype))
+        for name, (actual, reference) in pairs.items()
+    }
+    return dict(
+        routing_exact=results["routing_map"].ok,
+        routing_fillers=fillers,
+        output={
+            key: results["output"].as_json()[key]
+            for key in ("max_abs", "max_ulp", "max_row_ulp", "bitwise_fraction")
+        },
+        stages={name: r.as_json() for name, r in results.items()},
+        ok=all(r.ok for r in results.values()),
+    )
 
 
 def format_table(report: Mapping[str, Any]) -> str:
     """The report as a readable text table."""
-    lines = [f"{report['checkpoint']} layer {report['layer']} ({report['dtype']}, "
-             f"{report['device']}): routing_exact={report['routing_exact']}, "
-             f"{report['dropped_pairs']} (token, expert) pairs dropped by capacity"]
+    lines = [
+        f"{report['checkpoint']} layer {report['layer']} ({report['dtype']}, "
+        f"{report['device']}): routing_exact={report['routing_exact']}, "
+        f"{report['dropped_pairs']} (token, expert) pairs dropped by capacity"
+    ]
 
     def table(title, stages):
         lines.append(f"\n{title}")
-        lines.append(f"{'stage':<24}{'dtype':<10}{'bitwise':>8}{'max_abs':>10}{'max_ulp':>11}"
-                     f"{'row_ulp':>9}{'mat_ulp':>9}  {'bound':<18}ok")
+        lines.append(
+            f"{'stage':<24}{'dtype':<10}{'bitwise':>8}{'max_abs':>10}{'max_ulp':>11}"
+            f"{'row_ulp':>9}{'mat_ulp':>9}  {'bound':<18}ok"
+        )
         for name, s in stages.items():
-            cells = ["-" if s[k] is None else s[k] if isinstance(s[k], str) else fmt.format(s[k])
-                     for k, fmt in (("max_abs", "{:.3g}"), ("max_ulp", "{:.0f}"),
-                                    ("max_row_ulp", "{:.2f}"), ("max_matrix_ulp", "{:.2f}"))]
-            lines.append(f"{name:<24}{s['dtype']:<10}{s['bitwise_fraction']:>8.4f}{cells[0]:>10}"
-                         f"{cells[1]:>11}{cells[2]:>9}{cells[3]:>9}  {s['bound']:<18}"
-                         f"{'yes' if s['ok'] else 'NO'}")
+            cells = [
+                "-" if s[k] is None else s[k] if isinstance(s[k], str) else fmt.format(s[k])
+                for k, fmt in (
+                    ("max_abs", "{:.3g}"),
+                    ("max_ulp", "{:.0f}"),
+                    ("max_row_ulp", "{:.2f}"),
+                    ("max_matrix_ulp", "{:.2f}"),
+                )
+            ]
+            lines.append(
+                f"{name:<24}{s['dtype']:<10}{s['bitwise_fraction']:>8.4f}{cells[0]:>10}"
+                f"{cells[1]:>11}{cells[2]:>9}{cells[3]:>9}  {s['bound']:<18}"
+                f"{'yes' if s['ok'] else 'NO'}"
+            )
+
     table("jaxmoe vs PyTorch reference", report["stages"])
     if "vs_megatron" in report:
         vs = report["vs_megatron"]
-        fillers = (f"; routing_map without its {vs['routing_fillers']} pad-to-capacity fillers"
-                   if vs["routing_fillers"] else "")
+        fillers = (
+            f"; routing_map without its {vs['routing_fillers']} pad-to-capacity fillers"
+            if vs["routing_fillers"]
+            else ""
+        )
         table(f"jaxmoe vs Megatron (io.pt{fillers})", vs["stages"])
-    lines.append("\nPASS: every stage is within its bound" if report["ok"]
-                 else "\nFAIL: some stage is outside its bound")
+    lines.append(
+        "\nPASS: every stage is within its bound"
+        if report["ok"]
+        else "\nFAIL: some stage is outside its bound"
+    )
     return "\n".join(lines)
 
 
 def bounds_help() -> str:
     """The bound tables as text (for --help)."""
     rows = [f"  {stage:<17}{cls:<6}{b.describe()}" for (stage, cls), b in BOUNDS.items()]
-    rows += [f"  vs Megatron {stage:<12}{cls:<6}{b.describe()}"
-             for (stage, cls), b in MEGATRON_BOUNDS.items()]
-    return ("stage bounds (weight_grad = gradients of weight matrices, grad = other gradients; "
-            "see bridge/README.md):\n" + "\n".join(rows))
+    rows += [
+        f"  vs Megatron {stage:<12}{cls:<6}{b.describe()}"
+        for (stage, cls), b in MEGATRON_BOUNDS.items()
+    ]
+    return (
+        "stage bounds (weight_grad = gradients of weight matrices, grad = other gradients; "
+        "see bridge/README.md):\n" + "\n".join(rows)
+    )

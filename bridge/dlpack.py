@@ -24,10 +24,18 @@ from bridge.errors import DLPackTransferError
 from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor
 
 _TORCH_TO_JAX = {
-    torch.float32: jnp.float32, torch.float16: jnp.float16, torch.bfloat16: jnp.bfloat16,
-    torch.float64: jnp.float64, torch.int8: jnp.int8, torch.int16: jnp.int16,
-    torch.int32: jnp.int32, torch.int64: jnp.int64, torch.uint8: jnp.uint8, torch.bool: jnp.bool_,
-    torch.float8_e4m3fn: jnp.float8_e4m3fn, torch.float8_e5m2: jnp.float8_e5m2,
+    torch.float32: jnp.float32,
+    torch.float16: jnp.float16,
+    torch.bfloat16: jnp.bfloat16,
+    torch.float64: jnp.float64,
+    torch.int8: jnp.int8,
+    torch.int16: jnp.int16,
+    torch.int32: jnp.int32,
+    torch.int64: jnp.int64,
+    torch.uint8: jnp.uint8,
+    torch.bool: jnp.bool_,
+    torch.float8_e4m3fn: jnp.float8_e4m3fn,
+    torch.float8_e5m2: jnp.float8_e5m2,
     torch.float8_e8m0fnu: jnp.float8_e8m0fnu,
 }
 _JAX_TO_TORCH = {np.dtype(j): t for t, j in _TORCH_TO_JAX.items()}
@@ -41,8 +49,10 @@ def torch_dtype(dtype) -> torch.dtype:
     except TypeError:
         candidate = None
     if candidate not in _TORCH_TO_JAX:
-        raise DLPackTransferError(f"dtype {dtype!r} cannot be exchanged over DLPack here "
-                                  f"(supported: {sorted(str(d) for d in _TORCH_TO_JAX)})")
+        raise DLPackTransferError(
+            f"dtype {dtype!r} cannot be exchanged over DLPack here "
+            f"(supported: {sorted(str(d) for d in _TORCH_TO_JAX)})"
+        )
     return candidate
 
 
@@ -67,8 +77,10 @@ def _reinterpret(t: torch.Tensor, dtype) -> torch.Tensor:
 def jax_data_pointer(a: jax.Array) -> int:
     """Address of a single-device JAX array's buffer."""
     if len(a.devices()) != 1:
-        raise DLPackTransferError(f"a JAX array on {len(a.devices())} devices cannot be shared; "
-                                  "gather it to one device first")
+        raise DLPackTransferError(
+            f"a JAX array on {len(a.devices())} devices cannot be shared; "
+            "gather it to one device first"
+        )
     return a.unsafe_buffer_pointer()
 
 
@@ -90,19 +102,22 @@ def to_jax(t: torch.Tensor, *, dtype=None, copy: bool = False) -> jax.Array:
         if not copy:
             raise DLPackTransferError(
                 f"tensor of shape {tuple(t.shape)} with strides {t.stride()} is not contiguous; "
-                "pass copy=True to share a contiguous copy")
+                "pass copy=True to share a contiguous copy"
+            )
         t = t.contiguous()
     try:
         a = jax.dlpack.from_dlpack(t)
     except (RuntimeError, TypeError, ValueError, BufferError) as exc:
-        raise DLPackTransferError(f"JAX cannot import a {t.dtype} tensor on {t.device}: "
-                                  f"{exc}") from exc
+        raise DLPackTransferError(
+            f"JAX cannot import a {t.dtype} tensor on {t.device}: {exc}"
+        ) from exc
     if t.numel() and jax_data_pointer(a) != t.data_ptr():
         if copy:
             return to_jax(t.clone(), copy=False)
         raise DLPackTransferError(
             f"JAX copied the {t.dtype} tensor on import (data pointer {t.data_ptr():#x} is probably "
-            "not aligned for XLA); pass copy=True to share an aligned copy")
+            "not aligned for XLA); pass copy=True to share an aligned copy"
+        )
     return a
 
 
@@ -116,8 +131,9 @@ def to_torch(a: jax.Array, *, dtype=None, copy: bool = False) -> torch.Tensor:
     try:
         t = torch.from_dlpack(a)
     except (RuntimeError, TypeError, ValueError, BufferError) as exc:
-        raise DLPackTransferError(f"torch cannot import a {a.dtype} array on {a.devices()}: "
-                                  f"{exc}") from exc
+        raise DLPackTransferError(
+            f"torch cannot import a {a.dtype} array on {a.devices()}: {exc}"
+        ) from exc
     if pointer is not None and t.data_ptr() != pointer:
         raise DLPackTransferError(f"torch copied the {a.dtype} array on import")
     if dtype is not None:
@@ -131,27 +147,39 @@ def mxtensor_to_torch(mx: MXTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_torch(mx.data), to_torch(mx.scale)
 
 
-def mxtensor_from_torch(data: torch.Tensor, scale: torch.Tensor, *, axis: int,
-                        fmt: str = "e4m3", copy: bool = False) -> MXTensor:
+def mxtensor_from_torch(
+    data: torch.Tensor, scale: torch.Tensor, *, axis: int, fmt: str = "e4m3", copy: bool = False
+) -> MXTensor:
     """An MXTensor viewing torch `data` (float8 of `fmt`, or its uint8 bytes) and compact `scale`
     (uint8 or float8_e8m0fnu E8M0 bytes, `data.shape` with dim `axis` divided by 32). copy: as
     for `to_jax`."""
     if fmt not in _MX_FORMATS:
-        raise DLPackTransferError(f"unknown MXFP8 format {fmt!r}; expected one of "
-                                  f"{sorted(_MX_FORMATS)}")
+        raise DLPackTransferError(
+            f"unknown MXFP8 format {fmt!r}; expected one of {sorted(_MX_FORMATS)}"
+        )
     if data.dtype not in (torch.uint8, _MX_FORMATS[fmt]):
-        raise DLPackTransferError(f"MXFP8 {fmt} data must be {_MX_FORMATS[fmt]} or uint8, got "
-                                  f"{data.dtype}")
+        raise DLPackTransferError(
+            f"MXFP8 {fmt} data must be {_MX_FORMATS[fmt]} or uint8, got {data.dtype}"
+        )
     if scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
-        raise DLPackTransferError(f"MXFP8 scales must be uint8 or float8_e8m0fnu, got {scale.dtype}")
+        raise DLPackTransferError(
+            f"MXFP8 scales must be uint8 or float8_e8m0fnu, got {scale.dtype}"
+        )
     axis %= data.ndim
     expected = list(data.shape)
     if expected[axis] % BLOCK_SIZE:
-        raise DLPackTransferError(f"MXFP8 data dim {axis} ({expected[axis]}) is not a multiple of "
-                                  f"{BLOCK_SIZE}")
+        raise DLPackTransferError(
+            f"MXFP8 data dim {axis} ({expected[axis]}) is not a multiple of {BLOCK_SIZE}"
+        )
     expected[axis] //= BLOCK_SIZE
     if list(scale.shape) != expected:
-        raise DLPackTransferError(f"compact MXFP8 scales for data {tuple(data.shape)} along axis "
-                                  f"{axis} must be {tuple(expected)}, got {tuple(scale.shape)}")
-    return MXTensor(data=to_jax(data, dtype=_MX_FORMATS[fmt], copy=copy),
-                    scale=to_jax(scale, dtype=torch.uint8, copy=copy), axis=axis, fmt=fmt)
+        raise DLPackTransferError(
+            f"compact MXFP8 scales for data {tuple(data.shape)} along axis "
+            f"{axis} must be {tuple(expected)}, got {tuple(scale.shape)}"
+        )
+    return MXTensor(
+        data=to_jax(data, dtype=_MX_FORMATS[fmt], copy=copy),
+        scale=to_jax(scale, dtype=torch.uint8, copy=copy),
+        axis=axis,
+        fmt=fmt,
+    )

@@ -1,6 +1,6 @@
 """Finding the files of a Megatron checkpoint on disk: the format, the iteration directory, and
-the legacy `mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt` rank files (shared spec `megatron_moe.md`
-§7.4)."""
+the legacy `mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt` rank files (docs/numerics.md, "Megatron
+checkpoints")."""
 
 from __future__ import annotations
 
@@ -53,15 +53,17 @@ def resolve(path: str) -> tuple[str, str]:
             text = handle.read().strip()
         name = "release" if text == "release" else iteration_dir_name(int(text))
         if not os.path.isdir(os.path.join(path, name)):
-            raise CheckpointNotFoundError(f"{tracker} names iteration {text!r} but {name}/ "
-                                          "does not exist")
+            raise CheckpointNotFoundError(
+                f"{tracker} names iteration {text!r} but {name}/ does not exist"
+            )
         return resolve(os.path.join(path, name))
     iterations = sorted(name for name in entries if _ITER_DIR.match(name))
     if iterations or "release" in entries:
         return resolve(os.path.join(path, iterations[-1] if iterations else "release"))
     raise CheckpointNotFoundError(
         f"{path}: no Megatron checkpoint here (expected a torch_dist .metadata, mp_rank_*/ "
-        f"folders, {TRACKER_FILE}, iter_*/ or release/)")
+        f"folders, {TRACKER_FILE}, iter_*/ or release/)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +102,10 @@ def rank_files(iteration_dir: str) -> list[RankFile]:
     missing = sorted(set(_grid(size)) - present)
     if missing:
         names = [rank_dir_name(*coords) for coords in missing]
-        raise MissingRankFilesError(f"{iteration_dir}: missing rank folders {names} (a full grid of "
-                                    f"{' x '.join(map(str, size))} ranks is expected)")
+        raise MissingRankFilesError(
+            f"{iteration_dir}: missing rank folders {names} (a full grid of "
+            f"{' x '.join(map(str, size))} ranks is expected)"
+        )
     return found
 
 

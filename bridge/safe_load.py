@@ -51,8 +51,9 @@ class OpaqueGlobal:
 
 
 def _stand_in(qualified_name: str) -> type:
-    return type(qualified_name.rsplit(".", 1)[-1], (OpaqueGlobal,),
-                {"qualified_name": qualified_name})
+    return type(
+        qualified_name.rsplit(".", 1)[-1], (OpaqueGlobal,), {"qualified_name": qualified_name}
+    )
 
 
 def _unsafe_globals(source: BinaryIO, description: str) -> list[str]:
@@ -60,14 +61,16 @@ def _unsafe_globals(source: BinaryIO, description: str) -> list[str]:
         names = torch.serialization.get_unsafe_globals_in_checkpoint(source)
     except (ValueError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
         raise CorruptCheckpointError(
-            f"{description}: not a readable torch.save file (truncated or corrupt?): {exc}") from exc
+            f"{description}: not a readable torch.save file (truncated or corrupt?): {exc}"
+        ) from exc
     finally:
         source.seek(0)
     return sorted(names)
 
 
-def load_torch_file(source: str | os.PathLike | bytes | BinaryIO, description: str | None = None
-                    ) -> Any:
+def load_torch_file(
+    source: str | os.PathLike | bytes | BinaryIO, description: str | None = None
+) -> Any:
     """`torch.load(source, weights_only=True, map_location="cpu")`, refusing unsafe pickles.
 
     Raises CheckpointNotFoundError (no such file), UnsafeCheckpointError (the pickle references a
@@ -85,36 +88,49 @@ def load_torch_file(source: str | os.PathLike | bytes | BinaryIO, description: s
 
 def _load_stream(stream: BinaryIO, description: str) -> Any:
     names = _unsafe_globals(stream, description)
-    refused = [name for name in names
-               if name != "argparse.Namespace" and not name.startswith(STAND_IN_MODULE_PREFIXES)]
+    refused = [
+        name
+        for name in names
+        if name != "argparse.Namespace" and not name.startswith(STAND_IN_MODULE_PREFIXES)
+    ]
     if refused:
         raise UnsafeCheckpointError(
             f"{description}: refusing to unpickle, it references code that a Megatron checkpoint "
-            f"never holds: {refused} (nothing was executed)")
+            f"never holds: {refused} (nothing was executed)"
+        )
     allowed: list[Any] = [argparse.Namespace]
     allowed += [(_stand_in(name), name) for name in names if name != "argparse.Namespace"]
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(stream, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(f"{description}: refused by the weights-only unpickler: "
-                                    f"{exc}") from exc
+        raise UnsafeCheckpointError(
+            f"{description}: refused by the weights-only unpickler: {exc}"
+        ) from exc
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as exc:
-        raise CorruptCheckpointError(f"{description}: cannot read (truncated or corrupt?): "
-                                     f"{exc}") from exc
+        raise CorruptCheckpointError(
+            f"{description}: cannot read (truncated or corrupt?): {exc}"
+        ) from exc
 
 
 # ----------------------------------------------------------------------- torch_dist .metadata
 _DCP_METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata",
-        "BytesStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+        "Metadata",
+        "MetadataIndex",
+        "ChunkStorageMetadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.distributed.checkpoint.planner": {"LoadItemType", "WriteItemType"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
     "collections": {"OrderedDict"},
-    "pathlib": {"Path", "PosixPath", "PurePosixPath"},     # StorageMeta.checkpoint_id
+    "pathlib": {"Path", "PosixPath", "PurePosixPath"},  # StorageMeta.checkpoint_id
 }
 
 
@@ -126,20 +142,30 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise UnsafeCheckpointError(f"torch_dist .metadata references {module}.{name}, which is "
-                                    "not checkpoint metadata; refusing it (nothing was executed)")
+        raise UnsafeCheckpointError(
+            f"torch_dist .metadata references {module}.{name}, which is "
+            "not checkpoint metadata; refusing it (nothing was executed)"
+        )
 
 
 def load_dcp_metadata(path: str | os.PathLike):
     """The `torch.distributed.checkpoint` Metadata object in `path` (a `.metadata` file)."""
     if not os.path.isfile(path):
-        raise CheckpointNotFoundError(f"{path}: no such file (a torch_dist checkpoint needs its "
-                                      ".metadata)")
+        raise CheckpointNotFoundError(
+            f"{path}: no such file (a torch_dist checkpoint needs its .metadata)"
+        )
     with open(path, "rb") as handle:
         try:
             return _MetadataUnpickler(handle).load()
         except UnsafeCheckpointError:
             raise
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError,
-                IndexError, KeyError) as exc:
+        except (
+            pickle.UnpicklingError,
+            EOFError,
+            AttributeError,
+            ValueError,
+            TypeError,
+            IndexError,
+            KeyError,
+        ) as exc:
             raise CorruptCheckpointError(f"{path}: corrupt torch_dist metadata: {exc}") from exc

@@ -1,6 +1,6 @@
 """Refitting Transformer Engine MXFP8 weight storage into jaxmoe `MXTensor`s, bit for bit.
 
-TE's `MXFP8TensorStorage` for a 2-D [M, K] tensor (shared spec `mxfp8.md` §1.2–§1.4) holds
+TE's `MXFP8TensorStorage` for a 2-D [M, K] tensor (the recipe: `docs/numerics.md`, "MXFP8") holds
   rowwise data [M, K] (blocks of 32 along K) and rowwise_scale_inv [roundup(M,128), roundup(K/32,4)],
   columnwise data [M, K] (blocks of 32 along M, not transposed) and columnwise_scale_inv
   [roundup(M/32,4), roundup(K,128)],
@@ -29,25 +29,31 @@ class MXFP8Weight:
     columnwise: MXTensor | None = None
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
+def round_up(value, multiple):
+    """`value` rounded up to a multiple of `multiple` (ints, or non-negative integer tensors)."""
+    return (value + multiple - 1) // multiple * multiple
 
 
-def _compact_scales(scale_inv: torch.Tensor, rows: int, cols: int, swizzled: bool,
-                    what: str) -> torch.Tensor:
+def _compact_scales(
+    scale_inv: torch.Tensor, rows: int, cols: int, swizzled: bool, what: str
+) -> torch.Tensor:
     """The [rows, cols] compact scale bytes inside TE's padded [roundup(rows,128),
     roundup(cols,4)] buffer (compact or swizzled)."""
-    padded = (_round_up(rows, 128), _round_up(cols, 4))
+    padded = (round_up(rows, 128), round_up(cols, 4))
     if scale_inv.dtype not in (torch.uint8, torch.float8_e8m0fnu):
-        raise MXFP8LayoutError(f"{what}: scale bytes must be uint8 or float8_e8m0fnu, got "
-                               f"{scale_inv.dtype}")
+        raise MXFP8LayoutError(
+            f"{what}: scale bytes must be uint8 or float8_e8m0fnu, got {scale_inv.dtype}"
+        )
     scale_inv = scale_inv.view(torch.uint8)
-    shape_ok = (tuple(scale_inv.shape) == padded
-                or (swizzled and tuple(scale_inv.shape) == (padded[0] * padded[1],)))
+    shape_ok = tuple(scale_inv.shape) == padded or (
+        swizzled and tuple(scale_inv.shape) == (padded[0] * padded[1],)
+    )
     if not shape_ok:
-        raise MXFP8LayoutError(f"{what}: TE {'swizzled' if swizzled else 'compact'} scales for "
-                               f"{rows}x{cols} scale blocks must have shape {padded}"
-                               f"{' (or flat)' if swizzled else ''}, got {tuple(scale_inv.shape)}")
+        raise MXFP8LayoutError(
+            f"{what}: TE {'swizzled' if swizzled else 'compact'} scales for "
+            f"{rows}x{cols} scale blocks must have shape {padded}"
+            f"{' (or flat)' if swizzled else ''}, got {tuple(scale_inv.shape)}"
+        )
     if not swizzled:
         return scale_inv[:rows, :cols].contiguous()
     flat = to_jax(scale_inv.reshape(-1), copy=True)
@@ -56,20 +62,27 @@ def _compact_scales(scale_inv: torch.Tensor, rows: int, cols: int, swizzled: boo
 
 def _check_data(data: torch.Tensor, what: str) -> tuple[int, int]:
     if data.ndim != 2:
-        raise MXFP8LayoutError(f"{what}: TE MXFP8 data is viewed as 2-D [M, K], got shape "
-                               f"{tuple(data.shape)}")
+        raise MXFP8LayoutError(
+            f"{what}: TE MXFP8 data is viewed as 2-D [M, K], got shape {tuple(data.shape)}"
+        )
     rows, cols = data.shape
     if rows % BLOCK_SIZE or cols % BLOCK_SIZE:
-        raise MXFP8LayoutError(f"{what}: TE needs M and K divisible by {BLOCK_SIZE}, got "
-                               f"{tuple(data.shape)}")
+        raise MXFP8LayoutError(
+            f"{what}: TE needs M and K divisible by {BLOCK_SIZE}, got {tuple(data.shape)}"
+        )
     return rows, cols
 
 
-def refit_mxfp8(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor, *,
-                fmt: str = "e4m3", swizzled: bool = False,
-                columnwise_data: torch.Tensor | None = None,
-                columnwise_scale_inv: torch.Tensor | None = None,
-                layout: str = "jaxmoe") -> MXFP8Weight:
+def refit_mxfp8(
+    rowwise_data: torch.Tensor,
+    rowwise_scale_inv: torch.Tensor,
+    *,
+    fmt: str = "e4m3",
+    swizzled: bool = False,
+    columnwise_data: torch.Tensor | None = None,
+    columnwise_scale_inv: torch.Tensor | None = None,
+    layout: str = "jaxmoe",
+) -> MXFP8Weight:
     """MXTensors holding a TE MXFP8 weight's bytes unchanged.
 
     rowwise_data / columnwise_data: [M, K] uint8 (or float8) bytes of a Megatron-layout weight
@@ -83,33 +96,41 @@ def refit_mxfp8(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor, *,
     if (columnwise_data is None) != (columnwise_scale_inv is None):
         raise MXFP8LayoutError("columnwise data and columnwise_scale_inv must be given together")
     rows, cols = _check_data(rowwise_data, "rowwise data")
-    scale = _compact_scales(rowwise_scale_inv, rows, cols // BLOCK_SIZE, swizzled,
-                            "rowwise_scale_inv")
+    scale = _compact_scales(
+        rowwise_scale_inv, rows, cols // BLOCK_SIZE, swizzled, "rowwise_scale_inv"
+    )
     rowwise = _as_mxtensor(rowwise_data, scale, 1, fmt, layout)
     columnwise = None
     if columnwise_data is not None:
         if tuple(columnwise_data.shape) != (rows, cols):
-            raise MXFP8LayoutError(f"columnwise data {tuple(columnwise_data.shape)} must have the "
-                                   f"rowwise shape {(rows, cols)} (TE does not transpose it)")
+            raise MXFP8LayoutError(
+                f"columnwise data {tuple(columnwise_data.shape)} must have the "
+                f"rowwise shape {(rows, cols)} (TE does not transpose it)"
+            )
         # TE pads [M/32, K] to [roundup(M/32,4), roundup(K,128)]; its swizzle is that of the
         # transpose [K, M/32] (the rowwise rule applied to [K_pad, (M/32)_pad]).
         padded = columnwise_scale_inv.view(torch.uint8)
         if swizzled:
-            expected = _round_up(rows // BLOCK_SIZE, 4) * _round_up(cols, 128)
+            expected = round_up(rows // BLOCK_SIZE, 4) * round_up(cols, 128)
             if padded.numel() != expected or padded.ndim not in (1, 2):
-                raise MXFP8LayoutError(f"columnwise_scale_inv: swizzled buffer must hold {expected} "
-                                       f"bytes, got shape {tuple(padded.shape)}")
-            col_scale = _compact_scales(padded.reshape(-1), cols, rows // BLOCK_SIZE, True,
-                                        "columnwise_scale_inv").T.contiguous()
+                raise MXFP8LayoutError(
+                    f"columnwise_scale_inv: swizzled buffer must hold {expected} "
+                    f"bytes, got shape {tuple(padded.shape)}"
+                )
+            col_scale = _compact_scales(
+                padded.reshape(-1), cols, rows // BLOCK_SIZE, True, "columnwise_scale_inv"
+            ).T.contiguous()
         else:
-            col_scale = _compact_scales(padded.T, cols, rows // BLOCK_SIZE, False,
-                                        "columnwise_scale_inv (transposed)").T.contiguous()
+            col_scale = _compact_scales(
+                padded.T, cols, rows // BLOCK_SIZE, False, "columnwise_scale_inv (transposed)"
+            ).T.contiguous()
         columnwise = _as_mxtensor(columnwise_data, col_scale, 0, fmt, layout)
     return MXFP8Weight(rowwise=rowwise, columnwise=columnwise)
 
 
-def _as_mxtensor(data: torch.Tensor, scale: torch.Tensor, axis: int, fmt: str,
-                 layout: str) -> MXTensor:
+def _as_mxtensor(
+    data: torch.Tensor, scale: torch.Tensor, axis: int, fmt: str, layout: str
+) -> MXTensor:
     data = data.view(torch.uint8)
     if layout == "jaxmoe":
         data, scale, axis = data.T.contiguous(), scale.T.contiguous(), 1 - axis

@@ -1,5 +1,6 @@
 """Reading and writing Megatron-Core `torch_dist` checkpoints (torch.distributed.checkpoint, DCP)
-without a process group and without unsafe unpickling (shared spec `megatron_moe.md` §7.2–§7.3).
+without a process group and without unsafe unpickling (docs/numerics.md, "Megatron
+checkpoints").
 
 Reads allocate exactly the requested global tensors and let `dcp.load` fill them; byte objects
 (`common_state`, `_extra_state`) go through `bridge.safe_load`. Nothing under `optimizer.*` is
@@ -11,14 +12,18 @@ import io
 import json
 import os
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, StorageMeta,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 
 from bridge.errors import BridgeError, CheckpointNotFoundError, CorruptCheckpointError
 from bridge.safe_load import load_dcp_metadata, load_torch_file
@@ -48,8 +53,9 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         # Used with flatten_state_dict=False, so fqn is a key of the caller's (unflattened) dict.
-        self.original_state_dict[fqn] = load_torch_file(value.getvalue(),
-                                                        description=f"byte object {fqn}")
+        self.original_state_dict[fqn] = load_torch_file(
+            value.getvalue(), description=f"byte object {fqn}"
+        )
 
 
 def read_index(path: str) -> dict[str, TensorStorageMetadata | BytesStorageMetadata]:
@@ -69,8 +75,9 @@ def _reraise(exc: BaseException, path: str):
             raise cause from exc
         if isinstance(cause, FileNotFoundError):
             raise CheckpointNotFoundError(f"{path}: a data file is missing: {cause}") from exc
-    raise CorruptCheckpointError(f"{path}: cannot read the torch_dist data (truncated or corrupt?):"
-                                 f" {causes[0]!r}") from exc
+    raise CorruptCheckpointError(
+        f"{path}: cannot read the torch_dist data (truncated or corrupt?): {causes[0]!r}"
+    ) from exc
 
 
 def read(path: str, index: dict[str, Any], keys: list[str]) -> dict[str, Any]:
@@ -88,9 +95,12 @@ def read(path: str, index: dict[str, Any], keys: list[str]) -> dict[str, Any]:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=_SafeReader(path),
-                     planner=_SafeLoadPlanner(flatten_state_dict=False),
-                     no_dist=True)
+            dcp.load(
+                state,
+                storage_reader=_SafeReader(path),
+                planner=_SafeLoadPlanner(flatten_state_dict=False),
+                no_dist=True,
+            )
     except (CheckpointException, RuntimeError, OSError, ValueError, EOFError) as exc:
         _reraise(exc, path)
     return state
@@ -120,7 +130,11 @@ def write(path: str, state: dict[str, Any], progress: Callable[[str], None] | No
         progress(f"writing {len(state)} entries to {path}")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(path),
-                 planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
+        dcp.save(
+            state,
+            storage_writer=dcp.FileSystemWriter(path),
+            planner=DefaultSavePlanner(flatten_state_dict=False),
+            no_dist=True,
+        )
     with open(os.path.join(path, "metadata.json"), "w") as handle:
         json.dump(METADATA_JSON, handle)

@@ -20,7 +20,7 @@ bf16 on CUDA (`grouped_mm=None` picks it when available).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import jaxmoe
 from bridge import megatron
 from bridge.errors import ConfigError
+from bridge.te_mxfp8 import round_up
 from jaxmoe.plan import buffer_rows
 
 F32 = torch.float32
@@ -43,8 +44,9 @@ class Routing(NamedTuple):
     kept: torch.Tensor
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  router_dtype: torch.dtype) -> torch.Tensor:
+def router_logits(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, router_dtype: torch.dtype
+) -> torch.Tensor:
     """[T, E] = x[T, H] @ weight[E, H]^T (+ bias), fp32 accumulation, one rounding."""
     acc = x.to(F32) @ weight.to(x.dtype).to(F32).T
     if bias is not None:
@@ -82,8 +84,9 @@ def _scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
     raise ValueError(score_function)
 
 
-def topk_routing(logits: torch.Tensor, config: jaxmoe.MoEConfig,
-                 expert_bias: torch.Tensor | None = None):
+def topk_routing(
+    logits: torch.Tensor, config: jaxmoe.MoEConfig, expert_bias: torch.Tensor | None = None
+):
     """(probs [T, k] in the logits dtype, indices [T, k]): Megatron's
     topk_routing_with_score_function with jaxmoe's tie rule."""
     k, groups = config.top_k, (config.num_groups, config.group_topk)
@@ -121,8 +124,9 @@ def megatron_token_order(num_tokens: int, sequence_shape, device=None) -> torch.
     return ids.reshape(-1, sequence_shape[-1]).T.reshape(-1)
 
 
-def capacity_keep_mask(probs, indices, config: jaxmoe.MoEConfig, sequence_shape=None
-                       ) -> torch.Tensor:
+def capacity_keep_mask(
+    probs, indices, config: jaxmoe.MoEConfig, sequence_shape=None
+) -> torch.Tensor:
     """[T, k] bool: pairs kept under the per-expert capacity (policy "probs": largest
     probability, ties to the earlier token; "position": earliest tokens), tokens in Megatron's
     order (`megatron_token_order` of sequence_shape = x.shape[:-1])."""
@@ -135,8 +139,8 @@ def capacity_keep_mask(probs, indices, config: jaxmoe.MoEConfig, sequence_shape=
     one_hot = _one_hot(indices, config.num_experts)
     if config.token_drop_policy == "probs":
         dense = torch.where(one_hot, probs[..., None], torch.zeros((), dtype=probs.dtype)).sum(1)
-        by_prob = torch.sort(-dense.T.to(F32), dim=1, stable=True)[1]               # [E, T]
-        rank = torch.sort(by_prob, dim=1, stable=True)[1].T                         # [T, E]
+        by_prob = torch.sort(-dense.T.to(F32), dim=1, stable=True)[1]  # [E, T]
+        rank = torch.sort(by_prob, dim=1, stable=True)[1].T  # [T, E]
         keep_dense = rank < capacity
     else:
         routed = one_hot.any(1).to(torch.int64)
@@ -144,8 +148,12 @@ def capacity_keep_mask(probs, indices, config: jaxmoe.MoEConfig, sequence_shape=
     return keep_dense.gather(1, indices)[torch.argsort(order)]
 
 
-def route(logits: torch.Tensor, config: jaxmoe.MoEConfig,
-          expert_bias: torch.Tensor | None = None, sequence_shape=None) -> Routing:
+def route(
+    logits: torch.Tensor,
+    config: jaxmoe.MoEConfig,
+    expert_bias: torch.Tensor | None = None,
+    sequence_shape=None,
+) -> Routing:
     """Top-k routing plus capacity dropping (dropped pairs get probability 0); sequence_shape
     (x.shape[:-1]) fixes the token order of the dropping."""
     probs, indices = topk_routing(logits, config, expert_bias)
@@ -176,14 +184,18 @@ def _switch_loss(scores, routing_map, num_tokens, config):
     return per_expert.sum(-1) * scale
 
 
-def load_balancing_loss(logits, config: jaxmoe.MoEConfig, sequence_shape, padding_mask=None,
-                        token_counts=None) -> torch.Tensor:
+def load_balancing_loss(
+    logits, config: jaxmoe.MoEConfig, sequence_shape, padding_mask=None, token_counts=None
+) -> torch.Tensor:
     """The configured load-balancing loss (fp32 scalar, coefficient applied)."""
     if config.load_balancing_type == "none" or config.aux_loss_coeff == 0:
         return torch.zeros((), dtype=F32, device=logits.device)
     scores, routing_map = aux_loss_scores(logits, config)
-    valid = (torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
-             if padding_mask is None else ~padding_mask)
+    valid = (
+        torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+        if padding_mask is None
+        else ~padding_mask
+    )
     scores = torch.where(valid[:, None], scores, torch.zeros((), dtype=F32))
     routing_map = routing_map & valid[:, None]
     if config.load_balancing_type == "seq_aux_loss":
@@ -234,10 +246,6 @@ class Plan:
         return self.row_slot // self.top_k
 
 
-def _round_up(x, multiple):
-    return (x + multiple - 1) // multiple * multiple
-
-
 def make_plan(routing: Routing, config: jaxmoe.MoEConfig) -> Plan:
     """Expert-major stable permutation with zero padding rows (see `jaxmoe.plan`)."""
     num_tokens, k = routing.indices.shape
@@ -249,17 +257,20 @@ def make_plan(routing: Routing, config: jaxmoe.MoEConfig) -> Plan:
     bounds = torch.searchsorted(sorted_expert, torch.arange(num_experts + 1, device=device))
     sorted_start, tokens_per_group = bounds[:-1], torch.diff(bounds)
     if config.pad_expert_input_to_capacity:
-        padded = torch.full((num_experts,), _round_up(config.capacity(num_tokens), align),
-                            device=device)
+        padded = torch.full(
+            (num_experts,), round_up(config.capacity(num_tokens), align), device=device
+        )
     else:
-        padded = _round_up(tokens_per_group, align)
+        padded = round_up(tokens_per_group, align)
     block_start = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), padded.cumsum(0)])
     clipped_sorted = sorted_expert.clamp(max=num_experts - 1)
     sorted_row = torch.where(
         sorted_expert < num_experts,
-        block_start[clipped_sorted] + torch.arange(num_slots, device=device)
+        block_start[clipped_sorted]
+        + torch.arange(num_slots, device=device)
         - sorted_start[clipped_sorted],
-        num_rows)
+        num_rows,
+    )
     slot_row = torch.empty_like(sorted_row)
     slot_row[order] = sorted_row
     rows = torch.arange(num_rows, device=device)
@@ -267,12 +278,19 @@ def make_plan(routing: Routing, config: jaxmoe.MoEConfig) -> Plan:
     clipped = row_expert.clamp(max=num_experts - 1)
     rank = rows - block_start[clipped]
     is_real = (row_expert < num_experts) & (rank < tokens_per_group[clipped])
-    row_slot = torch.where(is_real, order[(sorted_start[clipped] + rank).clamp(max=num_slots - 1)],
-                           num_slots)
+    row_slot = torch.where(
+        is_real, order[(sorted_start[clipped] + rank).clamp(max=num_slots - 1)], num_slots
+    )
     combine_key = torch.where(routing.kept, routing.indices, num_experts)
     combine_slot = torch.sort(combine_key, dim=1, stable=True)[1]
-    return Plan(row_slot=row_slot, row_expert=row_expert, slot_row=slot_row.reshape(num_tokens, k),
-                combine_slot=combine_slot, group_sizes=padded, tokens_per_group=tokens_per_group)
+    return Plan(
+        row_slot=row_slot,
+        row_expert=row_expert,
+        slot_row=slot_row.reshape(num_tokens, k),
+        combine_slot=combine_slot,
+        group_sizes=padded,
+        tokens_per_group=tokens_per_group,
+    )
 
 
 # -------------------------------------------------------------------------- dispatch / combine
@@ -289,7 +307,7 @@ def _sum_rows(rows: torch.Tensor, plan: Plan, out_dtype: torch.dtype) -> torch.T
     ordered_rows = plan.slot_row.gather(1, plan.combine_slot)
     total = padded[ordered_rows[:, 0]].to(F32)
     for j in range(1, plan.top_k):
-        total = total + padded[ordered_rows[:, j]].to(F32)      # a dropped slot adds +0.0
+        total = total + padded[ordered_rows[:, j]].to(F32)  # a dropped slot adds +0.0
     return total.to(out_dtype)
 
 
@@ -346,13 +364,22 @@ def gather_slots(values: torch.Tensor, plan: Plan) -> torch.Tensor:
 def grouped_mm_available(rows: torch.Tensor, weights: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` can run this GEMM: bf16 on a CUDA device of compute
     capability >= 9.0."""
-    return (rows.is_cuda and rows.dtype == torch.bfloat16 and weights.dtype == torch.bfloat16
-            and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(rows.device)[0] >= 9)
+    return (
+        rows.is_cuda
+        and rows.dtype == torch.bfloat16
+        and weights.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(rows.device)[0] >= 9
+    )
 
 
-def grouped_linear(rows: torch.Tensor, weights: torch.Tensor, group_sizes: torch.Tensor, *,
-                   use_grouped_mm: bool = False) -> torch.Tensor:
+def grouped_linear(
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    group_sizes: torch.Tensor,
+    *,
+    use_grouped_mm: bool = False,
+) -> torch.Tensor:
     """out[m] = rows[m] @ weights[g(m)]^T for rows [M, K] and Megatron-layout weights [G, N, K]
     with fp32 accumulation; group g owns the next group_sizes[g] rows, rows past the last group
     give 0. The per-expert path returns fp32; `torch._grouped_mm` returns the accumulation
@@ -367,7 +394,7 @@ def grouped_linear(rows: torch.Tensor, weights: torch.Tensor, group_sizes: torch
         return torch._grouped_mm(rows, weights.transpose(-2, -1), offs=offsets)
     chunks, start = [], 0
     for expert, size in enumerate(group_sizes.tolist()):
-        block = rows[start:start + size]
+        block = rows[start : start + size]
         chunks.append(block.to(F32) @ weights[expert].to(F32).T)
         start += size
     chunks.append(rows.new_zeros((num_rows - start, weights.shape[1]), dtype=F32))
@@ -410,8 +437,18 @@ class ExpertStages(NamedTuple):
     output: torch.Tensor
 
 
-def grouped_mlp(rows, row_probs, plan: Plan, fc1_weight, fc2_weight, fc1_bias, fc2_bias,
-                config: jaxmoe.MoEConfig, *, use_grouped_mm: bool = False) -> ExpertStages:
+def grouped_mlp(
+    rows,
+    row_probs,
+    plan: Plan,
+    fc1_weight,
+    fc2_weight,
+    fc1_bias,
+    fc2_bias,
+    config: jaxmoe.MoEConfig,
+    *,
+    use_grouped_mm: bool = False,
+) -> ExpertStages:
     """Every expert on its row block: h = round(fc1 + b1), a = round(act(h) * p),
     out = round(fc2) then round(out + b2 * p) with a bias."""
     dtype = rows.dtype
@@ -420,8 +457,9 @@ def grouped_mlp(rows, row_probs, plan: Plan, fc1_weight, fc2_weight, fc1_bias, f
         h = h + _per_row(fc1_bias, plan.row_expert).to(F32)
     h = h.to(dtype)
     a = weighted_activation(h, row_probs, config)
-    out = grouped_linear(a, fc2_weight.to(dtype), plan.group_sizes,
-                         use_grouped_mm=use_grouped_mm).to(dtype)
+    out = grouped_linear(
+        a, fc2_weight.to(dtype), plan.group_sizes, use_grouped_mm=use_grouped_mm
+    ).to(dtype)
     if fc2_bias is not None:
         scaled = _per_row(fc2_bias, plan.row_expert).to(F32) * row_probs.to(F32)[:, None]
         out = (out.to(F32) + scaled).to(dtype)
@@ -455,8 +493,36 @@ class MoEAux:
         return self.load_balancing_loss + self.z_loss
 
 
-_PARAM_FIELDS = ("router_weight", "router_bias", "fc1_weight", "fc1_bias", "fc2_weight",
-                 "fc2_bias", "shared_fc1_weight", "shared_fc2_weight", "shared_gate_weight")
+@dataclasses.dataclass
+class MoEStages:
+    """The twin's intermediate values, named and shaped as jaxmoe's `MoEStages` (without the
+    MXFP8 dispatch copy)."""
+
+    router_logits: torch.Tensor
+    probs: torch.Tensor
+    indices: torch.Tensor
+    kept: torch.Tensor
+    plan: Plan
+    dispatched_rows: torch.Tensor
+    row_probs: torch.Tensor
+    fc1_output: torch.Tensor
+    activation: torch.Tensor
+    fc2_output: torch.Tensor
+    combined: torch.Tensor
+    shared_output: torch.Tensor | None
+
+
+_PARAM_FIELDS = (
+    "router_weight",
+    "router_bias",
+    "fc1_weight",
+    "fc1_bias",
+    "fc2_weight",
+    "fc2_bias",
+    "shared_fc1_weight",
+    "shared_fc2_weight",
+    "shared_gate_weight",
+)
 
 
 class MoE(torch.nn.Module):
@@ -469,8 +535,15 @@ class MoE(torch.nn.Module):
     (None: when available, i.e. bf16 on a Hopper-or-newer GPU, and the experts have no biases,
     which must be added before the single rounding)."""
 
-    def __init__(self, config: jaxmoe.MoEConfig, hidden_size: int, *,
-                 dtype: torch.dtype = torch.bfloat16, device=None, grouped_mm: bool | None = None):
+    def __init__(
+        self,
+        config: jaxmoe.MoEConfig,
+        hidden_size: int,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device=None,
+        grouped_mm: bool | None = None,
+    ):
         super().__init__()
         c, h = config, hidden_size
         self.config, self.hidden_size, self.dtype, self.grouped_mm = c, h, dtype, grouped_mm
@@ -479,6 +552,7 @@ class MoE(torch.nn.Module):
 
         def param(*shape):
             return torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
+
         self.router_weight = param(e, h)
         self.router_bias = param(e) if bias else None
         self.fc1_weight, self.fc2_weight = param(e, f1, h), param(e, h, f)
@@ -489,36 +563,50 @@ class MoE(torch.nn.Module):
         self.shared_fc1_weight = param(fs1, h) if fs else None
         self.shared_fc2_weight = param(h, fs) if fs else None
         self.shared_gate_weight = param(1, h) if c.shared_expert_gate else None
-        self.register_buffer("expert_bias", torch.zeros(e, dtype=F32, device=device)
-                             if c.enable_expert_bias else None)
+        self.register_buffer(
+            "expert_bias",
+            torch.zeros(e, dtype=F32, device=device) if c.enable_expert_bias else None,
+        )
         use_global = c.load_balancing_type == "global_aux_loss"
-        self.register_buffer("global_tokens_per_expert",
-                             torch.zeros(e, dtype=F32, device=device) if use_global else None)
-        self.register_buffer("global_aux_steps", torch.zeros((), dtype=torch.int32, device=device)
-                             if use_global else None)
-        self.jitter_generator = (torch.Generator(device=device or "cpu").manual_seed(0)
-                                 if c.input_jitter_eps is not None else None)
+        self.register_buffer(
+            "global_tokens_per_expert",
+            torch.zeros(e, dtype=F32, device=device) if use_global else None,
+        )
+        self.register_buffer(
+            "global_aux_steps",
+            torch.zeros((), dtype=torch.int32, device=device) if use_global else None,
+        )
+        self.jitter_generator = (
+            torch.Generator(device=device or "cpu").manual_seed(0)
+            if c.input_jitter_eps is not None
+            else None
+        )
 
     # ------------------------------------------------------------------ construction helpers
-    def load_weights(self, weights) -> "MoE":
+    def load_weights(self, weights) -> MoE:
         """Copy every tensor of a `bridge.megatron.MoELayerWeights` into this module."""
         with torch.no_grad():
             for field in _PARAM_FIELDS + ("expert_bias",):
                 target, source = getattr(self, field), getattr(weights, field)
                 if (target is None) != (source is None):
-                    raise ValueError(f"torch_reference.MoE: {field} is "
-                                     f"{'missing' if source is None else 'unexpected'} for this "
-                                     "config")
+                    raise ValueError(
+                        f"torch_reference.MoE: {field} is "
+                        f"{'missing' if source is None else 'unexpected'} for this "
+                        "config"
+                    )
                 if target is not None:
                     if tuple(source.shape) != tuple(target.shape):
-                        raise ValueError(f"torch_reference.MoE: {field} has shape "
-                                         f"{tuple(source.shape)}, expected {tuple(target.shape)}")
+                        raise ValueError(
+                            f"torch_reference.MoE: {field} has shape "
+                            f"{tuple(source.shape)}, expected {tuple(target.shape)}"
+                        )
                     target.copy_(source.to(target.dtype))
         return self
 
     @classmethod
-    def from_megatron(cls, ckpt, layer: int, *, config=None, dtype=None, device=None,
-                      grouped_mm=None) -> "MoE":
+    def from_megatron(
+        cls, ckpt, layer: int, *, config=None, dtype=None, device=None, grouped_mm=None
+    ) -> MoE:
         """The layer `layer` of a `bridge.megatron.MegatronCheckpoint` (config: override)."""
         weights = ckpt.layer(layer)
         config = megatron.resolve_config(None, config) if config is not None else ckpt.config
@@ -526,16 +614,18 @@ class MoE(torch.nn.Module):
             raise ConfigError("no config: the checkpoint has none saved; pass config=")
         megatron.check_layer(config, layer, weights)
         dtype = dtype or weights.fc1_weight.dtype
-        return cls(config, weights.hidden_size, dtype=dtype, device=device,
-                   grouped_mm=grouped_mm).load_weights(weights)
+        return cls(
+            config, weights.hidden_size, dtype=dtype, device=device, grouped_mm=grouped_mm
+        ).load_weights(weights)
 
     @classmethod
-    def from_jaxmoe(cls, moe: jaxmoe.MoE, *, device=None, grouped_mm=None) -> "MoE":
+    def from_jaxmoe(cls, moe: jaxmoe.MoE, *, device=None, grouped_mm=None) -> MoE:
         """A copy of a jaxmoe.MoE's parameters (same config, param dtype as compute dtype)."""
         weights = megatron.weights_from_moe(moe)
         dtype = weights.fc1_weight.dtype
-        return cls(moe.config, moe.hidden_size, dtype=dtype, device=device,
-                   grouped_mm=grouped_mm).load_weights(weights)
+        return cls(
+            moe.config, moe.hidden_size, dtype=dtype, device=device, grouped_mm=grouped_mm
+        ).load_weights(weights)
 
     # ----------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None):
@@ -543,11 +633,10 @@ class MoE(torch.nn.Module):
         y, aux, _ = self.forward_with_stages(x, padding_mask)
         return y, aux
 
-    def forward_with_stages(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None
-                            ) -> tuple[torch.Tensor, MoEAux, dict[str, Any]]:
-        """Like forward, plus jaxmoe's stage dict: router_logits, probs, indices, kept, plan,
-        dispatched_rows, row_probs, fc1_output, activation, fc2_output, combined,
-        shared_output."""
+    def forward_with_stages(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, MoEAux, MoEStages]:
+        """Like forward, plus the intermediate values (`MoEStages`)."""
         c = self.config
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoE: x must be [..., {self.hidden_size}], got {tuple(x.shape)}")
@@ -556,12 +645,17 @@ class MoE(torch.nn.Module):
         router_input = tokens
         if c.input_jitter_eps is not None:
             noise = torch.empty(tokens.shape, dtype=F32, device=tokens.device).uniform_(
-                1 - c.input_jitter_eps, 1 + c.input_jitter_eps, generator=self.jitter_generator)
+                1 - c.input_jitter_eps, 1 + c.input_jitter_eps, generator=self.jitter_generator
+            )
             router_input = (tokens.to(F32) * noise).to(tokens.dtype)
         router_dtype = F32 if c.router_dtype == "fp32" else tokens.dtype
         logits = router_logits(router_input, self.router_weight, self.router_bias, router_dtype)
-        routing = route(logits, c, None if self.expert_bias is None else self.expert_bias.detach(),
-                        tuple(x.shape[:-1]))
+        routing = route(
+            logits,
+            c,
+            None if self.expert_bias is None else self.expert_bias.detach(),
+            tuple(x.shape[:-1]),
+        )
         plan = make_plan(routing, c)
         rows = dispatch(tokens, plan)
         row_probs = gather_slots(routing.probs, plan)
@@ -569,20 +663,45 @@ class MoE(torch.nn.Module):
             use_grouped_mm = grouped_mm_available(rows, self.fc1_weight) and not c.add_bias_linear
         else:
             use_grouped_mm = self.grouped_mm
-        expert = grouped_mlp(rows, row_probs, plan, self.fc1_weight, self.fc2_weight,
-                             self.fc1_bias, self.fc2_bias, c, use_grouped_mm=use_grouped_mm)
+        expert = grouped_mlp(
+            rows,
+            row_probs,
+            plan,
+            self.fc1_weight,
+            self.fc2_weight,
+            self.fc1_bias,
+            self.fc2_bias,
+            c,
+            use_grouped_mm=use_grouped_mm,
+        )
         combined = combine(expert.output, plan)
-        shared = (None if self.shared_fc1_weight is None else
-                  shared_mlp(tokens, self.shared_fc1_weight, self.shared_fc2_weight,
-                             self.shared_gate_weight, c))
+        shared = (
+            None
+            if self.shared_fc1_weight is None
+            else shared_mlp(
+                tokens, self.shared_fc1_weight, self.shared_fc2_weight, self.shared_gate_weight, c
+            )
+        )
         y = combined if shared is None else combined + shared
-        aux = MoEAux(self._load_balancing_loss(logits, tuple(x.shape[:-1]), flat_mask),
-                     z_loss(logits, c.z_loss_coeff, flat_mask),
-                     tokens_per_expert(routing, c.num_experts, flat_mask))
-        stages = dict(router_logits=logits, probs=routing.probs, indices=routing.indices,
-                      kept=routing.kept, plan=plan, dispatched_rows=rows, row_probs=row_probs,
-                      fc1_output=expert.fc1_output, activation=expert.activation,
-                      fc2_output=expert.output, combined=combined, shared_output=shared)
+        aux = MoEAux(
+            self._load_balancing_loss(logits, tuple(x.shape[:-1]), flat_mask),
+            z_loss(logits, c.z_loss_coeff, flat_mask),
+            tokens_per_expert(routing, c.num_experts, flat_mask),
+        )
+        stages = MoEStages(
+            router_logits=logits,
+            probs=routing.probs,
+            indices=routing.indices,
+            kept=routing.kept,
+            plan=plan,
+            dispatched_rows=rows,
+            row_probs=row_probs,
+            fc1_output=expert.fc1_output,
+            activation=expert.activation,
+            fc2_output=expert.output,
+            combined=combined,
+            shared_output=shared,
+        )
         return y.reshape(tuple(x.shape[:-1]) + (self.hidden_size,)), aux, stages
 
     def _load_balancing_loss(self, logits, sequence_shape, padding_mask):

@@ -6,12 +6,27 @@ Data path: route -> plan -> dispatch -> grouped expert MLP -> combine (+ shared 
 from jaxmoe import mxfp8, ops
 from jaxmoe.config import MoEConfig, selective_precision
 from jaxmoe.dispatch import combine, dispatch, gather_slots
-from jaxmoe.moe import MoE, MoEAux, ExpertBias, to_linen
+from jaxmoe.moe import ExpertBias, MoE, MoEAux, MoEStages, to_linen
 from jaxmoe.plan import Plan, make_plan
 from jaxmoe.routing import Routing, route, router_logits, update_expert_bias
 
 __all__ = [
-    "MoEConfig", "selective_precision", "MoE", "MoEAux", "ExpertBias", "to_linen", "Routing",
-    "route", "router_logits", "update_expert_bias", "Plan", "make_plan", "dispatch", "combine",
-    "gather_slots", "mxfp8", "ops",
+    "MoEConfig",
+    "selective_precision",
+    "MoE",
+    "MoEAux",
+    "MoEStages",
+    "ExpertBias",
+    "to_linen",
+    "Routing",
+    "route",
+    "router_logits",
+    "update_expert_bias",
+    "Plan",
+    "make_plan",
+    "dispatch",
+    "combine",
+    "gather_slots",
+    "mxfp8",
+    "ops",
 ]

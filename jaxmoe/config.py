@@ -2,7 +2,7 @@
 
 Field names follow Megatron-Core's `TransformerConfig` without the `moe_` / `moe_router_` prefixes
 (see `MoEConfig.from_megatron` for the mapping). Semantics are those of megatron-core 0.19.2
-(shared spec `megatron_moe.md`), with the fused-kernel numerics where Megatron has two paths.
+(docs/numerics.md), with the fused-kernel numerics where Megatron has two paths.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Iterable, Literal, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
 
 ScoreFunction = Literal["softmax", "sigmoid", "sqrtsoftplus"]
 LoadBalancingType = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"]
@@ -129,8 +130,11 @@ class MoEConfig:
         if self.pre_softmax and self.score_function != "softmax":
             fail("pre_softmax", "only applies to score_function='softmax'")
         if self.score_function == "softmax" and self.top_k == 1 and not self.pre_softmax:
-            fail("pre_softmax", "top-1 softmax routing needs pre_softmax=True "
-                 "(a softmax over one selected logit is always 1)")
+            fail(
+                "pre_softmax",
+                "top-1 softmax routing needs pre_softmax=True "
+                "(a softmax over one selected logit is always 1)",
+            )
         if self.topk_scaling_factor is not None and not self.topk_scaling_factor > 0:
             fail("topk_scaling_factor", "must be > 0 or None")
         if (self.num_groups is None) != (self.group_topk is None):
@@ -166,11 +170,15 @@ class MoEConfig:
                 fail("add_bias_linear", "shared experts have no bias (Megatron forbids it)")
         elif self.shared_expert_gate:
             fail("shared_expert_gate", "needs shared_expert_intermediate_size")
-        uses_mxfp8 = "mxfp8" in (self.expert_precision, self.dispatch_dtype, self.combine_bwd_dtype)
-        if uses_mxfp8 and self.expert_row_alignment not in MXFP8_ALIGNMENTS:
+        if self.uses_mxfp8 and self.expert_row_alignment not in MXFP8_ALIGNMENTS:
             fail("expert_row_alignment", f"MXFP8 paths need one of {MXFP8_ALIGNMENTS}")
 
     # ------------------------------------------------------------------ derived quantities
+    @property
+    def uses_mxfp8(self) -> bool:
+        """Whether any option (experts, dispatch, combine gradient) runs in MXFP8."""
+        return "mxfp8" in (self.expert_precision, self.dispatch_dtype, self.combine_bwd_dtype)
+
     @property
     def fc1_output_size(self) -> int:
         """Width of fc1's output: 2F for GLU ([gate; up]), F otherwise."""
@@ -182,13 +190,13 @@ class MoEConfig:
             return None
         return math.ceil((num_tokens * self.top_k / self.num_experts) * self.capacity_factor)
 
-    def replace(self, **changes) -> "MoEConfig":
+    def replace(self, **changes) -> MoEConfig:
         """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ Megatron interop
     @classmethod
-    def from_megatron(cls, args: Mapping[str, Any], **overrides) -> "MoEConfig":
+    def from_megatron(cls, args: Mapping[str, Any], **overrides) -> MoEConfig:
         """Build a config from Megatron-Core names (a `TransformerConfig.__dict__`, saved `args`,
         or a checkpoint's config.json).
 
@@ -197,10 +205,14 @@ class MoEConfig:
         """
         args = dict(args)
         unsupported = {
-            "moe_apply_probs_on_input": False, "moe_latent_size": None,
-            "moe_mlp_glu_interleave_size": None, "moe_router_force_load_balancing": False,
-            "moe_router_force_biased": None, "moe_enable_routing_replay": False,
-            "moe_router_topk_limited_devices": None, "moe_router_quantile_balancing_ema": 0.0,
+            "moe_apply_probs_on_input": False,
+            "moe_latent_size": None,
+            "moe_mlp_glu_interleave_size": None,
+            "moe_router_force_load_balancing": False,
+            "moe_router_force_biased": None,
+            "moe_enable_routing_replay": False,
+            "moe_router_topk_limited_devices": None,
+            "moe_router_quantile_balancing_ema": 0.0,
         }
         for key, default in unsupported.items():
             if args.get(key, default) not in (default, None, False, 0, 0.0):
@@ -221,15 +233,18 @@ class MoEConfig:
         if router_dtype in (None, "None"):
             router_dtype = "param"
         elif router_dtype != "fp32":
-            raise ValueError(f"from_megatron: moe_router_dtype={router_dtype!r} is not supported "
-                             "(jaxmoe supports the param dtype and fp32)")
+            raise ValueError(
+                f"from_megatron: moe_router_dtype={router_dtype!r} is not supported "
+                "(jaxmoe supports the param dtype and fp32)"
+            )
 
         balancing = args.get("moe_router_load_balancing_type", "aux_loss")
         coeff = args.get("moe_aux_loss_coeff", 0.0)
         if isinstance(balancing, (list, tuple)):
             if len(balancing) != 1:
-                raise ValueError(f"from_megatron: several load-balancing types {balancing} "
-                                 "are not supported")
+                raise ValueError(
+                    f"from_megatron: several load-balancing types {balancing} are not supported"
+                )
             balancing = balancing[0]
             coeff = coeff[0] if isinstance(coeff, (list, tuple)) else coeff
         if balancing in ("sinkhorn", "quantile_balancing"):
@@ -240,8 +255,10 @@ class MoEConfig:
         if args.get("fp8") and args.get("fp8_recipe") == "mxfp8":
             expert_precision, alignment = "mxfp8", 32
         elif args.get("fp8"):
-            raise ValueError(f"from_megatron: fp8 recipe {args.get('fp8_recipe')!r} is not "
-                             "supported (only mxfp8)")
+            raise ValueError(
+                f"from_megatron: fp8 recipe {args.get('fp8_recipe')!r} is not "
+                "supported (only mxfp8)"
+            )
 
         fields = dict(
             num_experts=int(num_experts),
@@ -276,9 +293,14 @@ class MoEConfig:
         return cls(**fields)
 
 
-def selective_precision(config: MoEConfig, num_layers: int, *, first_bf16: int = 0,
-                        last_bf16: int = 0, bf16_layers: Iterable[int] = ()
-                        ) -> tuple[MoEConfig, ...]:
+def selective_precision(
+    config: MoEConfig,
+    num_layers: int,
+    *,
+    first_bf16: int = 0,
+    last_bf16: int = 0,
+    bf16_layers: Iterable[int] = (),
+) -> tuple[MoEConfig, ...]:
     """One config per layer: `config` (the MXFP8 layers' config) everywhere except the chosen
     layers, which run fully in bf16 (Megatron's selective precision: `first_last_layers_bf16`
     with `num_layers_at_start_in_bf16` / `num_layers_at_end_in_bf16`, or per-module recipes).
@@ -287,25 +309,31 @@ def selective_precision(config: MoEConfig, num_layers: int, *, first_bf16: int =
     in `bf16_layers`; they get expert_precision, dispatch_dtype and combine_bwd_dtype "bf16" and
     keep every other field (the row alignment never changes real rows' bits).
     Example: `selective_precision(cfg, 24, first_bf16=2, last_bf16=4)`."""
-    if "mxfp8" not in (config.expert_precision, config.dispatch_dtype, config.combine_bwd_dtype):
-        raise ValueError("selective_precision: config has no MXFP8 option; it describes the "
-                         "MXFP8 layers")
-    for name, value, low in (("num_layers", num_layers, 1), ("first_bf16", first_bf16, 0),
-                             ("last_bf16", last_bf16, 0)):
+    if not config.uses_mxfp8:
+        raise ValueError(
+            "selective_precision: config has no MXFP8 option; it describes the MXFP8 layers"
+        )
+    for name, value, low in (
+        ("num_layers", num_layers, 1),
+        ("first_bf16", first_bf16, 0),
+        ("last_bf16", last_bf16, 0),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"selective_precision: {name} must be an int >= {low}, got "
-                             f"{value!r}")
+            raise ValueError(f"selective_precision: {name} must be an int >= {low}, got {value!r}")
     if first_bf16 + last_bf16 > num_layers:
-        raise ValueError(f"selective_precision: first_bf16 + last_bf16 ({first_bf16} + "
-                         f"{last_bf16}) exceeds num_layers ({num_layers})")
+        raise ValueError(
+            f"selective_precision: first_bf16 + last_bf16 ({first_bf16} + "
+            f"{last_bf16}) exceeds num_layers ({num_layers})"
+        )
     chosen = set(range(first_bf16)) | set(range(num_layers - last_bf16, num_layers))
     for layer in bf16_layers:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
-            raise ValueError(f"selective_precision: bf16_layers entries must be layer indices "
-                             f"in [0, {num_layers}), got {layer!r}")
+            raise ValueError(
+                f"selective_precision: bf16_layers entries must be layer indices "
+                f"in [0, {num_layers}), got {layer!r}"
+            )
         chosen.add(layer)
-    bf16 = config.replace(expert_precision="bf16", dispatch_dtype="bf16",
-                          combine_bwd_dtype="bf16")
+    bf16 = config.replace(expert_precision="bf16", dispatch_dtype="bf16", combine_bwd_dtype="bf16")
     return tuple(bf16 if layer in chosen else config for layer in range(num_layers))
 
 
@@ -318,6 +346,8 @@ def _megatron_activation(args: Mapping[str, Any]) -> str:
         name = match.group(1) if match else func
     aliases = {"silu": "silu", "swiglu": "silu", "gelu": "gelu", "squared_relu": "squared_relu"}
     if name not in aliases:
-        raise ValueError(f"from_megatron: activation {name!r} is not supported "
-                         f"(supported: {sorted(set(aliases))})")
+        raise ValueError(
+            f"from_megatron: activation {name!r} is not supported "
+            f"(supported: {sorted(set(aliases))})"
+        )
     return aliases[name]

@@ -24,32 +24,62 @@ from flax import nnx
 from jaxmoe import MoE, MoEConfig, update_expert_bias
 
 PRESETS = {
-    "mixtral": MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=128,
-                         load_balancing_type="aux_loss", aux_loss_coeff=1e-2,
-                         z_loss_coeff=1e-3),
-    "deepseek": MoEConfig(num_experts=16, top_k=4, ffn_hidden_size=64, score_function="sigmoid",
-                          enable_expert_bias=True, num_groups=4, group_topk=2,
-                          topk_scaling_factor=2.5, router_dtype="fp32",
-                          load_balancing_type="seq_aux_loss", aux_loss_coeff=1e-3,
-                          shared_expert_intermediate_size=96),
-    "nemotron": MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=192, activation="squared_relu",
-                          gated_linear_unit=False, pre_softmax=True, load_balancing_type="none"),
+    "mixtral": MoEConfig(
+        num_experts=8,
+        top_k=2,
+        ffn_hidden_size=128,
+        load_balancing_type="aux_loss",
+        aux_loss_coeff=1e-2,
+        z_loss_coeff=1e-3,
+    ),
+    "deepseek": MoEConfig(
+        num_experts=16,
+        top_k=4,
+        ffn_hidden_size=64,
+        score_function="sigmoid",
+        enable_expert_bias=True,
+        num_groups=4,
+        group_topk=2,
+        topk_scaling_factor=2.5,
+        router_dtype="fp32",
+        load_balancing_type="seq_aux_loss",
+        aux_loss_coeff=1e-3,
+        shared_expert_intermediate_size=96,
+    ),
+    "nemotron": MoEConfig(
+        num_experts=8,
+        top_k=2,
+        ffn_hidden_size=192,
+        activation="squared_relu",
+        gated_linear_unit=False,
+        pre_softmax=True,
+        load_balancing_type="none",
+    ),
 }
-MXFP8_OPTIONS = dict(expert_precision="mxfp8", dispatch_dtype="mxfp8", combine_bwd_dtype="mxfp8",
-                     expert_row_alignment=32)
+MXFP8_OPTIONS = dict(
+    expert_precision="mxfp8",
+    dispatch_dtype="mxfp8",
+    combine_bwd_dtype="mxfp8",
+    expert_row_alignment=32,
+)
 # precision: (param dtype, compute dtype, MoEConfig changes for the trained block)
-PRECISIONS = {"bf16": (jnp.float32, jnp.bfloat16, {}), "fp32": (jnp.float32, jnp.float32, {}),
-              "mxfp8": (jnp.float32, jnp.bfloat16, MXFP8_OPTIONS)}
+PRECISIONS = {
+    "bf16": (jnp.float32, jnp.bfloat16, {}),
+    "fp32": (jnp.float32, jnp.float32, {}),
+    "mxfp8": (jnp.float32, jnp.bfloat16, MXFP8_OPTIONS),
+}
 
 
 class Block(nnx.Module):
     """Pre-norm MoE block: MoE(rmsnorm(x))."""
 
-    def __init__(self, config: MoEConfig, hidden: int, *, param_dtype, dtype, init_std: float,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self, config: MoEConfig, hidden: int, *, param_dtype, dtype, init_std: float, rngs: nnx.Rngs
+    ):
         self.norm = nnx.RMSNorm(hidden, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.moe = MoE(config, hidden, param_dtype=param_dtype, dtype=dtype, init_std=init_std,
-                       rngs=rngs)
+        self.moe = MoE(
+            config, hidden, param_dtype=param_dtype, dtype=dtype, init_std=init_std, rngs=rngs
+        )
 
     def __call__(self, x):
         return self.moe(self.norm(x))
@@ -67,16 +97,37 @@ def _progress(step: int, total: int, text: str, width: int = 24) -> None:
     sys.stdout.flush()
 
 
-def train(preset: str = "mixtral", steps: int = 300, precision: str = "bf16", hidden: int = 128,
-          batch: int = 16, seq_len: int = 64, learning_rate: float = 3e-3, seed: int = 0,
-          log_every: int = 25, quiet: bool = False) -> dict:
+def train(
+    preset: str = "mixtral",
+    steps: int = 300,
+    precision: str = "bf16",
+    hidden: int = 128,
+    batch: int = 16,
+    seq_len: int = 64,
+    learning_rate: float = 3e-3,
+    seed: int = 0,
+    log_every: int = 25,
+    quiet: bool = False,
+) -> dict:
     """Run the demo; returns the final metrics (also used by the tests)."""
     config = PRESETS[preset]
     param_dtype, dtype, precision_options = PRECISIONS[precision]
-    model = Block(config.replace(**precision_options), hidden, param_dtype=param_dtype,
-                  dtype=dtype, init_std=0.02, rngs=nnx.Rngs(seed))
-    teacher = Block(config, hidden, param_dtype=param_dtype, dtype=dtype,
-                    init_std=2.0 / hidden ** 0.5, rngs=nnx.Rngs(seed + 1000))
+    model = Block(
+        config.replace(**precision_options),
+        hidden,
+        param_dtype=param_dtype,
+        dtype=dtype,
+        init_std=0.02,
+        rngs=nnx.Rngs(seed),
+    )
+    teacher = Block(
+        config,
+        hidden,
+        param_dtype=param_dtype,
+        dtype=dtype,
+        init_std=2.0 / hidden**0.5,
+        rngs=nnx.Rngs(seed + 1000),
+    )
     optimizer = nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
 
     @nnx.jit
@@ -85,7 +136,7 @@ def train(preset: str = "mixtral", steps: int = 300, precision: str = "bf16", hi
 
         def loss_fn(model):
             y, aux = model(x)
-            error = (y.astype(jnp.float32) - target.astype(jnp.float32))
+            error = y.astype(jnp.float32) - target.astype(jnp.float32)
             mse = jnp.mean(jnp.square(error)) / jnp.mean(jnp.square(target.astype(jnp.float32)))
             return mse + aux.total_loss, (mse, aux)
 
@@ -94,15 +145,18 @@ def train(preset: str = "mixtral", steps: int = 300, precision: str = "bf16", hi
         router = model.moe.router
         if router.expert_bias is not None:
             router.expert_bias[...] = update_expert_bias(
-                router.expert_bias[...], aux.tokens_per_expert, config.bias_update_rate)
+                router.expert_bias[...], aux.tokens_per_expert, config.bias_update_rate
+            )
         return mse, aux
 
     key = jax.random.key(seed)
     tokens = batch * seq_len
     if not quiet:
-        print(f"jaxmoe demo: preset={preset} precision={precision} steps={steps} "
-              f"tokens/step={tokens} experts={config.num_experts} top_k={config.top_k} "
-              f"backend={jax.default_backend()}")
+        print(
+            f"jaxmoe demo: preset={preset} precision={precision} steps={steps} "
+            f"tokens/step={tokens} experts={config.num_experts} top_k={config.top_k} "
+            f"backend={jax.default_backend()}"
+        )
     start = compiled_at = time.perf_counter()
     metrics = {}
     for step in range(1, steps + 1):
@@ -114,12 +168,21 @@ def train(preset: str = "mixtral", steps: int = 300, precision: str = "bf16", hi
             compiled_at = time.perf_counter()
         if step % log_every == 0 or step == steps:
             elapsed = max(time.perf_counter() - compiled_at, 1e-9)
-            metrics = dict(step=step, loss=float(mse), aux_loss=float(aux.load_balancing_loss),
-                           z_loss=float(aux.z_loss), balance=load_balance(aux.tokens_per_expert),
-                           tokens_per_s=tokens * max(step - 1, 1) / elapsed)
+            metrics = dict(
+                step=step,
+                loss=float(mse),
+                aux_loss=float(aux.load_balancing_loss),
+                z_loss=float(aux.z_loss),
+                balance=load_balance(aux.tokens_per_expert),
+                tokens_per_s=tokens * max(step - 1, 1) / elapsed,
+            )
             if not quiet:
-                _progress(step, steps, "loss {loss:.4f}  aux {aux_loss:.5f}  balance(max/mean) "
-                          "{balance:.2f}  {tokens_per_s:,.0f} tok/s".format(**metrics))
+                _progress(
+                    step,
+                    steps,
+                    "loss {loss:.4f}  aux {aux_loss:.5f}  balance(max/mean) "
+                    "{balance:.2f}  {tokens_per_s:,.0f} tok/s".format(**metrics),
+                )
                 if step % (log_every * 4) == 0 or step == steps:
                     sys.stdout.write("\n")
     metrics["wall_s"] = time.perf_counter() - start
@@ -141,8 +204,16 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
-    train(args.preset, args.steps, args.precision, args.hidden, args.batch, args.seq_len,
-          args.lr, args.seed)
+    train(
+        args.preset,
+        args.steps,
+        args.precision,
+        args.hidden,
+        args.batch,
+        args.seq_len,
+        args.lr,
+        args.seed,
+    )
 
 
 if __name__ == "__main__":

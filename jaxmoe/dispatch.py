@@ -51,10 +51,16 @@ def dispatch(x: jax.Array | MXTensor, plan: Plan, impl: str = "auto") -> jax.Arr
     if not isinstance(x, MXTensor):
         return _dispatch_array(x, plan, impl)
     if x.ndim != 2 or x.axis != 1:
-        raise ValueError(f"dispatch: an MXTensor must be [T, H] with blocks along H (axis 1), "
-                         f"got shape {x.shape} with blocks along axis {x.axis}")
-    return MXTensor(data=_dispatch(x.data, plan, "xla"), scale=_dispatch(x.scale, plan, "xla"),
-                    axis=1, fmt=x.fmt)
+        raise ValueError(
+            f"dispatch: an MXTensor must be [T, H] with blocks along H (axis 1), "
+            f"got shape {x.shape} with blocks along axis {x.axis}"
+        )
+    return MXTensor(
+        data=_dispatch(x.data, plan, "xla"),
+        scale=_dispatch(x.scale, plan, "xla"),
+        axis=1,
+        fmt=x.fmt,
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

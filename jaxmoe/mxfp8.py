@@ -1,8 +1,7 @@
 """MXFP8 quantization, bit-exact with NVIDIA Transformer Engine (TE >= 2.13, generic cast kernel).
 
 Blocks of 32 consecutive elements along one axis share an E8M0 scale byte ``e`` (decode multiplier
-``2^(e-127)``); elements are stored as float8_e4m3fn or float8_e5m2. The algorithm
-(/work/shared/specs/mxfp8.md section 0):
+``2^(e-127)``); elements are stored as float8_e4m3fn or float8_e5m2. The algorithm:
 
     amax = max(+0, |x_i| for non-NaN x_i)
     e    = e8m0_round_up(RN_fp32(amax * fp32(1/448)))          # 1/57344 for e5m2
@@ -22,18 +21,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxmoe.ints import round_up
+
 BLOCK_SIZE = 32
 
 _SIGN = np.uint32(0x80000000)
-_ABS = np.uint32(0x7FFFFFFF)
-_INF = np.uint32(0x7F800000)
+FP32_ABS_MASK = np.uint32(0x7FFFFFFF)  # bits & FP32_ABS_MASK: the bits of |x|
+FP32_INF_BITS = np.uint32(0x7F800000)  # bits of +Inf: |x| bits above it are NaNs
 _QNAN = np.uint32(0x7FC00000)
 _MANT = np.uint32(0x7FFFFF)
 _FP8_NAN_BYTE = 0x7F
 
 
 @dataclasses.dataclass(frozen=True)
-class _Format:
+class Fp8Format:
+    """An MXFP8 element format: its float8 dtype, largest finite value and scale-rule constants."""
+
     dtype: jnp.dtype
     max_normal: float
     # e8m0 rule constants, derived exactly from e8m0_round_up(RN_fp32(amax * R)) and checked against it
@@ -46,14 +49,17 @@ class _Format:
 # iff m > 1.75, i.e. mantissa field > 0x600000. last_zero_amax is the largest amax whose product rounds
 # to at most 2^-127 in the fp32 subnormal range (e4m3: 0x04600001, one ulp above 448 * 2^-127).
 _MANT_THRESHOLD = 0x600000
-_FORMATS = {
-    "e4m3": _Format(jnp.float8_e4m3fn, 448.0, exp_shift=8, last_zero_amax=0x04600001),
-    "e5m2": _Format(jnp.float8_e5m2, 57344.0, exp_shift=15, last_zero_amax=0x07E00001),
+# The element formats by name ("e4m3", "e5m2").
+FORMATS = {
+    "e4m3": Fp8Format(jnp.float8_e4m3fn, 448.0, exp_shift=8, last_zero_amax=0x04600001),
+    "e5m2": Fp8Format(jnp.float8_e5m2, 57344.0, exp_shift=15, last_zero_amax=0x07E00001),
 }
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "scale"], meta_fields=["axis", "fmt"])
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["data", "scale"], meta_fields=["axis", "fmt"]
+)
 @dataclasses.dataclass(frozen=True)
 class MXTensor:
     """An MXFP8-quantized tensor.
@@ -90,9 +96,9 @@ class MXTensor:
 
 
 def _check_fmt(fmt):
-    if fmt not in _FORMATS:
-        raise ValueError(f"unknown MXFP8 format {fmt!r}; expected one of {sorted(_FORMATS)}")
-    return _FORMATS[fmt]
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown MXFP8 format {fmt!r}; expected one of {sorted(FORMATS)}")
+    return FORMATS[fmt]
 
 
 def _check_float_dtype(dtype, what):
@@ -102,7 +108,7 @@ def _check_float_dtype(dtype, what):
     return dtype
 
 
-def _float32_bits(x):
+def float32_bits(x):
     """Bits of x widened exactly to fp32, as uint32."""
     if x.dtype == jnp.float32:
         return lax.bitcast_convert_type(x, jnp.uint32)
@@ -112,12 +118,12 @@ def _float32_bits(x):
     return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
 
 
-def _e8m0_from_amax_bits(amax, fmt):
+def e8m0_from_amax_bits(amax, fmt):
     """TE's scale byte e8m0_round_up(RN_fp32(amax * R)) from the bits of a non-NaN amax >= 0 (int32)."""
     a = amax.astype(jnp.int32)
     e = (a >> 23) - fmt.exp_shift + ((a & _MANT) > _MANT_THRESHOLD).astype(jnp.int32)
     e = jnp.where(a > fmt.last_zero_amax, e, 0)
-    return jnp.where(a == _INF, 254, e)
+    return jnp.where(a == FP32_INF_BITS, 254, e)
 
 
 def _scale_by_pow2_bits(bits, shift):
@@ -127,25 +133,26 @@ def _scale_by_pow2_bits(bits, shift):
     ±Inf and NaN pass through.
     """
     sign = bits & _SIGN
-    mag = bits & _ABS
+    mag = bits & FP32_ABS_MASK
     exp = (mag >> 23).astype(jnp.int32)
     man = mag & _MANT
     # Normalise fp32 subnormals: their exponent becomes <= 0, a "virtual" exponent below the fp32 range.
     subnormal = (exp == 0) & (man != 0)
     # floor(log2(man)) from the exponent of float(man): exact (man < 2^23), no clz needed.
-    lead = (lax.bitcast_convert_type(man.astype(jnp.int32).astype(jnp.float32), jnp.int32)
-            >> 23) - 127
+    lead = (
+        lax.bitcast_convert_type(man.astype(jnp.int32).astype(jnp.float32), jnp.int32) >> 23
+    ) - 127
     exp = jnp.where(subnormal, lead - 22, exp)
     man = jnp.where(subnormal, (man << (23 - lead).astype(jnp.uint32)) & _MANT, man)
     new_exp = exp + shift
     out = jnp.where(new_exp >= 1, (new_exp.astype(jnp.uint32) << 23) | man, jnp.uint32(0))
-    out = jnp.where(new_exp >= 255, jnp.uint32(_INF), out)
+    out = jnp.where(new_exp >= 255, jnp.uint32(FP32_INF_BITS), out)
     out = jnp.where(mag == 0, jnp.uint32(0), out)
-    out = jnp.where(mag >= _INF, mag, out)
+    out = jnp.where(mag >= FP32_INF_BITS, mag, out)
     return sign | out
 
 
-def _encode_elements(bits, e, fmt):
+def encode_elements(bits, e, fmt):
     """float8 elements cvt_rn_satfinite(x * 2^(127 - e)) from fp32 bits of x and scale bytes e (int32)."""
     y = lax.bitcast_convert_type(_scale_by_pow2_bits(bits, 127 - e), jnp.float32)
     # satfinite: only ±Inf reach beyond max_normal; XLA's float8 convert is RNE but not saturating.
@@ -153,21 +160,21 @@ def _encode_elements(bits, e, fmt):
     # The NaN select runs on 16-bit values (GPU kernels share this code and Mosaic GPU has no
     # 8-bit selects).
     q = lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.uint16)
-    q = jnp.where((bits & _ABS) > _INF, jnp.uint16(_FP8_NAN_BYTE), q)
+    q = jnp.where((bits & FP32_ABS_MASK) > FP32_INF_BITS, jnp.uint16(_FP8_NAN_BYTE), q)
     return lax.bitcast_convert_type(q.astype(jnp.uint8), fmt.dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _quantize_impl(x, axis, fmt_name):
-    fmt = _FORMATS[fmt_name]
+    fmt = FORMATS[fmt_name]
     shape = x.shape
     block_shape = shape[:axis] + (shape[axis] // BLOCK_SIZE, BLOCK_SIZE) + shape[axis + 1 :]
-    bits = _float32_bits(x).reshape(block_shape)
-    mag = bits & _ABS
+    bits = float32_bits(x).reshape(block_shape)
+    mag = bits & FP32_ABS_MASK
     # |x| bits are monotone in |x|; NaNs count as 0, and the uint32 max is seeded with 0.
-    amax = jnp.max(jnp.where(mag > _INF, jnp.uint32(0), mag), axis=axis + 1, keepdims=True)
-    e = _e8m0_from_amax_bits(amax, fmt)
-    data = _encode_elements(bits, e, fmt).reshape(shape)
+    amax = jnp.max(jnp.where(mag > FP32_INF_BITS, jnp.uint32(0), mag), axis=axis + 1, keepdims=True)
+    e = e8m0_from_amax_bits(amax, fmt)
+    data = encode_elements(bits, e, fmt).reshape(shape)
     return data, jnp.squeeze(e, axis + 1).astype(jnp.uint8)
 
 
@@ -184,7 +191,9 @@ def quantize(x, axis=-1, fmt="e4m3"):
         x = jnp.asarray(x)
     _check_float_dtype(x.dtype, "MXFP8 quantize input")
     if np.ndim(x) == 0:
-        raise ValueError("MXFP8 quantize needs an input with at least one dimension, got a 0-d array")
+        raise ValueError(
+            "MXFP8 quantize needs an input with at least one dimension, got a 0-d array"
+        )
     x = jnp.asarray(x)
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis {axis} is out of range for an input of shape {x.shape}")
@@ -202,15 +211,15 @@ def _dequantize_impl(data, scale, axis, dtype):
     bits = lax.bitcast_convert_type(data.astype(jnp.float32), jnp.uint32)  # float8 -> fp32 is exact
     e = jnp.repeat(scale.astype(jnp.int32), BLOCK_SIZE, axis=axis)
     sign = bits & _SIGN
-    mag = bits & _ABS
+    mag = bits & FP32_ABS_MASK
     new_exp = (mag >> 23).astype(jnp.int32) + e - 127
     # Products below 2^-126 are exact fp32 subnormals: a float8 significand has at most 4 bits and the
     # shift is at most 10 (e4m3) / 17 (e5m2), so no bit is lost.
     subnormal = ((mag & _MANT) | 0x800000) >> jnp.clip(1 - new_exp, 0, 31).astype(jnp.uint32)
     out = jnp.where(new_exp >= 1, (new_exp.astype(jnp.uint32) << 23) | (mag & _MANT), subnormal)
-    out = jnp.where(new_exp >= 255, jnp.uint32(_INF), out)
+    out = jnp.where(new_exp >= 255, jnp.uint32(FP32_INF_BITS), out)
     out = jnp.where(mag == 0, jnp.uint32(0), out)
-    out = jnp.where(mag >= _INF, mag, out)
+    out = jnp.where(mag >= FP32_INF_BITS, mag, out)
     out = jnp.where(e == 255, jnp.uint32(_QNAN), sign | out)
     if dtype == jnp.float32:
         return lax.bitcast_convert_type(out, jnp.float32)
@@ -218,7 +227,7 @@ def _dequantize_impl(data, scale, axis, dtype):
         # RNE on the bits (fp32 subnormals included); NaN separately so the carry cannot turn it into Inf.
         rounded = (out + 0x7FFF + ((out >> 16) & 1)) >> 16
         nan = ((out & _SIGN) >> 16) | 0x7FC0
-        out16 = jnp.where((out & _ABS) > _INF, nan, rounded).astype(jnp.uint16)
+        out16 = jnp.where((out & FP32_ABS_MASK) > FP32_INF_BITS, nan, rounded).astype(jnp.uint16)
         return lax.bitcast_convert_type(out16, jnp.bfloat16)
     # XLA's f32 -> f16 convert is RNE and does not flush fp32 subnormal inputs (checked on all 2^32 inputs).
     return lax.bitcast_convert_type(out, jnp.float32).astype(jnp.float16)
@@ -245,11 +254,13 @@ def scale_multipliers(scale):
     return lax.bitcast_convert_type(out, jnp.float32)
 
 
-def _round_up(n, m):
-    return -(-n // m) * m
-
-
-_SWIZZLE_PERM = (0, 3, 2, 1, 4)  # (row tile, 4 row groups, 32 rows, col tile, 4 cols) <-> swizzled; self-inverse
+_SWIZZLE_PERM = (
+    0,
+    3,
+    2,
+    1,
+    4,
+)  # (row tile, 4 row groups, 32 rows, col tile, 4 cols) <-> swizzled; self-inverse
 
 
 def swizzle_scales(scale):
@@ -260,7 +271,7 @@ def swizzle_scales(scale):
     batch dims. For TE rowwise scales R = M and C = K/32.
     """
     *batch, rows, cols = scale.shape
-    rows_pad, cols_pad = _round_up(rows, 128), _round_up(cols, 4)
+    rows_pad, cols_pad = round_up(rows, 128), round_up(cols, 4)
     nb = len(batch)
     padded = jnp.pad(scale, [(0, 0)] * nb + [(0, rows_pad - rows), (0, cols_pad - cols)])
     tiles = padded.reshape(*batch, rows_pad // 128, 4, 32, cols_pad // 4, 4)
@@ -271,10 +282,12 @@ def swizzle_scales(scale):
 def unswizzle_scales(buf, shape):
     """Inverse of ``swizzle_scales``: flat [..., R_pad * C_pad] buffer -> compact [..., R, C] with shape=(R, C)."""
     rows, cols = shape
-    rows_pad, cols_pad = _round_up(rows, 128), _round_up(cols, 4)
+    rows_pad, cols_pad = round_up(rows, 128), round_up(cols, 4)
     *batch, size = buf.shape
     if size != rows_pad * cols_pad:
-        raise ValueError(f"swizzled buffer of size {size} does not match scale shape {tuple(shape)}")
+        raise ValueError(
+            f"swizzled buffer of size {size} does not match scale shape {tuple(shape)}"
+        )
     nb = len(batch)
     tiles = buf.reshape(*batch, rows_pad // 128, cols_pad // 4, 32, 4, 4)
     tiles = tiles.transpose(*range(nb), *(nb + p for p in _SWIZZLE_PERM))

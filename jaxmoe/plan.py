@@ -87,12 +87,13 @@ def make_plan(routing: Routing, config: MoEConfig) -> Plan:
     num_rows = buffer_rows(num_tokens, config)
 
     slot_expert = jnp.where(routing.kept, routing.indices, num_experts).reshape(-1)
-    order = jnp.argsort(slot_expert, stable=True)              # expert-major, tokens ascending
+    order = jnp.argsort(slot_expert, stable=True)  # expert-major, tokens ascending
     sorted_expert = slot_expert[order]
     # Per-expert counts (integer adds: exact in any order) and where each expert's run starts.
     tokens_per_group = jnp.bincount(slot_expert, length=num_experts + 1)[:num_experts]
-    sorted_start = jnp.concatenate([jnp.zeros(1, jnp.int32),
-                                    jnp.cumsum(tokens_per_group)[:-1].astype(jnp.int32)])
+    sorted_start = jnp.concatenate(
+        [jnp.zeros(1, jnp.int32), jnp.cumsum(tokens_per_group)[:-1].astype(jnp.int32)]
+    )
 
     if config.pad_expert_input_to_capacity:
         padded = jnp.full((num_experts,), _round_up(config.capacity(num_tokens), align))
@@ -105,25 +106,34 @@ def make_plan(routing: Routing, config: MoEConfig) -> Plan:
     sorted_pos = jnp.arange(num_slots, dtype=jnp.int32)
     sorted_row = jnp.where(
         sorted_expert < num_experts,
-        block_start[jnp.minimum(sorted_expert, num_experts - 1)] + sorted_pos
+        block_start[jnp.minimum(sorted_expert, num_experts - 1)]
+        + sorted_pos
         - sorted_start[jnp.minimum(sorted_expert, num_experts - 1)],
-        num_rows)
+        num_rows,
+    )
     inverse_order = jnp.argsort(order)
     slot_row = sorted_row[inverse_order].reshape(num_tokens, top_k).astype(jnp.int32)
 
     # Row -> slot: find the row's expert block, then its rank inside the block.
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     # E block boundaries against every row at once: no sequential binary-search loop.
-    row_expert = jnp.searchsorted(block_start[1:], rows, side="right",
-                                  method="compare_all").astype(jnp.int32)
+    row_expert = jnp.searchsorted(block_start[1:], rows, side="right", method="compare_all").astype(
+        jnp.int32
+    )
     clipped = jnp.minimum(row_expert, num_experts - 1)
     rank = rows - block_start[clipped]
     is_real = (row_expert < num_experts) & (rank < tokens_per_group[clipped])
-    row_slot = jnp.where(is_real, order[jnp.minimum(sorted_start[clipped] + rank, num_slots - 1)],
-                         num_slots).astype(jnp.int32)
+    row_slot = jnp.where(
+        is_real, order[jnp.minimum(sorted_start[clipped] + rank, num_slots - 1)], num_slots
+    ).astype(jnp.int32)
 
     combine_key = jnp.where(routing.kept, routing.indices, num_experts)
     combine_slot = jnp.argsort(combine_key, axis=1, stable=True).astype(jnp.int32)
-    return Plan(row_slot=row_slot, row_expert=row_expert, slot_row=slot_row,
-                combine_slot=combine_slot, group_sizes=padded,
-                tokens_per_group=tokens_per_group.astype(jnp.int32))
+    return Plan(
+        row_slot=row_slot,
+        row_expert=row_expert,
+        slot_row=slot_row,
+        combine_slot=combine_slot,
+        group_sizes=padded,
+        tokens_per_group=tokens_per_group.astype(jnp.int32),
+    )

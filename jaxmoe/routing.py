@@ -1,6 +1,6 @@
 """Router: logits -> top-k experts, probabilities, capacity dropping and auxiliary losses.
 
-Megatron-Core 0.19.2 semantics (shared spec `megatron_moe.md` §1): score math in fp32, final
+Megatron-Core 0.19.2 semantics (docs/numerics.md, "Routing"): score math in fp32, final
 probabilities cast back to the logits dtype, expert bias affects selection only, no
 renormalisation after dropping.
 
@@ -39,8 +39,9 @@ class Routing:
     kept: jax.Array
 
 
-def router_logits(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
-                  router_dtype, impl: str = "auto") -> jax.Array:
+def router_logits(
+    x: jax.Array, kernel: jax.Array, bias: jax.Array | None, router_dtype, impl: str = "auto"
+) -> jax.Array:
     """Router logits [T, E]: x[T, H] @ kernel[H, E] (+ bias) accumulated in fp32, rounded once to
     `router_dtype` (the compute dtype by default, fp32 with `router_dtype='fp32'`), on
     `jaxmoe.ops.dense` (batch-invariant on the GPU kernels)."""
@@ -50,8 +51,7 @@ def router_logits(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
 def _divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     """A true IEEE division. XLA rewrites x / broadcast(d) into x * (1 / d), which rounds twice
     (0.5 / 1.0 style ties come out one ulp low); the barrier keeps the division."""
-    return numerator / jax.lax.optimization_barrier(
-        jnp.broadcast_to(denominator, numerator.shape))
+    return numerator / jax.lax.optimization_barrier(jnp.broadcast_to(denominator, numerator.shape))
 
 
 def _softmax(logits: jax.Array) -> jax.Array:
@@ -90,8 +90,9 @@ def _top_k(scores: jax.Array, k: int, num_groups: int | None, group_topk: int | 
     return jax.lax.top_k(masked, k)
 
 
-def topk_routing(logits: jax.Array, config: MoEConfig,
-                 expert_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def topk_routing(
+    logits: jax.Array, config: MoEConfig, expert_bias: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Megatron's `topk_routing_with_score_function`: (probs [T, k] in logits dtype, indices)."""
     k, groups = config.top_k, (config.num_groups, config.group_topk)
     if config.score_function == "softmax":
@@ -131,13 +132,18 @@ def megatron_token_order(num_tokens: int, sequence_shape: tuple[int, ...] | None
     if sequence_shape is None or len(sequence_shape) < 2:
         return np.arange(num_tokens)
     if math.prod(sequence_shape) != num_tokens:
-        raise ValueError(f"sequence_shape {tuple(sequence_shape)} does not hold {num_tokens} "
-                         "tokens")
+        raise ValueError(
+            f"sequence_shape {tuple(sequence_shape)} does not hold {num_tokens} tokens"
+        )
     return np.arange(num_tokens).reshape(-1, sequence_shape[-1]).T.reshape(-1)
 
 
-def capacity_keep_mask(probs: jax.Array, indices: jax.Array, config: MoEConfig,
-                       sequence_shape: tuple[int, ...] | None = None) -> jax.Array:
+def capacity_keep_mask(
+    probs: jax.Array,
+    indices: jax.Array,
+    config: MoEConfig,
+    sequence_shape: tuple[int, ...] | None = None,
+) -> jax.Array:
     """[T, k] bool: which routed pairs survive the per-expert capacity (all when no capacity).
 
     Policy "probs" keeps, per expert, the `capacity` tokens with the largest probability (ties:
@@ -152,20 +158,25 @@ def capacity_keep_mask(probs: jax.Array, indices: jax.Array, config: MoEConfig,
     order = megatron_token_order(num_tokens, sequence_shape)
     probs, indices = probs[order], indices[order]
     num_experts = config.num_experts
-    routed = jnp.any(indices[..., None] == jnp.arange(num_experts), axis=1)        # [T, E]
+    routed = jnp.any(indices[..., None] == jnp.arange(num_experts), axis=1)  # [T, E]
     if config.token_drop_policy == "probs":
-        order_by_prob = jnp.argsort(-dense_probs(probs, indices, num_experts).T.astype(F32),
-                                    axis=1, stable=True)                           # [E, T]
-        rank = jnp.argsort(order_by_prob, axis=1).T                                # [T, E]
+        order_by_prob = jnp.argsort(
+            -dense_probs(probs, indices, num_experts).T.astype(F32), axis=1, stable=True
+        )  # [E, T]
+        rank = jnp.argsort(order_by_prob, axis=1).T  # [T, E]
         keep_dense = rank < capacity
     else:
-        earlier_routed = jnp.cumsum(routed, axis=0) - routed                       # [T, E]
+        earlier_routed = jnp.cumsum(routed, axis=0) - routed  # [T, E]
         keep_dense = earlier_routed < capacity
     return jnp.take_along_axis(keep_dense, indices, axis=1)[np.argsort(order)]
 
 
-def route(logits: jax.Array, config: MoEConfig, expert_bias: jax.Array | None = None,
-          sequence_shape: tuple[int, ...] | None = None) -> Routing:
+def route(
+    logits: jax.Array,
+    config: MoEConfig,
+    expert_bias: jax.Array | None = None,
+    sequence_shape: tuple[int, ...] | None = None,
+) -> Routing:
     """Top-k routing plus capacity dropping (dropped pairs get probability 0, no renormalisation).
 
     sequence_shape: x.shape[:-1] of the layer input the T tokens come from; it fixes the token
@@ -179,8 +190,9 @@ def route(logits: jax.Array, config: MoEConfig, expert_bias: jax.Array | None = 
     return Routing(probs=jnp.where(kept, probs, jnp.zeros_like(probs)), indices=indices, kept=kept)
 
 
-def tokens_per_expert(routing: Routing, num_experts: int,
-                      padding_mask: jax.Array | None = None) -> jax.Array:
+def tokens_per_expert(
+    routing: Routing, num_experts: int, padding_mask: jax.Array | None = None
+) -> jax.Array:
     """[E] int32 count of kept (token, expert) pairs, excluding padding tokens (True = padding)."""
     kept = routing.kept if padding_mask is None else routing.kept & ~padding_mask[:, None]
     hits = (routing.indices[..., None] == jnp.arange(num_experts)) & kept[..., None]
@@ -209,9 +221,13 @@ def _switch_loss(scores, routing_map, num_tokens, config: MoEConfig):
     return jnp.sum(per_expert, axis=-1) * scale
 
 
-def load_balancing_loss(logits: jax.Array, config: MoEConfig, sequence_shape: tuple[int, ...],
-                        padding_mask: jax.Array | None = None,
-                        token_counts: jax.Array | None = None) -> jax.Array:
+def load_balancing_loss(
+    logits: jax.Array,
+    config: MoEConfig,
+    sequence_shape: tuple[int, ...],
+    padding_mask: jax.Array | None = None,
+    token_counts: jax.Array | None = None,
+) -> jax.Array:
     """The configured load-balancing loss (coefficient applied), an fp32 scalar.
 
     logits: [T, E] with T = prod(sequence_shape); for "seq_aux_loss" the last entry of
@@ -224,7 +240,7 @@ def load_balancing_loss(logits: jax.Array, config: MoEConfig, sequence_shape: tu
     if config.load_balancing_type == "none" or config.aux_loss_coeff == 0:
         return jnp.zeros((), F32)
     scores, routing_map = aux_loss_scores(logits, config)
-    valid = (jnp.ones(logits.shape[0], bool) if padding_mask is None else ~padding_mask)
+    valid = jnp.ones(logits.shape[0], bool) if padding_mask is None else ~padding_mask
     scores = jnp.where(valid[:, None], scores, 0.0)
     routing_map = routing_map & valid[:, None]
     if config.load_balancing_type == "seq_aux_loss":
@@ -243,8 +259,9 @@ def load_balancing_loss(logits: jax.Array, config: MoEConfig, sequence_shape: tu
     return _switch_loss(scores, routing_map, num_valid, config)
 
 
-def z_loss(logits: jax.Array, coeff: float | None,
-           padding_mask: jax.Array | None = None) -> jax.Array:
+def z_loss(
+    logits: jax.Array, coeff: float | None, padding_mask: jax.Array | None = None
+) -> jax.Array:
     """coeff * mean_t(logsumexp(logits_t)^2), with logsumexp rounded to the logits dtype as in
     Megatron (bf16 by default); padding tokens excluded. An fp32 scalar (0 when coeff is None)."""
     if coeff is None:
@@ -255,11 +272,13 @@ def z_loss(logits: jax.Array, coeff: float | None,
     return total / jnp.maximum(jnp.sum(valid), 1).astype(F32) * coeff
 
 
-def update_expert_bias(expert_bias: jax.Array, token_counts: jax.Array,
-                       update_rate: float) -> jax.Array:
+def update_expert_bias(
+    expert_bias: jax.Array, token_counts: jax.Array, update_rate: float
+) -> jax.Array:
     """Megatron's aux-loss-free update, once per optimizer step:
     bias + rate * sign(mean(c) - c) in fp32, with c the token counts accumulated over the global
     batch (after dropping, padding excluded). Underloaded experts go up; sign(0) = 0."""
     counts = token_counts.astype(F32)
-    return (expert_bias.astype(F32)
-            + jnp.asarray(update_rate, F32) * jnp.sign(jnp.mean(counts) - counts))
+    return expert_bias.astype(F32) + jnp.asarray(update_rate, F32) * jnp.sign(
+        jnp.mean(counts) - counts
+    )

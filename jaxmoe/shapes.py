@@ -1,13 +1,13 @@
 """Real layer sizes: the ones the GPU test suite and the layer benchmark run at (one H200).
 
-  name               tokens  H     experts  top-k  F      other
-  mixtral            8192    4096  8        2      14336  softmax after top-k, aux loss
-  qwen3_30b          8192    2048  128      8      768    softmax after top-k, aux loss
-  dsv3_ep8           4096    7168  32       8      2048   DeepSeek-V3's experts on one of 8 EP
-                                                          ranks (fc1 GEMM 32768 x 7168 x 4096)
-  deepseek_v3_style  4096    7168  64       8      2048   sigmoid scores, 8 groups / top-4,
-                                                          expert bias, scaling 2.5, fp32 router,
-                                                          seq aux loss, gated shared expert 2048
+name               tokens  H     experts  top-k  F      other
+mixtral            8192    4096  8        2      14336  softmax after top-k, aux loss
+qwen3_30b          8192    2048  128      8      768    softmax after top-k, aux loss
+dsv3_ep8           4096    7168  32       8      2048   DeepSeek-V3's experts on one of 8 EP
+                                                        ranks (fc1 GEMM 32768 x 7168 x 4096)
+deepseek_v3_style  4096    7168  64       8      2048   sigmoid scores, 8 groups / top-4,
+                                                        expert bias, scaling 2.5, fp32 router,
+                                                        seq aux loss, gated shared expert 2048
 """
 
 from __future__ import annotations
@@ -16,8 +16,12 @@ import dataclasses
 
 from jaxmoe.config import MoEConfig
 
-MXFP8_OPTIONS = dict(expert_precision="mxfp8", dispatch_dtype="mxfp8", combine_bwd_dtype="mxfp8",
-                     expert_row_alignment=32)
+MXFP8_OPTIONS = dict(
+    expert_precision="mxfp8",
+    dispatch_dtype="mxfp8",
+    combine_bwd_dtype="mxfp8",
+    expert_row_alignment=32,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,17 +48,50 @@ class LayerShape:
         return dataclasses.replace(self, config=self.config.replace(**MXFP8_OPTIONS))
 
 
-SHAPES: dict[str, LayerShape] = {shape.name: shape for shape in (
-    LayerShape("mixtral", MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=14336,
-                                    aux_loss_coeff=1e-2), 4096, batch=2, seq_len=4096),
-    LayerShape("qwen3_30b", MoEConfig(num_experts=128, top_k=8, ffn_hidden_size=768,
-                                      aux_loss_coeff=1e-3), 2048, batch=2, seq_len=4096),
-    LayerShape("dsv3_ep8", MoEConfig(num_experts=32, top_k=8, ffn_hidden_size=2048,
-                                     aux_loss_coeff=1e-3), 7168, batch=2, seq_len=2048),
-    LayerShape("deepseek_v3_style", MoEConfig(
-        num_experts=64, top_k=8, ffn_hidden_size=2048, score_function="sigmoid",
-        enable_expert_bias=True, num_groups=8, group_topk=4, topk_scaling_factor=2.5,
-        router_dtype="fp32", load_balancing_type="seq_aux_loss", aux_loss_coeff=1e-4,
-        shared_expert_intermediate_size=2048, shared_expert_gate=True), 7168, batch=2,
-        seq_len=2048),
-)}
+SHAPES: dict[str, LayerShape] = {
+    shape.name: shape
+    for shape in (
+        LayerShape(
+            "mixtral",
+            MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=14336, aux_loss_coeff=1e-2),
+            4096,
+            batch=2,
+            seq_len=4096,
+        ),
+        LayerShape(
+            "qwen3_30b",
+            MoEConfig(num_experts=128, top_k=8, ffn_hidden_size=768, aux_loss_coeff=1e-3),
+            2048,
+            batch=2,
+            seq_len=4096,
+        ),
+        LayerShape(
+            "dsv3_ep8",
+            MoEConfig(num_experts=32, top_k=8, ffn_hidden_size=2048, aux_loss_coeff=1e-3),
+            7168,
+            batch=2,
+            seq_len=2048,
+        ),
+        LayerShape(
+            "deepseek_v3_style",
+            MoEConfig(
+                num_experts=64,
+                top_k=8,
+                ffn_hidden_size=2048,
+                score_function="sigmoid",
+                enable_expert_bias=True,
+                num_groups=8,
+                group_topk=4,
+                topk_scaling_factor=2.5,
+                router_dtype="fp32",
+                load_balancing_type="seq_aux_loss",
+                aux_loss_coeff=1e-4,
+                shared_expert_intermediate_size=2048,
+                shared_expert_gate=True,
+            ),
+            7168,
+            batch=2,
+            seq_len=2048,
+        ),
+    )
+}

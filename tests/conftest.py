@@ -3,7 +3,8 @@
 * Tests marked `gpu` need a Hopper GPU and are skipped elsewhere, except the layer suite
   (tests/test_gpu_layer.py) when `--layer-shapes tiny` runs it on CPU (the kernels in the
   interpreter) to check the suite itself.
-* The `interpret` fixture runs Pallas Mosaic GPU kernels on CPU, each call race-checked.
+* The `interpret` fixture runs Pallas Mosaic GPU kernels on CPU, each call race-checked; tests
+  that use it are marked `slow` (`make test-quick` leaves them out).
 * `--results-json PATH` writes every test's outcome, duration and recorded properties
   (`record_property`) with the device and versions to PATH: the GPU suite's record
   (`make test-gpu`).
@@ -16,18 +17,29 @@ import subprocess
 
 import jax
 import pytest
-from interpreter import race_checked_interpreter
+
 from jaxmoe.ops import on_hopper
+
+from interpreter import race_checked_interpreter
 
 
 def pytest_addoption(parser):
-    parser.addoption("--results-json", default=None,
-                     help="write test outcomes, durations and recorded properties to this JSON")
-    parser.addoption("--layer-shapes", default="mixtral,qwen3_30b,dsv3_ep8,deepseek_v3_style",
-                     help="tests/test_gpu_layer.py: comma-separated jaxmoe.shapes names, or "
-                          "'tiny' (a small layer, runnable on CPU with the kernels interpreted)")
-    parser.addoption("--layer-precisions", default="bf16,mxfp8",
-                     help="tests/test_gpu_layer.py: comma-separated precisions")
+    parser.addoption(
+        "--results-json",
+        default=None,
+        help="write test outcomes, durations and recorded properties to this JSON",
+    )
+    parser.addoption(
+        "--layer-shapes",
+        default="mixtral,qwen3_30b,dsv3_ep8,deepseek_v3_style",
+        help="tests/test_gpu_layer.py: comma-separated jaxmoe.shapes names, or "
+        "'tiny' (a small layer, runnable on CPU with the kernels interpreted)",
+    )
+    parser.addoption(
+        "--layer-precisions",
+        default="bf16,mxfp8",
+        help="tests/test_gpu_layer.py: comma-separated precisions",
+    )
 
 
 @pytest.fixture
@@ -42,13 +54,17 @@ def interpret():
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "interpret" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
     if on_hopper():
         return
     tiny_layer_suite = config.getoption("--layer-shapes") == "tiny"
     reason = pytest.mark.skip(reason="needs an NVIDIA Hopper GPU (run on the H200)")
     for item in items:
-        if "gpu" in item.keywords and not (tiny_layer_suite
-                                           and item.module.__name__ == "test_gpu_layer"):
+        if "gpu" in item.keywords and not (
+            tiny_layer_suite and item.module.__name__ == "test_gpu_layer"
+        ):
             item.add_marker(reason)
 
 
@@ -60,21 +76,29 @@ class ResultsRecorder:
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-            self.results.append(dict(
-                test=report.nodeid, outcome=report.outcome, seconds=round(report.duration, 3),
-                properties=dict(report.user_properties),
-                failure=str(report.longrepr)[-4000:] if report.failed else None))
+            self.results.append(
+                dict(
+                    test=report.nodeid,
+                    outcome=report.outcome,
+                    seconds=round(report.duration, 3),
+                    properties=dict(report.user_properties),
+                    failure=str(report.longrepr)[-4000:] if report.failed else None,
+                )
+            )
 
     def pytest_sessionfinish(self, session):
         outcomes = [r["outcome"] for r in self.results]
         device = jax.devices()[0]
         record = dict(
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             command="python -m pytest " + " ".join(session.config.invocation_params.args),
             device=getattr(device, "device_kind", device.platform),
-            platform=platform.platform(), jax=jax.__version__, git_commit=_git_commit(),
+            platform=platform.platform(),
+            jax=jax.__version__,
+            git_commit=_git_commit(),
             summary={o: outcomes.count(o) for o in ("passed", "failed", "skipped")},
-            tests=self.results)
+            tests=self.results,
+        )
         with open(self.path, "w") as f:
             json.dump(record, f, indent=1, default=str)
 
@@ -87,7 +111,8 @@ def pytest_configure(config):
 
 def _git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None

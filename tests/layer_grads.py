@@ -9,8 +9,7 @@ from jaxmoe import MoE
 
 def output_and_grads(config, x, dy, gmm_impl):
     """[y, d x, *d params] of sum(y * dy) + aux loss for a bf16 layer (seed 0) on `gmm_impl`."""
-    model = MoE(config, x.shape[-1], param_dtype=jnp.bfloat16, gmm_impl=gmm_impl,
-                rngs=nnx.Rngs(0))
+    model = MoE(config, x.shape[-1], param_dtype=jnp.bfloat16, gmm_impl=gmm_impl, rngs=nnx.Rngs(0))
 
     def loss(model, x):
         y, aux = model(x)

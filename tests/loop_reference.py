@@ -4,8 +4,8 @@ This module is written independently of `jaxmoe` (it imports nothing from it) an
 read: every function handles ONE token (or one expert) at a time with plain Python loops, so the
 semantics are visible without any sort-based permutation, padding or grouped matmul.
 
-Sources: shared spec `megatron_moe.md` §1.2, §1.3, §1.5, §1.6, §3.2-§3.5, §4, §5, §8 and the
-definitions that jaxmoe fixes where Megatron is ambiguous:
+Sources: Megatron-Core 0.19.2's semantics as docs/numerics.md states them (sections "Routing"
+to "Shared experts") and the definitions that jaxmoe fixes where Megatron is ambiguous:
   * every top-k tie goes to the LOWER index (experts, groups, and tokens under capacity);
   * capacity policy "position" keeps the earliest routed tokens; "probs" the largest probabilities
     (ties: the earlier token); "earlier" in Megatron's token order, sequence-major ([S, B]);
@@ -14,7 +14,7 @@ definitions that jaxmoe fixes where Megatron is ambiguous:
   * weighted activation computed in fp32 and rounded once; fc2 bias as round(f32(o) + f32(b2)*p);
   * shared expert: round(act(g)*u), fc2, times round(sigmoid(round(x @ gate))), then a bf16 add.
 
-Arithmetic model. Exact math is done in float64. A value that the spec says is "computed in fp32
+Arithmetic model. Exact math is done in float64. A value "computed in fp32
 and rounded to dtype D" is modelled as `round_to(exact, D)`, i.e. exact -> fp32 -> D. The only
 difference left against a real fp32 kernel is the accumulation ORDER of the fp32 sums inside a
 matmul / softmax (and fp32 transcendental approximations), which the tests bound explicitly. Where
@@ -57,7 +57,7 @@ def softmax(z: np.ndarray) -> np.ndarray:
 
 def sigmoid(z):
     z = exact(z)
-    return 0.5 * (1.0 + np.tanh(0.5 * z))   # = 1 / (1 + exp(-z)), without overflow
+    return 0.5 * (1.0 + np.tanh(0.5 * z))  # = 1 / (1 + exp(-z)), without overflow
 
 
 def sqrt_softplus(z):
@@ -107,10 +107,10 @@ def _select_experts(selection: np.ndarray, selection_dtype, config) -> list[int]
     best_per_group = k // config.group_topk
     group_scores = []
     for g in range(config.num_groups):
-        members = selection[g * per_group:(g + 1) * per_group]
+        members = selection[g * per_group : (g + 1) * per_group]
         total = np.float32(0.0)
         for i in top_k_lower_index(members, best_per_group):
-            total = np.float32(total + np.float32(members[i]))     # fp32 accumulation
+            total = np.float32(total + np.float32(members[i]))  # fp32 accumulation
         group_scores.append(exact(round_to(total, selection_dtype)))
     chosen = top_k_lower_index(group_scores, config.group_topk)
     allowed = [e // per_group in chosen for e in range(config.num_experts)]
@@ -125,25 +125,25 @@ def route_token(logits_t: np.ndarray, config, expert_bias=None) -> tuple[np.ndar
     z = exact(logits_t)
     if config.score_function == "softmax":
         if config.pre_softmax:
-            scores = round_to(softmax(z), F32)                 # fp32 softmax over all E
+            scores = round_to(softmax(z), F32)  # fp32 softmax over all E
             indices = _select_experts(exact(scores), F32, config)
-            probs = scores[indices]                            # no renormalisation
+            probs = scores[indices]  # no renormalisation
         else:
             indices = _select_experts(z, logits_dtype, config)  # top-k on the raw logits
-            probs = round_to(softmax(z[indices]), F32)          # softmax over the k values
+            probs = round_to(softmax(z[indices]), F32)  # softmax over the k values
     else:
         fn = sigmoid if config.score_function == "sigmoid" else sqrt_softplus
         scores = round_to(fn(z), F32)
         selection = scores
-        if expert_bias is not None:                            # bias: selection only
-            selection = scores + np.asarray(expert_bias, F32)   # fp32 add
+        if expert_bias is not None:  # bias: selection only
+            selection = scores + np.asarray(expert_bias, F32)  # fp32 add
         indices = _select_experts(exact(selection), F32, config)
         probs = scores[indices]
         if config.top_k > 1:
             p = exact(probs)
             probs = round_to(p / (np.sum(p) + 1e-20), F32)
     probs = np.asarray(probs, F32)
-    if config.topk_scaling_factor is not None:                 # in fp32, before the final cast
+    if config.topk_scaling_factor is not None:  # in fp32, before the final cast
         probs = probs * np.float32(config.topk_scaling_factor)
     return probs.astype(logits_dtype), indices
 
@@ -167,8 +167,9 @@ def megatron_order(num_tokens: int, sequence_shape=None) -> list[int]:
     return [b * seq_len + s for s in range(seq_len) for b in range(num_sequences)]
 
 
-def capacity_kept(probs: np.ndarray, indices: np.ndarray, config, sequence_shape=None
-                  ) -> np.ndarray:
+def capacity_kept(
+    probs: np.ndarray, indices: np.ndarray, config, sequence_shape=None
+) -> np.ndarray:
     """[T, k] bool: which routed (token, expert) pairs fit in their expert's capacity.
 
     One expert at a time, tokens visited in Megatron's order (`megatron_order`). Policy "probs":
@@ -252,8 +253,12 @@ def _switch_loss(scores, routing_map, num_tokens, config) -> float:
     total = 0.0
     for e in range(config.num_experts):
         total += scores[:, e].sum() * routing_map[:, e].sum()
-    return total * config.num_experts * config.aux_loss_coeff / (
-        config.top_k * num_tokens * num_tokens)
+    return (
+        total
+        * config.num_experts
+        * config.aux_loss_coeff
+        / (config.top_k * num_tokens * num_tokens)
+    )
 
 
 def load_balancing_loss(logits, config, sequence_shape, padding_mask=None) -> float:
@@ -278,8 +283,9 @@ def load_balancing_loss(logits, config, sequence_shape, padding_mask=None) -> fl
         losses = []
         for start in range(0, logits.shape[0], seq_len):
             rows = slice(start, start + seq_len)
-            losses.append(_switch_loss(scores[rows], routing_map[rows], tokens_per_sequence,
-                                       config))
+            losses.append(
+                _switch_loss(scores[rows], routing_map[rows], tokens_per_sequence, config)
+            )
         return float(np.mean(losses))
     if config.load_balancing_type == "aux_loss":
         return _switch_loss(scores, routing_map, max(int(valid.sum()), 1), config)
@@ -355,22 +361,30 @@ def weighted_activation(h: np.ndarray, prob, config, dtype) -> np.ndarray:
     return round_to(out, dtype)
 
 
-def expert_output(x_t: np.ndarray, e: int, prob, params: LayerParams, config, dtype):
+def as_is(name: str, value: np.ndarray) -> np.ndarray:
+    """The default GEMM operand hook: every operand as it is (bf16 / fp32 experts)."""
+    return value
+
+
+def expert_output(x_t: np.ndarray, e: int, prob, params: LayerParams, config, dtype, operand=as_is):
     """One routed expert on one token: p * (fc2(act(fc1 x + b1)) + b2) with jaxmoe's rounding:
       h = round(x @ W1[e] + b1)         (fp32 accumulation, bias inside, one rounding)
       a = round(act(gate) * up * p)     (fp32, one rounding)
       o = round(a @ W2[e])
       o = round(f32(o) + f32(b2) * f32(p))   with a bias.
+    `operand(name, value)` gives each GEMM operand as the GEMM reads it ("tokens" [H], "fc1"
+    [H, 2F|F], "activation" [F], "fc2" [F, H]): e.g. quantized and dequantized for MXFP8.
     Returns (o [H] in dtype, magnitude [H] = |a| @ |W2[e]| (+ |b2 p|), the sum of the absolute
     values of everything accumulated into o)."""
-    h = exact(x_t) @ exact(np.asarray(params.fc1[e]).astype(dtype))
+    w1 = operand("fc1", np.asarray(params.fc1[e]).astype(dtype))
+    h = exact(operand("tokens", x_t)) @ exact(w1)
     if params.fc1_bias is not None:
         h = h + exact(np.asarray(params.fc1_bias[e]).astype(F32))
     h = round_to(h, dtype)
-    a = weighted_activation(h, prob, config, dtype)
-    w2 = exact(np.asarray(params.fc2[e]).astype(dtype))
-    o = round_to(exact(a) @ w2, dtype)
-    magnitude = np.abs(exact(a)) @ np.abs(w2)
+    a = exact(operand("activation", weighted_activation(h, prob, config, dtype)))
+    w2 = exact(operand("fc2", np.asarray(params.fc2[e]).astype(dtype)))
+    o = round_to(a @ w2, dtype)
+    magnitude = np.abs(a) @ np.abs(w2)
     if params.fc2_bias is not None:
         scaled_bias = np.asarray(params.fc2_bias[e]).astype(F32) * np.float32(prob)
         o = (o.astype(F32) + scaled_bias).astype(dtype)
@@ -408,15 +422,16 @@ class RefOutput:
     scale: np.ndarray
 
 
-def moe_forward(x: np.ndarray, params: LayerParams, config, dtype, sequence_shape=None
-                ) -> RefOutput:
+def moe_forward(
+    x: np.ndarray, params: LayerParams, config, dtype, sequence_shape=None, operand=as_is
+) -> RefOutput:
     """The whole layer, one token at a time.
 
     x: [T, H] (cast to the compute dtype `dtype` first, like the layer does); sequence_shape:
     the layer input's x.shape[:-1] when x was flattened from [..., S, H] (it orders the tokens
     for capacity dropping; None: the given order). Padding tokens need no special case: they
     are routed and computed like any other token (padding only changes the losses and the
-    counts)."""
+    counts). `operand`: the routed experts' GEMM operand hook (`expert_output`)."""
     dtype = np.dtype(dtype)
     x = np.asarray(x).astype(dtype)
     logits = router_logits(x, params, config, dtype)
@@ -425,16 +440,19 @@ def moe_forward(x: np.ndarray, params: LayerParams, config, dtype, sequence_shap
     y = np.zeros((num_tokens, hidden), dtype)
     scale = np.zeros((num_tokens, hidden))
     for t in range(num_tokens):
-        slots = sorted((int(routing.indices[t, j]), j) for j in range(config.top_k)
-                       if routing.kept[t, j])                      # ascending expert id
+        slots = sorted(
+            (int(routing.indices[t, j]), j) for j in range(config.top_k) if routing.kept[t, j]
+        )  # ascending expert id
         acc = np.zeros(hidden, F32)
         for e, j in slots:
-            o, magnitude = expert_output(x[t], e, routing.probs[t, j], params, config, dtype)
-            acc = acc + o.astype(F32)                              # fp32 accumulation
+            o, magnitude = expert_output(
+                x[t], e, routing.probs[t, j], params, config, dtype, operand
+            )
+            acc = acc + o.astype(F32)  # fp32 accumulation
             scale[t] += magnitude
-        y[t] = acc.astype(dtype)                                   # one rounding
+        y[t] = acc.astype(dtype)  # one rounding
         if params.shared_fc1 is not None:
             shared, magnitude = shared_expert_output(x[t], params, config, dtype)
-            y[t] = round_to(exact(y[t]) + exact(shared), dtype)    # add in the compute dtype
+            y[t] = round_to(exact(y[t]) + exact(shared), dtype)  # add in the compute dtype
             scale[t] += magnitude
     return RefOutput(y=y, routing=routing, logits=logits, scale=scale)

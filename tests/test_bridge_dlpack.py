@@ -13,9 +13,19 @@ from bridge.dlpack import jax_data_pointer
 from bridge.errors import DLPackTransferError
 from jaxmoe import mxfp8
 
-EXCHANGED = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int16, torch.int32,
-             torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
-             torch.float8_e8m0fnu]
+EXCHANGED = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e8m0fnu,
+]
 
 
 @pytest.mark.parametrize("dtype", EXCHANGED, ids=str)
@@ -54,7 +64,7 @@ def test_non_contiguous_is_refused_unless_copy():
 
 
 def test_misaligned_view_would_be_copied_by_jax_so_it_is_refused():
-    t = torch.arange(65, dtype=torch.float32)[1:]       # 4-byte offset: XLA copies on import
+    t = torch.arange(65, dtype=torch.float32)[1:]  # 4-byte offset: XLA copies on import
     with pytest.raises(DLPackTransferError, match="copied"):
         bridge.to_jax(t)
     a = bridge.to_jax(t, copy=True)
@@ -80,6 +90,8 @@ def test_mxtensor_round_trip_is_zero_copy_and_bitwise():
     assert data.data_ptr() == jax_data_pointer(mx.data)
     back = bridge.mxtensor_from_torch(data.view(torch.uint8), scale, axis=0, fmt="e5m2")
     assert jax_data_pointer(back.data) == data.data_ptr()
-    np.testing.assert_array_equal(np.asarray(mxfp8.dequantize(back)), np.asarray(mxfp8.dequantize(mx)))
+    np.testing.assert_array_equal(
+        np.asarray(mxfp8.dequantize(back)), np.asarray(mxfp8.dequantize(mx))
+    )
     with pytest.raises(DLPackTransferError, match="compact MXFP8 scales"):
         bridge.mxtensor_from_torch(data, scale[:1], axis=0, fmt="e5m2")

@@ -20,9 +20,17 @@ import torch
 from bridge import compare, megatron
 from bridge.__main__ import main
 from bridge.dlpack import to_jax
-from bridge.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
-                           ExpertCountError, MissingRankFilesError, MXFP8LayoutError,
-                           ShapeMismatchError, UnknownKeysError, UnsafeCheckpointError)
+from bridge.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    ExpertCountError,
+    MissingRankFilesError,
+    MXFP8LayoutError,
+    ShapeMismatchError,
+    UnknownKeysError,
+    UnsafeCheckpointError,
+)
 from bridge.safe_load import load_torch_file
 from jaxmoe import mxfp8
 
@@ -30,8 +38,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_bridge_reference import batch_major_pairs  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "fixtures", "megatron")
-CAPACITY_FIXTURES = ["capacity_probs_bf16", "capacity_position_bf16",
-                     "capacity_position_padded_bf16", "capacity_sigmoid_groups_fp32"]
+CAPACITY_FIXTURES = [
+    "capacity_probs_bf16",
+    "capacity_position_bf16",
+    "capacity_position_padded_bf16",
+    "capacity_sigmoid_groups_fp32",
+]
 FIXTURES = ["mixtral_fp32", "deepseek_bf16", "nemotron_sqrelu_bf16"] + CAPACITY_FIXTURES
 
 
@@ -44,8 +56,9 @@ def load_fixture(name: str, fmt: str) -> megatron.MegatronCheckpoint:
     return megatron.load(path, fixture(name, "config.json"))
 
 
-def assert_layers_equal(a: megatron.MegatronCheckpoint, b: megatron.MegatronCheckpoint,
-                        with_norm: bool = True) -> None:
+def assert_layers_equal(
+    a: megatron.MegatronCheckpoint, b: megatron.MegatronCheckpoint, with_norm: bool = True
+) -> None:
     assert sorted(a.layers) == sorted(b.layers)
     for index in a.layers:
         ta, tb = a.layers[index].tensors(), b.layers[index].tensors()
@@ -84,8 +97,14 @@ def test_matches_megatron_recordings(name):
     report = compare.compare_layer(load_fixture(name, "torch_dist"), 0, io=io_)
     vs = report["vs_megatron"]
     assert vs["routing_exact"], vs["stages"]["routing_map"]
-    expected = {"routing_map", "output", "grad_x", "grad_router_weight", "grad_fc1_weight",
-                "grad_fc2_weight"}
+    expected = {
+        "routing_map",
+        "output",
+        "grad_x",
+        "grad_router_weight",
+        "grad_fc1_weight",
+        "grad_fc2_weight",
+    }
     assert expected <= set(vs["stages"])
     assert vs["ok"], {k: v for k, v in vs["stages"].items() if not v["ok"]}
     assert report["routing_exact"]
@@ -100,9 +119,21 @@ def test_capacity_fixtures_pass_the_compare_tool(name, tmp_path, capsys):
     probability 0. Under "position", ranking jaxmoe's [B, S] tokens batch-major would keep
     other tokens (the mismatch this order fixes)."""
     out = tmp_path / "report.json"
-    status = main(["compare", "--megatron", fixture(name, "torch_dist"), "--layer", "0",
-                   "--io", fixture(name, "io.pt"), "--config", fixture(name, "config.json"),
-                   "--json", str(out)])
+    status = main(
+        [
+            "compare",
+            "--megatron",
+            fixture(name, "torch_dist"),
+            "--layer",
+            "0",
+            "--io",
+            fixture(name, "io.pt"),
+            "--config",
+            fixture(name, "config.json"),
+            "--json",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert status == 0, text
     report = json.loads(out.read_text())
@@ -120,8 +151,9 @@ def test_capacity_fixtures_pass_the_compare_tool(name, tmp_path, capsys):
         kept_pairs = num_tokens * config.top_k - report["dropped_pairs"]
         assert fillers == 0 and routing_map.sum() == kept_pairs
     if config.token_drop_policy == "position":
-        assert not np.array_equal(batch_major_pairs(ckpt, io_["x"]),
-                                  compare.megatron_routing_pairs(io_, config)[0])
+        assert not np.array_equal(
+            batch_major_pairs(ckpt, io_["x"]), compare.megatron_routing_pairs(io_, config)[0]
+        )
 
 
 # ------------------------------------------------------------------------------- round trips
@@ -133,7 +165,7 @@ def test_import_export_import_is_bitwise(name, fmt, tmp_path):
     norms = [original.layers[i].norm for i in original.moe_layers]
     out = str(tmp_path / ("export.pt" if fmt == "legacy" else "export"))
     megatron.save(moes, out, format=fmt, norms=norms)
-    again = megatron.load(out)                       # config from the saved args alone
+    again = megatron.load(out)  # config from the saved args alone
     assert again.config == original.config and again.format == original.format
     assert_layers_equal(original, again)
     assert_reexport_matches_megatron(name, fmt, out)
@@ -142,6 +174,7 @@ def test_import_export_import_is_bitwise(name, fmt, tmp_path):
 def assert_reexport_matches_megatron(name: str, fmt: str, out: str) -> None:
     """Every key we wrote exists in Megatron's own file with the same tensor."""
     from bridge import torch_dist_format
+
     if fmt == "torch_dist":
         ours, theirs = out, fixture(name, "torch_dist")
         our_index, their_index = (torch_dist_format.read_index(p) for p in (ours, theirs))
@@ -168,8 +201,9 @@ def test_checkpoint_converts_between_formats_and_layouts(tmp_path):
     dist = load_fixture("mixtral_fp32", "torch_dist")
     for layout in ("sequential", "te_grouped", "legacy_grouped"):
         out = str(tmp_path / f"{layout}_tree")
-        megatron.save(dist, out, format="legacy", expert_layout=layout,
-                      norm_key="pre_mlp_layernorm")
+        megatron.save(
+            dist, out, format="legacy", expert_layout=layout, norm_key="pre_mlp_layernorm"
+        )
         again = megatron.load(out)
         assert again.expert_layout == layout and again.config == dist.config
         assert {w.norm.key for w in again.layers.values()} == {"pre_mlp_layernorm"}
@@ -205,8 +239,13 @@ def test_hand_built_grouped_layouts_are_read(tmp_path):
         grouped[prefix + "weight2"] = torch.stack([w.T for w in fc2]).contiguous().view(-1, 128)
     for layout, state in (("te_grouped", te), ("legacy_grouped", grouped)):
         path = str(tmp_path / f"{layout}.pt")
-        torch.save({"model": {k: v for k, v in state.items() if "local_experts" not in k},
-                    "checkpoint_version": 3.0}, path)
+        torch.save(
+            {
+                "model": {k: v for k, v in state.items() if "local_experts" not in k},
+                "checkpoint_version": 3.0,
+            },
+            path,
+        )
         ckpt = megatron.load(path, fixture(name, "config.json"))
         assert ckpt.expert_layout == layout
         assert_layers_equal(reference, ckpt)
@@ -219,8 +258,10 @@ def test_mixed_dense_and_moe_layers(tmp_path):
     dense = megatron.DenseLayerWeights(
         fc1_weight=torch.randn(2 * 64, 128, generator=generator).to(torch.bfloat16),
         fc2_weight=torch.randn(128, 64, generator=generator).to(torch.bfloat16),
-        norm=megatron.NormWeights(torch.ones(128, dtype=torch.bfloat16),
-                                  key="mlp.linear_fc1.layer_norm"))
+        norm=megatron.NormWeights(
+            torch.ones(128, dtype=torch.bfloat16), key="mlp.linear_fc1.layer_norm"
+        ),
+    )
     out = str(tmp_path / "mixed")
     megatron.save({0: dense, 1: moe_layer, 2: moe_layer}, out, args=ckpt.args)
     keys = megatron.torch_dist_format.read_index(out)
@@ -282,11 +323,12 @@ def write_tree(root, files, name_of, args=None):
 
 
 def test_tp2_ep2_tree_merges_back_bitwise(tmp_path):
-    name = "deepseek_bf16"          # GLU experts and a GLU shared expert: both are TP-split
+    name = "deepseek_bf16"  # GLU experts and a GLU shared expert: both are TP-split
     model = load_torch_file(fixture(name, "legacy_model_optim_rng.pt"))["model"]
     files = split_like_megatron(model, tp=2, ep=2, num_experts=16)
-    assert files[(1, 0)]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"].shape \
-        == (128, 128)
+    assert files[(1, 0)][
+        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
+    ].shape == (128, 128)
     write_tree(str(tmp_path), files, lambda t, e: f"mp_rank_{t:02d}_{e:03d}")
     merged = megatron.load(str(tmp_path), fixture(name, "config.json"))
     assert merged.iteration == 100
@@ -313,10 +355,17 @@ def test_pipeline_stages_use_local_layer_indices(tmp_path):
     stages = {}
     for stage in (0, 1):
         prefix = f"decoder.layers.{stage}."
-        stages[(0, stage)] = {"decoder.layers.0." + k[len(prefix):]: v
-                              for k, v in model.items() if k.startswith(prefix)}
-    write_tree(str(tmp_path), stages, lambda t, p: f"mp_rank_{t:02d}_{p:03d}",
-               args=dict(pipeline_model_parallel_size=2, num_layers=2))
+        stages[(0, stage)] = {
+            "decoder.layers.0." + k[len(prefix) :]: v
+            for k, v in model.items()
+            if k.startswith(prefix)
+        }
+    write_tree(
+        str(tmp_path),
+        stages,
+        lambda t, p: f"mp_rank_{t:02d}_{p:03d}",
+        args=dict(pipeline_model_parallel_size=2, num_layers=2),
+    )
     merged = megatron.load(str(tmp_path / "iter_0000100"), fixture(name, "config.json"))
     assert_layers_equal(load_fixture(name, "legacy"), merged)
 
@@ -352,17 +401,21 @@ def test_unknown_keys_are_listed(tmp_path):
     torch.save(state, tmp_path / "unknown.pt")
     with pytest.raises(UnknownKeysError) as info:
         megatron.load(str(tmp_path / "unknown.pt"))
-    assert info.value.keys == ["decoder.layers.0.mlp.fc1_latent_proj.weight",
-                               "decoder.layers.1.mlp.router.qb_beta"]
+    assert info.value.keys == [
+        "decoder.layers.0.mlp.fc1_latent_proj.weight",
+        "decoder.layers.1.mlp.router.qb_beta",
+    ]
 
 
 def test_config_mismatches_name_the_key_and_both_shapes():
     args = json.load(open(fixture("mixtral_fp32", "config.json")))
     with pytest.raises(ExpertCountError, match=r"8 experts.*num_experts=16"):
         megatron.load(fixture("mixtral_fp32", "torch_dist"), dict(args, num_moe_experts=16))
-    with pytest.raises(ShapeMismatchError,
-                       match=r"decoder\.layers\.0\.mlp\.experts\.experts\.linear_fc1\.weight: "
-                             r"checkpoint shape \(8, 512, 128\) but the config needs \(8, 256, 128\)"):
+    with pytest.raises(
+        ShapeMismatchError,
+        match=r"decoder\.layers\.0\.mlp\.experts\.experts\.linear_fc1\.weight: "
+        r"checkpoint shape \(8, 512, 128\) but the config needs \(8, 256, 128\)",
+    ):
         megatron.load(fixture("mixtral_fp32", "torch_dist"), dict(args, moe_ffn_hidden_size=128))
     ckpt = megatron.load(fixture("mixtral_fp32", "torch_dist"))
     assert ckpt.config is None and ckpt.args is None
@@ -416,12 +469,18 @@ def test_megatron_enums_in_saved_args_load_as_inert_stand_ins(tmp_path, monkeypa
 
     class AttnBackend(enum.Enum):
         auto = 5
+
     AttnBackend.__module__, AttnBackend.__qualname__ = module.__name__, "AttnBackend"
     module.AttnBackend = AttnBackend
     monkeypatch.setitem(sys.modules, module.__name__, module)
     path = str(tmp_path / "enum.pt")
-    torch.save({"args": argparse.Namespace(attention_backend=AttnBackend.auto, num_experts=8),
-                "model": {}}, path)
+    torch.save(
+        {
+            "args": argparse.Namespace(attention_backend=AttnBackend.auto, num_experts=8),
+            "model": {},
+        },
+        path,
+    )
     for name in [m for m in sys.modules if m.split(".")[0] == "megatron"]:
         monkeypatch.delitem(sys.modules, name)
     state = load_torch_file(path)
@@ -432,21 +491,26 @@ def test_megatron_enums_in_saved_args_load_as_inert_stand_ins(tmp_path, monkeypa
 
 # ------------------------------------------------------------------------------ MXFP8 refit
 def _swizzle_by_formula(compact: np.ndarray) -> np.ndarray:
-    """TE's GEMM scale layout by the index formula of mxfp8.md §1.4 (independent of jaxmoe)."""
+    """TE's GEMM scale layout by its index formula (docs/numerics.md, "MXFP8"), independent of
+    jaxmoe."""
     rows, cols = compact.shape
     rows_pad, cols_pad = -(-rows // 128) * 128, -(-cols // 4) * 4
     out = np.zeros(rows_pad * cols_pad, np.uint8)
     for i in range(rows):
         for j in range(cols):
-            offset = ((i // 128) * (cols_pad // 4) + j // 4) * 512 + (i % 32) * 16 \
-                + ((i % 128) // 32) * 4 + j % 4
+            offset = (
+                ((i // 128) * (cols_pad // 4) + j // 4) * 512
+                + (i % 32) * 16
+                + ((i % 128) // 32) * 4
+                + j % 4
+            )
             out[offset] = compact[i, j]
     return out
 
 
 def _padded(compact: np.ndarray, rows_pad: int, cols_pad: int, fill: np.ndarray) -> np.ndarray:
-    out = fill[:rows_pad * cols_pad].reshape(rows_pad, cols_pad).copy()
-    out[:compact.shape[0], :compact.shape[1]] = compact
+    out = fill[: rows_pad * cols_pad].reshape(rows_pad, cols_pad).copy()
+    out[: compact.shape[0], : compact.shape[1]] = compact
     return out
 
 
@@ -454,25 +518,33 @@ def _padded(compact: np.ndarray, rows_pad: int, cols_pad: int, fill: np.ndarray)
 def test_mxfp8_refit_is_bitwise(fmt):
     weight = load_fixture("deepseek_bf16", "torch_dist").layer(0).fc1_weight[3, :96, :96]
     w = to_jax(weight.contiguous())
-    row = mxfp8.quantize(w, axis=1, fmt=fmt)                   # blocks along K
-    col = mxfp8.quantize(w, axis=0, fmt=fmt)                   # blocks along M
-    row_scale, col_scale = np.asarray(row.scale), np.asarray(col.scale)     # [M, K/32], [M/32, K]
+    row = mxfp8.quantize(w, axis=1, fmt=fmt)  # blocks along K
+    col = mxfp8.quantize(w, axis=0, fmt=fmt)  # blocks along M
+    row_scale, col_scale = np.asarray(row.scale), np.asarray(col.scale)  # [M, K/32], [M/32, K]
     garbage = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
-    te_row = _padded(row_scale, 128, 4, garbage)                       # roundup(M,128), roundup(K/32,4)
-    te_col = _padded(col_scale, 4, 128, garbage)                       # roundup(M/32,4), roundup(K,128)
+    te_row = _padded(row_scale, 128, 4, garbage)  # roundup(M,128), roundup(K/32,4)
+    te_col = _padded(col_scale, 4, 128, garbage)  # roundup(M/32,4), roundup(K,128)
     data_row = torch.from_numpy(np.asarray(row.data).view(np.uint8).copy())
     data_col = torch.from_numpy(np.asarray(col.data).view(np.uint8).copy())
     variants = {
         "compact": (te_row, te_col, False),
-        "swizzled": (_swizzle_by_formula(row_scale).reshape(128, 4),
-                     _swizzle_by_formula(col_scale.T).reshape(4, 128), True),
+        "swizzled": (
+            _swizzle_by_formula(row_scale).reshape(128, 4),
+            _swizzle_by_formula(col_scale.T).reshape(4, 128),
+            True,
+        ),
     }
     for scales_row, scales_col, swizzled in variants.values():
         for layout in ("megatron", "jaxmoe"):
-            refit = megatron.refit_mxfp8(data_row, torch.from_numpy(scales_row), fmt=fmt,
-                                         swizzled=swizzled, columnwise_data=data_col,
-                                         columnwise_scale_inv=torch.from_numpy(scales_col),
-                                         layout=layout)
+            refit = megatron.refit_mxfp8(
+                data_row,
+                torch.from_numpy(scales_row),
+                fmt=fmt,
+                swizzled=swizzled,
+                columnwise_data=data_col,
+                columnwise_scale_inv=torch.from_numpy(scales_col),
+                layout=layout,
+            )
             for got, want in ((refit.rowwise, row), (refit.columnwise, col)):
                 data, scale = np.asarray(want.data).view(np.uint8), np.asarray(want.scale)
                 axis = want.axis
@@ -495,12 +567,14 @@ def test_progress_callback_reports_loading():
 
 def test_torch_dist_reads_only_the_mlp_keys(monkeypatch):
     from bridge import torch_dist_format
+
     requested = []
     real_read = torch_dist_format.read
 
     def recording_read(path, index, keys):
         requested.extend(keys)
         return real_read(path, index, keys)
+
     monkeypatch.setattr(torch_dist_format, "read", recording_read)
     megatron.load(fixture("deepseek_bf16", "torch_dist"))
     assert requested and all(".mlp." in k or k.startswith("common_state/") for k in requested)

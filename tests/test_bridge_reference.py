@@ -28,15 +28,31 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROUTING_CONFIGS = {
     "softmax_post": dict(num_experts=8, top_k=2),
     "softmax_pre": dict(num_experts=8, top_k=3, pre_softmax=True),
-    "sigmoid_bias_groups": dict(num_experts=16, top_k=4, score_function="sigmoid",
-                                enable_expert_bias=True, num_groups=4, group_topk=2,
-                                topk_scaling_factor=2.5),
+    "sigmoid_bias_groups": dict(
+        num_experts=16,
+        top_k=4,
+        score_function="sigmoid",
+        enable_expert_bias=True,
+        num_groups=4,
+        group_topk=2,
+        topk_scaling_factor=2.5,
+    ),
     "sqrtsoftplus": dict(num_experts=8, top_k=2, score_function="sqrtsoftplus"),
     "capacity_probs": dict(num_experts=8, top_k=2, capacity_factor=0.5),
-    "capacity_position": dict(num_experts=8, top_k=2, capacity_factor=0.5,
-                              token_drop_policy="position", expert_row_alignment=8),
-    "pad_to_capacity": dict(num_experts=8, top_k=2, capacity_factor=1.0,
-                            pad_expert_input_to_capacity=True, expert_row_alignment=4),
+    "capacity_position": dict(
+        num_experts=8,
+        top_k=2,
+        capacity_factor=0.5,
+        token_drop_policy="position",
+        expert_row_alignment=8,
+    ),
+    "pad_to_capacity": dict(
+        num_experts=8,
+        top_k=2,
+        capacity_factor=1.0,
+        pad_expert_input_to_capacity=True,
+        expert_row_alignment=4,
+    ),
 }
 
 
@@ -55,38 +71,56 @@ def test_top_k_breaks_ties_toward_the_lower_index():
 def test_routing_plan_and_dispatch_are_bitwise_equal(name):
     config = jaxmoe.MoEConfig(ffn_hidden_size=16, **ROUTING_CONFIGS[name])
     logits_np = tied_logits(64, config.num_experts, seed=1)
-    bias_np = (np.random.default_rng(2).choice([0.0, 0.125], config.num_experts)
-               .astype(np.float32) if config.enable_expert_bias else None)
+    bias_np = (
+        np.random.default_rng(2).choice([0.0, 0.125], config.num_experts).astype(np.float32)
+        if config.enable_expert_bias
+        else None
+    )
     logits = jnp.asarray(logits_np, jnp.bfloat16)
     bias = None if bias_np is None else jnp.asarray(bias_np)
     expected = jax_routing.route(logits, config, bias)
-    got = torch_reference.route(torch.from_numpy(logits_np).to(torch.bfloat16), config,
-                                None if bias_np is None else torch.from_numpy(bias_np))
+    got = torch_reference.route(
+        torch.from_numpy(logits_np).to(torch.bfloat16),
+        config,
+        None if bias_np is None else torch.from_numpy(bias_np),
+    )
     np.testing.assert_array_equal(got.indices.numpy(), np.asarray(expected.indices))
     np.testing.assert_array_equal(got.kept.numpy(), np.asarray(expected.kept))
 
     # The same routing decision gives the same plan and bitwise-identical dispatched rows.
     jax_plan = jaxmoe.make_plan(expected, config)
     torch_routing = torch_reference.Routing(
-        to_torch(expected.probs), to_torch(expected.indices).long(), to_torch(expected.kept))
+        to_torch(expected.probs), to_torch(expected.indices).long(), to_torch(expected.kept)
+    )
     plan = torch_reference.make_plan(torch_routing, config)
-    for field in ("row_slot", "row_expert", "slot_row", "combine_slot", "group_sizes",
-                  "tokens_per_group"):
-        np.testing.assert_array_equal(getattr(plan, field).numpy(),
-                                      np.asarray(getattr(jax_plan, field)), err_msg=field)
+    for field in (
+        "row_slot",
+        "row_expert",
+        "slot_row",
+        "combine_slot",
+        "group_sizes",
+        "tokens_per_group",
+    ):
+        np.testing.assert_array_equal(
+            getattr(plan, field).numpy(), np.asarray(getattr(jax_plan, field)), err_msg=field
+        )
     x = jax.random.normal(jax.random.key(3), (64, 32), jnp.bfloat16)
     rows = torch_reference.dispatch(to_torch(x), plan)
-    np.testing.assert_array_equal(rows.view(torch.int16).numpy(),
-                                  np.asarray(jaxmoe.dispatch(x, jax_plan)).view(np.int16))
+    np.testing.assert_array_equal(
+        rows.view(torch.int16).numpy(), np.asarray(jaxmoe.dispatch(x, jax_plan)).view(np.int16)
+    )
     np.testing.assert_array_equal(
         torch_reference.gather_slots(torch_routing.probs, plan).view(torch.int16).numpy(),
-        np.asarray(jaxmoe.gather_slots(expected.probs, jax_plan)).view(np.int16))
+        np.asarray(jaxmoe.gather_slots(expected.probs, jax_plan)).view(np.int16),
+    )
 
     # Combine the SAME expert outputs in both: identical order of the fp32 sum, one rounding.
     outputs = jax.random.normal(jax.random.key(4), (jax_plan.num_rows, 32), jnp.bfloat16) * 8
     combined = torch_reference.combine(to_torch(outputs), plan)
-    np.testing.assert_array_equal(combined.view(torch.int16).numpy(),
-                                  np.asarray(jaxmoe.combine(outputs, jax_plan)).view(np.int16))
+    np.testing.assert_array_equal(
+        combined.view(torch.int16).numpy(),
+        np.asarray(jaxmoe.combine(outputs, jax_plan)).view(np.int16),
+    )
 
 
 def random_moe(config: jaxmoe.MoEConfig, hidden: int, dtype, seed: int = 0) -> jaxmoe.MoE:
@@ -100,9 +134,11 @@ def random_moe(config: jaxmoe.MoEConfig, hidden: int, dtype, seed: int = 0) -> j
         if names & {"bias", "fc1_bias", "fc2_bias", "expert_bias"}:
             return jnp.asarray(rng.standard_normal(leaf.shape) * 0.1, leaf.dtype)
         if leaf.ndim >= 2:
-            return jnp.asarray(rng.standard_normal(leaf.shape) / np.sqrt(leaf.shape[-2]),
-                               leaf.dtype)
+            return jnp.asarray(
+                rng.standard_normal(leaf.shape) / np.sqrt(leaf.shape[-2]), leaf.dtype
+            )
         return leaf
+
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state))
 
 
@@ -110,14 +146,28 @@ def random_moe(config: jaxmoe.MoEConfig, hidden: int, dtype, seed: int = 0) -> j
 def test_whole_layer_stages_within_bounds(dtype):
     """Options the fixtures do not cover: biases, gated shared expert, gelu without GLU,
     capacity dropping with alignment padding, z-loss; forward stages and all gradients."""
-    config = jaxmoe.MoEConfig(num_experts=8, ffn_hidden_size=48, top_k=2, add_bias_linear=True,
-                              activation="gelu", gated_linear_unit=False, capacity_factor=1.0,
-                              expert_row_alignment=8, z_loss_coeff=1e-3, aux_loss_coeff=1e-2,
-                              load_balancing_type="seq_aux_loss")
+    config = jaxmoe.MoEConfig(
+        num_experts=8,
+        ffn_hidden_size=48,
+        top_k=2,
+        add_bias_linear=True,
+        activation="gelu",
+        gated_linear_unit=False,
+        capacity_factor=1.0,
+        expert_row_alignment=8,
+        z_loss_coeff=1e-3,
+        aux_loss_coeff=1e-2,
+        load_balancing_type="seq_aux_loss",
+    )
     moe = random_moe(config, 32, dtype)
-    shared_config = config.replace(add_bias_linear=False, shared_expert_intermediate_size=24,
-                                   shared_expert_gate=True, gated_linear_unit=True,
-                                   activation="silu", router_dtype="fp32")
+    shared_config = config.replace(
+        add_bias_linear=False,
+        shared_expert_intermediate_size=24,
+        shared_expert_gate=True,
+        gated_linear_unit=True,
+        activation="silu",
+        router_dtype="fp32",
+    )
     for layer in (moe, random_moe(shared_config, 32, dtype, seed=1)):
         ref = torch_reference.MoE.from_jaxmoe(layer)
         x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(5)).to(ref.dtype)
@@ -140,19 +190,43 @@ def run_cli(argv, capsys=None):
 def test_compare_tool_report_in_process(tmp_path, capsys):
     name = "nemotron_sqrelu_bf16"
     out = tmp_path / "report.json"
-    status, text = run_cli(["compare", "--megatron", os.path.join(ROOT, name, "torch_dist"),
-                            "--layer", "0", "--io", os.path.join(ROOT, name, "io.pt"),
-                            "--config", os.path.join(ROOT, name, "config.json"),
-                            "--json", str(out)], capsys)
+    status, text = run_cli(
+        [
+            "compare",
+            "--megatron",
+            os.path.join(ROOT, name, "torch_dist"),
+            "--layer",
+            "0",
+            "--io",
+            os.path.join(ROOT, name, "io.pt"),
+            "--config",
+            os.path.join(ROOT, name, "config.json"),
+            "--json",
+            str(out),
+        ],
+        capsys,
+    )
     assert status == 0, text
     report = json.loads(out.read_text())
     assert report["routing_exact"] is True and report["ok"] is True
     assert set(report["output"]) >= {"max_abs", "max_ulp", "bitwise_fraction"}
     assert report["vs_megatron"]["routing_exact"] is True
     stages = report["stages"]
-    for stage in ("router_logits", "probs", "indices", "dispatched_rows", "fc1_output",
-                  "activation", "fc2_output", "combined", "output", "grad_x",
-                  "grad_router_weight", "grad_fc1_weight", "grad_fc2_weight"):
+    for stage in (
+        "router_logits",
+        "probs",
+        "indices",
+        "dispatched_rows",
+        "fc1_output",
+        "activation",
+        "fc2_output",
+        "combined",
+        "output",
+        "grad_x",
+        "grad_router_weight",
+        "grad_fc1_weight",
+        "grad_fc2_weight",
+    ):
         assert stages[stage]["ok"], stage
     assert stages["dispatched_rows"]["bitwise_fraction"] == 1.0
     assert "jaxmoe vs Megatron" in text and "PASS" in text
@@ -162,15 +236,27 @@ def test_compare_tool_fails_when_a_weight_is_perturbed(tmp_path, capsys):
     """jaxmoe and the reference both use the perturbed weight, but Megatron's recorded y and
     gradients no longer match: exit status 1."""
     name = "nemotron_sqrelu_bf16"
-    ckpt = megatron.load(os.path.join(ROOT, name, "torch_dist"),
-                         os.path.join(ROOT, name, "config.json"))
+    ckpt = megatron.load(
+        os.path.join(ROOT, name, "torch_dist"), os.path.join(ROOT, name, "config.json")
+    )
     layer = ckpt.layer(0)
     layer.fc2_weight[3] = (layer.fc2_weight[3].float() * 1.25).to(layer.fc2_weight.dtype)
     megatron.save(ckpt, str(tmp_path / "perturbed"))
     out = tmp_path / "report.json"
-    status, text = run_cli(["compare", "--megatron", str(tmp_path / "perturbed"), "--layer", "0",
-                            "--io", os.path.join(ROOT, name, "io.pt"), "--json", str(out)],
-                           capsys)
+    status, text = run_cli(
+        [
+            "compare",
+            "--megatron",
+            str(tmp_path / "perturbed"),
+            "--layer",
+            "0",
+            "--io",
+            os.path.join(ROOT, name, "io.pt"),
+            "--json",
+            str(out),
+        ],
+        capsys,
+    )
     assert status == 1, text
     report = json.loads(out.read_text())
     assert report["ok"] is False and report["vs_megatron"]["ok"] is False
@@ -183,16 +269,36 @@ def test_compare_tool_as_a_subprocess(tmp_path):
     name = "deepseek_bf16"
     out = tmp_path / "report.json"
     result = subprocess.run(
-        [sys.executable, "-m", "bridge", "compare", "--megatron",
-         os.path.join(ROOT, name, "legacy_model_optim_rng.pt"), "--layer", "1",
-         "--config", os.path.join(ROOT, name, "config.json"), "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "bridge",
+            "compare",
+            "--megatron",
+            os.path.join(ROOT, name, "legacy_model_optim_rng.pt"),
+            "--layer",
+            "1",
+            "--config",
+            os.path.join(ROOT, name, "config.json"),
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     assert report["routing_exact"] is True and report["layer"] == 1
     assert "vs_megatron" not in report and "shared_output" in report["stages"]
-    help_text = subprocess.run([sys.executable, "-m", "bridge", "compare", "--help"], cwd=REPO,
-                               capture_output=True, text=True, timeout=120).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "bridge", "compare", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     assert "row_ulp <= 4" in help_text and "Exit status 0" in help_text
 
 
@@ -200,8 +306,9 @@ def test_grouped_mm_switch_stays_within_the_bf16_bounds():
     """torch._grouped_mm (the GPU path; it also runs on CPU) against the per-expert fp32 matmuls:
     only the GEMM summation order differs, so the bf16 stage bounds hold, forward and backward."""
     name = "deepseek_bf16"
-    ckpt = megatron.load(os.path.join(ROOT, name, "torch_dist"),
-                         os.path.join(ROOT, name, "config.json"))
+    ckpt = megatron.load(
+        os.path.join(ROOT, name, "torch_dist"), os.path.join(ROOT, name, "config.json")
+    )
     x = torch.randn(2, 16, 128, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     results = []
     for grouped in (False, True):
@@ -209,8 +316,14 @@ def test_grouped_mm_switch_stays_within_the_bf16_bounds():
         inp = x.clone().requires_grad_(True)
         y, aux = ref(inp)
         (y.float().square().sum() + aux.total_loss).backward()
-        results.append({"output": y, "grad_x": inp.grad, "grad_fc1_weight": ref.fc1_weight.grad,
-                        "grad_fc2_weight": ref.fc2_weight.grad})
+        results.append(
+            {
+                "output": y,
+                "grad_x": inp.grad,
+                "grad_fc1_weight": ref.fc1_weight.grad,
+                "grad_fc2_weight": ref.fc2_weight.grad,
+            }
+        )
     for stage, plain in results[0].items():
         reference = compare.host(plain)
         bound = compare._bound(compare.BOUNDS, stage, reference.dtype)
@@ -221,19 +334,34 @@ def test_grouped_mm_switch_stays_within_the_bf16_bounds():
 # ------------------------------------------------------------------------------------ capacity
 # The four capacity configs of tests/fixtures/megatron/make_megatron_fixtures.py (H=64, F=64,
 # 144 tokens as B=2 sequences of S=72), as jaxmoe configs with their parameter dtype.
-_CAPACITY_BF16 = dict(num_experts=8, top_k=2, ffn_hidden_size=64, capacity_factor=1.0,
-                      aux_loss_coeff=1e-2)
+_CAPACITY_BF16 = dict(
+    num_experts=8, top_k=2, ffn_hidden_size=64, capacity_factor=1.0, aux_loss_coeff=1e-2
+)
 CAPACITY_CONFIGS = {
     "capacity_probs_bf16": (dict(_CAPACITY_BF16, token_drop_policy="probs"), jnp.bfloat16),
-    "capacity_position_bf16": (dict(_CAPACITY_BF16, token_drop_policy="position"),
-                               jnp.bfloat16),
-    "capacity_position_padded_bf16": (dict(_CAPACITY_BF16, token_drop_policy="position",
-                                           pad_expert_input_to_capacity=True), jnp.bfloat16),
-    "capacity_sigmoid_groups_fp32": (dict(
-        num_experts=16, top_k=4, ffn_hidden_size=64, score_function="sigmoid",
-        enable_expert_bias=True, num_groups=4, group_topk=2, topk_scaling_factor=2.0,
-        load_balancing_type="seq_aux_loss", aux_loss_coeff=1e-3, z_loss_coeff=1e-3,
-        capacity_factor=1.5, token_drop_policy="probs"), jnp.float32),
+    "capacity_position_bf16": (dict(_CAPACITY_BF16, token_drop_policy="position"), jnp.bfloat16),
+    "capacity_position_padded_bf16": (
+        dict(_CAPACITY_BF16, token_drop_policy="position", pad_expert_input_to_capacity=True),
+        jnp.bfloat16,
+    ),
+    "capacity_sigmoid_groups_fp32": (
+        dict(
+            num_experts=16,
+            top_k=4,
+            ffn_hidden_size=64,
+            score_function="sigmoid",
+            enable_expert_bias=True,
+            num_groups=4,
+            group_topk=2,
+            topk_scaling_factor=2.0,
+            load_balancing_type="seq_aux_loss",
+            aux_loss_coeff=1e-3,
+            z_loss_coeff=1e-3,
+            capacity_factor=1.5,
+            token_drop_policy="probs",
+        ),
+        jnp.float32,
+    ),
 }
 CAPACITY_SHAPE = (2, 72)
 
@@ -249,8 +377,9 @@ def capacity_checkpoint(name: str, path) -> megatron.MegatronCheckpoint:
     return megatron.load(str(path))
 
 
-def megatron_style_recording(ckpt: megatron.MegatronCheckpoint, x_sbh: torch.Tensor,
-                             dy_sbh: torch.Tensor) -> dict:
+def megatron_style_recording(
+    ckpt: megatron.MegatronCheckpoint, x_sbh: torch.Tensor, dy_sbh: torch.Tensor
+) -> dict:
     """The io.pt that Megatron-Core 0.19.2 would record for this layer, emulated in PyTorch
     where capacity is concerned: tokens in Megatron's [S, B] order, `apply_router_token_dropping`
     (per expert the top-`capacity` tokens by dense probability or by routing_map over the token
@@ -265,9 +394,9 @@ def megatron_style_recording(ckpt: megatron.MegatronCheckpoint, x_sbh: torch.Ten
     router_weight = weights.router_weight.clone().requires_grad_(True)
     fc1 = weights.fc1_weight.clone().requires_grad_(True)
     fc2 = weights.fc2_weight.clone().requires_grad_(True)
-    logits = torch_reference.router_logits(x, router_weight, None,
-                                           torch.float32 if config.router_dtype == "fp32"
-                                           else x.dtype)
+    logits = torch_reference.router_logits(
+        x, router_weight, None, torch.float32 if config.router_dtype == "fp32" else x.dtype
+    )
     probs, indices = torch_reference.topk_routing(logits, config, weights.expert_bias)
     dense_probs = torch.zeros_like(logits).scatter(1, indices, probs)
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
@@ -275,8 +404,9 @@ def megatron_style_recording(ckpt: megatron.MegatronCheckpoint, x_sbh: torch.Ten
     key = dense_probs if config.token_drop_policy == "probs" else routing_map.float()
     chosen = torch.sort(key.detach().float(), dim=0, descending=True, stable=True)[1][:capacity]
     capacity_mask = torch.zeros_like(routing_map).scatter(0, chosen, True)
-    final_map = capacity_mask if config.pad_expert_input_to_capacity else (
-        routing_map & capacity_mask)
+    final_map = (
+        capacity_mask if config.pad_expert_input_to_capacity else (routing_map & capacity_mask)
+    )
     final_probs = dense_probs * final_map
     y = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     for e in range(num_experts):
@@ -286,16 +416,23 @@ def megatron_style_recording(ckpt: megatron.MegatronCheckpoint, x_sbh: torch.Ten
         y = y.index_add(0, tokens, (a.float() @ fc2[e].float().T).to(x.dtype).float())
     y = y.to(x.dtype)
     logits_bs = logits.reshape(seq, batch, num_experts).transpose(0, 1).reshape(-1, num_experts)
-    aux = (torch_reference.load_balancing_loss(logits_bs, config, (batch, seq))
-           + torch_reference.z_loss(logits, config.z_loss_coeff))
+    aux = torch_reference.load_balancing_loss(
+        logits_bs, config, (batch, seq)
+    ) + torch_reference.z_loss(logits, config.z_loss_coeff)
     ((y.float() * dy_sbh.reshape(num_tokens, hidden).float()).sum() + aux).backward()
     grads = {"router.weight": router_weight.grad}
     for e in range(num_experts):
         grads[f"experts.local_experts.{e}.linear_fc1.weight"] = fc1.grad[e]
         grads[f"experts.local_experts.{e}.linear_fc2.weight"] = fc2.grad[e]
-    return dict(x=x_sbh, dy=dy_sbh, y=y.detach().reshape(seq, batch, hidden),
-                dx=x.grad.reshape(seq, batch, hidden), param_grads=grads,
-                router_probs=final_probs.detach(), routing_map=final_map)
+    return dict(
+        x=x_sbh,
+        dy=dy_sbh,
+        y=y.detach().reshape(seq, batch, hidden),
+        dx=x.grad.reshape(seq, batch, hidden),
+        param_grads=grads,
+        router_probs=final_probs.detach(),
+        routing_map=final_map,
+    )
 
 
 @pytest.mark.parametrize("name", sorted(CAPACITY_CONFIGS))
@@ -306,8 +443,20 @@ def test_compare_tool_with_capacity(name, tmp_path, capsys):
     bridge/README.md)."""
     capacity_checkpoint(name, tmp_path / "ckpt")
     out = tmp_path / "report.json"
-    status, text = run_cli(["compare", "--megatron", str(tmp_path / "ckpt"), "--layer", "0",
-                            "--shape", *map(str, CAPACITY_SHAPE), "--json", str(out)], capsys)
+    status, text = run_cli(
+        [
+            "compare",
+            "--megatron",
+            str(tmp_path / "ckpt"),
+            "--layer",
+            "0",
+            "--shape",
+            *map(str, CAPACITY_SHAPE),
+            "--json",
+            str(out),
+        ],
+        capsys,
+    )
     assert status == 0, text
     report = json.loads(out.read_text())
     assert report["routing_exact"] and report["dropped_pairs"] > 0
@@ -324,8 +473,9 @@ def test_compare_tool_with_a_megatron_style_capacity_recording(name, tmp_path):
     config = ckpt.config
     generator = torch.Generator().manual_seed(3)
     dtype = ckpt.layer(0).fc1_weight.dtype
-    x, dy = (torch.randn(CAPACITY_SHAPE[::-1] + (64,), generator=generator).to(dtype)
-             for _ in range(2))
+    x, dy = (
+        torch.randn(CAPACITY_SHAPE[::-1] + (64,), generator=generator).to(dtype) for _ in range(2)
+    )
     io = megatron_style_recording(ckpt, x, dy)
     report = compare.compare_layer(ckpt, 0, io=io)
     vs = report["vs_megatron"]
@@ -334,8 +484,9 @@ def test_compare_tool_with_a_megatron_style_capacity_recording(name, tmp_path):
     assert (vs["routing_fillers"] > 0) == config.pad_expert_input_to_capacity
     assert report["dropped_pairs"] > 0
     if config.token_drop_policy == "position":
-        assert not np.array_equal(batch_major_pairs(ckpt, x),
-                                  compare.megatron_routing_pairs(io, config)[0])
+        assert not np.array_equal(
+            batch_major_pairs(ckpt, x), compare.megatron_routing_pairs(io, config)[0]
+        )
 
 
 def batch_major_pairs(ckpt: megatron.MegatronCheckpoint, x_sbh: torch.Tensor) -> np.ndarray:
@@ -348,6 +499,7 @@ def batch_major_pairs(ckpt: megatron.MegatronCheckpoint, x_sbh: torch.Tensor) ->
     logits = moe.router.logits(to_jax(x_sbh.transpose(0, 1).reshape(-1, hidden)))
     bias = None if moe.router.expert_bias is None else moe.router.expert_bias[...]
     routing = jax_routing.route(logits, config, bias)
-    kept = compare._kept_map(np.asarray(routing.indices), np.asarray(routing.kept),
-                             config.num_experts)
+    kept = compare._kept_map(
+        np.asarray(routing.indices), np.asarray(routing.kept), config.num_experts
+    )
     return kept.reshape(batch, seq, -1).transpose(1, 0, 2).reshape(seq * batch, -1)

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bitwise import assert_bitwise, differs
 from jaxmoe.ops import dense
 from jaxmoe.ops.dense import _bf16_pieces, _row_chunks
+
+from bitwise import assert_bitwise, differs
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -38,8 +39,9 @@ def float64_grads(x, w, dy):
     return dy64 @ w64.T, x64.T @ dy64
 
 
-@pytest.mark.parametrize("t,k,n,out_dtype", [(37, 128, 16, F32), (200, 96, 64, BF16),
-                                             (1, 64, 130, BF16)])
+@pytest.mark.parametrize(
+    "t,k,n,out_dtype", [(37, 128, 16, F32), (200, 96, 64, BF16), (1, 64, 130, BF16)]
+)
 def test_kernel_matches_xla(interpret, t, k, n, out_dtype):
     """Same function on both paths: fp32 accumulation of exact bf16 products, so outputs differ
     only by accumulation order (a few fp32 ulps; at most one ulp after a bf16 rounding), and
@@ -49,14 +51,15 @@ def test_kernel_matches_xla(interpret, t, k, n, out_dtype):
     dy_cast = dy.astype(out_dtype)
     y_p, (dx_p, dw_p, db_p) = value_and_grads(x, w, bias, dy_cast, out_dtype, "pallas")
     y_x, (dx_x, dw_x, db_x) = value_and_grads(x, w, bias, dy_cast, out_dtype, "xla")
-    ulp = 2.0 ** -23 if out_dtype == F32 else 2.0 ** -8
-    np.testing.assert_allclose(np.asarray(y_p, F32), np.asarray(y_x, F32),
-                               rtol=2 * ulp, atol=k * 2.0 ** -24)
+    ulp = 2.0**-23 if out_dtype == F32 else 2.0**-8
+    np.testing.assert_allclose(
+        np.asarray(y_p, F32), np.asarray(y_x, F32), rtol=2 * ulp, atol=k * 2.0**-24
+    )
     dx_ref, dw_ref = float64_grads(x, w, dy_cast)
     for got, ref in ((dx_p, dx_ref), (dw_p, dw_ref)):
         scale = np.max(np.abs(ref))
         # One bf16 rounding of the result (2^-9 relative) plus fp32 accumulation.
-        assert np.max(np.abs(np.asarray(got, np.float64) - ref)) <= 2.0 ** -8 * scale
+        assert np.max(np.abs(np.asarray(got, np.float64) - ref)) <= 2.0**-8 * scale
     np.testing.assert_allclose(db_p, db_x, rtol=1e-6, atol=1e-6)
 
 
@@ -71,8 +74,10 @@ def test_fp32_output_gradient_keeps_fp32_precision(interpret):
     dx_rounded_grad, dw_rounded_grad = float64_grads(x, w, dy.astype(BF16))
 
     def miss_fraction(got, ref):
-        return np.mean(np.asarray(got).view(np.uint16)
-                       != np.asarray(ref.astype(np.float32)).astype(BF16).view(np.uint16))
+        return np.mean(
+            np.asarray(got).view(np.uint16)
+            != np.asarray(ref.astype(np.float32)).astype(BF16).view(np.uint16)
+        )
 
     assert miss_fraction(dx, dx_ref) <= 0.01 and miss_fraction(dw, dw_ref) <= 0.01
     assert miss_fraction(dx_rounded_grad.astype(BF16), dx_ref) >= 0.1
@@ -80,8 +85,9 @@ def test_fp32_output_gradient_keeps_fp32_precision(interpret):
 
 
 def test_bf16_pieces_add_up_exactly():
-    g = np.concatenate([np.random.default_rng(0).standard_normal(1000) * 10.0 ** e
-                        for e in range(-20, 21, 5)]).astype(np.float32)
+    g = np.concatenate(
+        [np.random.default_rng(0).standard_normal(1000) * 10.0**e for e in range(-20, 21, 5)]
+    ).astype(np.float32)
     g = np.concatenate([g, np.float32([0.0, -0.0, 1.0, 3.4e38, -3.4028235e38, -1.2e-30])])
     pieces = _bf16_pieces(jnp.asarray(g), BF16)
     assert len(pieces) == 3 and all(p.dtype == BF16 for p in pieces)
@@ -90,8 +96,9 @@ def test_bf16_pieces_add_up_exactly():
     special = _bf16_pieces(jnp.float32([np.inf, -np.inf, np.nan]), BF16)
     np.testing.assert_array_equal(np.asarray(special[0], np.float32), [np.inf, -np.inf, np.nan])
     assert not np.any(np.asarray(special[1], np.float32)) and not np.any(
-        np.asarray(special[2], np.float32))
-    assert _bf16_pieces(jnp.asarray(g, BF16), BF16)[0].dtype == BF16       # already bf16: as is
+        np.asarray(special[2], np.float32)
+    )
+    assert _bf16_pieces(jnp.asarray(g, BF16), BF16)[0].dtype == BF16  # already bf16: as is
 
 
 def test_rows_do_not_depend_on_the_batch(interpret):
@@ -115,8 +122,9 @@ def test_negative_control_reduction_order_shows_in_bits():
     library GEMM may choose by row count) gives other bits."""
     x, w, _, _ = operands(64, 512, 64, seed=6)
     forward = dense(x, w, out_dtype=F32, impl="xla")
-    halves = (dense(x[:, :256], w[:256], out_dtype=F32, impl="xla")
-              + dense(x[:, 256:], w[256:], out_dtype=F32, impl="xla"))
+    halves = dense(x[:, :256], w[:256], out_dtype=F32, impl="xla") + dense(
+        x[:, 256:], w[256:], out_dtype=F32, impl="xla"
+    )
     assert differs(np.asarray(forward), np.asarray(halves))
 
 

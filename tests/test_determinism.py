@@ -1,4 +1,5 @@
-"""Determinism properties of the reference layer (DESIGN.md D1-D3), each with a negative control.
+"""Determinism properties of the reference layer (D1-D3 of docs/determinism.md, "The contract"),
+each with a negative control.
 
 Bits are compared through integer views (NaN-aware, -0 != +0): `assert_bitwise`.
 """
@@ -15,13 +16,20 @@ from flax import nnx
 
 import jaxmoe
 from jaxmoe import MoE, MoEConfig
-from jaxmoe.experts import grouped_mlp
+from jaxmoe.experts import ExpertMatrices, grouped_mlp
 from jaxmoe.ops import gmm
+
 from bitwise import assert_bitwise, bits, differs
 
 H = 32
-BASE = MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=32, aux_loss_coeff=1e-2,
-                 shared_expert_intermediate_size=16, shared_expert_gate=True)
+BASE = MoEConfig(
+    num_experts=8,
+    top_k=2,
+    ffn_hidden_size=32,
+    aux_loss_coeff=1e-2,
+    shared_expert_intermediate_size=16,
+    shared_expert_gate=True,
+)
 
 
 def make(config=BASE, seed=0):
@@ -72,8 +80,15 @@ def test_run_to_run_forward_and_gradients_identical(tmp_path):
         assert_bitwise(a, b)
     out = tmp_path / "other.npz"
     env = dict(os.environ, XLA_FLAGS="--xla_cpu_multi_thread_eigen=false", JAX_PLATFORMS="cpu")
-    subprocess.run([sys.executable, "-c", _OTHER_PROCESS.format(
-        tests=os.path.dirname(__file__), out=str(out))], env=env, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _OTHER_PROCESS.format(tests=os.path.dirname(__file__), out=str(out)),
+        ],
+        env=env,
+        check=True,
+    )
     other = np.load(out)
     for i, a in enumerate(first):
         assert_bitwise(bits(a), other[f"arr_{i}"])
@@ -101,7 +116,7 @@ def test_token_alone_equals_token_in_batch(position):
     model, others, needle = make(), tokens(64, seed=2), tokens(1, seed=3)
     alone = forward(model, needle)
     batch = jnp.concatenate([others[:position], needle, others[position:]])
-    assert_bitwise(forward(model, batch)[position:position + 1], alone)
+    assert_bitwise(forward(model, batch)[position : position + 1], alone)
 
 
 def test_permuted_batch_permutes_outputs():
@@ -113,7 +128,7 @@ def test_permuted_batch_permutes_outputs():
 def test_empty_and_single_row_experts():
     config = BASE.replace(num_experts=16, top_k=2)
     model = make(config)
-    few = tokens(3, seed=5)               # 3 tokens x 2 slots: at least 10 of 16 experts empty
+    few = tokens(3, seed=5)  # 3 tokens x 2 slots: at least 10 of 16 experts empty
     counts = np.asarray(model(few)[1].tokens_per_expert)
     assert np.sum(counts == 0) >= 10 and np.any(counts == 1)
     batch = jnp.concatenate([few, tokens(60, seed=6)])
@@ -134,13 +149,19 @@ def test_padding_row_contents_do_not_reach_real_rows_in_bf16():
     _, routing = model.router(x)
     plan = jaxmoe.make_plan(routing, config)
     real = np.asarray(plan.row_slot) < plan.num_tokens * plan.top_k
-    assert not real.all()                               # the buffer has padding rows
+    assert not real.all()  # the buffer has padding rows
     rows, probs = jaxmoe.dispatch(x, plan), jaxmoe.gather_slots(routing.probs, plan)
     experts = model.experts
 
     def run(rows):
-        return grouped_mlp(rows, probs, plan, experts.fc1_kernel[...], experts.fc2_kernel[...],
-                           None, None, config, gmm_impl="xla")
+        return grouped_mlp(
+            rows,
+            probs,
+            plan,
+            ExpertMatrices(experts.fc1_kernel[...], experts.fc2_kernel[...]),
+            config,
+            gmm_impl="xla",
+        )
 
     clean = run(rows)
     dirty = run(jnp.where(real[:, None], rows, jnp.nan))
@@ -175,7 +196,7 @@ def test_negative_control_garbage_padding_changes_mxfp8_column_scales():
     """Why padding rows must be zero before any MXFP8 quantize: the columnwise (wgrad) copy has
     32-row blocks along the token axis, so garbage in a padding row changes the scales, hence
     the dequantized values, of real rows sharing its block. Zero padding leaves them alone."""
-    real = tokens(20, seed=11)                                # an expert block with 20 real rows
+    real = tokens(20, seed=11)  # an expert block with 20 real rows
 
     def real_rows_after_roundtrip(padding):
         block = jnp.concatenate([real, padding])

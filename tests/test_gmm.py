@@ -23,7 +23,7 @@ def loop_gmm(lhs, rhs, sizes):
     lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
     out, start = np.zeros((lhs.shape[0], rhs.shape[2])), 0
     for g, size in enumerate(sizes):
-        out[start:start + size] = lhs[start:start + size] @ rhs[g]
+        out[start : start + size] = lhs[start : start + size] @ rhs[g]
         start += size
     return out
 
@@ -32,7 +32,7 @@ def loop_tgmm(lhs, rhs, sizes):
     lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
     out, start = np.zeros((len(sizes), lhs.shape[1], rhs.shape[1])), 0
     for g, size in enumerate(sizes):
-        out[g] = lhs[start:start + size].T @ rhs[start:start + size]
+        out[g] = lhs[start : start + size].T @ rhs[start : start + size]
         start += size
     return out
 
@@ -48,11 +48,10 @@ def test_gmm_matches_loop_and_zeroes_tail_rows(sizes, transpose_rhs):
     lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     rhs = jnp.asarray(rng.standard_normal((4, k, n)), jnp.float32)
     operand = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
-    out = gmm(lhs, operand, jnp.asarray(sizes, jnp.int32), transpose_rhs=transpose_rhs,
-              impl="xla")
+    out = gmm(lhs, operand, jnp.asarray(sizes, jnp.int32), transpose_rhs=transpose_rhs, impl="xla")
     assert out.dtype == jnp.float32 and out.shape == (m, n)
     np.testing.assert_allclose(out, loop_gmm(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
-    assert np.all(np.asarray(out)[sum(sizes):] == 0)
+    assert np.all(np.asarray(out)[sum(sizes) :] == 0)
 
 
 def test_gmm_bf16_inputs_accumulate_in_fp32():
@@ -83,11 +82,14 @@ def test_gmm_gradients_match_loop_gradients(transpose_rhs):
     operand = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
     d_lhs, d_rhs = jax.grad(
         lambda a, b: jnp.sum(gmm(a, b, jnp.asarray(sizes), transpose_rhs=transpose_rhs) * cot),
-        argnums=(0, 1))(lhs, operand)
+        argnums=(0, 1),
+    )(lhs, operand)
     expected_lhs = np.zeros((20, 8))
     start = 0
     for g, size in enumerate(sizes):
-        expected_lhs[start:start + size] = np.asarray(cot[start:start + size]) @ np.asarray(rhs[g]).T
+        expected_lhs[start : start + size] = (
+            np.asarray(cot[start : start + size]) @ np.asarray(rhs[g]).T
+        )
         start += size
     expected_rhs = loop_tgmm(lhs, cot, sizes)
     if transpose_rhs:

@@ -16,19 +16,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from layer_grads import output_and_grads
 
 from jaxmoe import MoEConfig
 from jaxmoe.mxfp8 import MXTensor, dequantize, quantize, scale_multipliers
-from jaxmoe.ops import GmmConfig, gmm_mxfp8, on_hopper, tgmm_mxfp8
-from jaxmoe.ops.pallas.gmm_hopper import default_mxfp8_config
+from jaxmoe.ops import GmmConfig, gmm_mxtensor, on_hopper, tgmm_mxtensor
+from jaxmoe.ops.pallas.gmm_mxfp8_hopper import default_mxfp8_config
+
 from bitwise import bits, differs
-from layer_grads import output_and_grads
 
 ON_HOPPER = on_hopper()
-U = 2.0 ** -24
+U = 2.0**-24
 # Interpret mode: fp32 output tiles of 32 columns are 128-byte rows (the TMA rule).
-SMALL = GmmConfig(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2, grid_tile_width=2,
-                  epilogue_tile_n=32, wg_split="m", num_sms=3)
+SMALL = GmmConfig(
+    tile_m=64,
+    tile_n=64,
+    tile_k=128,
+    max_concurrent_steps=2,
+    grid_tile_width=2,
+    epilogue_tile_n=32,
+    wg_split="m",
+    num_sms=3,
+)
 SIZES = {
     "ragged_tail_and_empty": [37, 0, 90, 50, 3],
     "all_in_one": [0, 0, 200, 0, 0],
@@ -63,22 +72,30 @@ def test_forward_matches_dequantized_reference(interpret, sizes, strategy):
     lhs_q, rhs_q = operands(200, 256, 128, 5)
     group_sizes = jnp.asarray(sizes, jnp.int32)
     config = None if ON_HOPPER else SMALL
-    out = gmm_mxfp8(lhs_q, rhs_q, group_sizes, impl="pallas", config=config, strategy=strategy)
-    ref = gmm_mxfp8(lhs_q, rhs_q, group_sizes, impl="xla")
+    out = gmm_mxtensor(lhs_q, rhs_q, group_sizes, impl="pallas", config=config, strategy=strategy)
+    ref = gmm_mxtensor(lhs_q, rhs_q, group_sizes, impl="xla")
     err = np.abs(np.asarray(out) - np.asarray(ref))
-    assert np.all(err <= bound(lhs_q, rhs_q, group_sizes, 2.0 ** -12 if ON_HOPPER else None))
-    assert np.all(np.asarray(out)[sum(sizes):] == 0)
+    assert np.all(err <= bound(lhs_q, rhs_q, group_sizes, 2.0**-12 if ON_HOPPER else None))
+    assert np.all(np.asarray(out)[sum(sizes) :] == 0)
 
 
 def test_empty_experts_and_zero_padding_rows_give_exact_zeros(interpret):
     lhs_q, rhs_q = operands(192, 256, 128, 4, seed=1)
     padding = np.zeros(192, bool)
-    padding[[5, 6, 70, 130]] = True                     # zero rows inside groups, as the plan pads
+    padding[[5, 6, 70, 130]] = True  # zero rows inside groups, as the plan pads
     lhs = jnp.where(padding[:, None], 0, dequantize(lhs_q, jnp.bfloat16))
     lhs_q = quantize(lhs, axis=1)
-    sizes = jnp.array([64, 0, 96, 0], jnp.int32)        # rows 160.. belong to no group
-    out = np.asarray(gmm_mxfp8(lhs_q, rhs_q, sizes, impl="pallas", strategy="fp8_wgmma",
-                               config=None if ON_HOPPER else SMALL))
+    sizes = jnp.array([64, 0, 96, 0], jnp.int32)  # rows 160.. belong to no group
+    out = np.asarray(
+        gmm_mxtensor(
+            lhs_q,
+            rhs_q,
+            sizes,
+            impl="pallas",
+            strategy="fp8_wgmma",
+            config=None if ON_HOPPER else SMALL,
+        )
+    )
     assert np.all(out[padding] == 0) and np.all(out[160:] == 0)
     assert np.all(out[~padding][:150] != 0)
 
@@ -89,22 +106,42 @@ def test_row_bits_do_not_depend_on_other_groups_or_config(interpret):
     lhs_q, rhs_q = operands(256, 256, 128, 4, seed=2)
     probe = 130
     layouts = {"a": [64, 40, 60, 36], "b": [0, 0, 200, 56], "c": [100, 7, 41, 9]}
-    configs = [SMALL, GmmConfig(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=1,
-                                grid_tile_width=1, epilogue_tile_n=32, wg_split="n", num_sms=2)]
+    configs = [
+        SMALL,
+        GmmConfig(
+            tile_m=64,
+            tile_n=64,
+            tile_k=128,
+            max_concurrent_steps=1,
+            grid_tile_width=1,
+            epilogue_tile_n=32,
+            wg_split="n",
+            num_sms=2,
+        ),
+    ]
     if ON_HOPPER:
-        configs = [GmmConfig(tile_m=64, tile_n=64, tile_k=tk, wg_split=split,
-                             max_concurrent_steps=1) for tk in (128, 256) for split in "nm"]
+        configs = [
+            GmmConfig(tile_m=64, tile_n=64, tile_k=tk, wg_split=split, max_concurrent_steps=1)
+            for tk in (128, 256)
+            for split in "nm"
+        ]
     results = []
     for sizes in layouts.values():
         assert np.cumsum([0] + sizes)[2] <= probe < np.cumsum(sizes)[2]
         for config in configs:
-            out = gmm_mxfp8(lhs_q, rhs_q, jnp.asarray(sizes, jnp.int32), impl="pallas",
-                            config=config, strategy="fp8_wgmma")
+            out = gmm_mxtensor(
+                lhs_q,
+                rhs_q,
+                jnp.asarray(sizes, jnp.int32),
+                impl="pallas",
+                config=config,
+                strategy="fp8_wgmma",
+            )
             results.append(bits(out)[probe])
     for other in results[1:]:
         np.testing.assert_array_equal(other, results[0])
     # Negative control: the same row summed in another order (XLA's) has other bits somewhere.
-    ref = gmm_mxfp8(lhs_q, rhs_q, jnp.asarray(layouts["a"], jnp.int32), impl="xla")
+    ref = gmm_mxtensor(lhs_q, rhs_q, jnp.asarray(layouts["a"], jnp.int32), impl="xla")
     assert differs(bits(ref)[probe], results[0])
 
 
@@ -113,8 +150,8 @@ def test_wgrad_matches_reference(interpret):
     x = quantize(jax.random.normal(keys[0], (192, 128)).astype(jnp.bfloat16), axis=0)
     dy = quantize(jax.random.normal(keys[1], (192, 128)).astype(jnp.bfloat16), axis=0)
     sizes = jnp.array([64, 0, 96, 32], jnp.int32)
-    out = tgmm_mxfp8(x, dy, sizes, impl="pallas")
-    ref = tgmm_mxfp8(x, dy, sizes, impl="xla")
+    out = tgmm_mxtensor(x, dy, sizes, impl="pallas")
+    ref = tgmm_mxtensor(x, dy, sizes, impl="xla")
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
     assert np.all(np.asarray(out)[1] == 0)
 
@@ -124,30 +161,48 @@ def test_moe_layer_mxfp8_pallas_matches_xla(interpret):
     tgmm kernel, against the same layer on XLA. The GEMMs differ only in accumulation order,
     but a last-bit difference can flip a later MXFP8 rounding (one e4m3 step, 2^-3 relative,
     seen on the H200 in ~1% of the input-gradient elements), so the comparison is normwise."""
-    config = MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=128, expert_precision="mxfp8",
-                       dispatch_dtype="mxfp8", combine_bwd_dtype="mxfp8",
-                       expert_row_alignment=32)
+    config = MoEConfig(
+        num_experts=4,
+        top_k=2,
+        ffn_hidden_size=128,
+        expert_precision="mxfp8",
+        dispatch_dtype="mxfp8",
+        combine_bwd_dtype="mxfp8",
+        expert_row_alignment=32,
+    )
     x = jax.random.normal(jax.random.key(4), (48, 128)).astype(jnp.bfloat16)
     dy = jax.random.normal(jax.random.key(5), (48, 128))
 
-    for a, b in zip(output_and_grads(config, x, dy, "pallas"),
-                    output_and_grads(config, x, dy, "xla")):
+    for a, b in zip(
+        output_and_grads(config, x, dy, "pallas"), output_and_grads(config, x, dy, "xla")
+    ):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        assert np.linalg.norm(a - b) <= 2 ** -6 * np.linalg.norm(b)
+        assert np.linalg.norm(a - b) <= 2**-6 * np.linalg.norm(b)
 
 
-@pytest.mark.parametrize("shape", [(16384, 4096, 28672, 8), (65536, 2048, 1536, 128),
-                                   (32768, 7168, 4096, 32)], ids=["mixtral", "qwen3", "dsv3"])
+@pytest.mark.parametrize(
+    "shape",
+    [(16384, 4096, 28672, 8), (65536, 2048, 1536, 128), (32768, 7168, 4096, 32)],
+    ids=["mixtral", "qwen3", "dsv3"],
+)
 def test_lowering_at_real_shapes(shape):
     """Pallas -> Mosaic GPU lowering on CPU for the fp8 kernel at the benchmark shapes."""
     m, k, n, g = shape
     s = jax.ShapeDtypeStruct
-    fn = functools.partial(gmm_mxfp8, impl="pallas", preferred_element_type=jnp.bfloat16,
-                           config=default_mxfp8_config(m, k, n, g), strategy="fp8_wgmma")
+    fn = functools.partial(
+        gmm_mxtensor,
+        impl="pallas",
+        preferred_element_type=jnp.bfloat16,
+        config=default_mxfp8_config(m, k, n, g),
+        strategy="fp8_wgmma",
+    )
     jax.jit(lambda ld, ls, rd, rs, sizes: fn(mx(ld, ls, 1), mx(rd, rs, 2), sizes)).trace(
-        s((m, k), jnp.float8_e4m3fn), s((m, k // 32), jnp.uint8),
-        s((g, n, k), jnp.float8_e4m3fn), s((g, n, k // 32), jnp.uint8),
-        s((g,), jnp.int32)).lower(lowering_platforms=("cuda",))
+        s((m, k), jnp.float8_e4m3fn),
+        s((m, k // 32), jnp.uint8),
+        s((g, n, k), jnp.float8_e4m3fn),
+        s((g, n, k // 32), jnp.uint8),
+        s((g,), jnp.int32),
+    ).lower(lowering_platforms=("cuda",))
 
 
 def mx(data, scale, axis):
@@ -158,33 +213,36 @@ def test_refuses_bad_operands():
     lhs_q, rhs_q = operands(64, 128, 128, 2)
     sizes = jnp.array([32, 32], jnp.int32)
     with pytest.raises(ValueError, match="blocks along K"):
-        gmm_mxfp8(quantize(dequantize(lhs_q, jnp.bfloat16), axis=0), rhs_q, sizes)
+        gmm_mxtensor(quantize(dequantize(lhs_q, jnp.bfloat16), axis=0), rhs_q, sizes)
     with pytest.raises(ValueError, match="group_sizes"):
-        gmm_mxfp8(lhs_q, rhs_q, jnp.array([32, 32, 0], jnp.int32))
+        gmm_mxtensor(lhs_q, rhs_q, jnp.array([32, 32, 0], jnp.int32))
     lhs96, rhs96 = operands(64, 96, 128, 2)
     with pytest.raises(ValueError, match="multiples of 128"):
-        gmm_mxfp8(lhs96, rhs96, sizes, impl="pallas", strategy="fp8_wgmma")
+        gmm_mxtensor(lhs96, rhs96, sizes, impl="pallas", strategy="fp8_wgmma")
     with pytest.raises(ValueError, match="strategy"):
-        gmm_mxfp8(lhs_q, rhs_q, sizes, strategy="fp4")
+        gmm_mxtensor(lhs_q, rhs_q, sizes, strategy="fp4")
     with pytest.raises(ValueError, match="blocks"):
-        tgmm_mxfp8(lhs_q, lhs_q, sizes)
+        tgmm_mxtensor(lhs_q, lhs_q, sizes)
 
 
 @pytest.mark.gpu
 def test_gpu_mxfp8_forward_and_invariance_on_hardware():
     lhs_q, rhs_q = operands(4096, 1024, 512, 16, seed=10)
     sizes = jnp.asarray(np.random.default_rng(0).multinomial(4000, np.ones(16) / 16), jnp.int32)
-    out = gmm_mxfp8(lhs_q, rhs_q, sizes, impl="pallas", strategy="fp8_wgmma")
-    ref = gmm_mxfp8(lhs_q, rhs_q, sizes, impl="xla")
+    out = gmm_mxtensor(lhs_q, rhs_q, sizes, impl="pallas", strategy="fp8_wgmma")
+    ref = gmm_mxtensor(lhs_q, rhs_q, sizes, impl="xla")
     err = np.abs(np.asarray(out) - np.asarray(ref))
-    assert np.all(err <= bound(lhs_q, rhs_q, sizes, 2.0 ** -12))
+    assert np.all(err <= bound(lhs_q, rhs_q, sizes, 2.0**-12))
     assert np.all(np.asarray(out)[4000:] == 0)
     moved = sizes.at[0].add(-5).at[15].add(5)
     starts = np.cumsum(np.asarray(sizes)) - np.asarray(sizes)
     probe = int(starts[7]) + int(sizes[7]) // 2
-    shifted = mx(lhs_q.data.at[probe - 5].set(lhs_q.data[probe]),
-                      lhs_q.scale.at[probe - 5].set(lhs_q.scale[probe]), 1)
-    moved_out = gmm_mxfp8(shifted, rhs_q, moved, impl="pallas", strategy="fp8_wgmma")
+    shifted = mx(
+        lhs_q.data.at[probe - 5].set(lhs_q.data[probe]),
+        lhs_q.scale.at[probe - 5].set(lhs_q.scale[probe]),
+        1,
+    )
+    moved_out = gmm_mxtensor(shifted, rhs_q, moved, impl="pallas", strategy="fp8_wgmma")
     np.testing.assert_array_equal(bits(moved_out)[probe - 5], bits(out)[probe])
 
 
@@ -192,5 +250,6 @@ def test_scale_multipliers_decode_every_byte_like_dequantize():
     """The kernels' fp32 scale operands decode all 256 E8M0 bytes as `dequantize` does."""
     scale = jnp.arange(256, dtype=jnp.uint8)[:, None]
     ones = MXTensor(data=jnp.ones((256, 32), jnp.float8_e4m3fn), scale=scale, axis=1, fmt="e4m3")
-    np.testing.assert_array_equal(bits(scale_multipliers(scale)[:, 0]),
-                                  bits(dequantize(ones)[:, 0]))
+    np.testing.assert_array_equal(
+        bits(scale_multipliers(scale)[:, 0]), bits(dequantize(ones)[:, 0])
+    )

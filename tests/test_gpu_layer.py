@@ -33,22 +33,37 @@ import pytest
 from flax import nnx
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from bitwise import assert_bitwise, differs
 from jaxmoe import MoE, MoEConfig
 from jaxmoe.ops import on_hopper
 from jaxmoe.routing import router_logits
 from jaxmoe.shapes import SHAPES, LayerShape
 
+from bitwise import assert_bitwise, bits, differs
+
 pytestmark = pytest.mark.gpu
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-TINY = LayerShape("tiny", MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=64,
-                                    aux_loss_coeff=1e-2, shared_expert_intermediate_size=64,
-                                    shared_expert_gate=True), 256, batch=2, seq_len=32)
-XLA_COMPARISON_TOKENS = 256      # sequence length of the kernels-vs-XLA comparison (batch 1)
+TINY = LayerShape(
+    "tiny",
+    MoEConfig(
+        num_experts=8,
+        top_k=2,
+        ffn_hidden_size=64,
+        aux_loss_coeff=1e-2,
+        shared_expert_intermediate_size=64,
+        shared_expert_gate=True,
+    ),
+    256,
+    batch=2,
+    seq_len=32,
+)
+XLA_COMPARISON_TOKENS = 256  # sequence length of the kernels-vs-XLA comparison (batch 1)
 # Library GEMMs in compiled HLO: cuBLAS / cuDNN custom calls, XLA's Triton GEMM fusions. (A
 # plain "__triton" fusion is XLA's Triton code for reductions and elementwise work.)
 LIBRARY_GEMM = re.compile(r"__cublas|__cudnn|__triton_gemm|__triton_nested_gemm|__triton_scaled")
+FUSION_CONFIG = re.compile(
+    r"^\s*(?:ROOT )?(%\S+) = .* fusion\(.*, kind=k\w+, .*backend_config=(\{.*\})\s*$"
+)
 
 
 def pytest_generate_tests(metafunc):
@@ -66,8 +81,9 @@ def kernels_here():
     if on_hopper():
         yield "auto", contextlib.nullcontext
         return
-    interpreted = functools.partial(plgpu.force_gpu_interpret_mode,
-                                    plgpu.InterpretGPUParams(detect_races=False))
+    interpreted = functools.partial(
+        plgpu.force_gpu_interpret_mode, plgpu.InterpretGPUParams(detect_races=False)
+    )
     with interpreted():
         yield "pallas", interpreted
 
@@ -92,17 +108,16 @@ class Layer:
         self.dy = jax.random.normal(kdy, dims, F32)
         self.small_x = self.x[:1, :XLA_COMPARISON_TOKENS]
         self.small_dy = self.dy[:1, :XLA_COMPARISON_TOKENS]
-        xla_graphdef, self.xla_params, xla_rest = nnx.split(self.build("xla", seed), nnx.Param,
-                                                            ...)
+        xla_graphdef, self.xla_params, xla_rest = nnx.split(self.build("xla", seed), nnx.Param, ...)
         half = (shape.batch, shape.seq_len // 2)
         lowered = {
             "train": self.lower_train(self.params, self.x, self.dy),
             "train_again": self.lower_train(self.params, self.x, self.dy),
             "small_train": self.lower_train(self.params, self.small_x, self.small_dy),
-            "small_train_xla": self.lower_train(self.xla_params, self.small_x, self.small_dy,
-                                                xla_graphdef, xla_rest),
-            **{("forward", batch): self.lower_forward(batch)
-               for batch in (dims[:2], (1, 1), half)},
+            "small_train_xla": self.lower_train(
+                self.xla_params, self.small_x, self.small_dy, xla_graphdef, xla_rest
+            ),
+            **{("forward", batch): self.lower_forward(batch) for batch in (dims[:2], (1, 1), half)},
         }
 
         def compile_timed(program):
@@ -120,9 +135,14 @@ class Layer:
         self._routers = {}
 
     def build(self, impl: str, seed: int) -> MoE:
-        model = MoE(self.config, self.shape.hidden_size, param_dtype=BF16, gmm_impl=impl,
-                    rngs=nnx.Rngs(seed))
-        if model.router.expert_bias is not None:          # a bias that changes the routing
+        model = MoE(
+            self.config,
+            self.shape.hidden_size,
+            param_dtype=BF16,
+            gmm_impl=impl,
+            rngs=nnx.Rngs(seed),
+        )
+        if model.router.expert_bias is not None:  # a bias that changes the routing
             bias = jax.random.normal(jax.random.key(seed + 7), (self.config.num_experts,), F32)
             model.router.expert_bias[...] = 0.05 * bias
         return model
@@ -130,10 +150,10 @@ class Layer:
     def train_step_fn(self, graphdef, rest):
         """(params, x, dy) -> ((loss, (y, router logits)), (d params, d x)) of
         sum(y * dy) + aux losses."""
+
         def loss(params, x, dy):
             y, aux, stages = nnx.merge(graphdef, params, rest).forward_with_stages(x)
-            return (jnp.sum(y.astype(F32) * dy) + aux.total_loss,
-                    (y, stages["router_logits"]))
+            return (jnp.sum(y.astype(F32) * dy) + aux.total_loss, (y, stages.router_logits))
 
         return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
 
@@ -145,7 +165,7 @@ class Layer:
         def fn(params, x, padding_mask):
             model = nnx.merge(self.graphdef, params, self.rest)
             y, aux, stages = model.forward_with_stages(x, padding_mask=padding_mask)
-            return y, stages["router_logits"], aux.tokens_per_expert
+            return y, stages.router_logits, aux.tokens_per_expert
 
         x = jax.ShapeDtypeStruct(batch + (self.shape.hidden_size,), BF16)
         return jax.jit(fn).lower(self.params, x, jax.ShapeDtypeStruct(batch, bool))
@@ -162,10 +182,10 @@ class Layer:
         router = self.model.router
         bias = None if router.bias is None else router.bias[...]
         if impl not in self._routers:
-            self._routers[impl] = jax.jit(functools.partial(router_logits, router_dtype=F32,
-                                                            impl=impl))
-        return self._routers[impl](x.reshape(-1, self.shape.hidden_size), router.kernel[...],
-                                   bias)
+            self._routers[impl] = jax.jit(
+                functools.partial(router_logits, router_dtype=F32, impl=impl)
+            )
+        return self._routers[impl](x.reshape(-1, self.shape.hidden_size), router.kernel[...], bias)
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +205,22 @@ def leaves(tree):
 def assert_trees_bitwise(a, b):
     for u, v in zip(leaves(a), leaves(b), strict=True):
         assert_bitwise(u, v)
+
+
+def differing_leaves(a, b) -> dict[str, int]:
+    """{path: number of elements whose bits differ} over the leaves of two like trees."""
+    paths = jax.tree_util.tree_flatten_with_path(a)[0]
+    return {
+        jax.tree_util.keystr(path): int(np.sum(bits(np.atleast_1d(u)) != bits(np.atleast_1d(v))))
+        for (path, u), v in zip(paths, leaves(b), strict=True)
+        if differs(np.atleast_1d(u), np.atleast_1d(v))
+    }
+
+
+def fusion_configs(hlo_text: str) -> dict[str, str]:
+    """{instruction: its fusion backend config} of a compiled module's text (tilings and
+    emitter choices that XLA makes while compiling)."""
+    return {m[1]: m[2] for m in map(FUSION_CONFIG.match, hlo_text.splitlines()) if m}
 
 
 def timed(fn, *args):
@@ -207,22 +243,42 @@ def test_d1_training_step_run_to_run(layer, record_property):
     assert any(differs(u, v) for u, v in zip(leaves(changed), leaves(first)))
 
 
-def test_d1_separately_compiled_step_gives_the_same_bits(layer):
+def test_d1_separately_compiled_step_gives_the_same_bits(layer, record_property):
+    """Every output of the two executables, with the outputs that differ and the XLA fusions
+    whose compiled configuration differs recorded (to tell a layer difference from one in the
+    harness's own loss sum, and a kernel from an XLA fusion)."""
     again = layer.programs["train_again"]
     assert again is not layer.train
-    assert_trees_bitwise(again(layer.params, layer.x, layer.dy),
-                         layer.train(layer.params, layer.x, layer.dy))
+    different = differing_leaves(
+        again(layer.params, layer.x, layer.dy), layer.train(layer.params, layer.x, layer.dy)
+    )
+    if different:
+        record_property("differing_outputs", different)
+        configs = [fusion_configs(p.as_text()) for p in (layer.train, again)]
+        record_property(
+            "fusions_compiled_differently",
+            {
+                name: [configs[0].get(name), configs[1].get(name)]
+                for name in sorted(configs[0].keys() | configs[1].keys())
+                if configs[0].get(name) != configs[1].get(name)
+            },
+        )
+    assert not different
 
 
 def test_d1_no_library_gemm_in_the_training_step(layer):
     """Every matmul of the step is one of jaxmoe's kernels (fixed reduction order): no cuBLAS,
     cuDNN or Triton GEMM, whose algorithm an autotuner picks per compilation."""
     assert not LIBRARY_GEMM.findall(layer.train.as_text())
-    if on_hopper():       # control: XLA's dot of the tokens with an expert matrix is one
+    if on_hopper():  # control: XLA's dot of the tokens with an expert matrix is one
         tokens = layer.x.reshape(-1, layer.shape.hidden_size)
         weight = layer.model.experts.fc1_kernel[0]
-        control = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=F32)).lower(
-            tokens, weight).compile().as_text()
+        control = (
+            jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=F32))
+            .lower(tokens, weight)
+            .compile()
+            .as_text()
+        )
         assert LIBRARY_GEMM.findall(control)
 
 
@@ -232,7 +288,7 @@ def test_d2_batch_invariance(layer, record_property):
     y, logits, _ = layer.forward(layer.x)
     y, logits = np.asarray(y), np.asarray(logits).reshape(shape.batch, shape.seq_len, -1)
     for b, s in ((0, 0), (shape.batch - 1, shape.seq_len - 1)):
-        y_one, logits_one, counts = layer.forward(layer.x[b:b + 1, s:s + 1])
+        y_one, logits_one, counts = layer.forward(layer.x[b : b + 1, s : s + 1])
         assert_bitwise(np.asarray(logits_one)[0], logits[b, s])
         assert_bitwise(np.asarray(y_one)[0, 0], y[b, s])
         empty = int(np.sum(np.asarray(counts) == 0))
@@ -254,10 +310,14 @@ def test_d2_router_accumulators_and_negative_control(layer):
     the GPU) they are not: what the checks above catch when a token-row matmul is not
     invariant."""
     one = layer.x[:1, :1]
-    assert_bitwise(np.asarray(layer.router_accumulators(one, layer.impl)),
-                   np.asarray(layer.router_accumulators(layer.x, layer.impl))[:1])
-    assert differs(np.asarray(layer.router_accumulators(one, "xla")),
-                   np.asarray(layer.router_accumulators(layer.x, "xla"))[:1])
+    assert_bitwise(
+        np.asarray(layer.router_accumulators(one, layer.impl)),
+        np.asarray(layer.router_accumulators(layer.x, layer.impl))[:1],
+    )
+    assert differs(
+        np.asarray(layer.router_accumulators(one, "xla")),
+        np.asarray(layer.router_accumulators(layer.x, "xla"))[:1],
+    )
 
 
 # ---------------------------------------------------------------------------------------- D3
@@ -267,8 +327,10 @@ def test_d3_training_forward_equals_inference_forward(layer):
     assert_bitwise(np.asarray(y_train), np.asarray(y_inference))
     assert_bitwise(np.asarray(logits_train), np.asarray(logits_inference))
     # Control: the same check catches another reduction order of the router's accumulators.
-    assert differs(np.asarray(layer.router_accumulators(layer.x, "xla")),
-                   np.asarray(layer.router_accumulators(layer.x, layer.impl)))
+    assert differs(
+        np.asarray(layer.router_accumulators(layer.x, "xla")),
+        np.asarray(layer.router_accumulators(layer.x, layer.impl)),
+    )
 
 
 # ------------------------------------------------------------------------- NaN, XLA, training
@@ -300,7 +362,7 @@ def test_kernels_match_xla_within_bounds(layer, record_property):
         a, b = a.astype(np.float64), b.astype(np.float64)
         error = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
         worst = max(worst, error)
-        assert error <= 2.0 ** -5
+        assert error <= 2.0**-5
     record_property("worst_normwise_error", worst)
 
 
@@ -314,7 +376,7 @@ def test_training_step_lowers_the_loss(layer, record_property):
 
     def step(p, g):
         p32, g32 = p.astype(F32), g.astype(F32)
-        rate = 0.01 * jnp.sqrt(jnp.mean(p32 ** 2) / jnp.maximum(jnp.mean(g32 ** 2), 1e-30))
+        rate = 0.01 * jnp.sqrt(jnp.mean(p32**2) / jnp.maximum(jnp.mean(g32**2), 1e-30))
         return (p32 - rate * g32).astype(p.dtype)
 
     stepped = jax.tree.map(step, layer.params, grads)

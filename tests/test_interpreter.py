@@ -13,11 +13,13 @@ from interpreter import race_checked_interpreter
 def _copy_plus_one(x, ctas):
     """o = x + 1 written whole by each of `ctas` CTAs: with 2, both write every element of the
     output (a race between CTAs); with 1, none."""
+
     def body(x_ref, o_ref):
         o_ref[...] = x_ref[...] + 1.0
 
-    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(ctas,),
-                        grid_names=("cta",))(x)
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(ctas,), grid_names=("cta",)
+    )(x)
 
 
 def test_a_race_before_the_last_kernel_call_fails_the_check():

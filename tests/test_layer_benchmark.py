@@ -32,8 +32,22 @@ IMPLS = ("jaxmoe_bf16", "jax_ragged_dot", "torch_grouped_mm")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("layer")
-    layer.main(["--shapes", "tiny_deepseek", "--modes", "train", "--impls", ",".join(IMPLS),
-                "--min-window", "0.01", "--repeats", "2", "--out", str(out)])
+    layer.main(
+        [
+            "--shapes",
+            "tiny_deepseek",
+            "--modes",
+            "train",
+            "--impls",
+            ",".join(IMPLS),
+            "--min-window",
+            "0.01",
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     [path] = glob.glob(str(out / "layer_*[0-9].json"))
     with open(path) as f:
         result = json.load(f)
@@ -61,9 +75,14 @@ def test_competitors_match_jaxmoe(run):
         if record["impl"] == layer.REFERENCE:
             continue
         assert set(record["rel_error"]) == {
-            "dx", "router.kernel", "experts.fc1_kernel", "experts.fc2_kernel",
-            "shared_experts.fc1_kernel", "shared_experts.fc2_kernel",
-            "shared_experts.gate_kernel"}, record
+            "dx",
+            "router.kernel",
+            "experts.fc1_kernel",
+            "experts.fc2_kernel",
+            "shared_experts.fc1_kernel",
+            "shared_experts.fc2_kernel",
+            "shared_experts.gate_kernel",
+        }, record
         assert record["max_rel_error"] < REL_TOLERANCE, record
 
 
@@ -73,15 +92,23 @@ def test_stage_breakdown_from_cpu_profile(run):
     assert (breakdown["mode"], breakdown["impl"]) == ("train", layer.REFERENCE)
     stages = breakdown["stages"]
     assert set(breakdown["matched_by"]) == {"hlo_op"}
-    for stage in ("router", "plan", "dispatch", "fc1", "activation", "fc2", "combine",
-                  "shared_expert", "aux_losses"):
+    for stage in (
+        "router",
+        "plan",
+        "dispatch",
+        "fc1",
+        "activation",
+        "fc2",
+        "combine",
+        "shared_expert",
+        "aux_losses",
+    ):
         assert stages[stage]["ms"] > 0, stage
     for stage in ("router", "fc1", "fc2", "shared_expert"):
         assert stages[stage]["gemm_ms"] > 0, stage
     assert stages["fc1"]["bwd_ms"] > 0 and stages["fc1"]["fwd_ms"] > 0
     assert stages.get("unattributed", {}).get("share", 0) < 0.05
-    assert breakdown["device_ms"] == pytest.approx(
-        sum(s["ms"] for s in stages.values()))
+    assert breakdown["device_ms"] == pytest.approx(sum(s["ms"] for s in stages.values()))
     dump = kernels[f"tiny_deepseek/train/{layer.REFERENCE}"]
     assert "hlo_op" in dump["record_arg_names"]
     assert len(dump["kernels"]) == pytest.approx(breakdown["kernels_per_step"], abs=1)
@@ -91,17 +118,27 @@ def test_inference_outputs_of_softmax_competitors_match_jaxmoe():
     shape = layer.TINY_SHAPES["tiny"]
     config, tokens = shape.config, shape.num_tokens
     graphdef, (params, rest) = layer.jaxmoe_graphdef(shape, None), layer.init_weights(shape)
-    x = jax.random.normal(jax.random.key(1), (shape.batch, shape.seq_len, shape.hidden_size),
-                          jnp.bfloat16)
-    reference = layer.comparable(jax.jit(layer.jaxmoe_forward, static_argnums=0)(
-        graphdef, params, rest, x), "inference", tokens)
+    x = jax.random.normal(
+        jax.random.key(1), (shape.batch, shape.seq_len, shape.hidden_size), jnp.bfloat16
+    )
+    reference = layer.comparable(
+        jax.jit(layer.jaxmoe_forward, static_argnums=0)(graphdef, params, rest, x),
+        "inference",
+        tokens,
+    )
     indices = jax.jit(layer.jaxmoe_routing, static_argnums=0)(graphdef, params, rest, x)
     weights, x_tokens = layer.flat_arrays(params), x.reshape(tokens, -1)
     outputs = {
-        "jax_ragged_dot": jax.jit(jax_moe, static_argnums=(2, 3))(weights, x_tokens, config,
-                                                                  shape.seq_len),
-        "torch_grouped_mm": torch_moe({k: torch.from_dlpack(v) for k, v in weights.items()},
-                                      torch.from_dlpack(x_tokens), config, shape.seq_len)}
+        "jax_ragged_dot": jax.jit(jax_moe, static_argnums=(2, 3))(
+            weights, x_tokens, config, shape.seq_len
+        ),
+        "torch_grouped_mm": torch_moe(
+            {k: torch.from_dlpack(v) for k, v in weights.items()},
+            torch.from_dlpack(x_tokens),
+            config,
+            shape.seq_len,
+        ),
+    }
     for impl, out in outputs.items():
         check = layer.compare(layer.comparable(out, "inference", tokens), reference, indices)
         errors = check["rel_error"]
@@ -131,16 +168,23 @@ ENTRY %main (a: bf16[64,64], b: bf16[64,64]) -> bf16[64,64] {
 
 def test_stage_attribution_of_gpu_style_records():
     def record(kernel, dur_us, start_us, **args):
-        return TraceEvent("/device:GPU:0", "Stream #14(Kernel)", kernel, start_us, dur_us,
-                          {"hlo_module": "jit_train", **args})
+        return TraceEvent(
+            "/device:GPU:0",
+            "Stream #14(Kernel)",
+            kernel,
+            start_us,
+            dur_us,
+            {"hlo_module": "jit_train", **args},
+        )
 
     events = [
         record("body_mosaic_gpu_kernel", 100.0, 0.0, hlo_op="custom-call.3"),
         record("body_mosaic_gpu_kernel", 10.0, 100.0, hlo_op="custom-call.4"),
-        record("triton_gemm_2", 30.0, 110.0),                       # matched by kernel name
+        record("triton_gemm_2", 30.0, 110.0),  # matched by kernel name
         record("loop_add_fusion_7", 5.0, 140.0, hlo_op="loop_add_fusion.7"),
-        record("some_kernel", 5.0, 145.0, name="transpose(jvp(plan))/sort",
-               prefix="jit(train)"),                                # the record's own op name
+        record(
+            "some_kernel", 5.0, 145.0, name="transpose(jvp(plan))/sort", prefix="jit(train)"
+        ),  # the record's own op name
         record("other_module_kernel", 50.0, 150.0, hlo_module="jit_other"),
         TraceEvent("/host:CPU", "python", "host work", 0.0, 500.0, {}),
     ]
@@ -179,16 +223,32 @@ ENTRY %main (a: bf16[64,64], b: bf16[64,64]) -> bf16[64,64] {
 def test_kernels_inside_a_command_buffer_are_attributed_in_order():
     """Kernels of a CUDA graph carry the buffer's name as hlo_op: XLA kernels are found by
     name, Pallas kernels by their order among the buffer's Mosaic GPU calls, step after step."""
-    def record(kernel, start_us):
-        return TraceEvent("/device:GPU:0", "Stream #14(Kernel)", kernel, start_us, 10.0,
-                          {"hlo_module": "jit_train", "hlo_op": "command_buffer_5"})
 
-    events = [record(kernel, 100.0 * step + offset) for step in range(2)
-              for kernel, offset in (("gmm_mosaic_gpu_kernel", 0), ("loop_add_fusion_2", 10),
-                                     ("gmm_mosaic_gpu_kernel", 20))]
+    def record(kernel, start_us):
+        return TraceEvent(
+            "/device:GPU:0",
+            "Stream #14(Kernel)",
+            kernel,
+            start_us,
+            10.0,
+            {"hlo_module": "jit_train", "hlo_op": "command_buffer_5"},
+        )
+
+    events = [
+        record(kernel, 100.0 * step + offset)
+        for step in range(2)
+        for kernel, offset in (
+            ("gmm_mosaic_gpu_kernel", 0),
+            ("loop_add_fusion_2", 10),
+            ("gmm_mosaic_gpu_kernel", 20),
+        )
+    ]
     summary, rows = stage_breakdown(events, COMMAND_BUFFER_HLO, steps=2)
     assert [(r.stage, r.backward, r.kind) for r in rows] == [
-        ("fc1", False, "gemm"), ("activation", False, "other"), ("fc2", True, "gemm")]
+        ("fc1", False, "gemm"),
+        ("activation", False, "other"),
+        ("fc2", True, "gemm"),
+    ]
     assert summary["matched_by"] == {"schedule_order": 4, "kernel_name": 2}
     assert summary["non_gemm_ms"] == pytest.approx(0.010)
 
@@ -211,20 +271,33 @@ def test_kernels_of_buffers_missing_from_the_text_follow_the_schedule():
     """On the GPU the compiled module's text shows no command-buffer computation: a Pallas
     record naming an unknown buffer is the scheduled Mosaic call after the last one seen (one
     matched by its own hlo_op moves the cursor), step after step."""
+
     def record(kernel, start_us, hlo_op="command_buffer_48"):
-        return TraceEvent("/device:GPU:0", "Stream #14(Kernel)", kernel, start_us, 10.0,
-                          {"hlo_module": "jit_train", "hlo_op": hlo_op})
+        return TraceEvent(
+            "/device:GPU:0",
+            "Stream #14(Kernel)",
+            kernel,
+            start_us,
+            10.0,
+            {"hlo_module": "jit_train", "hlo_op": hlo_op},
+        )
 
     events = []
     for step in range(2):
         t = 100.0 * step
-        events += [record("gmm_mosaic_gpu_kernel", t),
-                   record("gmm_mosaic_gpu_kernel", t + 10, hlo_op="mpmd_map.10"),
-                   record("loop_add_fusion_2", t + 20),
-                   record("combine_mosaic_gpu_kernel", t + 30),
-                   record("gmm_mosaic_gpu_kernel", t + 40)]
+        events += [
+            record("gmm_mosaic_gpu_kernel", t),
+            record("gmm_mosaic_gpu_kernel", t + 10, hlo_op="mpmd_map.10"),
+            record("loop_add_fusion_2", t + 20),
+            record("combine_mosaic_gpu_kernel", t + 30),
+            record("gmm_mosaic_gpu_kernel", t + 40),
+        ]
     summary, rows = stage_breakdown(events, SCHEDULED_HLO, steps=2)
     assert [(r.stage, r.backward, r.kind) for r in rows] == [
-        ("router", False, "gemm"), ("fc1", False, "gemm"), ("activation", False, "other"),
-        ("combine", False, "other"), ("fc2", True, "gemm")]
+        ("router", False, "gemm"),
+        ("fc1", False, "gemm"),
+        ("activation", False, "other"),
+        ("combine", False, "other"),
+        ("fc2", True, "gemm"),
+    ]
     assert summary["matched_by"] == {"schedule_order": 6, "hlo_op": 2, "kernel_name": 2}

@@ -1,5 +1,6 @@
 """The nnx module in use: transforms, dtypes, linen adapter, stateful options, the demo."""
 
+import flax.linen
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +9,7 @@ from flax import nnx
 
 import jaxmoe
 from jaxmoe import MoE, MoEConfig, demo
+
 from bitwise import bits
 
 H = 16
@@ -30,8 +32,13 @@ def test_param_and_compute_dtypes(param_dtype):
 
 
 def test_megatron_initialisation_scales():
-    model = MoE(CONFIG.replace(ffn_hidden_size=256, num_experts=8), 256, num_layers=8,
-                param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    model = MoE(
+        CONFIG.replace(ffn_hidden_size=256, num_experts=8),
+        256,
+        num_layers=8,
+        param_dtype=jnp.float32,
+        rngs=nnx.Rngs(0),
+    )
     np.testing.assert_allclose(np.std(model.experts.fc1_kernel[...]), 0.02, rtol=0.02)
     np.testing.assert_allclose(np.std(model.experts.fc2_kernel[...]), 0.02 / 4.0, rtol=0.02)
     np.testing.assert_allclose(np.std(model.router.kernel[...]), 0.02, rtol=0.05)
@@ -39,6 +46,7 @@ def test_megatron_initialisation_scales():
 
 def plain_and_remat_grads(model, x):
     """Pairs of (plain, remat) jitted gradient leaves of sum(y^2) w.r.t. the model."""
+
     def plain(model, x):
         return jnp.sum(model(x)[0].astype(jnp.float32) ** 2)
 
@@ -64,10 +72,13 @@ def test_linen_adapter_matches_nnx_module():
     variables = module.init(jax.random.key(0), x)
     assert set(variables) >= {"params", "ExpertBias"}
     y, aux = module.apply(variables, x)
+    boxed = variables["params"]["router"]["kernel"]  # linen boxes carry the axis names
+    assert boxed.metadata["out_sharding"] == ("embed", "expert")
+    params = flax.linen.unbox(variables)["params"]
     nnx_model = MoE(config, H, param_dtype=jnp.float32, rngs=nnx.Rngs(1))
-    nnx_model.router.kernel[...] = variables["params"]["router"]["kernel"]
-    nnx_model.experts.fc1_kernel[...] = variables["params"]["experts"]["fc1_kernel"]
-    nnx_model.experts.fc2_kernel[...] = variables["params"]["experts"]["fc2_kernel"]
+    nnx_model.router.kernel[...] = params["router"]["kernel"]
+    nnx_model.experts.fc1_kernel[...] = params["experts"]["fc1_kernel"]
+    nnx_model.experts.fc2_kernel[...] = params["experts"]["fc2_kernel"]
     np.testing.assert_array_equal(bits(nnx_model(x)[0]), bits(y))
 
 
@@ -102,7 +113,7 @@ def test_global_aux_loss_accumulates_and_resets():
     assert int(model.global_aux_steps[...]) == 1
     second = model(x)[1].load_balancing_loss
     assert int(model.global_aux_steps[...]) == 2
-    np.testing.assert_allclose(first, second, rtol=1e-6)    # same batch twice: same average
+    np.testing.assert_allclose(first, second, rtol=1e-6)  # same batch twice: same average
     aux_loss = MoE(CONFIG, H, param_dtype=jnp.float32, rngs=nnx.Rngs(0))(x)[1]
     np.testing.assert_allclose(first, aux_loss.load_balancing_loss, rtol=1e-6)
     model(x_of(seed=5))
@@ -118,22 +129,22 @@ def test_global_aux_loss_uses_the_window_average_of_the_counts():
     batch's counts alone the value differs."""
     config = CONFIG.replace(load_balancing_type="global_aux_loss")
     model = MoE(config, H, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
-    model.router.kernel[...] = model.router.kernel[...] * 100      # peaked, unequal scores
+    model.router.kernel[...] = model.router.kernel[...] * 100  # peaked, unequal scores
     # -x flips the (bias-free) logits: the second batch picks the experts the first did not.
     batches = [x_of(seed=1), -x_of(seed=1)]
     scores, counts = [], []
     for x in batches:
-        logits = np.asarray(model.forward_with_stages(x)[2]["router_logits"], np.float64)
+        logits = np.asarray(model.forward_with_stages(x)[2].router_logits, np.float64)
         probs = np.exp(logits - logits.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
-        top = np.argsort(-probs, axis=-1, kind="stable")[:, :config.top_k]
+        top = np.argsort(-probs, axis=-1, kind="stable")[:, : config.top_k]
         scores.append(probs.sum(0))
         counts.append(np.bincount(top.reshape(-1), minlength=config.num_experts))
     model.reset_global_aux_state()
     model(batches[0])
     loss = float(model(batches[1])[1].load_balancing_loss)
     tokens = batches[1].size // H
-    scale = config.num_experts * config.aux_loss_coeff / (config.top_k * tokens ** 2)
+    scale = config.num_experts * config.aux_loss_coeff / (config.top_k * tokens**2)
     expected = float(np.sum(scores[1] * (counts[0] + counts[1]) / 2) * scale)
     this_batch_only = float(np.sum(scores[1] * counts[1]) * scale)
     assert loss == pytest.approx(expected, rel=1e-5)
@@ -153,8 +164,10 @@ def test_input_jitter_is_seeded_and_changes_router_input():
 
 
 def test_padding_mask_leaves_losses_and_counts_but_not_outputs():
-    model, x = MoE(CONFIG.replace(z_loss_coeff=1e-3), H, param_dtype=jnp.float32,
-                   rngs=nnx.Rngs(0)), x_of()
+    model, x = (
+        MoE(CONFIG.replace(z_loss_coeff=1e-3), H, param_dtype=jnp.float32, rngs=nnx.Rngs(0)),
+        x_of(),
+    )
     mask = jnp.zeros((2, 6), bool).at[1, 3:].set(True)
     y_plain, aux_plain = model(x)
     y_mask, aux_mask = model(x, padding_mask=mask)
@@ -162,14 +175,20 @@ def test_padding_mask_leaves_losses_and_counts_but_not_outputs():
     assert int(aux_mask.tokens_per_expert.sum()) == 2 * 9
     assert float(aux_mask.z_loss) != float(aux_plain.z_loss)
     unpadded = model(x.reshape(-1, H)[np.asarray(~mask.reshape(-1))])[1]
-    np.testing.assert_allclose(aux_mask.load_balancing_loss, unpadded.load_balancing_loss,
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        aux_mask.load_balancing_loss, unpadded.load_balancing_loss, rtol=1e-6
+    )
     np.testing.assert_allclose(aux_mask.z_loss, unpadded.z_loss, rtol=1e-6)
 
 
 def test_mxfp8_layer_trains_under_jit_and_remat_and_refuses_bad_widths():
-    config = CONFIG.replace(ffn_hidden_size=32, expert_precision="mxfp8", dispatch_dtype="mxfp8",
-                            combine_bwd_dtype="mxfp8", expert_row_alignment=32)
+    config = CONFIG.replace(
+        ffn_hidden_size=32,
+        expert_precision="mxfp8",
+        dispatch_dtype="mxfp8",
+        combine_bwd_dtype="mxfp8",
+        expert_row_alignment=32,
+    )
     with pytest.raises(ValueError, match="hidden_size .16. must be a multiple of 32"):
         MoE(config, H, rngs=nnx.Rngs(0))
     model, x = MoE(config, 32, rngs=nnx.Rngs(0)), x_of((2, 6, 32), jnp.bfloat16)
@@ -180,12 +199,22 @@ def test_mxfp8_layer_trains_under_jit_and_remat_and_refuses_bad_widths():
 
 
 def test_demo_trains_and_reports():
-    metrics = demo.train("mixtral", steps=60, hidden=32, batch=4, seq_len=16,
-                         learning_rate=1e-2, log_every=20, quiet=True)
+    metrics = demo.train(
+        "mixtral",
+        steps=60,
+        hidden=32,
+        batch=4,
+        seq_len=16,
+        learning_rate=1e-2,
+        log_every=20,
+        quiet=True,
+    )
     assert metrics["step"] == 60 and metrics["tokens_per_s"] > 0 and metrics["balance"] >= 1.0
-    first = demo.train("mixtral", steps=1, hidden=32, batch=4, seq_len=16, log_every=1,
-                       quiet=True)
-    assert metrics["loss"] < first["loss"] - 0.05
+    first = demo.train("mixtral", steps=1, hidden=32, batch=4, seq_len=16, log_every=1, quiet=True)
+    # Progress as a share of the first step's loss (1.0: a student whose output is near 0):
+    # 60 Adam steps must explain a twentieth of the target's variance. What is learnable in 60
+    # steps is bounded by the teacher's random experts; bf16 and MXFP8 both reach about 8%.
+    assert metrics["loss"] < 0.95 * first["loss"], (first["loss"], metrics["loss"])
 
 
 def test_demo_cli_rejects_bad_arguments(capsys):
@@ -193,3 +222,66 @@ def test_demo_cli_rejects_bad_arguments(capsys):
         demo.main(["--steps", "0"])
     with pytest.raises(SystemExit):
         demo.main(["--preset", "nope"])
+
+
+def test_parameters_carry_logical_axis_names():
+    biased = MoE(
+        MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=16, add_bias_linear=True),
+        H,
+        rngs=nnx.Rngs(0),
+    )
+    model = MoE(
+        MoEConfig(
+            num_experts=4,
+            top_k=2,
+            ffn_hidden_size=16,
+            enable_expert_bias=True,
+            score_function="sigmoid",
+            shared_expert_intermediate_size=16,
+            shared_expert_gate=True,
+        ),
+        H,
+        rngs=nnx.Rngs(0),
+    )
+    names = {}
+    for module in (biased, model):
+        specs = nnx.to_flat_state(nnx.get_partition_spec(nnx.state(module)))
+        names.update({".".join(map(str, path)): tuple(v.get_value()) for path, v in specs})
+    assert names["router.kernel"] == ("embed", "expert")
+    assert names["router.expert_bias"] == ("expert",)
+    assert names["experts.fc1_kernel"] == ("expert", "embed", "mlp")
+    assert names["experts.fc2_kernel"] == ("expert", "mlp", "embed")
+    assert names["experts.fc2_bias"] == ("expert", "embed")
+    assert names["shared_experts.gate_kernel"] == ("embed", None)
+    assert names["router.bias"] == ("expert",)
+    for module in (biased, model):
+        for path, value in nnx.to_flat_state(nnx.state(module)):
+            assert len(names[".".join(map(str, path))]) == value.get_value().ndim
+
+
+def test_injected_initializers_and_the_default_megatron_init():
+    ones = jax.nn.initializers.constant(1.0)
+    model = MoE(
+        CONFIG, H, kernel_init=ones, output_kernel_init=jax.nn.initializers.zeros, rngs=nnx.Rngs(0)
+    )
+    assert np.all(np.asarray(model.experts.fc1_kernel[...]) == 1)
+    assert np.all(np.asarray(model.experts.fc2_kernel[...]) == 0)
+    # The default draws normal(0, std) in fp32 per parameter, in creation order.
+    default = MoE(CONFIG, H, param_dtype=jnp.bfloat16, init_std=0.5, num_layers=2, rngs=nnx.Rngs(3))
+    keys = nnx.Rngs(3)
+    router = jaxmoe.moe.megatron_normal(0.5)(keys.params(), (H, 4), jnp.bfloat16)
+    fc1 = jaxmoe.moe.megatron_normal(0.5)(keys.params(), (4, H, 32), jnp.bfloat16)
+    fc2 = jaxmoe.moe.megatron_normal(0.25)(keys.params(), (4, 16, H), jnp.bfloat16)
+    for got, want in (
+        (default.router.kernel, router),
+        (default.experts.fc1_kernel, fc1),
+        (default.experts.fc2_kernel, fc2),
+    ):
+        assert np.array_equal(bits(np.asarray(got[...])), bits(np.asarray(want)))
+    with pytest.raises(ValueError, match="initializer returned shape"):
+        MoE(
+            CONFIG,
+            H,
+            kernel_init=lambda key, shape, dtype: jnp.zeros((1,), dtype),
+            rngs=nnx.Rngs(0),
+        )

@@ -7,11 +7,16 @@ import numpy as np
 import pytest
 
 from jaxmoe import mxfp8
+
 import mxfp8_numpy_reference as ref
 
 BF16 = ml_dtypes.bfloat16
 F32 = np.float32
-UINT_VIEW = {np.dtype(np.float32): np.uint32, np.dtype(BF16): np.uint16, np.dtype(np.float16): np.uint16}
+UINT_VIEW = {
+    np.dtype(np.float32): np.uint32,
+    np.dtype(BF16): np.uint16,
+    np.dtype(np.float16): np.uint16,
+}
 
 
 def _bytes(t):
@@ -35,11 +40,15 @@ def _assert_same_float_bits(got, want):
     nan = np.isnan(want.astype(F32))
     np.testing.assert_array_equal(np.isnan(got.astype(F32)), nan)
     view = UINT_VIEW[got.dtype]
-    np.testing.assert_array_equal(np.where(nan, 0, got.view(view)), np.where(nan, 0, want.view(view)))
+    np.testing.assert_array_equal(
+        np.where(nan, 0, got.view(view)), np.where(nan, 0, want.view(view))
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
-# Spec section 9 test vectors, typed in from the table.
+# Test vectors of the MX quantizer (hand-checked values at the format's edges: zeros, subnormals,
+# the largest normal, saturation, NaN and Inf), typed in.
+
 
 def _pattern(values, n=32):
     return np.resize(np.array(values, F32), n)
@@ -51,20 +60,41 @@ VECTORS = {
     1: ([0.0], "e4m3", 0x00, [0x00], [0.0]),
     2: ([-0.0], "e4m3", 0x00, [0x80], [-0.0]),
     3: ([1.0], "e4m3", 0x77, [0x78], [1.0]),
-    4: ([1, -0.5, 0.3, 17, -100, 0.001, 3, -0.0], "e4m3", 0x7D,
-        [0x48, 0xC0, 0x3A, 0x68, 0xFC, 0x02, 0x54, 0x80], [1, -0.5, 0.3125, 16, -96, 0.0009765625, 3, -0.0]),
+    4: (
+        [1, -0.5, 0.3, 17, -100, 0.001, 3, -0.0],
+        "e4m3",
+        0x7D,
+        [0x48, 0xC0, 0x3A, 0x68, 0xFC, 0x02, 0x54, 0x80],
+        [1, -0.5, 0.3125, 16, -96, 0.0009765625, 3, -0.0],
+    ),
     5: ([448] + [1] * 31, "e4m3", 0x7F, [0x7E] + [0x38] * 31, [448] + [1] * 31),
     6: ([480] + [1] * 31, "e4m3", 0x80, [0x77] + [0x30] * 31, [480] + [1] * 31),
     7: ([500, -17] + [1] * 30, "e4m3", 0x80, [0x78, 0xD0] + [0x30] * 30, [512, -16] + [1] * 30),
     8: ([449] + [1] * 31, "e4m3", 0x80, [0x76] + [0x30] * 31, [448] + [1] * 31),
     9: ([NAN] + [1] * 31, "e4m3", 0x77, [0x7F] + [0x78] * 31, [NAN] + [1] * 31),
     10: ([NAN], "e4m3", 0x00, [0x7F], [NAN]),
-    11: ([INF, -1.0, 1e30, 3e38] + [1] * 28, "e4m3", 0xFE, [0x7E, 0x80, 0x00, 0x3E] + [0x00] * 28,
-         [INF, -0.0, 0.0, 1.75 * 2.0**127] + [0.0] * 28),  # 2.9775e38
+    11: (
+        [INF, -1.0, 1e30, 3e38] + [1] * 28,
+        "e4m3",
+        0xFE,
+        [0x7E, 0x80, 0x00, 0x3E] + [0x00] * 28,
+        [INF, -0.0, 0.0, 1.75 * 2.0**127] + [0.0] * 28,
+    ),  # 2.9775e38
     12: ([1e-40], "e4m3", 0x00, [0x09], [9 * 2.0**-136]),  # 1.0331e-40
-    13: ([np.uint32(0x04600001).view(F32)] + [0] * 31, "e4m3", 0x00, [0x7E] + [0x00] * 31,
-         [448 * 2.0**-127] + [0] * 31),  # 2.6331e-36
-    14: ([float(ml_dtypes.finfo(BF16).max)] + [1] * 31, "e4m3", 0xF7, [0x78] + [0x00] * 31, [INF] + [0] * 31),
+    13: (
+        [np.uint32(0x04600001).view(F32)] + [0] * 31,
+        "e4m3",
+        0x00,
+        [0x7E] + [0x00] * 31,
+        [448 * 2.0**-127] + [0] * 31,
+    ),  # 2.6331e-36
+    14: (
+        [float(ml_dtypes.finfo(BF16).max)] + [1] * 31,
+        "e4m3",
+        0xF7,
+        [0x78] + [0x00] * 31,
+        [INF] + [0] * 31,
+    ),
     15: ([1.0], "e5m2", 0x70, [0x78], [1.0]),
     16: ([71680] + [1] * 31, "e5m2", 0x80, [0x78] + [0x38] * 31, [65536] + [1] * 31),
 }
@@ -76,9 +106,17 @@ def _vector_cases():
         dtypes = [np.float32, BF16] if number != 14 else [BF16]
         for dtype in dtypes:
             xd = x.astype(dtype)
-            if np.array_equal(xd.astype(F32), x, equal_nan=True):  # only where the dtype holds the block exactly
-                yield pytest.param(xd, fmt, scale, _pattern(data).astype(np.uint8), _pattern(deq),
-                                   id=f"v{number}-{np.dtype(dtype).name}")
+            if np.array_equal(
+                xd.astype(F32), x, equal_nan=True
+            ):  # only where the dtype holds the block exactly
+                yield pytest.param(
+                    xd,
+                    fmt,
+                    scale,
+                    _pattern(data).astype(np.uint8),
+                    _pattern(deq),
+                    id=f"v{number}-{np.dtype(dtype).name}",
+                )
 
 
 @pytest.mark.parametrize("x, fmt, scale, data, deq", list(_vector_cases()))
@@ -92,7 +130,10 @@ def test_spec_vectors(x, fmt, scale, data, deq):
 
 
 def test_spec_self_checks():
-    assert ref.RCP["e4m3"].view(np.uint32) == 0x3B124925 and ref.RCP["e5m2"].view(np.uint32) == 0x37924925
+    assert (
+        ref.RCP["e4m3"].view(np.uint32) == 0x3B124925
+        and ref.RCP["e5m2"].view(np.uint32) == 0x37924925
+    )
     amax = np.array([1.0, 448.0, np.nextafter(F32(448), F32(1000)), 0.0, np.inf], F32)
     blocks = np.zeros((5, 32), F32)
     blocks[:, 0] = amax
@@ -102,12 +143,32 @@ def test_spec_self_checks():
 # ---------------------------------------------------------------------------------------------------
 # The e8m0 scale rule, through the public API: blocks [amax, 0, ..., 0].
 
+
 def _amax_bits_cases():
     fields = np.array([0, 0x5FFFFF, 0x600000, 0x600001, 0x7FFFFF], np.uint32)
     every_exponent = (np.arange(255, dtype=np.uint32)[:, None] << 23 | fields).ravel()
-    thresholds = np.array([0x04600000, 0x04600001, 0x04600002, 0x07E00000, 0x07E00001, 0x07E00002,
-                           0x04DFFFFE, 0x04DFFFFF, 0x04E00000, 0x085FFFFE, 0x085FFFFF, 0x08600000,
-                           0x00000001, 0x00400000, 0x007FFFFF, 0x7F7FFFFF, 0x7F800000], np.uint32)
+    thresholds = np.array(
+        [
+            0x04600000,
+            0x04600001,
+            0x04600002,
+            0x07E00000,
+            0x07E00001,
+            0x07E00002,
+            0x04DFFFFE,
+            0x04DFFFFF,
+            0x04E00000,
+            0x085FFFFE,
+            0x085FFFFF,
+            0x08600000,
+            0x00000001,
+            0x00400000,
+            0x007FFFFF,
+            0x7F7FFFFF,
+            0x7F800000,
+        ],
+        np.uint32,
+    )
     rand = np.random.default_rng(1).integers(0, 0x7F800001, 100_000, dtype=np.uint32)
     return np.concatenate([every_exponent, thresholds, rand])
 
@@ -127,13 +188,16 @@ def test_scale_rule_boundaries(fmt):
 # ---------------------------------------------------------------------------------------------------
 # Random inputs vs the numpy reference.
 
+
 def _near_max_blocks(rng, fmt, n_blocks):
     """Blocks whose amax is max_normal * 2^k moved by a few ulps (k keeps it finite for both formats)."""
     k = rng.integers(-157, 113, n_blocks)
     peak = np.ldexp(F32(ref.MAXN[fmt]), k).astype(F32)
     peak = (peak.view(np.int32) + rng.integers(-3, 4, n_blocks).astype(np.int32)).view(F32)
     blocks = (rng.uniform(-1, 1, (n_blocks, 32)) * peak[:, None]).astype(F32)
-    blocks[np.arange(n_blocks), rng.integers(0, 32, n_blocks)] = peak * rng.choice([-1, 1], n_blocks)
+    blocks[np.arange(n_blocks), rng.integers(0, 32, n_blocks)] = peak * rng.choice(
+        [-1, 1], n_blocks
+    )
     return blocks
 
 
@@ -141,17 +205,27 @@ def _random_blocks(rng, fmt, n_blocks=1024):
     """[6 * n_blocks, 32] fp32 blocks from several distributions, with specials sprinkled in."""
     scale = 10.0 ** rng.integers(-45, 38, (n_blocks, 1))
     families = [
-        (rng.standard_normal((n_blocks, 32)) * scale).clip(-3e38, 3e38).astype(F32),    # normal * 10^k
-        rng.integers(0, 0xFF800000, (n_blocks, 32), dtype=np.uint32).view(F32),         # all finite bit patterns
-        (np.ldexp(rng.choice([-1.0, 1.0], (n_blocks, 32)), rng.integers(-149, 128, (n_blocks, 32)))
-         * rng.uniform(1, 2, (n_blocks, 32))).astype(F32),                               # log-uniform magnitude
+        (rng.standard_normal((n_blocks, 32)) * scale)
+        .clip(-3e38, 3e38)
+        .astype(F32),  # normal * 10^k
+        rng.integers(0, 0xFF800000, (n_blocks, 32), dtype=np.uint32).view(
+            F32
+        ),  # all finite bit patterns
+        (
+            np.ldexp(
+                rng.choice([-1.0, 1.0], (n_blocks, 32)), rng.integers(-149, 128, (n_blocks, 32))
+            )
+            * rng.uniform(1, 2, (n_blocks, 32))
+        ).astype(F32),  # log-uniform magnitude
         rng.integers(0, 0x00800000, (n_blocks, 32), dtype=np.uint32).view(F32)
-        * rng.choice([-1, 1], (n_blocks, 32)).astype(F32),                               # fp32 subnormals
+        * rng.choice([-1, 1], (n_blocks, 32)).astype(F32),  # fp32 subnormals
         _near_max_blocks(rng, fmt, n_blocks),
         _near_max_blocks(rng, "e5m2" if fmt == "e4m3" else "e4m3", n_blocks),
     ]
     x = np.concatenate(families)
-    x[~np.isfinite(x)] = 1.0  # the bit-pattern family may hit Inf/NaN; inject specials explicitly below
+    x[~np.isfinite(x)] = (
+        1.0  # the bit-pattern family may hit Inf/NaN; inject specials explicitly below
+    )
     specials = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-40], F32)
     mask = rng.random(x.shape) < 0.01
     x[mask] = rng.choice(specials, np.count_nonzero(mask))
@@ -162,13 +236,15 @@ def _random_blocks(rng, fmt, n_blocks=1024):
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_random_rowwise_columnwise_3d(fmt):
     rng = np.random.default_rng(3 if fmt == "e4m3" else 4)
-    blocks = _random_blocks(rng, fmt)                                  # 6144 blocks = 196,608 values
+    blocks = _random_blocks(rng, fmt)  # 6144 blocks = 196,608 values
     rows = blocks.reshape(-1, 256)
     rng.shuffle(rows)
-    _assert_matches_reference(rows, -1, fmt)                           # rowwise
-    _assert_matches_reference(np.ascontiguousarray(rows.T), -2, fmt)   # columnwise, blocks along dim 0
+    _assert_matches_reference(rows, -1, fmt)  # rowwise
+    _assert_matches_reference(
+        np.ascontiguousarray(rows.T), -2, fmt
+    )  # columnwise, blocks along dim 0
     x3 = blocks.reshape(32, 32, 6, 32).transpose(0, 1, 3, 2).reshape(32, 32 * 32, 6)
-    _assert_matches_reference(x3, 1, fmt)                              # 3-D, axis=1
+    _assert_matches_reference(x3, 1, fmt)  # 3-D, axis=1
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
@@ -207,11 +283,17 @@ def test_dequantize_random(fmt):
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_dequantize_every_byte_and_scale(fmt):
     """All 256 data bytes x all 256 scale bytes (0 -> 2^-127, 255 -> NaN)."""
-    data = np.tile(np.arange(256, dtype=np.uint8), (256, 1)).repeat(32, axis=1)[:, ::8]  # [256 scales, 1024]
+    data = np.tile(np.arange(256, dtype=np.uint8), (256, 1)).repeat(32, axis=1)[
+        :, ::8
+    ]  # [256 scales, 1024]
     scale = np.tile(np.arange(256, dtype=np.uint8)[:, None], (1, data.shape[1] // 32))
-    t = mxfp8.MXTensor(jnp.asarray(data.view(ref.FP8_DTYPES[fmt])), jnp.asarray(scale), axis=1, fmt=fmt)
+    t = mxfp8.MXTensor(
+        jnp.asarray(data.view(ref.FP8_DTYPES[fmt])), jnp.asarray(scale), axis=1, fmt=fmt
+    )
     for dtype in (np.float32, BF16, np.float16):
-        _assert_same_float_bits(mxfp8.dequantize(t, dtype), ref.dequantize(data, scale, 1, fmt, dtype))
+        _assert_same_float_bits(
+            mxfp8.dequantize(t, dtype), ref.dequantize(data, scale, 1, fmt, dtype)
+        )
     deq = np.asarray(mxfp8.dequantize(t))
     assert np.isnan(deq[255]).all() and np.isinf(deq[254]).any() and deq[0][deq[0] != 0].size > 0
 
@@ -225,6 +307,7 @@ def test_zero_block_dequantizes_to_zeros():
 
 # ---------------------------------------------------------------------------------------------------
 # jit, pytree, and a negative control.
+
 
 def test_under_jit():
     rng = np.random.default_rng(7)
@@ -247,7 +330,13 @@ def test_mxtensor_pytree():
     leaves, treedef = jax.tree_util.tree_flatten(t)
     assert [leaf.dtype for leaf in leaves] == [jnp.float8_e5m2, jnp.uint8]
     t2 = jax.tree_util.tree_unflatten(treedef, leaves)
-    assert (t2.axis, t2.fmt, t2.shape, t2.dtype, t2.ndim) == (1, "e5m2", (2, 64), jnp.float8_e5m2, 2)
+    assert (t2.axis, t2.fmt, t2.shape, t2.dtype, t2.ndim) == (
+        1,
+        "e5m2",
+        (2, 64),
+        jnp.float8_e5m2,
+        2,
+    )
     assert t.scale.shape == (2, 2)
     same = jax.jit(lambda v: v)(t)
     assert same.axis == 1 and same.fmt == "e5m2"
@@ -266,8 +355,14 @@ def _naive_quantize(x):
 
 
 def test_negative_control_naive_port_fails_on_cpu():
-    blocks = np.stack([np.zeros(32, F32), np.full(32, 1e-40, F32), _pattern([np.nan] + [1.0] * 31),
-                       _pattern([2.0**-130, -3e-39, 0.0, 1e-38])])
+    blocks = np.stack(
+        [
+            np.zeros(32, F32),
+            np.full(32, 1e-40, F32),
+            _pattern([np.nan] + [1.0] * 31),
+            _pattern([2.0**-130, -3e-39, 0.0, 1e-38]),
+        ]
+    )
     want_data, want_scale = ref.quantize(blocks)
     naive_data, naive_scale = _naive_quantize(jnp.asarray(blocks))
     naive_wrong = (naive_data != want_data).any(axis=1) | (naive_scale != want_scale)
@@ -278,13 +373,18 @@ def test_negative_control_naive_port_fails_on_cpu():
 # ---------------------------------------------------------------------------------------------------
 # Errors.
 
+
 def test_errors():
     with pytest.raises(ValueError, match=r"axis 1 has length 48"):
         mxfp8.quantize(jnp.ones((32, 48)))
     with pytest.raises(ValueError, match=r"axis 0 has length 20"):
         mxfp8.quantize(jnp.ones((20, 64)), axis=0)
-    for bad in (np.ones((2, 32), np.float64), np.ones((2, 32), np.int32), jnp.ones((2, 32), jnp.int8),
-                np.ones((2, 32), np.complex64)):
+    for bad in (
+        np.ones((2, 32), np.float64),
+        np.ones((2, 32), np.int32),
+        jnp.ones((2, 32), jnp.int8),
+        np.ones((2, 32), np.complex64),
+    ):
         with pytest.raises(TypeError):
             mxfp8.quantize(bad)
     with pytest.raises(ValueError, match="format"):
@@ -300,12 +400,19 @@ def test_errors():
 # ---------------------------------------------------------------------------------------------------
 # GEMM scale layout.
 
+
 def _swizzle_by_formula(scale):
-    """The explicit offset formula of spec section 1.4, element by element (vectorized)."""
+    """TE's scale-layout offset formula (docs/numerics.md, "MXFP8"), element by element
+    (vectorized)."""
     rows, cols = scale.shape
     rows_pad, cols_pad = -(-rows // 128) * 128, -(-cols // 4) * 4
     i, j = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
-    offset = ((i // 128) * (cols_pad // 4) + j // 4) * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + (j % 4)
+    offset = (
+        ((i // 128) * (cols_pad // 4) + j // 4) * 512
+        + (i % 32) * 16
+        + ((i % 128) // 32) * 4
+        + (j % 4)
+    )
     out = np.zeros(rows_pad * cols_pad, np.uint8)
     out[offset.ravel()] = scale.ravel()
     return out
@@ -316,27 +423,36 @@ SWIZZLE_SHAPES = [(1, 1), (100, 3), (128, 4), (129, 5), (300, 7), (256, 12)]
 
 @pytest.mark.parametrize("shape", SWIZZLE_SHAPES)
 def test_swizzle_matches_formula_and_roundtrips(shape):
-    scale = np.random.default_rng(8).integers(1, 256, shape, dtype=np.uint8)  # nonzero: padding must be 0
+    scale = np.random.default_rng(8).integers(
+        1, 256, shape, dtype=np.uint8
+    )  # nonzero: padding must be 0
     buf = np.asarray(mxfp8.swizzle_scales(jnp.asarray(scale)))
     np.testing.assert_array_equal(buf, _swizzle_by_formula(scale))
     assert np.count_nonzero(buf) == scale.size
-    np.testing.assert_array_equal(np.asarray(mxfp8.unswizzle_scales(jnp.asarray(buf), shape)), scale)
+    np.testing.assert_array_equal(
+        np.asarray(mxfp8.unswizzle_scales(jnp.asarray(buf), shape)), scale
+    )
 
 
 def test_swizzle_batched():
     scale = np.random.default_rng(9).integers(0, 256, (3, 130, 6), dtype=np.uint8)
     buf = np.asarray(mxfp8.swizzle_scales(jnp.asarray(scale)))
     np.testing.assert_array_equal(buf, np.stack([_swizzle_by_formula(s) for s in scale]))
-    np.testing.assert_array_equal(np.asarray(mxfp8.unswizzle_scales(jnp.asarray(buf), (130, 6))), scale)
+    np.testing.assert_array_equal(
+        np.asarray(mxfp8.unswizzle_scales(jnp.asarray(buf), (130, 6))), scale
+    )
 
 
 def test_swizzled_scales_rowwise_and_columnwise():
     m, k = 160, 96
-    x = np.random.default_rng(10).standard_normal((m, k)).astype(F32) * np.logspace(-3, 3, k, dtype=F32)
+    x = np.random.default_rng(10).standard_normal((m, k)).astype(F32) * np.logspace(
+        -3, 3, k, dtype=F32
+    )
     rowwise = mxfp8.quantize(x, axis=-1)
     columnwise = mxfp8.quantize(x, axis=-2)
-    np.testing.assert_array_equal(np.asarray(mxfp8.swizzled_scales(rowwise)),
-                                  _swizzle_by_formula(np.asarray(rowwise.scale)))    # [M, K/32]
+    np.testing.assert_array_equal(
+        np.asarray(mxfp8.swizzled_scales(rowwise)), _swizzle_by_formula(np.asarray(rowwise.scale))
+    )  # [M, K/32]
     # columnwise [M/32, K]: element (r, c) goes to row i = c, column j = r of the transposed matrix
     col_scale = np.asarray(columnwise.scale)
     want = _swizzle_by_formula(col_scale.T)

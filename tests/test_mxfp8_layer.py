@@ -23,6 +23,7 @@ from jaxmoe import MoE, MoEConfig, demo, mxfp8
 from jaxmoe.dispatch import combine
 from jaxmoe.experts import weighted_activation
 from jaxmoe.ops import gmm, mxfp8_gmm, quantize_weights, tgmm
+
 from bitwise import assert_bitwise, differs
 
 H = F = 32
@@ -30,8 +31,8 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 MXFP8_ALL = dict(expert_precision="mxfp8", dispatch_dtype="mxfp8", combine_bwd_dtype="mxfp8")
 BASE = MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=F, expert_row_alignment=32)
 ALL = BASE.replace(**MXFP8_ALL)
-E4M3_HALF_ULP = 2.0 ** -4        # relative rounding error bound of E4M3 (3 mantissa bits), normals
-E4M3_SUBNORMAL_HALF_STEP = 2.0 ** -10   # absolute, in units of the block scale
+E4M3_HALF_ULP = 2.0**-4  # relative rounding error bound of E4M3 (3 mantissa bits), normals
+E4M3_SUBNORMAL_HALF_STEP = 2.0**-10  # absolute, in units of the block scale
 
 
 def make(config, seed=0, *, spread=True):
@@ -98,8 +99,8 @@ def _linear_loss(forward, model, x, cotangent):
 def training(model, x, cotangent):
     """(y, (model grads, x grad)) of sum(y * cotangent): the training forward and its VJP."""
     (_, y), grads = nnx.value_and_grad(
-        functools.partial(_linear_loss, lambda m, x: m(x)[0]), argnums=(0, 1),
-        has_aux=True)(model, x, cotangent)
+        functools.partial(_linear_loss, lambda m, x: m(x)[0]), argnums=(0, 1), has_aux=True
+    )(model, x, cotangent)
     return y, grads
 
 
@@ -111,24 +112,36 @@ def grad_leaves(grads):
 # ------------------------------------------------------------------------ reference gradients
 @jax.custom_vjp
 def reference_gmm(lhs, rhs, group_sizes):
-    """A grouped GEMM of MXFP8 operands (TE's table, mxfp8.md §1.5), written out: each operand
-    is quantized from its bf16 tensor along the GEMM's contraction dim and dequantized; bf16
-    GEMMs accumulate in fp32. Output fp32."""
+    """A grouped GEMM of MXFP8 operands (TE's recipe, docs/numerics.md, "MXFP8"), written out:
+    each operand is quantized from its bf16 tensor along the GEMM's contraction dim and
+    dequantized; bf16 GEMMs accumulate in fp32. Output fp32."""
     return gmm(qdq(lhs, 1), qdq(rhs, 1), group_sizes, impl="xla", preferred_element_type=F32)
 
 
 def _reference_gmm_bwd(residuals, grad):
     lhs, rhs, sizes = residuals
     grad = grad.astype(lhs.dtype)
-    d_lhs = gmm(qdq(grad, 1), qdq(rhs, 2), sizes, transpose_rhs=True, impl="xla",  # dgrad
-                preferred_element_type=lhs.dtype)
-    d_rhs = tgmm(qdq(lhs, 0), qdq(grad, 0), sizes, impl="xla",                     # wgrad
-                 preferred_element_type=rhs.dtype)
+    d_lhs = gmm(
+        qdq(grad, 1),
+        qdq(rhs, 2),
+        sizes,
+        transpose_rhs=True,
+        impl="xla",  # dgrad
+        preferred_element_type=lhs.dtype,
+    )
+    d_rhs = tgmm(
+        qdq(lhs, 0),
+        qdq(grad, 0),
+        sizes,
+        impl="xla",  # wgrad
+        preferred_element_type=rhs.dtype,
+    )
     return d_lhs, d_rhs, None
 
 
-reference_gmm.defvjp(lambda lhs, rhs, sizes: (reference_gmm(lhs, rhs, sizes), (lhs, rhs, sizes)),
-                     _reference_gmm_bwd)
+reference_gmm.defvjp(
+    lambda lhs, rhs, sizes: (reference_gmm(lhs, rhs, sizes), (lhs, rhs, sizes)), _reference_gmm_bwd
+)
 
 
 def _per_row(bias, plan):
@@ -137,7 +150,10 @@ def _per_row(bias, plan):
 
 def reference_forward(model, x):
     """The layer's routed experts (no shared expert) with `reference_gmm` and plain autodiff:
-    the bf16 layer with MXFP8 GEMMs swapped in, wire options ignored."""
+    the bf16 layer with MXFP8 GEMMs swapped in, wire options ignored. It shares the layer's
+    routing, plan, dispatch and combine on purpose, to isolate the MXFP8 GEMM wiring of the
+    gradients; the forward is checked with nothing shared in tests/test_layer_reference.py
+    (`test_mxfp8_layer_against_the_loop_reference_with_independent_quantization`)."""
     config, experts = model.config, model.experts
     _, routing = model.router(x)
     plan = jaxmoe.make_plan(routing, config)
@@ -155,8 +171,9 @@ def reference_forward(model, x):
 
 @nnx.jit
 def reference_training(model, x, cotangent):
-    (_, y), grads = nnx.value_and_grad(functools.partial(_linear_loss, reference_forward),
-                                       argnums=(0, 1), has_aux=True)(model, x, cotangent)
+    (_, y), grads = nnx.value_and_grad(
+        functools.partial(_linear_loss, reference_forward), argnums=(0, 1), has_aux=True
+    )(model, x, cotangent)
     return y, grads
 
 
@@ -190,14 +207,17 @@ def test_differentiating_the_fc2_output_stage_adds_to_the_row_gradient():
 
     def loss(model, x):
         y, _, stages = model.forward_with_stages(x)
-        out = stages["fc2_output"]
-        return (jnp.sum(y.astype(F32) * ct) + jnp.sum(out.astype(F32)),
-                (stages["activation"], stages["plan"]))
+        out = stages.fc2_output
+        return (
+            jnp.sum(y.astype(F32) * ct) + jnp.sum(out.astype(F32)),
+            (stages.activation, stages.plan),
+        )
 
     grads, (a, plan) = nnx.jit(nnx.grad(loss, has_aux=True))(model, x)
     d_rows = jaxmoe.dispatch(ct.astype(BF16), plan) + jnp.ones((plan.num_rows, H), BF16)
-    want = tgmm(qdq(a, 0), qdq(d_rows, 0), plan.group_sizes, impl="xla",
-                preferred_element_type=BF16)
+    want = tgmm(
+        qdq(a, 0), qdq(d_rows, 0), plan.group_sizes, impl="xla", preferred_element_type=BF16
+    )
     assert_bitwise(grads.experts.fc2_kernel[...], want)
 
 
@@ -229,18 +249,20 @@ def _assert_within_bound(got, a, b, a_axis, b_axis, sizes, wgrad, rounded_output
     u = E4M3_HALF_ULP
     exact = _grouped(a64, b64, sizes, wgrad)
     magnitude = _grouped(np.abs(a64), np.abs(b64), sizes, wgrad)
-    bound = ((2 * u + u * u) * magnitude
-             + (1 + u) * (_grouped(ta, np.abs(b64), sizes, wgrad)
-                          + _grouped(np.abs(a64), tb, sizes, wgrad))
-             + _grouped(ta, tb, sizes, wgrad))
+    bound = (
+        (2 * u + u * u) * magnitude
+        + (1 + u)
+        * (_grouped(ta, np.abs(b64), sizes, wgrad) + _grouped(np.abs(a64), tb, sizes, wgrad))
+        + _grouped(ta, tb, sizes, wgrad)
+    )
     contraction = a64.shape[0] if wgrad else a64.shape[1]
-    bound += contraction * 2.0 ** -24 * (1 + u) ** 2 * magnitude + 1e-30
+    bound += contraction * 2.0**-24 * (1 + u) ** 2 * magnitude + 1e-30
     got = np.asarray(got, np.float64)
     if rounded_output:
-        bound += 2.0 ** -8 * np.abs(got)
+        bound += 2.0**-8 * np.abs(got)
     error = np.abs(got - exact)
     assert np.all(error <= bound), f"worst error / bound {np.max(error / bound):.3f}"
-    assert np.max(error / bound) > 0.05          # quantization did happen; the bound is not loose
+    assert np.max(error / bound) > 0.05  # quantization did happen; the bound is not loose
 
 
 def test_every_mxfp8_gmm_is_within_its_elementwise_error_bound():
@@ -252,7 +274,7 @@ def test_every_mxfp8_gmm_is_within_its_elementwise_error_bound():
     rhs = jax.random.normal(keys[1], (4, 64, 96), F32).astype(BF16)
     grad = jax.random.normal(keys[2], (192, 96), F32).astype(BF16)
     group_sizes = jnp.array(sizes, jnp.int32)
-    out, vjp = jax.vjp(lambda l, r: mxfp8_gmm(l, r, group_sizes, impl="xla"), lhs, rhs)
+    out, vjp = jax.vjp(lambda a, b: mxfp8_gmm(a, b, group_sizes, impl="xla"), lhs, rhs)
     d_lhs, d_rhs = vjp(grad.astype(F32))
     _assert_within_bound(out, lhs, rhs, 1, 1, sizes, wgrad=False, rounded_output=False)
     rhs_t = jnp.swapaxes(rhs, 1, 2)
@@ -262,7 +284,7 @@ def test_every_mxfp8_gmm_is_within_its_elementwise_error_bound():
 
 def relative_rms(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b**2)))
 
 
 # First-order estimate with independent rounding errors: an E4M3 operand element carries a
@@ -275,16 +297,20 @@ def relative_rms(a, b):
 GEMM_RMS = np.sqrt(2.0) * E4M3_HALF_ULP / np.sqrt(3.0)
 
 
-@pytest.mark.parametrize("name,gemms_on_path", [("y", 2), ("fc2_kernel", 2), ("fc1_kernel", 3),
-                                                ("x", 3), ("router", 3)])
+@pytest.mark.parametrize(
+    "name,gemms_on_path", [("y", 2), ("fc2_kernel", 2), ("fc1_kernel", 3), ("x", 3), ("router", 3)]
+)
 def test_layer_stays_within_the_mxfp8_error_estimate_of_bf16(name, gemms_on_path):
     x, ct = tokens(48, spread=False), cotangent_of(48, spread=False)
     y_mx, grads_mx = training(make(ALL, spread=False), x, ct)
     y_bf, grads_bf = training(make(BASE, spread=False), x, ct)
-    pick = {"y": lambda y, g: y, "x": lambda y, g: g[1],
-            "fc1_kernel": lambda y, g: g[0].experts.fc1_kernel[...],
-            "fc2_kernel": lambda y, g: g[0].experts.fc2_kernel[...],
-            "router": lambda y, g: g[0].router.kernel[...]}[name]
+    pick = {
+        "y": lambda y, g: y,
+        "x": lambda y, g: g[1],
+        "fc1_kernel": lambda y, g: g[0].experts.fc1_kernel[...],
+        "fc2_kernel": lambda y, g: g[0].experts.fc2_kernel[...],
+        "router": lambda y, g: g[0].router.kernel[...],
+    }[name]
     error = relative_rms(pick(y_mx, grads_mx), pick(y_bf, grads_bf))
     assert GEMM_RMS / 10 < error <= 2 * GEMM_RMS * np.sqrt(gemms_on_path), error
 
@@ -293,16 +319,20 @@ def test_layer_stays_within_the_mxfp8_error_estimate_of_bf16(name, gemms_on_path
 def _manual_expert_output(model, stages, variant):
     """The combined expert output rebuilt from the fc1 stage: "training" order (prob at the
     activation, one bf16 rounding, then quantize), or an inference kernel's shortcut."""
-    h, plan, config = stages["fc1_output"], stages["plan"], model.config
-    row_probs = stages["row_probs"].astype(F32)[:, None]
+    h, plan, config = stages.fc1_output, stages.plan, model.config
+    row_probs = stages.row_probs.astype(F32)[:, None]
     w2 = qdq(model.experts.fc2_kernel[...], 1)
-    if variant == "fp32_activation_quantized":          # skips the bf16 rounding (trap 11)
+    if variant == "fp32_activation_quantized":  # skips the bf16 rounding before the quantize
         gate, up = jnp.split(h.astype(F32), 2, axis=-1) if config.gated_linear_unit else (h, 1)
         act = jaxmoe.experts.activation(gate.astype(F32), config.activation) * up * row_probs
         a = mxfp8.dequantize(mxfp8.quantize(act, axis=1), BF16)
     else:
-        a = qdq(weighted_activation(h, None if variant == "prob_after_fc2" else
-                                    stages["row_probs"], config), 1)
+        a = qdq(
+            weighted_activation(
+                h, None if variant == "prob_after_fc2" else stages.row_probs, config
+            ),
+            1,
+        )
     out = gmm(a, w2, plan.group_sizes, impl="xla", preferred_element_type=BF16)
     if variant == "prob_after_fc2":
         out = (out.astype(F32) * row_probs).astype(BF16)
@@ -326,7 +356,7 @@ def test_training_forward_equals_inference_forward(activation, glu):
     # Negative controls: the same check catches an inference path with another prob/rounding
     # order; rebuilt in the training order, the expert output matches bitwise.
     stages = stages_of(model, x)
-    assert_bitwise(_manual_expert_output(model, stages, "training"), stages["combined"])
+    assert_bitwise(_manual_expert_output(model, stages, "training"), stages.combined)
     for shortcut in ("prob_after_fc2", "fp32_activation_quantized"):
         assert differs(_manual_expert_output(model, stages, shortcut), y_train)
 
@@ -335,7 +365,7 @@ def test_training_forward_equals_inference_forward(activation, glu):
 def _alone_and_in_batch(forward, model, position):
     others, needle = tokens(64, seed=2), tokens(1, seed=3)
     batch = jnp.concatenate([others[:position], needle, others[position:]])
-    return forward(model, needle), forward(model, batch)[position:position + 1]
+    return forward(model, needle), forward(model, batch)[position : position + 1]
 
 
 @pytest.mark.parametrize("alignment", [32, 128])
@@ -357,8 +387,7 @@ def _quantize_lhs_along_tokens(monkeypatch):
             x = mxfp8.dequantize(quantize(x, axis=0), x.dtype)
         return quantize(x, axis=axis)
 
-    monkeypatch.setattr(importlib.import_module("jaxmoe.ops.mxfp8_gmm"), "quantize",
-                        along_tokens)
+    monkeypatch.setattr(importlib.import_module("jaxmoe.ops.mxfp8_gmm"), "quantize", along_tokens)
 
 
 def test_negative_controls_for_batch_invariance(monkeypatch):
@@ -430,10 +459,12 @@ def test_mxfp8_dispatch_forward_equals_compute_side_quantization(monkeypatch):
 
 
 # ------------------------------------------------------------------------ options
-@pytest.mark.parametrize("dispatch_dtype,combine_bwd_dtype",
-                         [("bf16", "bf16"), ("mxfp8", "bf16"), ("bf16", "mxfp8")])
-def test_mxfp8_experts_do_not_depend_on_where_the_rowwise_copies_are_made(dispatch_dtype,
-                                                                       combine_bwd_dtype):
+@pytest.mark.parametrize(
+    "dispatch_dtype,combine_bwd_dtype", [("bf16", "bf16"), ("mxfp8", "bf16"), ("bf16", "mxfp8")]
+)
+def test_mxfp8_experts_do_not_depend_on_where_the_rowwise_copies_are_made(
+    dispatch_dtype, combine_bwd_dtype
+):
     """MXFP8 experts consume the same rowwise copies whether tokens / gradients were quantized
     before the dispatch (wire) or after it (compute side): outputs and gradients are bitwise
     those of the all-MXFP8 layer."""
@@ -452,14 +483,13 @@ def test_bf16_experts_with_mxfp8_dispatch_take_the_dequantized_tokens(combine_bw
     config = BASE.replace(dispatch_dtype="mxfp8", combine_bwd_dtype=combine_bwd_dtype)
     model, x = make(config), tokens(40)
     stages = stages_of(model, x)
-    assert_bitwise(training(model, x, cotangent_of(40))[0], stages["combined"])
+    assert_bitwise(training(model, x, cotangent_of(40))[0], stages.combined)
     w1 = model.experts.fc1_kernel[...]
-    fc1_input = mxfp8.dequantize(stages["dispatched_mxfp8"], BF16)
-    assert_bitwise(fc1_input, qdq(stages["dispatched_rows"], 1))
-    want = gmm(fc1_input, w1, stages["plan"].group_sizes, impl="xla",
-               preferred_element_type=BF16)
-    assert_bitwise(stages["fc1_output"], want)
-    assert differs(stages["fc1_output"], stages_of(make(BASE), x)["fc1_output"])
+    fc1_input = mxfp8.dequantize(stages.dispatched_mxfp8, BF16)
+    assert_bitwise(fc1_input, qdq(stages.dispatched_rows, 1))
+    want = gmm(fc1_input, w1, stages.plan.group_sizes, impl="xla", preferred_element_type=BF16)
+    assert_bitwise(stages.fc1_output, want)
+    assert differs(stages.fc1_output, stages_of(make(BASE), x).fc1_output)
 
 
 @pytest.mark.parametrize("dispatch_dtype", ["bf16", "mxfp8"])
@@ -475,8 +505,10 @@ def test_bf16_experts_with_mxfp8_combine_gradient_see_the_dequantized_gradient(d
     assert_bitwise(y, y_ref)
     for got, want in zip(grad_leaves(grads), grad_leaves(grads_ref)):
         assert_bitwise(got, want)
-    assert differs(grads[0].experts.fc2_kernel[...],
-                   training(make(config), x, ct)[1][0].experts.fc2_kernel[...])
+    assert differs(
+        grads[0].experts.fc2_kernel[...],
+        training(make(config), x, ct)[1][0].experts.fc2_kernel[...],
+    )
 
 
 def test_bad_mxfp8_shapes_and_alignment_are_refused_clearly():
@@ -503,10 +535,10 @@ def test_capacity_buffers_keep_32_row_blocks_inside_experts(pad):
     config = ALL.replace(capacity_factor=0.5, pad_expert_input_to_capacity=pad)
     model, x = make(config), tokens(40)
     stages = stages_of(model, x)
-    assert stages["plan"].num_rows % 32 == 0
-    assert not np.any(np.asarray(stages["plan"].group_sizes) % 32)
-    assert not np.asarray(stages["kept"]).all()
-    assert np.all(np.isfinite(np.asarray(stages["combined"], np.float32)))
+    assert stages.plan.num_rows % 32 == 0
+    assert not np.any(np.asarray(stages.plan.group_sizes) % 32)
+    assert not np.asarray(stages.kept).all()
+    assert np.all(np.isfinite(np.asarray(stages.combined, np.float32)))
 
 
 # ------------------------------------------------------------------------ per-layer precision
@@ -514,15 +546,22 @@ def test_selective_precision_keeps_chosen_layers_in_bf16():
     """First 2, last 1 and layers 0 and 4 of 8 in bf16; nothing else changes; bad choices
     raise."""
     layers = jaxmoe.selective_precision(ALL, 8, first_bf16=2, last_bf16=1, bf16_layers=(4, 0))
-    assert [c.expert_precision for c in layers] == ["bf16"] * 2 + ["mxfp8"] * 2 + ["bf16"] + \
-        ["mxfp8"] * 2 + ["bf16"]
+    assert [c.expert_precision for c in layers] == ["bf16"] * 2 + ["mxfp8"] * 2 + ["bf16"] + [
+        "mxfp8"
+    ] * 2 + ["bf16"]
     for config in layers:
         assert config.replace(**MXFP8_ALL) == ALL
         assert {config.expert_precision, config.dispatch_dtype, config.combine_bwd_dtype} in (
-            {"bf16"}, {"mxfp8"})
+            {"bf16"},
+            {"mxfp8"},
+        )
     assert jaxmoe.selective_precision(ALL, 3) == (ALL,) * 3
-    for kwargs in (dict(first_bf16=2, last_bf16=2), dict(bf16_layers=(3,)),
-                   dict(bf16_layers=(-1,)), dict(first_bf16=-1)):
+    for kwargs in (
+        dict(first_bf16=2, last_bf16=2),
+        dict(bf16_layers=(3,)),
+        dict(bf16_layers=(-1,)),
+        dict(first_bf16=-1),
+    ):
         with pytest.raises(ValueError, match="selective_precision"):
             jaxmoe.selective_precision(ALL, 3, **kwargs)
     with pytest.raises(ValueError, match="no MXFP8 option"):
@@ -531,15 +570,18 @@ def test_selective_precision_keeps_chosen_layers_in_bf16():
 
 # ------------------------------------------------------------------------ demo
 def test_demo_mxfp8_loss_tracks_bf16():
-    """Same seed, same teacher: after 60 steps the MXFP8 run's relative loss is within 0.03
-    (absolute) of the bf16 run's (measured: 0.916 vs 0.905), and it learned (an untrained
-    student, whose output is near 0, scores 1.0)."""
-    kwargs = dict(steps=60, hidden=32, batch=4, seq_len=16, learning_rate=1e-2, log_every=60,
-                  quiet=True)
-    bf16 = demo.train("mixtral", precision="bf16", **kwargs)["loss"]
-    mx = demo.train("mixtral", precision="mxfp8", **kwargs)["loss"]
-    assert mx < 0.95
-    assert abs(mx - bf16) <= 0.03, (mx, bf16)
+    """Same seed, same teacher, 60 steps: MXFP8 training keeps at least half of the progress
+    bf16 makes from the first step's loss, and at most bf16's progress plus that half again (a
+    quantized run must neither stall nor look better than its bf16 twin by more than the
+    precision can explain). The relative loss of an untrained student, whose output is near 0,
+    is 1.0."""
+    kwargs = dict(hidden=32, batch=4, seq_len=16, learning_rate=1e-2, quiet=True)
+    start = demo.train("mixtral", precision="bf16", steps=1, log_every=1, **kwargs)["loss"]
+    bf16 = demo.train("mixtral", precision="bf16", steps=60, log_every=60, **kwargs)["loss"]
+    mx = demo.train("mixtral", precision="mxfp8", steps=60, log_every=60, **kwargs)["loss"]
+    progress = start - bf16
+    assert progress > 0, (start, bf16)
+    assert abs((start - mx) - progress) <= progress / 2, (start, bf16, mx)
 
 
 def test_weights_quantized_once_per_step_give_the_same_bits():
@@ -556,9 +598,10 @@ def test_weights_quantized_once_per_step_give_the_same_bits():
         def loss(lhs, rhs):
             out = mxfp8_gmm(lhs, rhs, sizes, rhs_quantized=weights, impl="xla")
             return jnp.sum(out * jnp.arange(96.0)), out
+
         return jax.grad(loss, argnums=(0, 1), has_aux=True)(lhs, rhs)
 
-    for key in keys[1:3]:                              # two micro-batches, one set of weights
+    for key in keys[1:3]:  # two micro-batches, one set of weights
         lhs = jax.random.normal(key, (96, 64), F32).astype(BF16)
         (d_lhs, d_rhs), out = run(lhs, cached)
         (ref_lhs, ref_rhs), ref = run(lhs, None)
@@ -580,6 +623,7 @@ def test_layer_with_weights_quantized_once_per_step():
         def loss(model, x):
             y, aux = model(x, expert_weights=expert_weights)
             return jnp.sum(y.astype(F32) * dy) + aux.total_loss, y
+
         (_, y), g = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(model, x)
         return [y, *jax.tree.leaves(g)]
 
@@ -587,5 +631,5 @@ def test_layer_with_weights_quantized_once_per_step():
         x = jax.random.normal(jax.random.key(seed), (24, H), F32).astype(BF16)
         for a, b in zip(grads(x, weights), grads(x, None)):
             assert_bitwise(np.asarray(a), np.asarray(b))
-    with pytest.raises(ValueError, match="not mxfp8"):
+    with pytest.raises(ValueError, match="run in bf16, which has no quantized weight copies"):
         make(ALL.replace(expert_precision="bf16")).quantize_expert_weights()

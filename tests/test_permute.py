@@ -15,6 +15,7 @@ from jaxmoe.ops.pallas import row_pipeline
 from jaxmoe.ops.pallas.combine_hopper import combine_pallas, combine_plan
 from jaxmoe.ops.pallas.dispatch_hopper import dispatch_pallas
 from jaxmoe.ops.permute import combine_rows, dispatch_rows
+
 from bitwise import assert_bitwise, differs
 
 ON_HOPPER = on_hopper()
@@ -25,7 +26,8 @@ def values(shape, dtype, seed=0):
     """Random values over many binades with some specials (NaN, +-Inf, +-0, huge)."""
     keys = jax.random.split(jax.random.key(seed), 3)
     x = jax.random.normal(keys[0], shape) * jnp.exp2(
-        jax.random.randint(keys[1], shape, -10, 10).astype(jnp.float32))
+        jax.random.randint(keys[1], shape, -10, 10).astype(jnp.float32)
+    )
     flat = x.reshape(-1)
     picks = jax.random.randint(keys[2], (21,), 0, flat.size)
     flat = flat.at[picks].set(jnp.asarray(SPECIALS * 3))
@@ -54,13 +56,13 @@ def xla_dispatch(x, rows):
 
 def xla_combine(rows, slots, out_dtype):
     with jax.default_device(jax.devices("cpu")[0]):
-        return np.asarray(combine_rows(np.asarray(rows), np.asarray(slots), out_dtype,
-                                       impl="xla"))
+        return np.asarray(combine_rows(np.asarray(rows), np.asarray(slots), out_dtype, impl="xla"))
 
 
-@pytest.mark.parametrize("dtype,num_tokens,h,num_rows", [(jnp.bfloat16, 8, 128, 300),
-                                                        (jnp.float32, 16, 64, 40),
-                                                        (jnp.float16, 24, 256, 173)])
+@pytest.mark.parametrize(
+    "dtype,num_tokens,h,num_rows",
+    [(jnp.bfloat16, 8, 128, 300), (jnp.float32, 16, 64, 40), (jnp.float16, 24, 256, 173)],
+)
 def test_dispatch_kernel_equals_the_reference(interpret, dtype, num_tokens, h, num_rows):
     """Partial last tiles (row counts that are no multiple of the tile), padding rows, specials."""
     x = values((num_tokens, h), dtype)
@@ -73,7 +75,7 @@ def test_dispatch_kernel_equals_the_reference(interpret, dtype, num_tokens, h, n
 def test_dispatch_long_pipeline_reuses_every_slot(interpret):
     """More tiles than STAGES per CTA of the interpreter's persistent grid, so every ring slot
     is refilled after its store (the copy pipeline's one-step delay)."""
-    tiles = row_pipeline.STAGES * row_pipeline.num_ctas(10 ** 6) + 3
+    tiles = row_pipeline.STAGES * row_pipeline.num_ctas(10**6) + 3
     h = 256
     tile, _ = row_pipeline.gather_plan(h, jnp.bfloat16)
     num_rows = tiles * tile * 32 // h
@@ -82,12 +84,20 @@ def test_dispatch_long_pipeline_reuses_every_slot(interpret):
     assert_bitwise(np.asarray(dispatch_pallas(x, rows)), xla_dispatch(x, rows))
 
 
-@pytest.mark.parametrize("dtype,out_dtype,num_tokens,k,h,num_rows", [
-    (jnp.bfloat16, jnp.bfloat16, 16, 2, 128, 40), (jnp.float32, jnp.bfloat16, 9, 8, 512, 300),
-    (jnp.bfloat16, jnp.float32, 24, 4, 1024, 100), (jnp.bfloat16, jnp.bfloat16, 5, 1, 256, 8),
-    (jnp.bfloat16, jnp.bfloat16, 7, 2, 64, 20), (jnp.float32, jnp.float32, 9, 3, 32, 20)])
-def test_combine_kernel_equals_the_reference(interpret, dtype, out_dtype, num_tokens, k, h,
-                                             num_rows):
+@pytest.mark.parametrize(
+    "dtype,out_dtype,num_tokens,k,h,num_rows",
+    [
+        (jnp.bfloat16, jnp.bfloat16, 16, 2, 128, 40),
+        (jnp.float32, jnp.bfloat16, 9, 8, 512, 300),
+        (jnp.bfloat16, jnp.float32, 24, 4, 1024, 100),
+        (jnp.bfloat16, jnp.bfloat16, 5, 1, 256, 8),
+        (jnp.bfloat16, jnp.bfloat16, 7, 2, 64, 20),
+        (jnp.float32, jnp.float32, 9, 3, 32, 20),
+    ],
+)
+def test_combine_kernel_equals_the_reference(
+    interpret, dtype, out_dtype, num_tokens, k, h, num_rows
+):
     """Dropped slots (+0.0), a token with every slot dropped, specials, k from 1 to 8, short
     rows grouped several tokens to a tile (with a partial last tile)."""
     rows = values((num_rows, h), dtype)
@@ -101,31 +111,30 @@ def test_combine_kernel_equals_the_reference(interpret, dtype, out_dtype, num_to
 def test_combine_long_pipeline_reuses_every_slot(interpret):
     k, h = 4, 256
     plan = combine_plan(h, k, jnp.bfloat16, jnp.bfloat16)
-    tiles = row_pipeline.STAGES * row_pipeline.num_ctas(10 ** 6) + 3
+    tiles = row_pipeline.STAGES * row_pipeline.num_ctas(10**6) + 3
     num_tokens = tiles * plan.tokens * plan.segment * 32 // h
     rows = values((64, h), jnp.bfloat16, seed=5)
     slots = token_rows(num_tokens, k, 64, seed=6)
-    assert_bitwise(np.asarray(combine_pallas(rows, slots)),
-                   xla_combine(rows, slots, jnp.bfloat16))
+    assert_bitwise(np.asarray(combine_pallas(rows, slots)), xla_combine(rows, slots, jnp.bfloat16))
 
 
 def test_combine_adds_in_slot_order_with_one_rounding(interpret):
     """The sum is fp32 from the first slot, left to right, rounded once: 1 + 2^-8 + 2^-8 is
     1 + 2^-7 in bf16, where a bf16 running sum would stay 1 (negative control); +-0.0 and a NaN
     row behave as in that sum."""
-    one, tiny = 1.0, 2.0 ** -8
-    rows = jnp.asarray([[one] * 128, [tiny] * 128, [tiny] * 128, [-0.0] * 128,
-                        [jnp.nan] * 128], jnp.bfloat16)
+    one, tiny = 1.0, 2.0**-8
+    rows = jnp.asarray(
+        [[one] * 128, [tiny] * 128, [tiny] * 128, [-0.0] * 128, [jnp.nan] * 128], jnp.bfloat16
+    )
     slots = jnp.asarray([[0, 1, 2], [3, 5, 5], [3, 3, 5], [4, 0, 5]], jnp.int32)
     out = np.asarray(combine_pallas(rows, slots), np.float32)
-    assert np.all(out[0] == 1 + 2 ** -7)
+    assert np.all(out[0] == 1 + 2**-7)
     bf16_running = (jnp.bfloat16(one) + jnp.bfloat16(tiny)) + jnp.bfloat16(tiny)
-    assert float(bf16_running) != 1 + 2 ** -7
+    assert float(bf16_running) != 1 + 2**-7
     assert np.all(np.signbit(out[1]) == np.signbit(np.float32(-0.0) + np.float32(0.0)))
     assert np.all(np.signbit(out[2]) == np.signbit(np.float32(-0.0) + np.float32(-0.0) + 0.0))
     assert np.all(np.isnan(out[3]))
-    assert_bitwise(np.asarray(combine_pallas(rows, slots)), xla_combine(rows, slots,
-                                                                         jnp.bfloat16))
+    assert_bitwise(np.asarray(combine_pallas(rows, slots)), xla_combine(rows, slots, jnp.bfloat16))
 
 
 def test_negative_control_one_element_changes_the_bits(interpret):
@@ -137,55 +146,61 @@ def test_negative_control_one_element_changes_the_bits(interpret):
     slots = token_rows(8, 2, 32)
     buffer = values((32, 256), jnp.bfloat16, seed=9)
     changed = buffer.at[int(slots[1, 0]), 3].add(1.0)
-    assert differs(np.asarray(combine_pallas(changed, slots)),
-                   xla_combine(buffer, slots, jnp.bfloat16))
+    assert differs(
+        np.asarray(combine_pallas(changed, slots)), xla_combine(buffer, slots, jnp.bfloat16)
+    )
 
 
 def test_auto_falls_back_and_pallas_refuses_clearly():
-    x = jnp.ones((4, 48), jnp.bfloat16)                # 96-byte rows: no TMA segment fits
+    x = jnp.ones((4, 48), jnp.bfloat16)  # 96-byte rows: no TMA segment fits
     rows = jnp.asarray([0, 1, 4], jnp.int32)
     assert dispatch_rows(x, rows, impl="auto").shape == (3, 48)
     with pytest.raises(ValueError, match=r"dispatch_rows\(impl='pallas'\).*H % 64"):
         dispatch_rows(x, rows, impl="pallas")
     with pytest.raises(ValueError, match=r"combine_rows\(impl='pallas'\).*no tile fits"):
-        combine_rows(jnp.ones((6, 48), jnp.bfloat16), jnp.zeros((2, 2), jnp.int32),
-                     impl="pallas")
+        combine_rows(jnp.ones((6, 48), jnp.bfloat16), jnp.zeros((2, 2), jnp.int32), impl="pallas")
     with pytest.raises(ValueError, match="int8"):
         dispatch_rows(jnp.ones((4, 64), jnp.int8), rows, impl="pallas")
     with pytest.raises(ValueError, match=r"token_rows \[T, k >= 1\]"):
         combine_rows(jnp.ones((6, 128), jnp.bfloat16), jnp.zeros((2, 0), jnp.int32))
     with pytest.raises(ValueError, match="impl"):
-        combine_rows(jnp.ones((6, 128), jnp.bfloat16), jnp.zeros((2, 2), jnp.int32),
-                     impl="cuda")
+        combine_rows(jnp.ones((6, 128), jnp.bfloat16), jnp.zeros((2, 2), jnp.int32), impl="cuda")
 
 
-@pytest.mark.parametrize("num_tokens,h,k", [(8192, 4096, 2), (8192, 2048, 8), (4096, 7168, 8)],
-                         ids=["mixtral", "qwen3_30b", "dsv3"])
+@pytest.mark.parametrize(
+    "num_tokens,h,k",
+    [(8192, 4096, 2), (8192, 2048, 8), (4096, 7168, 8)],
+    ids=["mixtral", "qwen3_30b", "dsv3"],
+)
 def test_lowering_at_real_shapes(num_tokens, h, k):
     """Mosaic GPU lowering at the benchmark shapes, within the shared memory that lets
     CTAS_PER_SM CTAs share an SM (the persistent grid assumes they do)."""
     s = jax.ShapeDtypeStruct
     num_rows = num_tokens * k
     with artificial_shared_memory_limit(row_pipeline.SMEM_PER_CTA):
-        jax.jit(combine_pallas).trace(s((num_rows, h), jnp.bfloat16),
-                                      s((num_tokens, k), jnp.int32)).lower(
-            lowering_platforms=("cuda",))
-        jax.jit(dispatch_pallas).trace(s((num_tokens, h), jnp.bfloat16),
-                                       s((num_rows,), jnp.int32)).lower(
-            lowering_platforms=("cuda",))
+        jax.jit(combine_pallas).trace(
+            s((num_rows, h), jnp.bfloat16), s((num_tokens, k), jnp.int32)
+        ).lower(lowering_platforms=("cuda",))
+        jax.jit(dispatch_pallas).trace(
+            s((num_tokens, h), jnp.bfloat16), s((num_rows,), jnp.int32)
+        ).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens,h,k", [(8192, 4096, 2), (8192, 2048, 8), (4096, 7168, 8),
-                                            (1000, 1152, 6), (999, 64, 3)])
+@pytest.mark.parametrize(
+    "num_tokens,h,k",
+    [(8192, 4096, 2), (8192, 2048, 8), (4096, 7168, 8), (1000, 1152, 6), (999, 64, 3)],
+)
 def test_gpu_kernels_equal_the_reference(num_tokens, h, k):
     """Both kernels on the H200 at the real sizes (and ragged ones) against the XLA references
     on the same GPU (a GPU's fp32 add returns one canonical NaN, a CPU keeps the payload)."""
     num_rows = num_tokens * k + 3
     x = values((num_tokens, h), jnp.bfloat16, seed=10)
     rows = row_tokens(num_tokens, num_rows, seed=11)
-    assert_bitwise(np.asarray(dispatch_rows(x, rows, impl="pallas")),
-                   np.asarray(dispatch_rows(x, rows, impl="xla")))
+    assert_bitwise(
+        np.asarray(dispatch_rows(x, rows, impl="pallas")),
+        np.asarray(dispatch_rows(x, rows, impl="xla")),
+    )
     assert_bitwise(np.asarray(dispatch_rows(x, rows, impl="pallas")), xla_dispatch(x, rows))
     buffer = values((num_rows, h), jnp.bfloat16, seed=12)
     slots = token_rows(num_tokens, k, num_rows, seed=13)

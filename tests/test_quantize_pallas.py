@@ -13,27 +13,44 @@ from jax.experimental.mosaic.gpu.core import artificial_shared_memory_limit
 
 from jaxmoe import mxfp8
 from jaxmoe.ops import dispatch_quantize, on_hopper, quantize
+from jaxmoe.ops.device import num_sms
 from jaxmoe.ops.pallas import quantize_hopper, row_pipeline
-from jaxmoe.ops.pallas.gmm_hopper import default_num_sms
-from jaxmoe.ops.pallas.quantize_hopper import (gather_quantize_rowwise_pallas,
-                                               quantize_columnwise_pallas,
-                                               quantize_rowwise_pallas)
+from jaxmoe.ops.pallas.quantize_hopper import (
+    gather_quantize_rowwise_pallas,
+    quantize_columnwise_pallas,
+    quantize_rowwise_pallas,
+)
+
 from bitwise import assert_bitwise, bits
 
 ON_HOPPER = on_hopper()
-SPECIALS = [jnp.nan, -jnp.nan, jnp.inf, -jnp.inf, -0.0, 1e-40, -3e-39, 2e-45, 3e38, 448.0,
-            449.0, 57344.0, 1.0]
+SPECIALS = [
+    jnp.nan,
+    -jnp.nan,
+    jnp.inf,
+    -jnp.inf,
+    -0.0,
+    1e-40,
+    -3e-39,
+    2e-45,
+    3e38,
+    448.0,
+    449.0,
+    57344.0,
+    1.0,
+]
 
 
 def tensor(shape, dtype, seed=0):
     """Random values over many binades, with whole blocks of specials, zeros and denormals."""
     keys = jax.random.split(jax.random.key(seed), 3)
     x = jax.random.normal(keys[0], shape) * jnp.exp2(
-        jax.random.randint(keys[1], shape, -20, 20).astype(jnp.float32))
+        jax.random.randint(keys[1], shape, -20, 20).astype(jnp.float32)
+    )
     flat = x.reshape(-1)
     picks = jax.random.randint(keys[2], (64,), 0, flat.size)
     flat = flat.at[picks].set(jnp.asarray(SPECIALS * 5)[:64])
-    flat = flat.at[:32].set(0.0).at[32:64].set(1e-40)            # an all-zero and a denormal block
+    flat = flat.at[:32].set(0.0).at[32:64].set(1e-40)  # an all-zero and a denormal block
     return flat.reshape(shape).astype(dtype)
 
 
@@ -41,8 +58,10 @@ def normal_range(shape, dtype, seed=0):
     """Finite values whose scaled copies stay fp32 normals: what the "float" arithmetic can be
     checked on in the CPU interpreter (XLA:CPU flushes denormals; the GPU does not)."""
     keys = jax.random.split(jax.random.key(seed), 2)
-    return (jax.random.normal(keys[0], shape) * jnp.exp2(jax.random.randint(
-        keys[1], shape, -20, 20).astype(jnp.float32))).astype(dtype)
+    return (
+        jax.random.normal(keys[0], shape)
+        * jnp.exp2(jax.random.randint(keys[1], shape, -20, 20).astype(jnp.float32))
+    ).astype(dtype)
 
 
 def row_tokens(num_tokens, num_rows, seed=4):
@@ -86,15 +105,15 @@ def check_kernel(kind, x, fmt, arithmetic, num_rows=None):
 @pytest.mark.parametrize("axis", [1, 0], ids=["rowwise", "columnwise"])
 def test_kernels_equal_the_reference_bitwise(interpret, axis, dtype, fmt):
     x = tensor((192, 256), dtype)
-    assert_same_mx(quantize(x, axis=axis, fmt=fmt, impl="pallas"),
-                   mxfp8.quantize(x, axis=axis, fmt=fmt))
+    assert_same_mx(
+        quantize(x, axis=axis, fmt=fmt, impl="pallas"), mxfp8.quantize(x, axis=axis, fmt=fmt)
+    )
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("kind", ["rowwise", "columnwise", "gather"])
 def test_float_arithmetic_equals_the_reference_on_normal_values(interpret, kind, fmt):
-    check_kernel(kind, normal_range((192, 256), jnp.bfloat16, seed=7), fmt, "float",
-                 num_rows=300)
+    check_kernel(kind, normal_range((192, 256), jnp.bfloat16, seed=7), fmt, "float", num_rows=300)
 
 
 # (kind, x shape, dispatch rows): one partial tile (360 blocks: the shape whose scales the H200
@@ -102,9 +121,13 @@ def test_float_arithmetic_equals_the_reference_on_normal_values(interpret, kind,
 # rows of 512 B per tile, 896: 8 rows of 1.75 KB, 192: 32 rows of 384 B) and of row segments
 # (K = 8704: 16-block pieces), each with padding rows and a partial last tile.
 PARTIAL_CASES = [
-    ("rowwise", (120, 96), None), ("rowwise", (7, 32), None),
-    ("columnwise", (64, 400), None), ("columnwise", (96, 48), None),
-    ("gather", (50, 256), 37), ("gather", (30, 896), 45), ("gather", (30, 192), 45),
+    ("rowwise", (120, 96), None),
+    ("rowwise", (7, 32), None),
+    ("columnwise", (64, 400), None),
+    ("columnwise", (96, 48), None),
+    ("gather", (50, 256), 37),
+    ("gather", (30, 896), 45),
+    ("gather", (30, 192), 45),
     ("gather", (6, 8704), 9),
 ]
 
@@ -119,11 +142,14 @@ def long_pipeline(kind, dtype):
     """(x shape, dispatch rows) with a partial last tile and 3 tiles more than the interpreter's
     CTAs hold in their rings, so that every CTA reuses its SMEM slots."""
     k = {"rowwise": 256, "columnwise": 400, "gather": 2048}[kind]
-    tiles = row_pipeline.STAGES * row_pipeline.CTAS_PER_SM * default_num_sms() + 3
+    tiles = row_pipeline.STAGES * row_pipeline.CTAS_PER_SM * num_sms() + 3
     if kind == "columnwise":
         return (32 * pl.cdiv(tiles, pl.cdiv(k, row_pipeline.tile_elems(dtype))), k), None
-    tile = (row_pipeline.tile_elems(dtype) if kind == "rowwise"
-            else row_pipeline.gather_plan(k, dtype)[0])
+    tile = (
+        row_pipeline.tile_elems(dtype)
+        if kind == "rowwise"
+        else row_pipeline.gather_plan(k, dtype)[0]
+    )
     rows = tiles * tile * 32 // k - 1
     return ((64, k), rows) if kind == "gather" else ((rows, k), None)
 
@@ -161,7 +187,7 @@ def test_negative_control_one_element_changes_its_block_alone(interpret):
 def test_dispatch_quantize_equals_quantize_of_the_gathered_rows(interpret, fmt):
     x = tensor((50, 256), jnp.bfloat16, seed=3)
     row_token = jax.random.randint(jax.random.key(4), (128,), 0, 51).astype(jnp.int32)
-    row_token = row_token.at[:5].set(50)                         # padding rows
+    row_token = row_token.at[:5].set(50)  # padding rows
     out = dispatch_quantize(x, row_token, fmt, impl="pallas")
     assert_same_mx(out, mxfp8.quantize(gathered(x, row_token), axis=1, fmt=fmt))
     assert np.all(np.asarray(out.scale)[:5] == 0)
@@ -202,8 +228,7 @@ def test_auto_falls_back_and_pallas_refuses_clearly():
     with pytest.raises(ValueError, match="non-empty"):
         quantize(jnp.zeros((0, 64), jnp.bfloat16), axis=1, impl="pallas")
     with pytest.raises(ValueError, match="at least one row"):
-        dispatch_quantize(jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros(0, jnp.int32),
-                          impl="pallas")
+        dispatch_quantize(jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros(0, jnp.int32), impl="pallas")
 
 
 @pytest.mark.parametrize("arithmetic", ["float", "exact"])
@@ -218,16 +243,23 @@ def test_lowering_at_real_shapes(kind, dtype, arithmetic):
             fn = functools.partial(gather_quantize_rowwise_pallas, arithmetic=arithmetic)
             args = (s((m // 2, k), dtype), s((m,), jnp.int32))
         else:
-            fn = functools.partial(quantize_rowwise_pallas if kind == "rowwise"
-                                   else quantize_columnwise_pallas, arithmetic=arithmetic)
+            fn = functools.partial(
+                quantize_rowwise_pallas if kind == "rowwise" else quantize_columnwise_pallas,
+                arithmetic=arithmetic,
+            )
             args = (s((m, k), dtype),)
         with artificial_shared_memory_limit(row_pipeline.SMEM_PER_CTA):
             jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 # Many tiles per CTA of the persistent grid (every ring slot reused), then the partial cases.
-GPU_CASES = [("rowwise", (8192, 4096), None), ("columnwise", (8192, 4096), None),
-             ("gather", (4096, 4096), 8192), ("gather", (2048, 7168), 4096), *PARTIAL_CASES]
+GPU_CASES = [
+    ("rowwise", (8192, 4096), None),
+    ("columnwise", (8192, 4096), None),
+    ("gather", (4096, 4096), 8192),
+    ("gather", (2048, 7168), 4096),
+    *PARTIAL_CASES,
+]
 
 
 @pytest.mark.gpu

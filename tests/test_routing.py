@@ -2,7 +2,8 @@
 (tests/loop_reference.py), capacity dropping, auxiliary losses, expert-bias update, config
 validation and `MoEConfig.from_megatron` on the shared Megatron fixtures.
 
-Spec: shared `megatron_moe.md` §0, §1.2, §1.3, §1.5, §1.6; jaxmoe's tie rule (lower index wins).
+Semantics: docs/numerics.md, "Routing", "Capacity and token dropping" and "Auxiliary losses"
+(Megatron-Core 0.19.2, with jaxmoe's tie rule: the lower index wins).
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ import pytest
 from flax import nnx
 
 import jaxmoe
-from jaxmoe import MoEConfig
-from jaxmoe import routing
+from jaxmoe import MoEConfig, routing
 
 sys.path.insert(0, os.path.dirname(__file__))
 import loop_reference as ref  # noqa: E402
@@ -32,8 +32,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 
 # Hand values: sigma(d) = 1 / (1 + e^-d) is the softmax of two logits that differ by d.
-SIG1, SIG1C = 0.7310585786300049, 0.2689414213699951     # sigma(1), 1 - sigma(1)
-SIG2, SIG2C = 0.8807970779778823, 0.11920292202211769    # sigma(2), 1 - sigma(2)
+SIG1, SIG1C = 0.7310585786300049, 0.2689414213699951  # sigma(1), 1 - sigma(1)
+SIG2, SIG2C = 0.8807970779778823, 0.11920292202211769  # sigma(2), 1 - sigma(2)
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -95,14 +95,20 @@ def random_logits(rng, num_tokens, num_experts, dtype, scale=1.0):
 # ------------------------------------------------------------------------------------ hand cases
 def test_softmax_post_topk_hand():
     """Top-k on the raw logits, softmax over the k selected values (sums to 1)."""
-    logits = np.array([[1, 3, 2, 0],
-                       [math.log(3), 0, -1, -5],
-                       [-1, 5, 5, 4],            # tie 5 = 5: lower index first
-                       [0, 0, 0, 0]], np.float32)
+    logits = np.array(
+        [
+            [1, 3, 2, 0],
+            [math.log(3), 0, -1, -5],
+            [-1, 5, 5, 4],  # tie 5 = 5: lower index first
+            [0, 0, 0, 0],
+        ],
+        np.float32,
+    )
     probs, idx, kept = route(logits, cfg())
     np.testing.assert_array_equal(idx, [[1, 2], [0, 1], [1, 2], [0, 1]])
-    np.testing.assert_allclose(probs, [[SIG1, SIG1C], [0.75, 0.25], [0.5, 0.5], [0.5, 0.5]],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        probs, [[SIG1, SIG1C], [0.75, 0.25], [0.5, 0.5], [0.5, 0.5]], rtol=1e-6
+    )
     assert kept.all()
     assert probs.dtype == np.float32
 
@@ -147,33 +153,38 @@ def test_sigmoid_hand_normalised():
 def test_sigmoid_epsilon_1e20_is_applied():
     """The +1e-20 in the normaliser is visible when the scores are ~1e-22."""
     logits = np.array([[-50, -50, -60, -60]], np.float32)
-    s = math.exp(-50) / (1 + math.exp(-50))                 # 1.9287e-22, a normal fp32 value
+    s = math.exp(-50) / (1 + math.exp(-50))  # 1.9287e-22, a normal fp32 value
     probs, idx, _ = route(logits, cfg(score_function="sigmoid"))
     np.testing.assert_array_equal(idx, [[0, 1]])
-    np.testing.assert_allclose(probs, [[s / (2 * s + 1e-20)] * 2], rtol=1e-5)   # 0.018571
-    assert probs[0, 0] < 0.02                               # not 0.5
+    np.testing.assert_allclose(probs, [[s / (2 * s + 1e-20)] * 2], rtol=1e-5)  # 0.018571
+    assert probs[0, 0] < 0.02  # not 0.5
 
 
 def test_sigmoid_equal_scores_normalise_to_exactly_one_half():
-    """Spec §1.3: probs = scores / (scores.sum(-1) + 1e-20) in fp32. Two equal selected scores
-    s give s / fl(2s + 1e-20) = s / 2s = 0.5 EXACTLY in IEEE fp32 (torch), for every s.
+    """probs = scores / (scores.sum(-1) + 1e-20) in fp32 (docs/numerics.md, "Routing"). Two
+    equal selected scores s give s / fl(2s + 1e-20) = s / 2s = 0.5 EXACTLY in IEEE fp32 (torch),
+    for every s.
     XLA rewrites `x / broadcast(sum)` into `x * broadcast(1 / sum)`, which rounds twice and gives
     0.49999997 for s = sigmoid(0.5). Besides breaking bitwise fp32 parity with Megatron, this
     turns exact ties between tokens (both 0.5) into a strict order under capacity policy
-    "probs", so the wrong token is kept (see the report)."""
+    "probs", so the wrong token is kept."""
     logits = np.array([[0.5, 0.5, -5, -5], [1, 1, -5, -5], [2, -5, 2, -5]], np.float32)
     probs, idx, _ = route(logits, cfg(score_function="sigmoid"))
     np.testing.assert_array_equal(idx, [[0, 1], [0, 1], [0, 2]])
     np.testing.assert_array_equal(
-        probs, np.full((3, 2), 0.5, np.float32),
+        probs,
+        np.full((3, 2), 0.5, np.float32),
         err_msg="BUG: sigmoid normalisation s / (s + s + 1e-20) is not the IEEE fp32 quotient "
-                "(XLA's reciprocal-multiply rewrite); expected exactly 0.5")
+        "(XLA's reciprocal-multiply rewrite); expected exactly 0.5",
+    )
 
 
 def test_sqrtsoftplus_hand():
     # softplus(ln(e^a - 1)) = a, so the scores are sqrt(a) = [0.5, 2, 1, ~0.07]
-    logits = np.array([[math.log(math.e ** 0.25 - 1), math.log(math.e ** 4 - 1),
-                        math.log(math.e - 1), -10]], np.float32)
+    logits = np.array(
+        [[math.log(math.e**0.25 - 1), math.log(math.e**4 - 1), math.log(math.e - 1), -10]],
+        np.float32,
+    )
     probs, idx, _ = route(logits, cfg(score_function="sqrtsoftplus"))
     np.testing.assert_array_equal(idx, [[1, 2]])
     np.testing.assert_allclose(probs, [[2 / 3, 1 / 3]], rtol=1e-6)
@@ -206,8 +217,9 @@ def test_expert_bias_changes_selection_only_hand():
 def test_group_limited_best_expert_in_losing_group_hand():
     """E=8 in 2 groups of 4, group_topk=1, k=2: group score = sum of its top-2 logits.
     Expert 0 has the best logit (10) but group 0 scores 10 + 0 < group 1's 7 + 6."""
-    logits = np.array([[10, 0, 0, 0, 6, 7, 0, 0],
-                       [10, 9, 0, 0, 6, 7, 0, 0]], np.float32)   # token 1: group 0 wins (19)
+    logits = np.array(
+        [[10, 0, 0, 0, 6, 7, 0, 0], [10, 9, 0, 0, 6, 7, 0, 0]], np.float32
+    )  # token 1: group 0 wins (19)
     config = cfg(num_experts=8, num_groups=2, group_topk=1)
     probs, idx, _ = route(logits, config)
     np.testing.assert_array_equal(idx, [[5, 4], [0, 1]])
@@ -242,8 +254,11 @@ def test_ties_go_to_lower_index(dtype):
     logits = np.array([[2, 2, 2, 2], [1, 3, 3, 3], [0, 1, 1, 0], [-1, -1, -2, -1]], dtype)
     _, idx, _ = route(logits, cfg())
     np.testing.assert_array_equal(idx, [[0, 1], [1, 2], [1, 2], [0, 1]])
-    for extra in (dict(pre_softmax=True), dict(score_function="sigmoid"),
-                  dict(score_function="sqrtsoftplus")):
+    for extra in (
+        dict(pre_softmax=True),
+        dict(score_function="sigmoid"),
+        dict(score_function="sqrtsoftplus"),
+    ):
         _, idx, _ = route(logits, cfg(**extra))
         np.testing.assert_array_equal(idx, [[0, 1], [1, 2], [1, 2], [0, 1]], err_msg=str(extra))
     _, idx, _ = route(logits, cfg(top_k=1, pre_softmax=True))
@@ -252,9 +267,11 @@ def test_ties_go_to_lower_index(dtype):
     _, idx, _ = route(np.array([[1, 0, 0, 1]], dtype), cfg(num_groups=2, group_topk=1))
     np.testing.assert_array_equal(idx, [[0, 1]])
     # sigmoid + bias: equal biased scores tie as well.
-    _, idx, _ = route(np.array([[0, 0, 0, 0]], dtype),
-                      cfg(score_function="sigmoid", enable_expert_bias=True),
-                      np.array([0, 0.5, 0.5, 0.5], np.float32))
+    _, idx, _ = route(
+        np.array([[0, 0, 0, 0]], dtype),
+        cfg(score_function="sigmoid", enable_expert_bias=True),
+        np.array([0, 0.5, 0.5, 0.5], np.float32),
+    )
     np.testing.assert_array_equal(idx, [[1, 2]])
 
 
@@ -264,9 +281,11 @@ def test_signed_zero_logits_tie_to_lower_index():
     logits = np.array([[-0.0, 0.0, 0.0, -1.0]], np.float32)
     _, idx, _ = route(logits, cfg())
     np.testing.assert_array_equal(
-        idx, [[0, 1]],
+        idx,
+        [[0, 1]],
         err_msg="BUG: jax.lax.top_k orders +0.0 above -0.0, so the tie between equal logits "
-                "-0.0 (expert 0) and +0.0 (expert 1, 2) is not resolved toward the lower index")
+        "-0.0 (expert 0) and +0.0 (expert 1, 2) is not resolved toward the lower index",
+    )
 
 
 # ------------------------------------------------------------------------------------ vs reference
@@ -279,28 +298,42 @@ def _option_config(option: str, num_experts: int, top_k: int) -> MoEConfig:
         "sigmoid": dict(score_function="sigmoid"),
         "sqrtsoftplus": dict(score_function="sqrtsoftplus"),
         "sigmoid_bias": dict(score_function="sigmoid", enable_expert_bias=True),
-        "sqrtsoftplus_bias_scale": dict(score_function="sqrtsoftplus", enable_expert_bias=True,
-                                        topk_scaling_factor=2.5),
-        "softmax_groups_scale": dict(num_groups=groups, group_topk=group_topk,
-                                     topk_scaling_factor=1.5),
+        "sqrtsoftplus_bias_scale": dict(
+            score_function="sqrtsoftplus", enable_expert_bias=True, topk_scaling_factor=2.5
+        ),
+        "softmax_groups_scale": dict(
+            num_groups=groups, group_topk=group_topk, topk_scaling_factor=1.5
+        ),
         "pre_softmax_groups": dict(pre_softmax=True, num_groups=groups, group_topk=group_topk),
-        "sigmoid_bias_groups_scale": dict(score_function="sigmoid", enable_expert_bias=True,
-                                          num_groups=groups, group_topk=group_topk,
-                                          topk_scaling_factor=2.5),
+        "sigmoid_bias_groups_scale": dict(
+            score_function="sigmoid",
+            enable_expert_bias=True,
+            num_groups=groups,
+            group_topk=group_topk,
+            topk_scaling_factor=2.5,
+        ),
     }
     return cfg(num_experts, top_k, **options[option])
 
 
-_EK = [(4, 1), (8, 2), (8, 4), (16, 4)]      # covers E in {4, 8, 16} and k in {1, 2, 4}
-_OPTIONS = ["softmax", "pre_softmax", "sigmoid", "sqrtsoftplus", "sigmoid_bias",
-            "sqrtsoftplus_bias_scale", "softmax_groups_scale", "pre_softmax_groups",
-            "sigmoid_bias_groups_scale"]
-_CASES = [(o, e, k) for o in _OPTIONS for e, k in _EK
-          if not (o.startswith("softmax") and k == 1)]
+_EK = [(4, 1), (8, 2), (8, 4), (16, 4)]  # covers E in {4, 8, 16} and k in {1, 2, 4}
+_OPTIONS = [
+    "softmax",
+    "pre_softmax",
+    "sigmoid",
+    "sqrtsoftplus",
+    "sigmoid_bias",
+    "sqrtsoftplus_bias_scale",
+    "softmax_groups_scale",
+    "pre_softmax_groups",
+    "sigmoid_bias_groups_scale",
+]
+_CASES = [(o, e, k) for o in _OPTIONS for e, k in _EK if not (o.startswith("softmax") and k == 1)]
 
 
-@pytest.mark.parametrize("option,num_experts,top_k", _CASES,
-                         ids=[f"{o}-E{e}-k{k}" for o, e, k in _CASES])
+@pytest.mark.parametrize(
+    "option,num_experts,top_k", _CASES, ids=[f"{o}-E{e}-k{k}" for o, e, k in _CASES]
+)
 def test_route_matches_loop_reference(option, num_experts, top_k):
     """Random logits (fp32 and bf16, three seeds, Gaussian + tie-heavy grid) vs the reference.
 
@@ -320,8 +353,11 @@ def test_route_matches_loop_reference(option, num_experts, top_k):
         for seed in range(3):
             rng = np.random.default_rng(1000 * seed + 10 * num_experts + top_k)
             logits = random_logits(rng, 48, num_experts, dtype, scale=2.0)
-            bias = ((rng.standard_normal(num_experts) * 0.1).astype(np.float32)
-                    if config.enable_expert_bias else None)
+            bias = (
+                (rng.standard_normal(num_experts) * 0.1).astype(np.float32)
+                if config.enable_expert_bias
+                else None
+            )
             probs, idx, kept = route(logits, config, bias)
             expected = ref.route(logits, config, bias)
             where = f"{dtype.name} seed={seed}"
@@ -347,11 +383,21 @@ def test_route_matches_loop_reference(option, num_experts, top_k):
 # expert 1 gets t0 .7311, t4 .8808, t5 .2689: position keeps t0, t4; probs keeps t4, t0
 # expert 2 gets t1 .2689, t3 .1192, t5 .7311: position keeps t1, t3; probs keeps t5, t1
 # expert 3 gets t2, t4: both kept.
-_CAP_LOGITS = np.array([[0, 1, -5, -5], [1, -5, 0, -5], [1, -5, -5, 0],
-                        [2, -5, 0, -5], [-5, 2, -5, 0], [-5, 0, 1, -5]], np.float32)
+_CAP_LOGITS = np.array(
+    [
+        [0, 1, -5, -5],
+        [1, -5, 0, -5],
+        [1, -5, -5, 0],
+        [2, -5, 0, -5],
+        [-5, 2, -5, 0],
+        [-5, 0, 1, -5],
+    ],
+    np.float32,
+)
 _CAP_IDX = [[1, 0], [0, 2], [0, 3], [0, 2], [1, 3], [2, 1]]
-_CAP_PROBS = np.array([[SIG1, SIG1C], [SIG1, SIG1C], [SIG1, SIG1C],
-                       [SIG2, SIG2C], [SIG2, SIG2C], [SIG1, SIG1C]])
+_CAP_PROBS = np.array(
+    [[SIG1, SIG1C], [SIG1, SIG1C], [SIG1, SIG1C], [SIG2, SIG2C], [SIG2, SIG2C], [SIG1, SIG1C]]
+)
 _CAP_KEPT = {
     "position": [[1, 1], [1, 1], [0, 1], [0, 1], [1, 1], [0, 0]],
     "probs": [[1, 0], [1, 1], [0, 1], [1, 0], [1, 1], [1, 0]],
@@ -370,8 +416,9 @@ def test_capacity_hand(policy, pad):
     # dropped pairs get 0, kept pairs keep their value: no renormalisation
     np.testing.assert_allclose(probs, np.where(kept, _CAP_PROBS, 0.0), rtol=1e-6)
     assert np.all(probs[~kept] == 0)
-    result = jaxmoe.Routing(probs=jnp.asarray(probs), indices=jnp.asarray(idx),
-                            kept=jnp.asarray(kept))
+    result = jaxmoe.Routing(
+        probs=jnp.asarray(probs), indices=jnp.asarray(idx), kept=jnp.asarray(kept)
+    )
     counts = np.asarray(routing.tokens_per_expert(result, 4))
     np.testing.assert_array_equal(counts, [2, 2, 2, 2])
     # padding tokens are left out of the counts (t1 is padding)
@@ -393,23 +440,38 @@ def test_capacity_not_binding():
 
 
 _CAPACITY_CASES = [
-    ("position", False, "softmax"), ("position", True, "softmax"),
-    ("probs", False, "softmax"), ("probs", True, "softmax"),
-    ("probs", False, "sigmoid"), ("position", True, "pre_softmax"),
+    ("position", False, "softmax"),
+    ("position", True, "softmax"),
+    ("probs", False, "softmax"),
+    ("probs", True, "softmax"),
+    ("probs", False, "sigmoid"),
+    ("position", True, "pre_softmax"),
 ]
 
 
-@pytest.mark.parametrize("policy,pad,score", _CAPACITY_CASES,
-                         ids=[f"{p}-{'pad' if q else 'nopad'}-{s}" for p, q, s in _CAPACITY_CASES])
+@pytest.mark.parametrize(
+    "policy,pad,score",
+    _CAPACITY_CASES,
+    ids=[f"{p}-{'pad' if q else 'nopad'}-{s}" for p, q, s in _CAPACITY_CASES],
+)
 def test_capacity_matches_loop_reference(policy, pad, score):
     """Random tie-heavy logits, T=64, E=8, k=2 (capacity 8 with factor 0.5), as 64 tokens in the
     given order and as 4 sequences of 16 (Megatron's sequence-major token order): kept masks
     equal the reference exactly, dropped probs are 0, kept probs equal the uncapped probs
     bitwise, and the counts match (never above capacity)."""
-    extra = {"softmax": {}, "sigmoid": dict(score_function="sigmoid"),
-             "pre_softmax": dict(pre_softmax=True)}[score]
-    config = cfg(8, 2, capacity_factor=0.5, token_drop_policy=policy,
-                 pad_expert_input_to_capacity=pad, **extra)
+    extra = {
+        "softmax": {},
+        "sigmoid": dict(score_function="sigmoid"),
+        "pre_softmax": dict(pre_softmax=True),
+    }[score]
+    config = cfg(
+        8,
+        2,
+        capacity_factor=0.5,
+        token_drop_policy=policy,
+        pad_expert_input_to_capacity=pad,
+        **extra,
+    )
     uncapped = cfg(8, 2, **extra)
     cap = config.capacity(64)
     assert cap == 8
@@ -422,7 +484,7 @@ def test_capacity_matches_loop_reference(policy, pad, score):
                 # different s) are not reproducible by jaxmoe, see
                 # test_sigmoid_equal_scores_normalise_to_exactly_one_half; no grid rows here.
                 logits = (rng.standard_normal((64, 8)) * 2).astype(F32)
-            logits[:16, 0] = 6    # make expert 0 oversubscribed with equal probabilities
+            logits[:16, 0] = 6  # make expert 0 oversubscribed with equal probabilities
             probs, idx, kept = route(logits, config, sequence_shape=sequence_shape)
             expected = ref.route(logits, config, sequence_shape=sequence_shape)
             free_probs, free_idx, _ = route(logits, uncapped)
@@ -433,12 +495,14 @@ def test_capacity_matches_loop_reference(policy, pad, score):
             assert (~kept).sum() > 0, where
             assert np.all(probs[~kept] == 0), where
             np.testing.assert_array_equal(probs[kept], free_probs[kept], err_msg=where)
-            result = jaxmoe.Routing(probs=jnp.asarray(probs), indices=jnp.asarray(idx),
-                                    kept=jnp.asarray(kept))
+            result = jaxmoe.Routing(
+                probs=jnp.asarray(probs), indices=jnp.asarray(idx), kept=jnp.asarray(kept)
+            )
             mask = rng.random(64) < 0.25
             for m in (None, mask):
-                counts = np.asarray(routing.tokens_per_expert(
-                    result, 8, None if m is None else jnp.asarray(m)))
+                counts = np.asarray(
+                    routing.tokens_per_expert(result, 8, None if m is None else jnp.asarray(m))
+                )
                 np.testing.assert_array_equal(counts, ref.tokens_per_expert(expected, 8, m))
                 assert counts.max() <= cap
 
@@ -458,15 +522,20 @@ def test_capacity_ranks_tokens_sequence_major(policy):
     config = cfg(capacity_factor=1.0, token_drop_policy=policy)
     assert config.capacity(6) == 3
     assert routing.megatron_token_order(6, (2, 3)).tolist() == [0, 3, 1, 4, 2, 5]
-    for shape, expected in (((2, 3), _ORDER_KEPT_SEQUENCE_MAJOR),
-                            ((1, 2, 3), _ORDER_KEPT_SEQUENCE_MAJOR),
-                            (None, _ORDER_KEPT_GIVEN_ORDER), ((6,), _ORDER_KEPT_GIVEN_ORDER)):
+    for shape, expected in (
+        ((2, 3), _ORDER_KEPT_SEQUENCE_MAJOR),
+        ((1, 2, 3), _ORDER_KEPT_SEQUENCE_MAJOR),
+        (None, _ORDER_KEPT_GIVEN_ORDER),
+        ((6,), _ORDER_KEPT_GIVEN_ORDER),
+    ):
         _, idx, kept = route(_ORDER_LOGITS, config, sequence_shape=shape)
         np.testing.assert_array_equal(idx, [[0, 1]] * 6)
-        np.testing.assert_array_equal(kept, np.repeat(np.array(expected, bool)[:, None], 2, 1),
-                                      err_msg=str(shape))
-        np.testing.assert_array_equal(ref.route(_ORDER_LOGITS, config, sequence_shape=shape).kept,
-                                      kept, err_msg=str(shape))
+        np.testing.assert_array_equal(
+            kept, np.repeat(np.array(expected, bool)[:, None], 2, 1), err_msg=str(shape)
+        )
+        np.testing.assert_array_equal(
+            ref.route(_ORDER_LOGITS, config, sequence_shape=shape).kept, kept, err_msg=str(shape)
+        )
     with pytest.raises(ValueError, match="does not hold 6 tokens"):
         routing.route(jnp.asarray(_ORDER_LOGITS), config, sequence_shape=(2, 4))
 
@@ -477,8 +546,9 @@ def test_layer_keeps_the_tokens_megatron_keeps(policy):
     keeps the tokens of its [S*B, H] flattening taken in the given order, i.e. Megatron's: the
     outputs agree token by token. Flattening [B, S, H] batch-major instead changes the kept
     tokens under "position"; under "probs" without ties the order does not matter."""
-    config = MoEConfig(num_experts=8, ffn_hidden_size=16, top_k=2, capacity_factor=0.5,
-                       token_drop_policy=policy)
+    config = MoEConfig(
+        num_experts=8, ffn_hidden_size=16, top_k=2, capacity_factor=0.5, token_drop_policy=policy
+    )
     moe = jaxmoe.MoE(config, 32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     x_sbh = jax.random.normal(jax.random.key(1), (16, 4, 32), jnp.float32)
     layer = nnx.jit(lambda moe, x: moe(x)[0])
@@ -491,8 +561,13 @@ def test_layer_keeps_the_tokens_megatron_keeps(policy):
 
 
 # ------------------------------------------------------------------------------------ losses
-_LOSS_CASES = [("aux_loss", "softmax"), ("aux_loss", "sigmoid"), ("aux_loss", "sqrtsoftplus"),
-               ("seq_aux_loss", "softmax"), ("seq_aux_loss", "sigmoid")]
+_LOSS_CASES = [
+    ("aux_loss", "softmax"),
+    ("aux_loss", "sigmoid"),
+    ("aux_loss", "sqrtsoftplus"),
+    ("seq_aux_loss", "softmax"),
+    ("seq_aux_loss", "sigmoid"),
+]
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
@@ -500,13 +575,19 @@ _LOSS_CASES = [("aux_loss", "softmax"), ("aux_loss", "sigmoid"), ("aux_loss", "s
 def test_load_balancing_and_z_loss_match_reference(balancing, score, dtype):
     """Losses vs the reference (rtol 1e-5), with and without a padding mask; padding tokens
     are removed from scores, counts and token totals. Batch of 4 sequences of 16 tokens."""
-    config = cfg(8, 2, score_function=score, load_balancing_type=balancing, aux_loss_coeff=0.01,
-                 z_loss_coeff=1e-3)
+    config = cfg(
+        8,
+        2,
+        score_function=score,
+        load_balancing_type=balancing,
+        aux_loss_coeff=0.01,
+        z_loss_coeff=1e-3,
+    )
     rng = np.random.default_rng(7)
     logits = random_logits(rng, 64, 8, dtype)
     mask_equal = np.zeros((4, 16), bool)
-    mask_equal[:, 12:] = True                      # every sequence has 12 valid tokens
-    mask_ragged = rng.random((4, 16)) < 0.3        # sequences have different valid counts
+    mask_equal[:, 12:] = True  # every sequence has 12 valid tokens
+    mask_ragged = rng.random((4, 16)) < 0.3  # sequences have different valid counts
     for mask in (None, mask_equal.reshape(-1), mask_ragged.reshape(-1)):
         jmask = None if mask is None else jnp.asarray(mask)
         loss = float(_load_balancing_loss(jnp.asarray(logits), config, (4, 16), jmask))
@@ -527,8 +608,11 @@ def test_padding_tokens_do_not_count_in_losses():
     alone = float(_load_balancing_loss(valid, config, (valid.shape[0],)))
     np.testing.assert_allclose(with_mask, alone, rtol=1e-6)
     assert with_mask != float(_load_balancing_loss(jnp.asarray(logits), config, (64,)))
-    np.testing.assert_allclose(float(_z_loss(jnp.asarray(logits), 1e-3, jnp.asarray(mask))),
-                               float(_z_loss(valid, 1e-3)), rtol=1e-6)
+    np.testing.assert_allclose(
+        float(_z_loss(jnp.asarray(logits), 1e-3, jnp.asarray(mask))),
+        float(_z_loss(valid, 1e-3)),
+        rtol=1e-6,
+    )
 
 
 def test_losses_hand_values():
@@ -544,25 +628,31 @@ def test_losses_hand_values():
     config = cfg(8, 2, aux_loss_coeff=0.01)
     a = math.exp(delta) / (6 + 2 * math.exp(delta))
     b = 1 / (6 + 2 * math.exp(delta))
-    expected = 8 * (4 * a + 12 * b) * 4 * 8 * 0.01 / (2 * 16 ** 2)
+    expected = 8 * (4 * a + 12 * b) * 4 * 8 * 0.01 / (2 * 16**2)
     loss = float(_load_balancing_loss(jnp.asarray(bumps), config, (16,)))
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
     np.testing.assert_allclose(loss, 0.01, rtol=1e-3)
     zeros = jnp.zeros((16, 8), jnp.float32)
     np.testing.assert_allclose(float(_z_loss(zeros, 1e-3)), 1e-3 * 4.324077125263812, rtol=1e-6)
     z_bf16 = float(_z_loss(zeros.astype(jnp.bfloat16), 1e-3))
-    np.testing.assert_allclose(z_bf16, 1e-3 * 2.078125 ** 2, rtol=1e-6)
+    np.testing.assert_allclose(z_bf16, 1e-3 * 2.078125**2, rtol=1e-6)
     # disabled losses are exactly 0
     assert float(_load_balancing_loss(zeros, cfg(8, 2, aux_loss_coeff=0.0), (16,))) == 0.0
-    assert float(_load_balancing_loss(
-        zeros, cfg(8, 2, aux_loss_coeff=1.0, load_balancing_type="none"), (16,))) == 0.0
+    assert (
+        float(
+            _load_balancing_loss(
+                zeros, cfg(8, 2, aux_loss_coeff=1.0, load_balancing_type="none"), (16,)
+            )
+        )
+        == 0.0
+    )
     assert float(routing.z_loss(zeros, None)) == 0.0
 
 
 def test_update_expert_bias_hand():
     """bias + rate * sign(mean(c) - c); sign(0) = 0; underloaded experts go up."""
     bias = jnp.array([0.0, 0.5, -0.25, 1.0], jnp.float32)
-    counts = jnp.array([4, 2, 2, 0], jnp.int32)             # mean 2
+    counts = jnp.array([4, 2, 2, 0], jnp.int32)  # mean 2
     new = np.asarray(routing.update_expert_bias(bias, counts, 0.1))
     assert new.dtype == np.float32
     f = np.float32
@@ -580,7 +670,7 @@ _INVALID = [
     ("pre_softmax", dict(top_k=1, score_function="softmax")),
     ("group_topk", dict(num_experts=8, num_groups=2, group_topk=3)),
     ("num_groups", dict(num_experts=8, num_groups=3, group_topk=1, top_k=1, pre_softmax=True)),
-    ("num_groups", dict(num_experts=8, num_groups=4)),                  # group_topk missing
+    ("num_groups", dict(num_experts=8, num_groups=4)),  # group_topk missing
     ("enable_expert_bias", dict(enable_expert_bias=True)),
     ("pre_softmax", dict(pre_softmax=True, score_function="sigmoid")),
     ("expert_row_alignment", dict(expert_precision="mxfp8", expert_row_alignment=1)),
@@ -600,8 +690,9 @@ _INVALID = [
 ]
 
 
-@pytest.mark.parametrize("field,kwargs", _INVALID, ids=[f"{f}-{i}" for i, (f, _) in
-                                                        enumerate(_INVALID)])
+@pytest.mark.parametrize(
+    "field,kwargs", _INVALID, ids=[f"{f}-{i}" for i, (f, _) in enumerate(_INVALID)]
+)
 def test_config_validation_names_the_field(field, kwargs):
     args = dict(num_experts=4, ffn_hidden_size=8, top_k=2)
     args.update(kwargs)
@@ -610,10 +701,19 @@ def test_config_validation_names_the_field(field, kwargs):
 
 
 def test_config_valid_combinations_and_capacity():
-    config = MoEConfig(num_experts=16, ffn_hidden_size=8, top_k=4, score_function="sigmoid",
-                       enable_expert_bias=True, num_groups=4, group_topk=2,
-                       shared_expert_intermediate_size=8, shared_expert_gate=True,
-                       expert_precision="mxfp8", expert_row_alignment=32)
+    config = MoEConfig(
+        num_experts=16,
+        ffn_hidden_size=8,
+        top_k=4,
+        score_function="sigmoid",
+        enable_expert_bias=True,
+        num_groups=4,
+        group_topk=2,
+        shared_expert_intermediate_size=8,
+        shared_expert_gate=True,
+        expert_precision="mxfp8",
+        expert_row_alignment=32,
+    )
     assert config.fc1_output_size == 16
     assert cfg(gated_linear_unit=False).fc1_output_size == 8
     assert cfg(8, 2).capacity(64) is None
@@ -637,7 +737,7 @@ def test_from_megatron_mixtral_fp32():
     config = MoEConfig.from_megatron(_megatron_args("mixtral_fp32"))
     assert (config.num_experts, config.ffn_hidden_size, config.top_k) == (8, 256, 2)
     assert config.score_function == "softmax" and not config.pre_softmax
-    assert config.router_dtype == "param"                 # moe_router_dtype null
+    assert config.router_dtype == "param"  # moe_router_dtype null
     assert config.load_balancing_type == "aux_loss" and config.aux_loss_coeff == 0.01
     assert config.z_loss_coeff is None and config.capacity_factor is None
     assert config.activation == "silu" and config.gated_linear_unit
@@ -674,21 +774,24 @@ def test_from_megatron_nemotron_sqrelu_bf16():
 
 def test_from_megatron_overrides_and_activation_repr():
     args = _megatron_args("mixtral_fp32")
-    args.pop("activation")                      # falls back to the repr of activation_func
+    args.pop("activation")  # falls back to the repr of activation_func
     config = MoEConfig.from_megatron(args, capacity_factor=1.5, token_drop_policy="position")
     assert config.activation == "silu"
     assert config.capacity_factor == 1.5 and config.token_drop_policy == "position"
 
 
-@pytest.mark.parametrize("key,value,message", [
-    ("moe_apply_probs_on_input", True, "moe_apply_probs_on_input"),
-    ("moe_latent_size", 64, "moe_latent_size"),
-    ("moe_mlp_glu_interleave_size", 32, "moe_mlp_glu_interleave_size"),
-    ("moe_router_dtype", "fp64", "moe_router_dtype"),
-    ("moe_router_load_balancing_type", "sinkhorn", "sinkhorn"),
-    ("activation_func_clamp_value", 7.0, "activation_func_clamp_value"),
-    ("num_moe_experts", None, "num_moe_experts"),
-])
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("moe_apply_probs_on_input", True, "moe_apply_probs_on_input"),
+        ("moe_latent_size", 64, "moe_latent_size"),
+        ("moe_mlp_glu_interleave_size", 32, "moe_mlp_glu_interleave_size"),
+        ("moe_router_dtype", "fp64", "moe_router_dtype"),
+        ("moe_router_load_balancing_type", "sinkhorn", "sinkhorn"),
+        ("activation_func_clamp_value", 7.0, "activation_func_clamp_value"),
+        ("num_moe_experts", None, "num_moe_experts"),
+    ],
+)
 def test_from_megatron_rejects_unsupported(key, value, message):
     """Options jaxmoe does not implement raise (nothing is silently ignored)."""
     args = _megatron_args("mixtral_fp32")

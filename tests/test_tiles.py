@@ -8,11 +8,11 @@ import pytest
 from jaxmoe.ops.pallas.tiles import row_tiles, work_list
 
 
-def reference_work_order(rows, group, num_groups, num_columns, band_width):
-    """Items in bands of `band_width` columns (rows reversed in odd bands), then stably sorted
+def reference_work_order(rows, group, num_groups, num_columns, grid_tile_width):
+    """Items in bands of `grid_tile_width` columns (rows reversed in odd bands), then stably sorted
     by kind: matmul items, zero-region items, unused items."""
     num_tiles = rows.shape[0]
-    width = min(band_width, num_columns)
+    width = min(grid_tile_width, num_columns)
     item = np.arange(num_tiles * num_columns)
     band = item // (num_tiles * width)
     band_cols = np.minimum(width, num_columns - band * width)
@@ -32,12 +32,13 @@ def test_work_list_is_the_banded_order_stably_partitioned_by_kind(seed):
     num_groups = int(rng.integers(1, 20))
     num_rows = int(rng.integers(1, 250)) * 8
     sizes = rng.multinomial(int(rng.integers(0, num_rows + 1)), np.ones(num_groups) / num_groups)
-    sizes[rng.random(num_groups) < 0.3] = 0                 # empty groups
+    sizes[rng.random(num_groups) < 0.3] = 0  # empty groups
     tiles = row_tiles(jnp.asarray(sizes, jnp.int32), num_rows, 64)
-    num_columns, band_width = int(rng.integers(1, 9)), int(rng.integers(1, 5))
-    work = work_list(tiles, num_columns, band_width)
-    row, column, counts = reference_work_order(np.asarray(tiles.rows), np.asarray(tiles.group),
-                                               num_groups, num_columns, band_width)
+    num_columns, grid_tile_width = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+    work = work_list(tiles, num_columns, grid_tile_width)
+    row, column, counts = reference_work_order(
+        np.asarray(tiles.count), np.asarray(tiles.group), num_groups, num_columns, grid_tile_width
+    )
     np.testing.assert_array_equal(np.asarray(work.tile), row)
     np.testing.assert_array_equal(np.asarray(work.column), column)
     assert np.asarray(work.counts).tolist() == counts
@@ -52,7 +53,7 @@ def test_row_tiles_come_as_matmul_then_zero_region_then_unused_runs(seed):
     sizes = rng.multinomial(int(rng.integers(0, num_rows + 1)), np.ones(num_groups) / num_groups)
     sizes[rng.random(num_groups) < 0.3] = 0
     tiles = row_tiles(jnp.asarray(sizes, jnp.int32), num_rows, 64)
-    group, rows = np.asarray(tiles.group), np.asarray(tiles.rows)
+    group, rows = np.asarray(tiles.group), np.asarray(tiles.count)
     kind = np.where(rows == 0, 2, np.where(group < num_groups, 0, 1))
     num_matmul, num_zero = np.asarray(tiles.counts).tolist()
     expected = np.repeat([0, 1, 2], [num_matmul, num_zero, len(kind) - num_matmul - num_zero])

@@ -26,20 +26,20 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.ops.gmm import _check_impl, gmm, on_hopper, tgmm
+from jaxmoe.ops import registry
+from jaxmoe.ops.gmm import KERNEL_DTYPES, KERNEL_MULTIPLE, gmm, tgmm
 from jaxmoe.ops.pallas.tgmm_hopper import default_tgmm_config
 
 F32 = jnp.float32
-_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_KERNEL_MULTIPLE = 64
 
 
-def dense(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, out_dtype=None,
-          impl: str = "auto") -> jax.Array:
+def dense(
+    x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, out_dtype=None, impl: str = "auto"
+) -> jax.Array:
     """round(x @ w + bias) -> [T, N] in `out_dtype` (default x.dtype), for x [T, K] and w [K, N]
     of one floating dtype and bias [N] (any float dtype, added in fp32) or None; the product is
     accumulated in fp32 and rounded once. Differentiable."""
-    _check_impl(impl, "dense")
+    registry.check_impl("dense", impl)
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"dense: x must be [T, K] and w [K, N]; got {x.shape}, {w.shape}")
     if x.dtype != w.dtype or not jnp.issubdtype(x.dtype, jnp.floating):
@@ -47,20 +47,24 @@ def dense(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, out_dtyp
     if bias is not None and bias.shape != (w.shape[1],):
         raise ValueError(f"dense: bias must be [{w.shape[1]}], got {bias.shape}")
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    if impl == "auto":
-        impl = "pallas" if jnp.dtype(x.dtype) in _KERNEL_DTYPES and on_hopper() else "xla"
-    if impl == "xla":
+    if registry.resolve("dense", impl, x) == "xla":
         acc = jnp.dot(x, w, preferred_element_type=F32)
         return (acc if bias is None else acc + bias.astype(F32)).astype(out_dtype)
-    if jnp.dtype(x.dtype) not in _KERNEL_DTYPES:
-        raise ValueError(f"dense(impl='pallas'): operands must be bf16 or fp16, got {x.dtype}; "
-                         "use impl='xla' or 'auto'")
     return _dense_pallas(x, w, bias, out_dtype)
+
+
+def _kernel_problem(x) -> str | None:
+    if jnp.dtype(x.dtype) not in KERNEL_DTYPES:
+        return f"operands must be bf16 or fp16, got {x.dtype}"
+    return None
+
+
+registry.register("dense", "pallas", problem=_kernel_problem)
 
 
 def _pad_to_kernel(a: jax.Array, axis: int) -> jax.Array:
     """a with zeros appended along `axis` up to a multiple of 64 (a no-op when it is one)."""
-    extra = -a.shape[axis] % _KERNEL_MULTIPLE
+    extra = -a.shape[axis] % KERNEL_MULTIPLE
     if not extra:
         return a
     widths = [(0, 0)] * a.ndim
@@ -74,9 +78,14 @@ def _one_group(x: jax.Array) -> jax.Array:
 
 def _product(x, w, out_dtype):
     """x @ w on the kernel, K and N padded to its multiples, result [T, N] in out_dtype."""
-    out = gmm(_pad_to_kernel(x, 1), _pad_to_kernel(_pad_to_kernel(w, 0), 1)[None], _one_group(x),
-              impl="pallas", preferred_element_type=out_dtype)
-    return out[:, :w.shape[1]]
+    out = gmm(
+        _pad_to_kernel(x, 1),
+        _pad_to_kernel(_pad_to_kernel(w, 0), 1)[None],
+        _one_group(x),
+        impl="pallas",
+        preferred_element_type=out_dtype,
+    )
+    return out[:, : w.shape[1]]
 
 
 def _bf16_pieces(g: jax.Array, dtype) -> list[jax.Array]:
@@ -118,6 +127,12 @@ def _row_chunks(num_rows: int, k: int, n: int) -> jax.Array:
     return jnp.array([size] * (chunks - 1) + [num_rows - size * (chunks - 1)], jnp.int32)
 
 
+def _sum_in_order(parts: jax.Array) -> jax.Array:
+    """parts[0] + parts[1] + ... left to right: elementwise adds, whose order no compiler
+    choice changes (an XLA reduce leaves its order to the emitter XLA picks)."""
+    return functools.reduce(lambda total, i: total + parts[i], range(1, parts.shape[0]), parts[0])
+
+
 def _dense_pallas_bwd(out_dtype, residuals, grad):
     x, w, bias = residuals
     x_padded = _pad_to_kernel(x, 1)
@@ -126,14 +141,21 @@ def _dense_pallas_bwd(out_dtype, residuals, grad):
     d_x = d_w = None
     for piece in _bf16_pieces(grad, x.dtype):
         piece = _pad_to_kernel(piece, 1)
-        part_x = gmm(piece, w_padded, _one_group(x), transpose_rhs=True, impl="pallas",
-                     preferred_element_type=F32)
-        part_w = jnp.sum(tgmm(x_padded, piece, chunks, impl="pallas",
-                              preferred_element_type=F32), axis=0)
+        part_x = gmm(
+            piece,
+            w_padded,
+            _one_group(x),
+            transpose_rhs=True,
+            impl="pallas",
+            preferred_element_type=F32,
+        )
+        part_w = _sum_in_order(
+            tgmm(x_padded, piece, chunks, impl="pallas", preferred_element_type=F32)
+        )
         d_x = part_x if d_x is None else d_x + part_x
         d_w = part_w if d_w is None else d_w + part_w
-    d_x = d_x[:, :x.shape[1]].astype(x.dtype)
-    d_w = d_w[:w.shape[0], :w.shape[1]].astype(w.dtype)
+    d_x = d_x[:, : x.shape[1]].astype(x.dtype)
+    d_w = d_w[: w.shape[0], : w.shape[1]].astype(w.dtype)
     d_bias = None if bias is None else jnp.sum(grad.astype(F32), axis=0).astype(bias.dtype)
     return d_x, d_w, d_bias
 

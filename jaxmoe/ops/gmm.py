@@ -23,141 +23,114 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.ops.pallas.gmm_hopper import GmmConfig, gmm_pallas
+from jaxmoe.ints import round_up
+from jaxmoe.ops import registry
+from jaxmoe.ops.checks import check_floating, check_group_sizes
+from jaxmoe.ops.pallas.gmm_common import GmmConfig
+from jaxmoe.ops.pallas.gmm_hopper import gmm_pallas
 from jaxmoe.ops.pallas.tgmm_hopper import TgmmConfig, tgmm_pallas
 
-_IMPLS = ("auto", "xla", "pallas")
-_PALLAS_DTYPES = (jnp.bfloat16, jnp.float16)
-_PALLAS_ROW_MULTIPLE = 8
-_PALLAS_MIN_ROWS = 128
+KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_KERNEL_ROW_MULTIPLE = 8
+_KERNEL_MIN_ROWS = 128
+KERNEL_MULTIPLE = 64  # K and N of the Pallas kernels
 
 
-def _check_impl(impl, op):
-    if impl not in _IMPLS:
-        raise ValueError(f"{op}: impl must be one of {_IMPLS}, got {impl!r}")
-
-
-def _check_concrete_sizes(group_sizes, num_rows, op):
-    """Reject negative sizes or sizes adding up to more than M when they are known on the host
-    (not traced, not on an accelerator, where reading them back would stall the stream)."""
-    if isinstance(group_sizes, jax.core.Tracer):
-        return
-    if isinstance(group_sizes, jax.Array) and any(d.platform != "cpu"
-                                                  for d in group_sizes.devices()):
-        return
-    sizes = jax.device_get(group_sizes)
-    if (sizes < 0).any() or sizes.sum() > num_rows:
-        raise ValueError(f"{op}: group_sizes must be >= 0 and add up to at most M={num_rows}; "
-                         f"got {sizes.tolist()} (sum {int(sizes.sum())})")
-
-
-def _check_group_sizes(group_sizes, num_groups, num_rows, op):
-    if group_sizes.ndim != 1 or (num_groups is not None and group_sizes.shape[0] != num_groups):
-        raise ValueError(f"{op}: group_sizes must be [G={num_groups}], got {group_sizes.shape}")
-    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(f"{op}: group_sizes must be integers, got {group_sizes.dtype}")
-    _check_concrete_sizes(group_sizes, num_rows, op)
-
-
-def _check_floating(op, **arrays):
-    for name, a in arrays.items():
-        if not jnp.issubdtype(a.dtype, jnp.floating):
-            raise TypeError(f"{op}: {name} must be floating point, got {a.dtype}")
-
-
-def on_hopper() -> bool:
-    """Whether the default JAX device is an NVIDIA Hopper GPU (sm_90)."""
-    device = jax.devices()[0]
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"
-
-
-def resolve_impl(impl: str, problem: str | None, op: str) -> str:
-    """"xla" or "pallas" for a call of `op` whose kernel cannot run for the reason `problem`
-    (None: it can): "auto" picks "pallas" on a Hopper GPU when it can, "pallas" raises
-    ValueError with the problem."""
-    _check_impl(impl, op)
-    if impl == "pallas" and problem:
-        raise ValueError(f"{op}(impl='pallas'): {problem}; use impl='xla' or 'auto'")
-    if impl == "auto":
-        return "pallas" if problem is None and on_hopper() else "xla"
-    return impl
-
-
-def _pallas_problem_error(lhs, rhs, k, n) -> str | None:
-    """Why the Pallas kernels cannot run this problem (None when they can)."""
-    if lhs.dtype != rhs.dtype or lhs.dtype not in _PALLAS_DTYPES:
-        return f"operands must both be bf16 or fp16, got {lhs.dtype} and {rhs.dtype}"
-    if k % 64 or n % 64:
-        return f"K={k} and N={n} must be multiples of 64"
+def kernel_problem(lhs_dtype, rhs_dtype, k: int, n: int) -> str | None:
+    """Why the Pallas gmm / tgmm kernels cannot run this problem (None when they can)."""
+    if lhs_dtype != rhs_dtype or jnp.dtype(lhs_dtype) not in KERNEL_DTYPES:
+        return f"operands must both be bf16 or fp16, got {lhs_dtype} and {rhs_dtype}"
+    if k % KERNEL_MULTIPLE or n % KERNEL_MULTIPLE:
+        return f"K={k} and N={n} must be multiples of {KERNEL_MULTIPLE}"
     return None
 
 
-def _resolve(impl, lhs, rhs, k, n, op) -> str:
-    """Pick "xla" or "pallas" for this call."""
-    if impl == "xla":
-        return "xla"
-    error = _pallas_problem_error(lhs, rhs, k, n)
-    if impl == "pallas":
-        if error:
-            raise ValueError(f"{op}(impl='pallas'): {error}; use impl='xla' or 'auto'")
-        return "pallas"
-    return "pallas" if error is None and on_hopper() else "xla"
+registry.register("gmm", "pallas", problem=kernel_problem)
+registry.register("tgmm", "pallas", problem=kernel_problem)
 
 
-def _pad_rows(x, num_rows):
+def pad_rows(x, num_rows):
     """x with zero rows appended up to num_rows (a no-op when it already has them)."""
     extra = num_rows - x.shape[0]
     return x if extra <= 0 else jnp.pad(x, ((0, extra), (0, 0)))
 
 
-def _pallas_rows(num_rows):
+def kernel_rows(num_rows):
     """Row count the Pallas kernels run on: a multiple of 8, at least one full tile."""
-    padded = -(-num_rows // _PALLAS_ROW_MULTIPLE) * _PALLAS_ROW_MULTIPLE
-    return max(padded, _PALLAS_MIN_ROWS)
+    return max(round_up(num_rows, _KERNEL_ROW_MULTIPLE), _KERNEL_MIN_ROWS)
 
 
-def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
-        impl: str = "auto", preferred_element_type=jnp.float32,
-        config: GmmConfig | None = None) -> jax.Array:
+def gmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    transpose_rhs: bool = False,
+    impl: str = "auto",
+    preferred_element_type=jnp.float32,
+    config: GmmConfig | None = None,
+) -> jax.Array:
     """out[m] = lhs[m] @ rhs[g(m)] for lhs [M, K], rhs [G, K, N] (or [G, N, K] with
     `transpose_rhs`), group_sizes [G] int; fp32 accumulation, result in
     `preferred_element_type`. Differentiable: dgrad is a gmm, wgrad a `tgmm`, both on the same
     implementation as the forward. `config` tiles the Pallas forward (None: the shape heuristic;
     the backward kernels use their heuristics); no config changes the result bits."""
-    _check_impl(impl, "gmm")
+    registry.check_impl("gmm", impl)
     if lhs.ndim != 2 or rhs.ndim != 3:
         raise ValueError(f"gmm: lhs must be [M, K] and rhs [G, K, N]; got {lhs.shape}, {rhs.shape}")
-    _check_floating("gmm", lhs=lhs, rhs=rhs)
-    _check_group_sizes(group_sizes, rhs.shape[0], lhs.shape[0], "gmm")
+    check_floating("gmm", lhs=lhs, rhs=rhs)
+    check_group_sizes(group_sizes, rhs.shape[0], lhs.shape[0], "gmm")
     k_rhs, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
     if lhs.shape[1] != k_rhs:
         raise ValueError(f"gmm: contraction sizes differ: lhs K={lhs.shape[1]}, rhs K={k_rhs}")
-    resolved = _resolve(impl, lhs, rhs, k_rhs, n, "gmm")
-    return _gmm_differentiable(lhs, rhs, group_sizes.astype(jnp.int32), transpose_rhs,
-                               jnp.dtype(preferred_element_type), resolved, config)
+    resolved = registry.resolve("gmm", impl, lhs.dtype, rhs.dtype, k_rhs, n)
+    return _gmm_differentiable(
+        lhs,
+        rhs,
+        group_sizes.astype(jnp.int32),
+        transpose_rhs,
+        jnp.dtype(preferred_element_type),
+        resolved,
+        config,
+    )
 
 
-def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, impl: str = "auto",
-         preferred_element_type=jnp.float32, config: TgmmConfig | None = None) -> jax.Array:
+def tgmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    impl: str = "auto",
+    preferred_element_type=jnp.float32,
+    config: TgmmConfig | None = None,
+) -> jax.Array:
     """Weight-gradient form: out[g] = lhs[rows_g]^T @ rhs[rows_g] -> [G, K, N] for lhs [M, K] and
     rhs [M, N]; fp32 accumulation. Groups with no rows give zeros."""
-    _check_impl(impl, "tgmm")
+    registry.check_impl("tgmm", impl)
     if lhs.ndim != 2 or rhs.ndim != 2 or lhs.shape[0] != rhs.shape[0]:
-        raise ValueError(f"tgmm: lhs [M, K] and rhs [M, N] must share M; got {lhs.shape}, "
-                         f"{rhs.shape}")
-    _check_floating("tgmm", lhs=lhs, rhs=rhs)
-    _check_group_sizes(group_sizes, None, lhs.shape[0], "tgmm")
-    resolved = _resolve(impl, lhs, rhs, lhs.shape[1], rhs.shape[1], "tgmm")
-    return _tgmm(lhs, rhs, group_sizes.astype(jnp.int32), jnp.dtype(preferred_element_type),
-                 resolved, config)
+        raise ValueError(
+            f"tgmm: lhs [M, K] and rhs [M, N] must share M; got {lhs.shape}, {rhs.shape}"
+        )
+    check_floating("tgmm", lhs=lhs, rhs=rhs)
+    check_group_sizes(group_sizes, None, lhs.shape[0], "tgmm")
+    resolved = registry.resolve("tgmm", impl, lhs.dtype, rhs.dtype, lhs.shape[1], rhs.shape[1])
+    return _tgmm(
+        lhs, rhs, group_sizes.astype(jnp.int32), jnp.dtype(preferred_element_type), resolved, config
+    )
 
 
 def _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config=None):
     """Forward product on the chosen implementation (no argument checks)."""
     if impl == "pallas":
         num_rows = lhs.shape[0]
-        out = gmm_pallas(_pad_rows(lhs, _pallas_rows(num_rows)), rhs, group_sizes,
-                         transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=config)
+        out = gmm_pallas(
+            pad_rows(lhs, kernel_rows(num_rows)),
+            rhs,
+            group_sizes,
+            transpose_rhs=transpose_rhs,
+            out_dtype=out_dtype,
+            config=config,
+        )
         return out[:num_rows]
     if transpose_rhs:
         rhs = jnp.swapaxes(rhs, 1, 2)
@@ -171,9 +144,12 @@ def _tgmm(lhs, rhs, group_sizes, out_dtype, impl, config=None):
         return tgmm_pallas(lhs, rhs, group_sizes, out_dtype=out_dtype, config=config)
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (0,)), ((), ())),
-        lhs_ragged_dimensions=[1], rhs_group_dimensions=[])
-    out = jax.lax.ragged_dot_general(lhs.T, rhs, group_sizes, dims,
-                                     preferred_element_type=jnp.float32)
+        lhs_ragged_dimensions=[1],
+        rhs_group_dimensions=[],
+    )
+    out = jax.lax.ragged_dot_general(
+        lhs.T, rhs, group_sizes, dims, preferred_element_type=jnp.float32
+    )
     return out.astype(out_dtype)
 
 

@@ -17,11 +17,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.ops.gmm import resolve_impl
+from jaxmoe.ops import registry
 from jaxmoe.ops.pallas.combine_hopper import combine_pallas, combine_problem
 from jaxmoe.ops.pallas.dispatch_hopper import dispatch_pallas, dispatch_problem
 
 F32 = jnp.float32
+
+registry.register("dispatch_rows", "pallas", problem=dispatch_problem)
+registry.register("combine_rows", "pallas", problem=combine_problem)
 
 
 def _with_zero_row(a: jax.Array) -> jax.Array:
@@ -32,16 +35,18 @@ def dispatch_rows(x: jax.Array, row_token: jax.Array, *, impl: str = "auto") -> 
     """rows [M, H]: rows[r] = x[row_token[r]] for x [T, H], zeros where row_token[r] == T (a
     padding row). row_token: [M] integers in [0, T]."""
     if x.ndim != 2 or row_token.ndim != 1:
-        raise ValueError(f"dispatch_rows: x must be [T, H] and row_token [M], got {x.shape} and "
-                         f"{row_token.shape}")
-    problem = dispatch_problem(x.shape, x.dtype, row_token.shape[0])
-    if resolve_impl(impl, problem, "dispatch_rows") == "pallas":
+        raise ValueError(
+            f"dispatch_rows: x must be [T, H] and row_token [M], got {x.shape} and "
+            f"{row_token.shape}"
+        )
+    if registry.resolve("dispatch_rows", impl, x.shape, x.dtype, row_token.shape[0]) == "pallas":
         return dispatch_pallas(x, row_token)
     return jnp.take(_with_zero_row(x), row_token, axis=0, mode="clip")
 
 
-def combine_rows(rows: jax.Array, token_rows: jax.Array, out_dtype=None, *,
-                 impl: str = "auto") -> jax.Array:
+def combine_rows(
+    rows: jax.Array, token_rows: jax.Array, out_dtype=None, *, impl: str = "auto"
+) -> jax.Array:
     """y [T, H] in out_dtype (default rows.dtype): each token's k rows added in fp32 in slot
     order, starting from slot 0, and rounded once:
         y[t] = round(f32 rows[token_rows[t, 0]] + ... + f32 rows[token_rows[t, k-1]]),
@@ -50,10 +55,14 @@ def combine_rows(rows: jax.Array, token_rows: jax.Array, out_dtype=None, *,
     rows: [M, H]; token_rows: [T, k] integers in [0, M]."""
     out_dtype = jnp.dtype(out_dtype or rows.dtype)
     if rows.ndim != 2 or token_rows.ndim != 2 or token_rows.shape[1] < 1:
-        raise ValueError(f"combine_rows: rows must be [M, H] and token_rows [T, k >= 1], got "
-                         f"{rows.shape} and {token_rows.shape}")
-    problem = combine_problem(rows.shape, rows.dtype, token_rows.shape, out_dtype)
-    if resolve_impl(impl, problem, "combine_rows") == "pallas":
+        raise ValueError(
+            f"combine_rows: rows must be [M, H] and token_rows [T, k >= 1], got "
+            f"{rows.shape} and {token_rows.shape}"
+        )
+    if (
+        registry.resolve("combine_rows", impl, rows.shape, rows.dtype, token_rows.shape, out_dtype)
+        == "pallas"
+    ):
         return combine_pallas(rows, token_rows, out_dtype)
     padded = _with_zero_row(rows)
     total = None

@@ -26,11 +26,15 @@ import jax.numpy as jnp
 
 from jaxmoe import mxfp8
 from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor
-from jaxmoe.ops.gmm import resolve_impl
-from jaxmoe.ops.pallas.quantize_hopper import (columnwise_problem, gather_problem,
-                                               gather_quantize_rowwise_pallas,
-                                               quantize_columnwise_pallas,
-                                               quantize_rowwise_pallas, rowwise_problem)
+from jaxmoe.ops import registry
+from jaxmoe.ops.pallas.quantize_hopper import (
+    columnwise_problem,
+    gather_problem,
+    gather_quantize_rowwise_pallas,
+    quantize_columnwise_pallas,
+    quantize_rowwise_pallas,
+    rowwise_problem,
+)
 
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -47,12 +51,23 @@ def _kernel_problem(x, axis) -> str | None:
         return _dtype_problem(x)
     if axis == x.ndim - 1:
         if x.shape[-1] % BLOCK_SIZE:
-            return None      # `quantize` raises the reference's error
+            return None  # `quantize` raises the reference's error
         return rowwise_problem((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
     if axis == 0 and x.ndim == 2:
         return columnwise_problem(x.shape, x.dtype)
-    return (f"blocks along axis {axis} of shape {x.shape}: the kernels take the last axis, or "
-            f"axis 0 of a 2-D [M, K]")
+    return (
+        f"blocks along axis {axis} of shape {x.shape}: the kernels take the last axis, or "
+        f"axis 0 of a 2-D [M, K]"
+    )
+
+
+def _gather_kernel_problem(x, num_rows) -> str | None:
+    """Why the gather-quantize kernel cannot make num_rows rows of x (None when it can)."""
+    return _dtype_problem(x) or gather_problem(x.shape, x.dtype, num_rows)
+
+
+registry.register("quantize", "pallas", problem=_kernel_problem)
+registry.register("dispatch_quantize", "pallas", problem=_gather_kernel_problem)
 
 
 def quantize(x: jax.Array, axis: int = -1, fmt: str = "e4m3", *, impl: str = "auto") -> MXTensor:
@@ -62,32 +77,38 @@ def quantize(x: jax.Array, axis: int = -1, fmt: str = "e4m3", *, impl: str = "au
     if x.ndim == 0 or not -x.ndim <= axis < x.ndim:
         raise ValueError(f"quantize: axis {axis} is out of range for shape {x.shape}")
     axis %= x.ndim
-    if resolve_impl(impl, _kernel_problem(x, axis), "quantize") == "xla":
+    if registry.resolve("quantize", impl, x, axis) == "xla":
         return mxfp8.quantize(x, axis=axis, fmt=fmt)
     if x.shape[axis] % BLOCK_SIZE:
-        raise ValueError(f"quantize: axis {axis} has length {x.shape[axis]}, not a multiple of "
-                         f"{BLOCK_SIZE}")
+        raise ValueError(
+            f"quantize: axis {axis} has length {x.shape[axis]}, not a multiple of {BLOCK_SIZE}"
+        )
     if axis == x.ndim - 1:
         data, scale = quantize_rowwise_pallas(x.reshape(-1, x.shape[-1]), fmt)
-        return MXTensor(data=data.reshape(x.shape),
-                        scale=scale.reshape(x.shape[:-1] + (x.shape[-1] // BLOCK_SIZE,)),
-                        axis=axis, fmt=fmt)
+        return MXTensor(
+            data=data.reshape(x.shape),
+            scale=scale.reshape(x.shape[:-1] + (x.shape[-1] // BLOCK_SIZE,)),
+            axis=axis,
+            fmt=fmt,
+        )
     data, scale = quantize_columnwise_pallas(x, fmt)
     return MXTensor(data=data, scale=scale, axis=0, fmt=fmt)
 
 
-def dispatch_quantize(x: jax.Array, row_token: jax.Array, fmt: str = "e4m3", *,
-                      impl: str = "auto") -> MXTensor:
+def dispatch_quantize(
+    x: jax.Array, row_token: jax.Array, fmt: str = "e4m3", *, impl: str = "auto"
+) -> MXTensor:
     """Rows x[row_token[r]] ([M, H], zeros where row_token[r] == T, a padding row) quantized
     with blocks along H, without a bf16 copy of the gathered rows on "pallas". Equals
     `quantize(jnp.concatenate([x, zeros])[row_token], axis=1)` bitwise. No gradient flows
     through it (module docstring)."""
     x = jax.lax.stop_gradient(jnp.asarray(x))
     if x.ndim != 2 or row_token.ndim != 1:
-        raise ValueError(f"dispatch_quantize: x must be [T, H] and row_token [M], got {x.shape} "
-                         f"and {row_token.shape}")
-    problem = _dtype_problem(x) or gather_problem(x.shape, x.dtype, row_token.shape[0])
-    if resolve_impl(impl, problem, "dispatch_quantize") == "xla":
+        raise ValueError(
+            f"dispatch_quantize: x must be [T, H] and row_token [M], got {x.shape} "
+            f"and {row_token.shape}"
+        )
+    if registry.resolve("dispatch_quantize", impl, x, row_token.shape[0]) == "xla":
         padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])
         return mxfp8.quantize(jnp.take(padded, row_token, axis=0), axis=1, fmt=fmt)
     data, scale = gather_quantize_rowwise_pallas(x, row_token, fmt)

@@ -1,19 +1,8 @@
 """The combine for Hopper (Pallas Mosaic GPU): y[t] = round(sum over j of f32
 rows[token_rows[t, j]]), the k rows of token t added in fp32 in the order j = 0, 1, ..., k-1
-(left to right, starting from the first row) and rounded once; a slot whose row is M
-(dropped, or no row) adds +0.0. Bitwise equal to that sum in XLA (the reference of
-`jaxmoe.ops.permute.combine_rows`).
-
-Design: bound by HBM bandwidth (reads k rows of H per token, writes one). rows [M, H] are
-viewed as [M * H/32, 32] blocks and y [T, H] as [T * H/32, 32]. A tile is one token's
-`segment` consecutive blocks, or a few whole short tokens (`combine_plan`: the k pieces make
-at most 16 KB), loaded by one TMA per token and slot into an SMEM slot of [k, blocks, 32]; a
-dropped slot loads from past the end of rows, which the TMA fills with zeros. The warpgroup
-sums the k pieces in registers (a strided layout: each thread holds `vector` consecutive
-elements; 16-byte SMEM accesses when the tile is a multiple of 1024 elements, as at bf16
-H = 2048, 4096, 7168) and the rounded tile leaves by one TMA store (`row_pipeline.pipeline`).
-SMEM per CTA: STAGES x (16 KB + the output tile).
-"""
+and rounded once; a slot whose row is M (dropped, or no row) adds +0.0. Bitwise equal to that
+sum in XLA (the reference of `jaxmoe.ops.permute.combine_rows`). Bandwidth-bound: tiles of
+token rows stream through `row_pipeline`. docs/kernels.md describes the design."""
 
 from __future__ import annotations
 
@@ -26,14 +15,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxmoe.ints import cdiv
 from jaxmoe.mxfp8 import BLOCK_SIZE
-from jaxmoe.ops.pallas.row_pipeline import (ALIGN, COMPILER_PARAMS, SMEM_PER_CTA, STAGES,
-                                            TILE_BYTES, num_ctas, pipeline)
+from jaxmoe.ops.pallas.hopper import MAX_TMA_BOX, TMA_SMEM_ALIGN, WARPGROUP_THREADS
+from jaxmoe.ops.pallas.row_pipeline import (
+    COMPILER_PARAMS,
+    SMEM_PER_CTA,
+    STAGES,
+    TILE_BYTES,
+    num_ctas,
+    pipeline,
+)
 
 F32 = jnp.float32
 _DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
-_THREADS = 128
-_MAX_TMA_BOX = 256      # elements along one dimension of a TMA box
 
 
 class CombinePlan(NamedTuple):
@@ -57,12 +52,12 @@ def combine_plan(h: int, k: int, dtype, out_dtype) -> CombinePlan | None:
         return None
     row_blocks = h // BLOCK_SIZE
     plans = []
-    for segment in range(1, min(row_blocks, _MAX_TMA_BOX) + 1):
-        if row_blocks % segment or segment * BLOCK_SIZE * itemsize % ALIGN:
+    for segment in range(1, min(row_blocks, MAX_TMA_BOX) + 1):
+        if row_blocks % segment or segment * BLOCK_SIZE * itemsize % TMA_SMEM_ALIGN:
             continue
         for tokens in (1, 2, 4) if segment == row_blocks else (1,):
             blocks = tokens * segment
-            if blocks * BLOCK_SIZE % _THREADS == 0 and blocks <= _MAX_TMA_BOX:
+            if blocks * BLOCK_SIZE % WARPGROUP_THREADS == 0 and blocks <= MAX_TMA_BOX:
                 plans.append((tokens, segment))
                 break
     if not plans:
@@ -74,8 +69,11 @@ def combine_plan(h: int, k: int, dtype, out_dtype) -> CombinePlan | None:
     out_itemsize = jnp.dtype(out_dtype).itemsize
     if STAGES * blocks * BLOCK_SIZE * (k * itemsize + out_itemsize) > SMEM_PER_CTA - 1024:
         return None
-    vector = max(v for v in (1, 2, 4, 8) if v * itemsize <= 16
-                 and blocks * BLOCK_SIZE % (_THREADS * v) == 0)
+    vector = max(
+        v
+        for v in (1, 2, 4, 8)
+        if v * itemsize <= 16 and blocks * BLOCK_SIZE % (WARPGROUP_THREADS * v) == 0
+    )
     return CombinePlan(tokens, segment, vector)
 
 
@@ -83,20 +81,27 @@ def combine_problem(rows_shape, dtype, token_rows_shape, out_dtype) -> str | Non
     """Why `combine_pallas` cannot combine these shapes / dtypes (None: it can)."""
     dtype, out_dtype = jnp.dtype(dtype), jnp.dtype(out_dtype)
     if len(rows_shape) != 2 or dtype not in _DTYPES or out_dtype not in _DTYPES:
-        return (f"combine kernel: needs 2-D bf16/fp16/fp32 rows and output, got rows "
-                f"{tuple(rows_shape)} {dtype.name} -> {out_dtype.name}")
+        return (
+            f"combine kernel: needs 2-D bf16/fp16/fp32 rows and output, got rows "
+            f"{tuple(rows_shape)} {dtype.name} -> {out_dtype.name}"
+        )
     if len(token_rows_shape) != 2 or 0 in token_rows_shape or 0 in rows_shape:
-        return (f"combine kernel: needs a non-empty [T, k] token_rows and [M, H] rows, got "
-                f"{tuple(token_rows_shape)} and {tuple(rows_shape)}")
+        return (
+            f"combine kernel: needs a non-empty [T, k] token_rows and [M, H] rows, got "
+            f"{tuple(token_rows_shape)} and {tuple(rows_shape)}"
+        )
     if combine_plan(rows_shape[1], token_rows_shape[1], dtype, out_dtype) is None:
-        return (f"combine kernel: no tile fits H = {rows_shape[1]}, k = {token_rows_shape[1]} "
-                f"at {dtype.name} (H must be a multiple of 32 elements and of 128 bytes, "
-                f"and STAGES tiles of k pieces must fit SMEM)")
+        return (
+            f"combine kernel: no tile fits H = {rows_shape[1]}, k = {token_rows_shape[1]} "
+            f"at {dtype.name} (H must be a multiple of 32 elements and of 128 bytes, "
+            f"and STAGES tiles of k pieces must fit SMEM)"
+        )
     return None
 
 
-def combine_pallas(rows: jax.Array, token_rows: jax.Array, out_dtype=None, *,
-                   interpret=None) -> jax.Array:
+def combine_pallas(
+    rows: jax.Array, token_rows: jax.Array, out_dtype=None, *, interpret=None
+) -> jax.Array:
     """y [T, H] in out_dtype (default rows.dtype): y[t] = round(f32 rows[token_rows[t, 0]] +
     ... + f32 rows[token_rows[t, k-1]]), left to right, where a slot with token_rows[t, j] == M
     adds +0.0. rows: [M, H]; token_rows: [T, k] int32 in [0, M]."""
@@ -106,23 +111,23 @@ def combine_pallas(rows: jax.Array, token_rows: jax.Array, out_dtype=None, *,
         raise ValueError(problem)
     num_rows, h = rows.shape
     num_tokens, k = token_rows.shape
-    kernel = _combine_kernel(num_rows, num_tokens, k, h // BLOCK_SIZE, jnp.dtype(rows.dtype),
-                             out_dtype, interpret)
-    out = kernel(token_rows.astype(jnp.int32),
-                 rows.reshape(num_rows * h // BLOCK_SIZE, BLOCK_SIZE))
+    kernel = _combine_kernel(
+        num_rows, num_tokens, k, h // BLOCK_SIZE, jnp.dtype(rows.dtype), out_dtype, interpret
+    )
+    out = kernel(token_rows.astype(jnp.int32), rows.reshape(num_rows * h // BLOCK_SIZE, BLOCK_SIZE))
     return out.reshape(num_tokens, h)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _combine_kernel(num_rows, num_tokens, k, row_blocks, dtype, out_dtype, interpret):
     tokens, segment, vector = combine_plan(row_blocks * BLOCK_SIZE, k, dtype, out_dtype)
-    parts = row_blocks // segment                  # tiles per token (1 when tokens > 1)
-    blocks = tokens * segment                      # output blocks per tile
-    num_tiles = pl.cdiv(num_tokens * parts, tokens)
+    parts = row_blocks // segment  # tiles per token (1 when tokens > 1)
+    blocks = tokens * segment  # output blocks per tile
+    num_tiles = cdiv(num_tokens * parts, tokens)
     ctas = num_ctas(num_tiles)
     layout = plgpu.Layout.WG_STRIDED((blocks, BLOCK_SIZE), vec_size=vector)
 
-    def body(token_rows_gmem, rows_gmem, out_gmem, x_smem, out_smem, loaded):
+    def combine(token_rows_gmem, rows_gmem, out_gmem, x_smem, out_smem, loaded):
         def fetch(t):
             sources = []
             for i in range(tokens):
@@ -130,15 +135,17 @@ def _combine_kernel(num_rows, num_tokens, k, row_blocks, dtype, out_dtype, inter
                 # dropped by the clipped store.
                 token = jnp.minimum((t * tokens + i) // parts, num_tokens - 1)
                 offset = lax.rem(t * tokens + i, parts) * segment
-                sources.append([token_rows_gmem[token, j] * row_blocks + offset
-                                for j in range(k)])
+                sources.append([token_rows_gmem[token, j] * row_blocks + offset for j in range(k)])
 
             def issue(slot, barrier):
                 for i, token_sources in enumerate(sources):
                     for j, source in enumerate(token_sources):
                         plgpu.copy_gmem_to_smem(
                             rows_gmem.at[pl.ds(source, segment)],
-                            x_smem.at[slot, j, pl.ds(i * segment, segment)], barrier)
+                            x_smem.at[slot, j, pl.ds(i * segment, segment)],
+                            barrier,
+                        )
+
             return issue
 
         def compute(slot):
@@ -148,20 +155,23 @@ def _combine_kernel(num_rows, num_tokens, k, row_blocks, dtype, out_dtype, inter
             out_smem.at[slot][...] = total.astype(out_dtype)
 
         def store(t, slot):
-            plgpu.copy_smem_to_gmem(out_smem.at[slot], out_gmem.at[pl.ds(t * blocks, blocks)],
-                                    commit_group=False)
+            plgpu.copy_smem_to_gmem(
+                out_smem.at[slot], out_gmem.at[pl.ds(t * blocks, blocks)], commit_group=False
+            )
 
         pipeline(num_tiles, ctas, loaded, fetch, compute, store)
 
     return plgpu.kernel(
-        body,
+        combine,
         kernel_name="combine",
         out_type=jax.ShapeDtypeStruct((num_tokens * row_blocks, BLOCK_SIZE), out_dtype),
         grid=(ctas,),
         grid_names=("cta",),
-        scratch_types=[plgpu.SMEM((STAGES, k, blocks, BLOCK_SIZE), dtype),
-                       plgpu.SMEM((STAGES, blocks, BLOCK_SIZE), out_dtype),
-                       plgpu.Barrier(num_arrivals=k * tokens, num_barriers=STAGES)],
+        scratch_types=[
+            plgpu.SMEM((STAGES, k, blocks, BLOCK_SIZE), dtype),
+            plgpu.SMEM((STAGES, blocks, BLOCK_SIZE), out_dtype),
+            plgpu.Barrier(num_arrivals=k * tokens, num_barriers=STAGES),
+        ],
         compiler_params=COMPILER_PARAMS,
         interpret=interpret,
     )

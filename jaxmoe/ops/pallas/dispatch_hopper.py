@@ -1,14 +1,6 @@
 """The dispatch gather for Hopper (Pallas Mosaic GPU): rows[r] = x[row_token[r]], zeros where
-row_token[r] == T (a padding row); bitwise a copy.
-
-Design: a pure TMA copy, bound by HBM bandwidth. x [T, H] is viewed as [T * H/32, 32] blocks
-and the output [M, H] as [M * H/32, 32]. A tile is `row_pipeline.gather_plan`'s run of output
-blocks (16 KB: whole token rows or row segments, e.g. 4 rows of 4 KB at bf16 H = 2048), loaded
-by one TMA per segment from the token's row and stored by one TMA from the same SMEM slot
-(`row_pipeline.copy_pipeline`: no registers touch the data). A padding row loads from past the
-end of x, which the TMA fills with zeros; the stores of a partial last tile drop the rows past
-M. SMEM per CTA: STAGES x 16 KB.
-"""
+row_token[r] == T (a padding row); bitwise a copy. A pure TMA copy through
+`row_pipeline.copy_pipeline`. docs/kernels.md describes the design."""
 
 from __future__ import annotations
 
@@ -19,9 +11,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxmoe.ints import cdiv
 from jaxmoe.mxfp8 import BLOCK_SIZE
-from jaxmoe.ops.pallas.row_pipeline import (ALIGN, COMPILER_PARAMS, STAGES, copy_pipeline,
-                                            gather_fetch, gather_plan, num_ctas)
+from jaxmoe.ops.pallas.hopper import TMA_SMEM_ALIGN
+from jaxmoe.ops.pallas.row_pipeline import (
+    COMPILER_PARAMS,
+    STAGES,
+    copy_pipeline,
+    gather_fetch,
+    gather_plan,
+    num_ctas,
+)
 
 _DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
@@ -32,9 +32,11 @@ def dispatch_problem(shape, dtype, num_rows) -> str | None:
     128 bytes and of 32 elements (the TMA segments of `row_pipeline.gather_plan`)."""
     dtype = jnp.dtype(dtype)
     if len(shape) != 2 or dtype not in _DTYPES or 0 in shape:
-        return (f"dispatch kernel: needs a non-empty 2-D bf16/fp16/fp32 array, got "
-                f"{tuple(shape)} {dtype.name}")
-    multiple = max(BLOCK_SIZE, ALIGN // dtype.itemsize)
+        return (
+            f"dispatch kernel: needs a non-empty 2-D bf16/fp16/fp32 array, got "
+            f"{tuple(shape)} {dtype.name}"
+        )
+    multiple = max(BLOCK_SIZE, TMA_SMEM_ALIGN // dtype.itemsize)
     if shape[1] % multiple:
         return f"dispatch kernel: needs H % {multiple} == 0 for {dtype.name}, got H = {shape[1]}"
     if num_rows < 1:
@@ -50,37 +52,40 @@ def dispatch_pallas(x: jax.Array, row_token: jax.Array, *, interpret=None) -> ja
         raise ValueError(problem)
     num_tokens, h = x.shape
     (num_rows,) = row_token.shape
-    kernel = _dispatch_kernel(num_tokens, num_rows, h // BLOCK_SIZE, jnp.dtype(x.dtype),
-                              interpret)
+    kernel = _dispatch_kernel(num_tokens, num_rows, h // BLOCK_SIZE, jnp.dtype(x.dtype), interpret)
     out = kernel(row_token.astype(jnp.int32), x.reshape(num_tokens * h // BLOCK_SIZE, BLOCK_SIZE))
     return out.reshape(num_rows, h)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dispatch_kernel(num_tokens, num_rows, row_blocks, dtype, interpret):
     tile, segment = gather_plan(row_blocks * BLOCK_SIZE, dtype)
     num_blocks = num_rows * row_blocks
-    num_tiles = pl.cdiv(num_blocks, tile)
+    num_tiles = cdiv(num_blocks, tile)
     ctas = num_ctas(num_tiles)
 
-    def body(token_gmem, x_gmem, out_gmem, x_smem, loaded):
-        fetch = gather_fetch(token_gmem, x_gmem, x_smem, tile, segment,
-                             (num_tokens, num_rows, row_blocks))
+    def dispatch(token_gmem, x_gmem, out_gmem, x_smem, loaded):
+        fetch = gather_fetch(
+            token_gmem, x_gmem, x_smem, tile, segment, (num_tokens, num_rows, row_blocks)
+        )
 
         def store(t, slot):
-            plgpu.copy_smem_to_gmem(x_smem.at[slot], out_gmem.at[pl.ds(t * tile, tile)],
-                                    commit_group=False)
+            plgpu.copy_smem_to_gmem(
+                x_smem.at[slot], out_gmem.at[pl.ds(t * tile, tile)], commit_group=False
+            )
 
         copy_pipeline(num_tiles, ctas, loaded, fetch, store)
 
     return plgpu.kernel(
-        body,
+        dispatch,
         kernel_name="dispatch",
         out_type=jax.ShapeDtypeStruct((num_blocks, BLOCK_SIZE), dtype),
         grid=(ctas,),
         grid_names=("cta",),
-        scratch_types=[plgpu.SMEM((STAGES, tile, BLOCK_SIZE), dtype),
-                       plgpu.Barrier(num_arrivals=tile // segment, num_barriers=STAGES)],
+        scratch_types=[
+            plgpu.SMEM((STAGES, tile, BLOCK_SIZE), dtype),
+            plgpu.Barrier(num_arrivals=tile // segment, num_barriers=STAGES),
+        ],
         compiler_params=COMPILER_PARAMS,
         interpret=interpret,
     )

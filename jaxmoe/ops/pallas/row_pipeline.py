@@ -1,12 +1,8 @@
 """The TMA pipeline shared by the bandwidth-bound Hopper kernels (MXFP8 quantize, the dispatch
 gather, the combine): a persistent grid of CTAs of one warpgroup, each walking its tiles through
 a ring of SMEM slots, and the row gather that loads a tile from token rows picked by an index.
-
-Such kernels read and write HBM once and do little work per byte, so they keep many TMA
-transfers in flight: CTAS_PER_SM (2) CTAs per SM, each with STAGES (4) tiles of about
-TILE_BYTES (16 KB) in flight. Arrays are viewed as [N, 32] blocks of 32 consecutive elements
-(free for a row-major array whose rows are whole blocks); a tile is a run of blocks.
-"""
+Arrays are viewed as [N, 32] blocks of 32 consecutive elements; a tile is a run of blocks.
+docs/kernels.md describes the design."""
 
 from __future__ import annotations
 
@@ -19,22 +15,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.mxfp8 import BLOCK_SIZE
-from jaxmoe.ops.pallas.gmm_hopper import default_num_sms
+from jaxmoe.ops.device import num_sms
+from jaxmoe.ops.pallas.hopper import SMEM_PER_SM, SMEM_RESERVED_PER_CTA, TMA_SMEM_ALIGN
 
 # Tuning knobs (the kernels are built on first use; clear their lru caches after changing them).
-# Keep CTAS_PER_SM x STAGES x (tile SMEM) within the SM's 228 KB, or fewer CTAs share an SM
-# than the grid assumes; TILE_BYTES a multiple of 16 KB (the columnwise quantize layout's span).
-TILE_BYTES = 16 * 1024    # input bytes per tile
-STAGES = 4                # SMEM ring slots per CTA: tiles in flight
-CTAS_PER_SM = 2           # persistent CTAs per SM
-ALIGN = 128               # bytes: TMA SMEM address alignment, and a barrier's expected bytes
-#                           are split evenly over the 128 threads of the warpgroup
-SMEM_PER_CTA = 228 * 1024 // CTAS_PER_SM - 1024   # an SM's 228 KB, less 1 KB reserved per CTA
+# Keep CTAS_PER_SM x STAGES x (tile SMEM) within SMEM_PER_CTA, or fewer CTAs share an SM than
+# the grid assumes; TILE_BYTES a multiple of 16 KB (the columnwise quantize layout's span).
+TILE_BYTES = 16 * 1024  # input bytes per tile
+STAGES = 4  # SMEM ring slots per CTA: tiles in flight
+CTAS_PER_SM = 2  # persistent CTAs per SM
+SMEM_PER_CTA = SMEM_PER_SM // CTAS_PER_SM - SMEM_RESERVED_PER_CTA  # one CTA's share of the SM
 # No automatic warpgroup barriers around SMEM accesses: the pipelines place the ones they need.
 # No reduction crosses warps, so no SMEM is reserved for reductions.
-COMPILER_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
-                                       unsafe_no_auto_barriers=True,
-                                       reduction_scratch_bytes=0)
+COMPILER_PARAMS = plgpu.CompilerParams(
+    lowering_semantics=plgpu.LoweringSemantics.Lane,
+    unsafe_no_auto_barriers=True,
+    reduction_scratch_bytes=0,
+)
 
 
 def tile_elems(dtype) -> int:
@@ -44,7 +41,7 @@ def tile_elems(dtype) -> int:
 
 def num_ctas(num_tiles: int) -> int:
     """Size of the persistent grid: CTAS_PER_SM per SM, at most one per tile."""
-    return min(num_tiles, CTAS_PER_SM * default_num_sms())
+    return min(num_tiles, CTAS_PER_SM * num_sms())
 
 
 def _start(num_tiles, ctas, loaded, fetch):
@@ -76,7 +73,7 @@ def pipeline(num_tiles, ctas, loaded, fetch, compute, store):
     only warpgroup barriers needed are those of the waits and of commit_smem."""
     tile, steps = _start(num_tiles, ctas, loaded, fetch)
 
-    def body(step, carry):
+    def run_step(step, carry):
         slot = lax.rem(step, STAGES)
         issue_next = fetch(tile(step + STAGES))
         plgpu.barrier_wait(loaded.at[slot])
@@ -88,7 +85,7 @@ def pipeline(num_tiles, ctas, loaded, fetch, compute, store):
         pl.when(step + STAGES < steps)(functools.partial(issue_next, slot, loaded.at[slot]))
         return carry
 
-    lax.fori_loop(0, steps, body, None)
+    lax.fori_loop(0, steps, run_step, None)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -98,19 +95,19 @@ def copy_pipeline(num_tiles, ctas, loaded, fetch, store):
     tiles are loading while a store drains."""
     tile, steps = _start(num_tiles, ctas, loaded, fetch)
 
-    def body(step, carry):
+    def run_step(step, carry):
         slot = lax.rem(step, STAGES)
         previous = lax.rem(step + STAGES - 1, STAGES)
         issue_next = fetch(tile(step - 1 + STAGES))
         plgpu.barrier_wait(loaded.at[slot])
         store(tile(step), slot)
         plgpu.commit_smem_to_gmem_group()
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)      # the previous step's store read
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the previous step's store read
         refill = (step >= 1) & (step - 1 + STAGES < steps)
         pl.when(refill)(functools.partial(issue_next, previous, loaded.at[previous]))
         return carry
 
-    lax.fori_loop(0, steps, body, None)
+    lax.fori_loop(0, steps, run_step, None)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -124,10 +121,14 @@ def gather_plan(k, dtype):
     threads that arrive on the barrier."""
     row_blocks = k // BLOCK_SIZE
     unit = 64 // jnp.dtype(dtype).itemsize
-    plans = [(math.gcd(tile, row_blocks), tile)
-             for tile in range(unit, tile_elems(dtype) + 1, unit)]
-    segment, tile = max(plan for plan in plans
-                        if plan[0] * BLOCK_SIZE * jnp.dtype(dtype).itemsize % ALIGN == 0)
+    plans = [
+        (math.gcd(tile, row_blocks), tile) for tile in range(unit, tile_elems(dtype) + 1, unit)
+    ]
+    segment, tile = max(
+        plan
+        for plan in plans
+        if plan[0] * BLOCK_SIZE * jnp.dtype(dtype).itemsize % TMA_SMEM_ALIGN == 0
+    )
     return tile, segment
 
 
@@ -143,13 +144,19 @@ def gather_fetch(token_gmem, x_gmem, x_smem, tile, segment, gather):
         for j in range(tile // segment):
             block = t * tile + j * segment
             row = block // row_blocks
-            token = jnp.where(row < num_rows, token_gmem[jnp.minimum(row, num_rows - 1)],
-                              num_tokens)
+            token = jnp.where(
+                row < num_rows, token_gmem[jnp.minimum(row, num_rows - 1)], num_tokens
+            )
             sources.append(token * row_blocks + block % row_blocks)
 
         def issue(slot, barrier):
             for j, source in enumerate(sources):
-                plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(source, segment)],
-                                        x_smem.at[slot, pl.ds(j * segment, segment)], barrier)
+                plgpu.copy_gmem_to_smem(
+                    x_gmem.at[pl.ds(source, segment)],
+                    x_smem.at[slot, pl.ds(j * segment, segment)],
+                    barrier,
+                )
+
         return issue
+
     return fetch

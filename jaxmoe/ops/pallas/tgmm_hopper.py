@@ -1,42 +1,16 @@
-"""Grouped weight-gradient kernel for Hopper (Pallas Mosaic GPU): out[g] = lhs[rows_g]^T @ rhs[rows_g].
+"""Grouped weight-gradient kernel for Hopper (Pallas Mosaic GPU), bf16/fp16 in, fp32 acc:
+out[g] = lhs[rows of g]^T @ rhs[rows of g], lhs [M, K], rhs [M, N], out [G, K, N].
 
-lhs [M, K], rhs [M, N] (bf16/fp16), out [G, K, N]; the contraction runs over each group's rows.
-
-Structure (warp specialised, persistent): a grid of one CTA per SM walks the work items
-(group, K tile, N tile) in rounds of one item per CTA, group by group (by decreasing row count,
-alternate rounds dealt in reverse, so that the CTAs get even shares of work), each group's tiles
-in a planar snake (L2 reuse between the CTAs that run at the same time). Per CTA:
-  * a memory warpgroup issues the TMA loads of every row block of every item of the CTA into
-    one ring of `max_concurrent_steps` SMEM slots (an lhs [tile_rows, cta_k] and an rhs
-    [tile_rows, cta_n] tile per slot). The ring runs across items: the next item's first
-    blocks load while the current item's last blocks are multiplied and stored;
-  * two compute warpgroups each own half of the CTA output tile (stacked along K, wg_split="k":
-    CTA tile 2*tile_k x tile_n; or along N, wg_split="n": tile_k x 2*tile_n) as an fp32
-    wgmma accumulator in registers. Each keeps one wgmma in flight: while the wgmma of block t
-    runs, the warpgroup releases block t-1's slot (its wgmma has retired) and waits for the TMA
-    of block t+1, also across items;
-  * epilogue: cast, SMEM, TMA store. The stores are not awaited, so they drain while the next
-    item runs (an epilogue slot is only rewritten once its previous store has read it). With
-    overlap_epilogue the cast tile waits in registers and is written to SMEM and stored while
-    the next item's first wgmma runs, so the tensor cores do not idle through the epilogue.
-Row blocks sit on a grid anchored at the group's first row rounded down to 8 (TMA into swizzled
-SMEM needs 8-row offsets). Only a group's first and last block can hold rows of another group
-(or rows past M). The memory warpgroup loads such a block in pieces of piece_rows rows: a piece
-inside the group from lhs/rhs, the piece holding the group's first row and the one holding its
-last row from copies that XLA made before the kernel with the foreign rows zeroed in BOTH
-operands (`boundary_pieces`), pieces past the group's end from a zero piece. So NaN/Inf in one
-group never reaches another group's gradient, and the SMs spend no time masking. Empty groups
-store zeros. No atomics; every output tile is written by one work item.
-
-Reduction order: ascending rows, 16 rows per wgmma step, anchored as above. It does not depend
-on the config; it depends on the group's own rows and on its start modulo 16 (groups that start
-on multiples of 16, e.g. with expert_row_alignment 16/32/128, see only their own rows).
-"""
+Persistent and warp specialised: one TMA ring runs across a CTA's work items; row blocks that
+hold other groups' rows are loaded from zero-masked copies, so no group sees another's values.
+A row's place in the reduction depends only on its group's rows and the group's start modulo
+16, not on the config. docs/kernels.md describes the design."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,13 +18,69 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxmoe.ops.pallas.gmm_hopper import (HOPPER_NUM_SMS, NUM_COMPUTE_WGS, ROW_ALIGN,
-                                          SMEM_BUDGET, _swizzled, default_num_sms)
+from jaxmoe.ints import cdiv
+from jaxmoe.ops.device import num_sms
+from jaxmoe.ops.pallas.gmm_common import MEMORY_REGISTERS, NUM_COMPUTE_WGS, ROW_ALIGN, swizzled
+from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA, NUM_SMS, REGISTERS_PER_SM, WARPGROUP_THREADS
 
-MEMORY_REGISTERS = 40     # per thread of the TMA warpgroup (setmaxnreg)
-# What is left of the 64K-register file, split between the compute warpgroups (a multiple of 8).
-COMPUTE_REGISTERS = (65536 // 128 - MEMORY_REGISTERS) // NUM_COMPUTE_WGS // 8 * 8
-MIN_EPILOGUE_BYTES = 32   # narrowest epilogue row (bytes): one 32-byte swizzle span
+# What is left of the register file, split between the compute warpgroups (a multiple of 8).
+COMPUTE_REGISTERS = (
+    (REGISTERS_PER_SM // WARPGROUP_THREADS - MEMORY_REGISTERS) // NUM_COMPUTE_WGS // 8 * 8
+)
+MIN_EPILOGUE_BYTES = 32  # narrowest epilogue row (bytes): one 32-byte swizzle span
+
+
+class GroupWalk(NamedTuple):
+    """Per group, in the order the work items walk the groups: the group, its rows
+    [start, end), the anchor of its row blocks and their number. Stacked into one [5, G] int32
+    kernel input (one load per field, no dependent index load)."""
+
+    group: jax.Array
+    start: jax.Array
+    end: jax.Array
+    anchor: jax.Array
+    blocks: jax.Array
+
+
+class TileDest(NamedTuple):
+    """Where an output tile goes: out[group, ki-th K tile, ni-th N tile]."""
+
+    group: jax.Array
+    ki: jax.Array
+    ni: jax.Array
+
+
+class WorkItem(NamedTuple):
+    """A work item: its group's `GroupWalk` fields and its output tile's K and N index."""
+
+    walk: GroupWalk
+    ki: jax.Array
+    ni: jax.Array
+
+    @property
+    def dest(self) -> TileDest:
+        return TileDest(self.walk.group, self.ki, self.ni)
+
+
+class PendingTile(NamedTuple):
+    """A finished tile (cast to the output dtype) waiting in registers to be stored."""
+
+    values: jax.Array
+    dest: TileDest
+    valid: jax.Array
+
+
+class ComputeCarry(NamedTuple):
+    """The compute warpgroups' loop carry over their work items: `step` counts the CTA's row
+    blocks; `item` and `next_item` are this and the next iteration's items; `acquired` says
+    whether this item's first block was already acquired; `pending` is the previous item's
+    finished tile with overlap_epilogue, else None."""
+
+    step: jax.Array
+    item: WorkItem
+    next_item: WorkItem
+    acquired: jax.Array
+    pending: PendingTile | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +96,7 @@ class TgmmConfig:
     order, every round dealt from SM 0). overlap_epilogue: a warpgroup keeps its finished tile
     (cast to the 16-bit output dtype) in registers and stores it while the next item's first
     wgmma runs, instead of between the two items. piece_rows: rows per TMA copy of a row block
-    that holds other groups' rows (see the module docstring). None of these change the
+    that holds other groups' rows (docs/kernels.md). None of these change the
     reduction order."""
 
     tile_k: int = 128
@@ -80,7 +110,7 @@ class TgmmConfig:
     balanced_schedule: bool = True
     overlap_epilogue: bool = False
     piece_rows: int = 16
-    num_sms: int = HOPPER_NUM_SMS
+    num_sms: int = NUM_SMS
 
     @property
     def cta_k(self) -> int:
@@ -92,13 +122,22 @@ class TgmmConfig:
 
     def ring_bytes(self, in_dtype) -> int:
         """Shared memory of the TMA ring (an lhs and an rhs row block per slot)."""
-        return (self.max_concurrent_steps * self.tile_rows * (self.cta_k + self.cta_n)
-                * jnp.dtype(in_dtype).itemsize)
+        return (
+            self.max_concurrent_steps
+            * self.tile_rows
+            * (self.cta_k + self.cta_n)
+            * jnp.dtype(in_dtype).itemsize
+        )
 
     def epilogue_bytes(self, epilogue_n: int, out_dtype) -> int:
         """Shared memory of the epilogue buffers with epilogue_n-column chunks."""
-        return (NUM_COMPUTE_WGS * self.epilogue_slots * self.tile_k * epilogue_n
-                * jnp.dtype(out_dtype).itemsize)
+        return (
+            NUM_COMPUTE_WGS
+            * self.epilogue_slots
+            * self.tile_k
+            * epilogue_n
+            * jnp.dtype(out_dtype).itemsize
+        )
 
     def epilogue_n(self, in_dtype, out_dtype) -> int:
         """Columns per epilogue chunk: epilogue_tile_n, or for None the widest power-of-two
@@ -107,68 +146,94 @@ class TgmmConfig:
         if self.epilogue_tile_n is not None:
             return self.epilogue_tile_n
         out_bytes = jnp.dtype(out_dtype).itemsize
-        candidates = [self.tile_n >> i for i in range(self.tile_n.bit_length())
-                      if (self.tile_n >> i) * out_bytes >= MIN_EPILOGUE_BYTES
-                      and (self.epilogue_slots == 1 or i > 0)]
+        candidates = [
+            self.tile_n >> i
+            for i in range(self.tile_n.bit_length())
+            if (self.tile_n >> i) * out_bytes >= MIN_EPILOGUE_BYTES
+            and (self.epilogue_slots == 1 or i > 0)
+        ]
         if not candidates:
             return self.tile_n
         for cols in candidates:
-            if self.ring_bytes(in_dtype) + self.epilogue_bytes(cols, out_dtype) <= SMEM_BUDGET:
+            if self.ring_bytes(in_dtype) + self.epilogue_bytes(cols, out_dtype) <= MAX_SMEM_PER_CTA:
                 return cols
         return candidates[-1]
 
     def smem_bytes(self, in_dtype, out_dtype) -> int:
         """Shared memory used: the TMA ring plus the epilogue buffers."""
-        return (self.ring_bytes(in_dtype)
-                + self.epilogue_bytes(self.epilogue_n(in_dtype, out_dtype), out_dtype))
+        return self.ring_bytes(in_dtype) + self.epilogue_bytes(
+            self.epilogue_n(in_dtype, out_dtype), out_dtype
+        )
 
-    def validate(self, num_rows: int, k: int, n: int, in_dtype=jnp.bfloat16,
-                 out_dtype=jnp.float32) -> None:
+    def validate(
+        self, num_rows: int, k: int, n: int, in_dtype=jnp.bfloat16, out_dtype=jnp.float32
+    ) -> None:
         """Raise ValueError when this config cannot run on the given problem."""
         if self.wg_split not in ("k", "n"):
             raise ValueError(f"tgmm pallas: wg_split must be 'k' or 'n', got {self.wg_split!r}")
         if self.tile_k not in (64, 128):
-            raise ValueError(f"tgmm pallas: tile_k={self.tile_k} must be 64 or 128 (the wgmma "
-                             "M dimension of one warpgroup)")
+            raise ValueError(
+                f"tgmm pallas: tile_k={self.tile_k} must be 64 or 128 (the wgmma "
+                "M dimension of one warpgroup)"
+            )
         if self.tile_n not in (32, 64, 128, 256) or self.tile_k * self.tile_n > 128 * 128:
-            raise ValueError(f"tgmm pallas: tile_n={self.tile_n} must be 32, 64, 128 or 256 "
-                             "with tile_k * tile_n <= 128 * 128 (the fp32 accumulator takes "
-                             "tile_k * tile_n / 128 registers per thread)")
+            raise ValueError(
+                f"tgmm pallas: tile_n={self.tile_n} must be 32, 64, 128 or 256 "
+                "with tile_k * tile_n <= 128 * 128 (the fp32 accumulator takes "
+                "tile_k * tile_n / 128 registers per thread)"
+            )
         if self.tile_rows <= 0 or self.tile_rows % 64:
             # The rows are wgmma's K: a multiple of the 128-byte swizzle width (64 bf16 rows).
             raise ValueError(f"tgmm pallas: tile_rows={self.tile_rows} must be a multiple of 64")
         if self.piece_rows % ROW_ALIGN or self.piece_rows <= 0 or self.tile_rows % self.piece_rows:
-            raise ValueError(f"tgmm pallas: piece_rows={self.piece_rows} must be a positive "
-                             f"multiple of {ROW_ALIGN} that divides tile_rows={self.tile_rows}")
+            raise ValueError(
+                f"tgmm pallas: piece_rows={self.piece_rows} must be a positive "
+                f"multiple of {ROW_ALIGN} that divides tile_rows={self.tile_rows}"
+            )
         if self.max_concurrent_steps < 2:
-            raise ValueError(f"tgmm pallas: max_concurrent_steps={self.max_concurrent_steps} "
-                             "must be >= 2 (a slot stays in use while its wgmma is in flight)")
+            raise ValueError(
+                f"tgmm pallas: max_concurrent_steps={self.max_concurrent_steps} "
+                "must be >= 2 (a slot stays in use while its wgmma is in flight)"
+            )
         if self.num_sms < 1 or self.grid_tile_width < 1:
-            raise ValueError(f"tgmm pallas: num_sms={self.num_sms} and grid_tile_width="
-                             f"{self.grid_tile_width} must be positive")
+            raise ValueError(
+                f"tgmm pallas: num_sms={self.num_sms} and grid_tile_width="
+                f"{self.grid_tile_width} must be positive"
+            )
         if k % self.cta_k or n % self.cta_n:
-            raise ValueError(f"tgmm pallas: K={k}, N={n} must be multiples of the CTA tile "
-                             f"{self.cta_k} x {self.cta_n} (tile_k={self.tile_k}, "
-                             f"tile_n={self.tile_n}, wg_split={self.wg_split!r})")
+            raise ValueError(
+                f"tgmm pallas: K={k}, N={n} must be multiples of the CTA tile "
+                f"{self.cta_k} x {self.cta_n} (tile_k={self.tile_k}, "
+                f"tile_n={self.tile_n}, wg_split={self.wg_split!r})"
+            )
         if self.overlap_epilogue and jnp.dtype(out_dtype).itemsize != 2:
             # The finished tile waits in registers next to the next item's accumulator.
-            raise ValueError("tgmm pallas: overlap_epilogue needs a 16-bit output dtype, got "
-                             f"{jnp.dtype(out_dtype).name}")
+            raise ValueError(
+                "tgmm pallas: overlap_epilogue needs a 16-bit output dtype, got "
+                f"{jnp.dtype(out_dtype).name}"
+            )
         if self.epilogue_slots not in (1, 2):
             raise ValueError(f"tgmm pallas: epilogue_slots={self.epilogue_slots} must be 1 or 2")
         epilogue_n = self.epilogue_n(in_dtype, out_dtype)
-        if (epilogue_n <= 0 or self.tile_n % epilogue_n
-                or epilogue_n * jnp.dtype(out_dtype).itemsize < MIN_EPILOGUE_BYTES
-                or (self.epilogue_slots == 2 and (self.tile_n // epilogue_n) % 2)):
+        if (
+            epilogue_n <= 0
+            or self.tile_n % epilogue_n
+            or epilogue_n * jnp.dtype(out_dtype).itemsize < MIN_EPILOGUE_BYTES
+            or (self.epilogue_slots == 2 and (self.tile_n // epilogue_n) % 2)
+        ):
             # Two slots alternate chunk by chunk across items, so that the newest store in
             # flight always reads the other slot: an item must have an even number of chunks.
-            raise ValueError(f"tgmm pallas: epilogue chunks of {epilogue_n} columns must divide "
-                             f"tile_n={self.tile_n}, be >= {MIN_EPILOGUE_BYTES} bytes wide and "
-                             f"come in an even number with epilogue_slots=2")
-        if self.smem_bytes(in_dtype, out_dtype) > SMEM_BUDGET:
-            raise ValueError(f"tgmm pallas: {self} needs {self.smem_bytes(in_dtype, out_dtype)} "
-                             f"bytes of shared memory (> {SMEM_BUDGET}); use fewer "
-                             "max_concurrent_steps, a narrower epilogue or smaller tiles")
+            raise ValueError(
+                f"tgmm pallas: epilogue chunks of {epilogue_n} columns must divide "
+                f"tile_n={self.tile_n}, be >= {MIN_EPILOGUE_BYTES} bytes wide and "
+                f"come in an even number with epilogue_slots=2"
+            )
+        if self.smem_bytes(in_dtype, out_dtype) > MAX_SMEM_PER_CTA:
+            raise ValueError(
+                f"tgmm pallas: {self} needs {self.smem_bytes(in_dtype, out_dtype)} "
+                f"bytes of shared memory (> {MAX_SMEM_PER_CTA}); use fewer "
+                "max_concurrent_steps, a narrower epilogue or smaller tiles"
+            )
 
 
 def default_tgmm_config(num_rows: int, k: int, n: int, out_dtype=jnp.float32) -> TgmmConfig:
@@ -179,42 +244,72 @@ def default_tgmm_config(num_rows: int, k: int, n: int, out_dtype=jnp.float32) ->
     1-5% slower, 32 and 64 up to 2% and 5% slower at the 128-expert shape)."""
     if k % 64 or n % 64:
         raise ValueError(f"tgmm pallas: K={k} and N={n} must be multiples of 64")
-    for split, tile_k, tile_n in (("k", 128, 128), ("n", 128, 128), ("k", 64, 128),
-                                  ("k", 64, 64), ("n", 64, 64), ("n", 64, 32)):
-        config = TgmmConfig(tile_k=tile_k, tile_n=tile_n, wg_split=split,
-                            overlap_epilogue=jnp.dtype(out_dtype).itemsize == 2,
-                            num_sms=default_num_sms())
+    for split, tile_k, tile_n in (
+        ("k", 128, 128),
+        ("n", 128, 128),
+        ("k", 64, 128),
+        ("k", 64, 64),
+        ("n", 64, 64),
+        ("n", 64, 32),
+    ):
+        config = TgmmConfig(
+            tile_k=tile_k,
+            tile_n=tile_n,
+            wg_split=split,
+            overlap_epilogue=jnp.dtype(out_dtype).itemsize == 2,
+            num_sms=num_sms(),
+        )
         if k % config.cta_k == 0 and n % config.cta_n == 0:
             return config
     raise AssertionError("unreachable: the last candidate divides multiples of 64")
 
 
-def tgmm_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dtype,
-                config: TgmmConfig | None = None, interpret=None) -> jax.Array:
-    """The kernel behind `jaxmoe.ops.tgmm(impl="pallas")`; see the module docstring."""
+def tgmm_pallas(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    out_dtype,
+    config: TgmmConfig | None = None,
+    interpret=None,
+) -> jax.Array:
+    """The kernel behind `jaxmoe.ops.tgmm(impl="pallas")`: out [G, K, N] in out_dtype from
+    lhs [M, K] and rhs [M, N] (both bf16 or both fp16). config: None for `default_tgmm_config`."""
     num_rows, k = lhs.shape
     n = rhs.shape[1]
     if lhs.dtype != rhs.dtype or lhs.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"tgmm pallas: lhs and rhs must both be bf16 or fp16, got {lhs.dtype}, "
-                         f"{rhs.dtype}")
+        raise ValueError(
+            f"tgmm pallas: lhs and rhs must both be bf16 or fp16, got {lhs.dtype}, {rhs.dtype}"
+        )
     config = config or default_tgmm_config(num_rows, k, n, out_dtype)
     config.validate(num_rows, k, n, lhs.dtype, out_dtype)
     sizes = group_sizes.astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
     ends = starts + sizes
     anchors = starts - starts % ROW_ALIGN
-    num_blocks = jnp.where(sizes > 0, -(-(ends - anchors) // config.tile_rows), 0)
+    num_blocks = jnp.where(sizes > 0, cdiv(ends - anchors, config.tile_rows), 0)
     # Work items are (group, K tile, N tile), group by group in this order. Items of one group
     # cost the same, so with the groups by decreasing size each round of num_sms consecutive
     # items is nearly uniform, and dealing alternate rounds in reverse evens out the rest.
-    order = (jnp.argsort(-num_blocks, stable=True).astype(jnp.int32)
-             if config.balanced_schedule else jnp.arange(sizes.shape[0], dtype=jnp.int32))
-    # Per-group metadata in walking order (one load per field, no dependent index load).
-    meta = jnp.stack([order, starts[order], ends[order], anchors[order], num_blocks[order]])
+    order = (
+        jnp.argsort(-num_blocks, stable=True).astype(jnp.int32)
+        if config.balanced_schedule
+        else jnp.arange(sizes.shape[0], dtype=jnp.int32)
+    )
+    walk = jnp.stack(
+        GroupWalk(
+            group=order,
+            start=starts[order],
+            end=ends[order],
+            anchor=anchors[order],
+            blocks=num_blocks[order],
+        )
+    )
     bounds = (starts, ends, anchors, config.piece_rows)
-    kernel = _build_kernel(num_rows, k, n, sizes.shape[0], lhs.dtype, jnp.dtype(out_dtype),
-                           config, interpret)
-    return kernel(meta, lhs, rhs, boundary_pieces(lhs, *bounds), boundary_pieces(rhs, *bounds))
+    kernel = _build_kernel(
+        num_rows, k, n, sizes.shape[0], lhs.dtype, jnp.dtype(out_dtype), config, interpret
+    )
+    return kernel(walk, lhs, rhs, boundary_pieces(lhs, *bounds), boundary_pieces(rhs, *bounds))
 
 
 def last_piece_row(start, end, anchor, piece_rows: int):
@@ -238,7 +333,7 @@ def boundary_pieces(x: jax.Array, starts, ends, anchors, piece_rows: int) -> jax
     return jnp.where(keep.reshape(-1, 1), gathered, jnp.zeros((), x.dtype))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConfig, interpret):
     tile_k, tile_n, tile_rows = config.tile_k, config.tile_n, config.tile_rows
     cta_k, cta_n = config.cta_k, config.cta_n
@@ -253,7 +348,7 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
     # Swizzle at the width one warpgroup multiplies (for the operand both share, its full
     # width), so that each warpgroup's slice starts on a swizzle tile; wgmma wants one swizzle
     # for both operands.
-    lhs_transforms = rhs_transforms = _swizzled(dtype, min(tile_k, tile_n))
+    lhs_transforms = rhs_transforms = swizzled(dtype, min(tile_k, tile_n))
 
     full_rounds, last_round = divmod(num_items, num_sms)
 
@@ -263,26 +358,29 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
             return sm
         return jnp.where(j % 2 == 0, sm, num_sms - 1 - sm)
 
-    def body(meta_gmem, lhs_gmem, rhs_gmem, lhs_pieces_gmem, rhs_pieces_gmem, out_gmem):
+    def weight_gradient(walk_gmem, lhs_gmem, rhs_gmem, lhs_pieces_gmem, rhs_pieces_gmem, out_gmem):
         sm = lax.axis_index("sm")
         num_mine = full_rounds + (lane(sm, full_rounds) < last_round).astype(jnp.int32)
 
-        def load_item(j):
-            """Metadata of the CTA's j-th work item (clamped to a valid item): a dict of the
-            group, its K and N tile, its rows [start, end), anchor and number of row blocks."""
+        def load_item(j) -> WorkItem:
+            """The CTA's j-th work item (clamped to a valid item)."""
             idx = jnp.minimum(j * num_sms + lane(sm, j), num_items - 1)
             rank = lax.div(idx, per_group)
-            ki, ni = plgpu.planar_snake(lax.rem(idx, per_group), (grid_k, grid_n), 1,
-                                        config.grid_tile_width)
-            return dict(zip(("group", "start", "end", "anchor", "blocks"),
-                            (meta_gmem[f, rank] for f in range(5))), ki=ki, ni=ni)
+            ki, ni = plgpu.planar_snake(
+                lax.rem(idx, per_group), (grid_k, grid_n), 1, config.grid_tile_width
+            )
+            walk = GroupWalk(*(walk_gmem[f, rank] for f in range(len(GroupWalk._fields))))
+            return WorkItem(walk, ki, ni)
 
         @functools.partial(
             pl.run_scoped,
             lhs_ring=plgpu.SMEM((num_slots, tile_rows, cta_k), dtype, transforms=lhs_transforms),
             rhs_ring=plgpu.SMEM((num_slots, tile_rows, cta_n), dtype, transforms=rhs_transforms),
-            out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, epi_slots, tile_k, epi_n), out_dtype,
-                                transforms=_swizzled(out_dtype, epi_n)),
+            out_smem=plgpu.SMEM(
+                (NUM_COMPUTE_WGS, epi_slots, tile_k, epi_n),
+                out_dtype,
+                transforms=swizzled(out_dtype, epi_n),
+            ),
             # TMA landed (an arrival per piece and operand, see load_block); slot free (both
             # compute warpgroups).
             produced=plgpu.Barrier(num_arrivals=2 * pieces_per_block, num_barriers=num_slots),
@@ -295,23 +393,28 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
             def memory_warpgroup():
                 plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-                def copy_rows(sources, source_row, slot, dest_row, rows, item):
+                def copy_rows(sources, source_row, slot, dest_row, rows, item: WorkItem):
                     """TMA `rows` rows of the item's lhs and rhs columns from `sources` (an lhs
                     and an rhs array) at source_row into ring slot `slot` at dest_row."""
-                    for src, ring, col in zip(sources, (lhs_ring, rhs_ring),
-                                              (item["ki"] * cta_k, item["ni"] * cta_n)):
+                    for src, ring, col in zip(
+                        sources, (lhs_ring, rhs_ring), (item.ki * cta_k, item.ni * cta_n)
+                    ):
                         plgpu.copy_gmem_to_smem(
-                            src.at[pl.ds(pl.multiple_of(source_row, ROW_ALIGN), rows),
-                                   pl.ds(col, ring.shape[2])],
-                            ring.at[slot, pl.ds(dest_row, rows)], produced.at[slot])
+                            src.at[
+                                pl.ds(pl.multiple_of(source_row, ROW_ALIGN), rows),
+                                pl.ds(col, ring.shape[2]),
+                            ],
+                            ring.at[slot, pl.ds(dest_row, rows)],
+                            produced.at[slot],
+                        )
 
-                def load_block(item, slot, row):
+                def load_block(item: WorkItem, slot, row):
                     """Load the row block at `row` (on the anchor's 8-row grid). A block inside
                     the group is one copy per operand; one holding foreign rows (or rows past M)
                     is copied piece by piece from the group's rows, its zero-masked boundary
                     pieces and the zero piece. The barrier counts pieces_per_block arrivals per
                     operand either way."""
-                    start, end, anchor = item["start"], item["end"], item["anchor"]
+                    start, end, anchor = item.walk.start, item.walk.end, item.walk.anchor
                     foreign = (start > row) | (end < row + tile_rows)
 
                     @pl.when(jnp.logical_not(foreign))
@@ -328,39 +431,47 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
                             lo = row + p * piece_rows
                             inside = (lo >= start) & (lo + piece_rows <= end)
                             masked_piece = jnp.where(
-                                lo == anchor, 2 * item["group"],
-                                jnp.where(lo == last, 2 * item["group"] + 1, 2 * num_groups))
+                                lo == anchor,
+                                2 * item.walk.group,
+                                jnp.where(lo == last, 2 * item.walk.group + 1, 2 * num_groups),
+                            )
 
                             @pl.when(inside)
                             def _group_rows():
-                                copy_rows((lhs_gmem, rhs_gmem), lo, slot, p * piece_rows,
-                                          piece_rows, item)
+                                copy_rows(
+                                    (lhs_gmem, rhs_gmem), lo, slot, p * piece_rows, piece_rows, item
+                                )
 
                             @pl.when(jnp.logical_not(inside))
                             def _masked_rows():
-                                copy_rows(pieces, masked_piece * piece_rows, slot,
-                                          p * piece_rows, piece_rows, item)
+                                copy_rows(
+                                    pieces,
+                                    masked_piece * piece_rows,
+                                    slot,
+                                    p * piece_rows,
+                                    piece_rows,
+                                    item,
+                                )
 
                 def load_blocks(j, carry):
                     """TMA loads of all row blocks of item j; `step` counts the CTA's blocks."""
                     step, item = carry
-                    next_item = load_item(j + 1)      # prefetched: used by the next iteration
+                    next_item = load_item(j + 1)  # prefetched: used by the next iteration
 
-                    @pl.loop(0, item["blocks"])
+                    @pl.loop(0, item.walk.blocks)
                     def _load_block(b):
                         t = step + b
                         slot = lax.rem(t, num_slots)
 
                         @pl.when(t >= num_slots)
-                        def _wait_free():       # both compute warpgroups are done with t - slots
+                        def _wait_free():  # both compute warpgroups are done with t - slots
                             plgpu.barrier_wait(consumed.at[slot])
 
-                        load_block(item, slot, item["anchor"] + b * tile_rows)
+                        load_block(item, slot, item.walk.anchor + b * tile_rows)
 
-                    return step + item["blocks"], next_item
+                    return step + item.walk.blocks, next_item
 
-                num_steps, _ = lax.fori_loop(0, num_mine, load_blocks,
-                                             (jnp.int32(0), load_item(0)))
+                num_steps, _ = lax.fori_loop(0, num_mine, load_blocks, (jnp.int32(0), load_item(0)))
 
                 # Observe the releases of the last slots too (the barriers' phases then match
                 # in every warpgroup when they are deallocated).
@@ -375,33 +486,33 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
             def release(t):
                 plgpu.barrier_arrive(consumed.at[lax.rem(t, num_slots)])
 
-            def store(acc, item):
+            def store(acc, dest: TileDest):
                 """Cast and TMA-store this warpgroup's tile; the stores are left in flight."""
-                row = item["ki"] * cta_k + (wg * tile_k if split_k else 0)
-                col = item["ni"] * cta_n + (0 if split_k else wg * tile_n)
+                row = dest.ki * cta_k + (wg * tile_k if split_k else 0)
+                col = dest.ni * cta_n + (0 if split_k else wg * tile_n)
                 for c in range(tile_n // epi_n):
                     # Slots alternate chunk by chunk (an even number per item with two slots),
                     # so the newest store in flight always reads the other slot.
                     slot = out_smem.at[wg, c % epi_slots]
                     plgpu.wait_smem_to_gmem(epi_slots - 1, wait_read_only=True)
-                    slot[...] = acc[:, c * epi_n:(c + 1) * epi_n].astype(out_dtype)
+                    slot[...] = acc[:, c * epi_n : (c + 1) * epi_n].astype(out_dtype)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(
-                        slot, out_gmem.at[item["group"], pl.ds(row, tile_k),
-                                          pl.ds(col + c * epi_n, epi_n)])
+                        slot,
+                        out_gmem.at[dest.group, pl.ds(row, tile_k), pl.ds(col + c * epi_n, epi_n)],
+                    )
 
             def compute_warpgroup():
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
-                def flush(pending):
-                    """Store a finished tile (values, destination, valid) if it is valid."""
-                    values, where, valid = pending
+                def flush(pending: PendingTile):
+                    """Store a finished tile if it is valid."""
 
-                    @pl.when(valid)
+                    @pl.when(pending.valid)
                     def _():
-                        store(values, where)
+                        store(pending.values, pending.dest)
 
-                def matmul_item(j, carry):
+                def matmul_item(j, carry: ComputeCarry) -> ComputeCarry:
                     # Row block t + 1 is acquired while the wgmma of block t runs, across items
                     # too: `acquired` says whether this item's first block already was (it was
                     # unless this is the CTA's first item or the previous item was empty).
@@ -409,17 +520,18 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
                     # stored while this item's first wgmma runs.
                     # The next item's metadata was loaded an iteration ago (it is needed at
                     # this item's last block); the one after it loads now.
-                    step, item, next_item, acquired, *pending = carry
+                    step, item, next_item, acquired, pending = carry
                     after_next = load_item(j + 2)
-                    blocks = item["blocks"]
+                    blocks = item.walk.blocks
                     next_step = step + blocks
-                    has_next = (j + 1 < num_mine) & (next_item["blocks"] > 0)
+                    has_next = (j + 1 < num_mine) & (next_item.walk.blocks > 0)
 
                     @pl.when(jnp.logical_not(acquired) & (blocks > 0))
                     def _acquire_first():
                         acquire(step)
 
-                    if pending:
+                    if pending is not None:
+
                         @pl.when(blocks == 0)
                         def _flush_without_wgmma():
                             flush(pending)
@@ -435,9 +547,9 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
                             a = lhs_smem
                             b_op = rhs_smem.at[:, pl.ds(wg * tile_n, tile_n)]
                         plgpu.wgmma(acc_ref, a.transpose((1, 0)), b_op)
-                        plgpu.wgmma_wait(1)         # the previous block's wgmma retired
+                        plgpu.wgmma_wait(1)  # the previous block's wgmma retired
                         if first:
-                            if pending:
+                            if pending is not None:
                                 flush(pending)
                         else:
                             release(t - 1)
@@ -466,35 +578,41 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
                         return acc_ref[...]
 
                     acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_k, tile_n)))  # starts at 0
-                    tile, where = acc.astype(out_dtype), {f: item[f] for f in ("group", "ki", "ni")}
-                    if pending:
-                        return (next_step, next_item, after_next, blocks > 0, tile, where,
-                                jnp.bool_(True))
-                    store(tile, where)
-                    return next_step, next_item, after_next, blocks > 0
+                    tile = acc.astype(out_dtype)
+                    if pending is not None:
+                        pending = PendingTile(tile, item.dest, jnp.bool_(True))
+                    else:
+                        store(tile, item.dest)
+                    return ComputeCarry(next_step, next_item, after_next, blocks > 0, pending)
 
-                carry = (jnp.int32(0), load_item(0), load_item(1), jnp.bool_(False))
+                nothing = None
                 if config.overlap_epilogue:
-                    nothing = plgpu.layout_cast(jnp.zeros((tile_k, tile_n), out_dtype),
-                                                plgpu.Layout.WGMMA)
-                    carry += (nothing, dict.fromkeys(("group", "ki", "ni"), jnp.int32(0)),
-                              jnp.bool_(False))
-                _, _, _, _, *pending = lax.fori_loop(0, num_mine, matmul_item, carry)
-                if pending:
+                    zero = jnp.int32(0)
+                    nothing = PendingTile(
+                        plgpu.layout_cast(
+                            jnp.zeros((tile_k, tile_n), out_dtype), plgpu.Layout.WGMMA
+                        ),
+                        TileDest(zero, zero, zero),
+                        jnp.bool_(False),
+                    )
+                carry = ComputeCarry(
+                    jnp.int32(0), load_item(0), load_item(1), jnp.bool_(False), nothing
+                )
+                pending = lax.fori_loop(0, num_mine, matmul_item, carry).pending
+                if pending is not None:
                     flush(pending)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             lax.cond(wg == NUM_COMPUTE_WGS, memory_warpgroup, compute_warpgroup)
 
     return plgpu.kernel(
-        body,
+        weight_gradient,
         kernel_name="tgmm",
         out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
         grid=(num_sms,),
         grid_names=("sm",),
         num_threads=NUM_COMPUTE_WGS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret,
     )

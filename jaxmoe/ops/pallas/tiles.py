@@ -10,25 +10,28 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxmoe.ints import cdiv
+from jaxmoe.ops.pallas.hopper import SWIZZLE_ROWS
+
 
 @struct.dataclass
 class RowTiles:
     """A static-length list of row tiles over an M-row operand.
 
-    Tile i covers rows [row[i], row[i] + rows[i]) of group group[i]; rows[i] <= tile_m and never
-    crosses a group boundary, so every output row is owned by exactly one tile (no atomics).
-    Tiles sit on a grid of tile_m rows anchored at the group's start rounded down to `row_align`
-    (TMA into swizzled SMEM needs row offsets that are multiples of 8), so the window
-    [load_row(i), load_row(i) + tile_m) with load_row = row rounded down to row_align always
-    contains the tile's rows. Tiles of group G (one past the
-    last) cover the rows past sum(group_sizes), whose output is zero. Unused tail entries have
-    rows == 0. The tiles come in ascending row order, so as three contiguous runs:
+    Tile i covers rows [start[i], start[i] + count[i]) of group group[i]; count[i] <= tile_m
+    and a tile never crosses a group boundary, so every output row is owned by exactly one tile
+    (no atomics). Tiles sit on a grid of tile_m rows anchored at the group's start rounded down
+    to `row_align` (TMA into swizzled SMEM needs row offsets that are multiples of 8), so the
+    window [load_row(i), load_row(i) + tile_m) with load_row = start rounded down to row_align
+    always contains the tile's rows. Tiles of group G (one past the last) cover the rows past
+    sum(group_sizes), whose output is zero. Unused tail entries have count == 0. The tiles
+    come in ascending row order, so as three contiguous runs:
     [counts[0] matmul tiles | counts[1] zero-region tiles | unused tiles].
     """
 
-    group: jax.Array   # [num_tiles] int32
-    row: jax.Array     # [num_tiles] int32
-    rows: jax.Array    # [num_tiles] int32
+    group: jax.Array  # [num_tiles] int32
+    start: jax.Array  # [num_tiles] int32: first row
+    count: jax.Array  # [num_tiles] int32: number of rows
     counts: jax.Array  # [2] int32: matmul tiles, zero-region tiles
 
     @property
@@ -36,23 +39,27 @@ class RowTiles:
         return self.group.shape[0]
 
 
-def max_row_tiles(num_rows: int, num_groups: int, tile_m: int, row_align: int = 8) -> int:
+def max_row_tiles(
+    num_rows: int, num_groups: int, tile_m: int, row_align: int = SWIZZLE_ROWS
+) -> int:
     """Static upper bound on the number of tiles of `row_tiles`: each of the G groups and the
     zero region may start misaligned and end in a partial tile."""
-    return -(-(num_rows + (row_align - 1) * (num_groups + 1)) // tile_m) + num_groups + 1
+    return cdiv(num_rows + (row_align - 1) * (num_groups + 1), tile_m) + num_groups + 1
 
 
-def row_tiles(group_sizes: jax.Array, num_rows: int, tile_m: int,
-              row_align: int = 8) -> RowTiles:
+def row_tiles(
+    group_sizes: jax.Array, num_rows: int, tile_m: int, row_align: int = SWIZZLE_ROWS
+) -> RowTiles:
     """Split every group (and the zero region past the groups) into tiles of at most tile_m
     rows on a tile_m grid anchored at the group's start rounded down to row_align."""
     num_groups = group_sizes.shape[0]
-    sizes = jnp.concatenate([group_sizes.astype(jnp.int32),
-                             (num_rows - jnp.sum(group_sizes)).astype(jnp.int32)[None]])
+    sizes = jnp.concatenate(
+        [group_sizes.astype(jnp.int32), (num_rows - jnp.sum(group_sizes)).astype(jnp.int32)[None]]
+    )
     starts = jnp.cumsum(sizes) - sizes
     ends = starts + sizes
     anchors = starts - starts % row_align
-    tiles_per_group = jnp.where(sizes > 0, -(-(ends - anchors) // tile_m), 0)
+    tiles_per_group = jnp.where(sizes > 0, cdiv(ends - anchors, tile_m), 0)
     first_tile = jnp.cumsum(tiles_per_group) - tiles_per_group
     total_tiles = jnp.sum(tiles_per_group)
 
@@ -60,17 +67,20 @@ def row_tiles(group_sizes: jax.Array, num_rows: int, tile_m: int,
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
     # One fused comparison of every tile with every group end: the default binary search is a
     # loop of small kernels, which cost more than the grouped matmul's tail at 128 experts.
-    group = jnp.searchsorted(first_tile + tiles_per_group, tile, side="right",
-                             method="compare_all").astype(jnp.int32)
+    group = jnp.searchsorted(
+        first_tile + tiles_per_group, tile, side="right", method="compare_all"
+    ).astype(jnp.int32)
     group = jnp.minimum(group, num_groups)
     grid_row = anchors[group] + (tile - first_tile[group]) * tile_m
-    row = jnp.maximum(starts[group], grid_row)
-    rows = jnp.clip(jnp.minimum(ends[group], grid_row + tile_m) - row, 0, tile_m)
+    start = jnp.maximum(starts[group], grid_row)
+    count = jnp.clip(jnp.minimum(ends[group], grid_row + tile_m) - start, 0, tile_m)
     used = tile < total_tiles
-    return RowTiles(group=jnp.where(used, group, num_groups),
-                    row=jnp.where(used, row, 0).astype(jnp.int32),
-                    rows=jnp.where(used, rows, 0).astype(jnp.int32),
-                    counts=jnp.stack([first_tile[num_groups], tiles_per_group[num_groups]]))
+    return RowTiles(
+        group=jnp.where(used, group, num_groups),
+        start=jnp.where(used, start, 0).astype(jnp.int32),
+        count=jnp.where(used, count, 0).astype(jnp.int32),
+        counts=jnp.stack([first_tile[num_groups], tiles_per_group[num_groups]]),
+    )
 
 
 @struct.dataclass
@@ -79,43 +89,42 @@ class WorkList:
 
     Items [0, counts[0]) need a matmul, items [counts[0], counts[0] + counts[1]) cover the rows
     past the groups (zeros), the rest are unused. Within each kind, items go by bands of
-    `band_width` column tiles, row tiles ascending (descending in every other band), so that
+    `grid_tile_width` column tiles, row tiles ascending (descending in every other band), so that
     CTAs running side by side share lhs rows and rhs columns in L2.
     """
 
-    tile: jax.Array      # [num_items] int32 row-tile index
-    column: jax.Array    # [num_items] int32 column-tile index
-    counts: jax.Array    # [2] int32: matmul items, zero-region items
+    tile: jax.Array  # [num_items] int32 row-tile index
+    column: jax.Array  # [num_items] int32 column-tile index
+    counts: jax.Array  # [2] int32: matmul items, zero-region items
 
     @property
     def num_items(self) -> int:
         return self.tile.shape[0]
 
 
-def work_list(tiles: RowTiles, num_columns: int, band_width: int) -> WorkList:
+def work_list(tiles: RowTiles, num_columns: int, grid_tile_width: int) -> WorkList:
     """Order the (row tile, column tile) pairs as described in `WorkList`. The row tiles of each
     kind are one contiguous run (`RowTiles`), so every position's item has a closed form: the
     banded order of that kind's rows alone. One elementwise pass, no scan, sort or scatter (a
-    scan over the items cost 22 us on the H200 at dsv3_ep8, next to a 2.7 ms matmul).
-    Every item costs a whole CTA tile, even a group's short last tile. Running tiles that fit
-    in half the row window at half the work and dealing the items by cost instead (same bits)
-    was up to 15% slower on the H200 (a half tile still loads a whole tile's operands for half
-    the work; not profiled further):
-    benchmarks/results/gmm_2026-11-29_half_items_experiment.json."""
+    scan over the items cost more than the small matmuls it serves; docs/kernels.md)."""
     num_tiles = tiles.num_tiles
-    width = min(band_width, num_columns)
+    width = min(grid_tile_width, num_columns)
     num_matmul, num_zero = tiles.counts[0], tiles.counts[1]
     position = jnp.arange(num_tiles * num_columns, dtype=jnp.int32)
-    kind = ((position >= num_matmul * num_columns).astype(jnp.int32)
-            + (position >= (num_matmul + num_zero) * num_columns))
+    kind = (position >= num_matmul * num_columns).astype(jnp.int32) + (
+        position >= (num_matmul + num_zero) * num_columns
+    )
     first_row = jnp.stack([0, num_matmul, num_matmul + num_zero])[kind]
     kind_rows = jnp.stack([num_matmul, num_zero, num_tiles - num_matmul - num_zero])[kind]
     within_kind = position - first_row * num_columns
     band = within_kind // jnp.maximum(kind_rows * width, 1)
     band_start = band * width
-    band_cols = jnp.minimum(width, num_columns - band_start)   # the last band may be narrower
+    band_cols = jnp.minimum(width, num_columns - band_start)  # the last band may be narrower
     within_band = within_kind - band_start * kind_rows
     row = within_band // band_cols
     row = first_row + jnp.where(band % 2 == 1, kind_rows - 1 - row, row)
-    return WorkList(tile=row, column=band_start + within_band % band_cols,
-                    counts=(tiles.counts * num_columns).astype(jnp.int32))
+    return WorkList(
+        tile=row,
+        column=band_start + within_band % band_cols,
+        counts=(tiles.counts * num_columns).astype(jnp.int32),
+    )

@@ -1,0 +1,26 @@
+"""The one place that asks what the default JAX device is: every implementation choice
+("auto") and every kernel's grid size reads it here."""
+
+from __future__ import annotations
+
+import jax
+
+INTERPRET_NUM_SMS = 4  # persistent-grid size off the GPU (the Mosaic GPU interpreter on CPU)
+
+
+def on_gpu() -> bool:
+    """Whether the default JAX device is a GPU."""
+    return jax.devices()[0].platform == "gpu"
+
+
+def on_hopper() -> bool:
+    """Whether the default JAX device is an NVIDIA Hopper GPU (sm_90)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"
+
+
+def num_sms() -> int:
+    """SM count of the GPU (a persistent kernel's grid size), or INTERPRET_NUM_SMS off the GPU.
+    Never reads core_count from a CPU device."""
+    device = jax.devices()[0]
+    return device.core_count if device.platform == "gpu" else INTERPRET_NUM_SMS

@@ -1,0 +1,160 @@
+"""Grouped matmuls on MXFP8 operands (`MXTensor`s): `gmm_mxtensor` (fprop and dgrad) and
+`tgmm_mxtensor` (wgrad). Not differentiable: `jaxmoe.ops.mxfp8_gmm` builds the differentiable
+MXFP8 GEMM (Transformer Engine's recipe) from them.
+
+Each computes sum_k deq(a) * deq(b) with fp32 accumulation:
+  impl "xla"     dequantize to bf16 (exact for magnitudes >= 2^-133), then
+                 `jax.lax.ragged_dot` with fp32 accumulation (the reference).
+  impl "pallas"  `gmm_mxtensor`, `strategy=`:
+                   "dequantize" (default) dequantize both operands to bf16 (exact), then the
+                                bf16 gmm kernel (K and N multiples of 64);
+                   "fp8_wgmma"  the Hopper fp8 kernel (`ops/pallas/gmm_mxfp8_hopper.py`: one
+                                fp8 wgmma per 32-wide K block, scales folded into the fp32
+                                accumulator; K and N multiples of 128).
+                 Hopper has no block-scaled MMA, so neither beats bf16 there; "dequantize" is
+                 the faster (docs/kernels.md has the arithmetic and the measurements).
+                 `tgmm_mxtensor`: dequantize to bf16, then the bf16 tgmm kernel.
+  impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
+Both operands of an fp8 wgmma must be K-major, so the rhs of `gmm_mxtensor` is [G, N, K] with
+blocks along K.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxmoe.mxfp8 import MXTensor, dequantize, scale_multipliers
+from jaxmoe.ops import registry
+from jaxmoe.ops.checks import check_group_sizes
+from jaxmoe.ops.gmm import gmm, kernel_problem, kernel_rows, pad_rows, tgmm
+from jaxmoe.ops.pallas.gmm_common import GmmConfig
+from jaxmoe.ops.pallas.gmm_mxfp8_hopper import gmm_mxfp8_pallas
+
+STRATEGIES = ("dequantize", "fp8_wgmma")
+FP8_WGMMA_MULTIPLE = 128  # K and N of the fp8 kernel: one 128-byte swizzled row of fp8
+_BF16 = jnp.dtype(jnp.bfloat16)  # what both Pallas paths multiply in
+
+
+def _gmm_problem(k: int, n: int, strategy: str) -> str | None:
+    """Why the Pallas path of `strategy` cannot run a [.., K] x [G, N, K] problem."""
+    if strategy == "fp8_wgmma" and (k % FP8_WGMMA_MULTIPLE or n % FP8_WGMMA_MULTIPLE):
+        return f"K={k} and N={n} must be multiples of {FP8_WGMMA_MULTIPLE} for the fp8 kernel"
+    return kernel_problem(_BF16, _BF16, k, n)
+
+
+registry.register("gmm_mxtensor", "pallas", problem=_gmm_problem)
+registry.register(
+    "tgmm_mxtensor", "pallas", problem=lambda k, n: kernel_problem(_BF16, _BF16, k, n)
+)
+
+
+def _decoded_scales(t: MXTensor) -> jax.Array:
+    """fp32 block multipliers of t, block axis before the row axis: [..., R, C/32] ->
+    [..., C/32, R] (a K block's scales for a row tile are contiguous)."""
+    return jnp.swapaxes(scale_multipliers(t.scale), -1, -2)
+
+
+def gmm_mxtensor(
+    lhs: MXTensor,
+    rhs: MXTensor,
+    group_sizes: jax.Array,
+    *,
+    impl: str = "auto",
+    preferred_element_type=jnp.float32,
+    config: GmmConfig | None = None,
+    strategy: str = "dequantize",
+) -> jax.Array:
+    """out[m, n] = sum_k deq(lhs)[m, k] * deq(rhs)[g(m), n, k], fp32 accumulation.
+
+    lhs: MXTensor [M, K] with blocks along K (axis 1); rhs: MXTensor [G, N, K] with blocks along
+    K (axis 2), i.e. the expert matrices transposed (K-major, what Hopper's fp8 wgmma reads).
+    Rows past sum(group_sizes) give zeros. `strategy` picks the Pallas path (module docstring);
+    `config` tiles its kernel (None: heuristic). Not differentiable (see `mxfp8_gmm`)."""
+    if not (
+        isinstance(lhs, MXTensor)
+        and isinstance(rhs, MXTensor)
+        and lhs.ndim == 2
+        and rhs.ndim == 3
+        and lhs.axis == 1
+        and rhs.axis == 2
+        and lhs.shape[1] == rhs.shape[2]
+    ):
+        raise ValueError(
+            "gmm_mxtensor: lhs must be an MXTensor [M, K] with blocks along K and "
+            "rhs an MXTensor [G, N, K] with blocks along K"
+        )
+    if strategy not in STRATEGIES:
+        raise ValueError(f"gmm_mxtensor: strategy must be one of {STRATEGIES}, got {strategy!r}")
+    num_groups, n, k = rhs.shape
+    check_group_sizes(group_sizes, num_groups, lhs.shape[0], "gmm_mxtensor")
+    group_sizes = group_sizes.astype(jnp.int32)
+    out_dtype = jnp.dtype(preferred_element_type)
+    if registry.resolve("gmm_mxtensor", impl, k, n, strategy) == "xla":
+        out = jax.lax.ragged_dot(
+            dequantize(lhs, jnp.bfloat16),
+            jnp.swapaxes(dequantize(rhs, jnp.bfloat16), 1, 2),
+            group_sizes,
+            preferred_element_type=jnp.float32,
+        )
+        return out.astype(out_dtype)
+    if strategy == "dequantize":
+        return gmm(
+            dequantize(lhs, jnp.bfloat16),
+            dequantize(rhs, jnp.bfloat16),
+            group_sizes,
+            transpose_rhs=True,
+            impl="pallas",
+            preferred_element_type=out_dtype,
+            config=config,
+        )
+    num_rows = lhs.shape[0]
+    rows = kernel_rows(num_rows)
+    # Padding rows (zero data) belong to no group; their outputs are cut off below.
+    lhs_scale = jnp.swapaxes(scale_multipliers(pad_rows(lhs.scale, rows)), 0, 1)
+    out = gmm_mxfp8_pallas(
+        pad_rows(lhs.data, rows),
+        lhs_scale,
+        rhs.data,
+        _decoded_scales(rhs),
+        group_sizes,
+        out_dtype=out_dtype,
+        config=config,
+    )
+    return out[:num_rows]
+
+
+def tgmm_mxtensor(
+    lhs: MXTensor,
+    rhs: MXTensor,
+    group_sizes: jax.Array,
+    *,
+    impl: str = "auto",
+    preferred_element_type=jnp.float32,
+) -> jax.Array:
+    """Weight-gradient form out[g] = sum over g's rows m of deq(lhs)[m, :]^T deq(rhs)[m, :] ->
+    [G, K, N], fp32 accumulation. lhs [M, K] and rhs [M, N] are MXTensors with blocks along M
+    (axis 0); group sizes must be multiples of 32 so that no block mixes two groups. Both are
+    dequantized to bf16 (exact for magnitudes >= 2^-133) and multiplied by `tgmm`."""
+    if not (
+        isinstance(lhs, MXTensor)
+        and isinstance(rhs, MXTensor)
+        and lhs.ndim == 2
+        and rhs.ndim == 2
+        and lhs.axis == 0
+        and rhs.axis == 0
+        and lhs.shape[0] == rhs.shape[0]
+    ):
+        raise ValueError(
+            "tgmm_mxtensor: lhs [M, K] and rhs [M, N] must be MXTensors with "
+            "blocks along M (axis 0)"
+        )
+    check_group_sizes(group_sizes, None, lhs.shape[0], "tgmm_mxtensor")
+    resolved = registry.resolve("tgmm_mxtensor", impl, lhs.shape[1], rhs.shape[1])
+    return tgmm(
+        dequantize(lhs, jnp.bfloat16),
+        dequantize(rhs, jnp.bfloat16),
+        group_sizes,
+        impl=resolved,
+        preferred_element_type=preferred_element_type,
+    )

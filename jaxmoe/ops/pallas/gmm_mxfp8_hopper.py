@@ -1,0 +1,142 @@
+"""MXFP8 grouped matmul kernel for Hopper (Pallas Mosaic GPU): fp8 operands with one power-of-two
+scale per 32 elements along K, fp32 accumulation:
+out[m, n] = sum_k deq(lhs)[m, k] deq(rhs)[g(m)][n, k].
+
+Same persistent, warp-specialised pipeline as the bf16 kernel (`gmm_common`); a K step runs one
+fp8 wgmma per 32-wide scale block and folds the block's scales into the accumulator.
+docs/kernels.md describes the design."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxmoe.mxfp8 import BLOCK_SIZE
+from jaxmoe.ops.device import num_sms
+from jaxmoe.ops.pallas.gmm_common import (
+    GmmConfig,
+    TileContext,
+    aligned_epilogue_tile_n,
+    gmm_kernel_call,
+    zero_accumulator,
+)
+
+_FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def default_mxfp8_config(
+    num_rows: int, k: int, n: int, num_groups: int, out_dtype=jnp.bfloat16
+) -> GmmConfig:
+    """Heuristic for the MXFP8 kernel: the fp32 accumulator and one block product live in
+    registers together, so each warpgroup owns 64 x 128 outputs (CTA 64 x 256, or 128 x 128
+    along M for narrow N); 128-wide K steps (one 128-byte swizzled row of fp8)."""
+    if k % 128 or n % 128:
+        raise ValueError(f"gmm pallas mxfp8: K={k} and N={n} must be multiples of 128")
+    split = "n" if n % 256 == 0 else "m"
+    config = GmmConfig(
+        tile_m=64,
+        tile_n=128,
+        tile_k=128,
+        wg_split=split,
+        max_concurrent_steps=min(6, k // 128),
+        grid_tile_width=8 if num_groups >= 32 else 4,
+        epilogue_tile_n=aligned_epilogue_tile_n(out_dtype),
+        num_sms=num_sms(),
+    )
+    return config.with_fitting_stages(jnp.float8_e4m3fn, out_dtype)
+
+
+def gmm_mxfp8_pallas(
+    lhs: jax.Array,
+    lhs_scale: jax.Array,
+    rhs: jax.Array,
+    rhs_scale: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    out_dtype,
+    config: GmmConfig | None = None,
+    interpret=None,
+) -> jax.Array:
+    """MXFP8 grouped matmul on Hopper: out[m] = sum_k deq(lhs)[m, k] deq(rhs)[g(m)][n, k], fp32
+    accumulation. Hopper's fp8 wgmma needs both operands K-major, so rhs is [G, N, K].
+
+    lhs [M, K] and rhs [G, N, K]: float8_e4m3fn / float8_e5m2 elements.
+    lhs_scale [K/32, M] and rhs_scale [G, K/32, N]: the decoded fp32 block scales 2^(e-127),
+      transposed so that a K block's scales for a row tile are contiguous.
+    Rows past sum(group_sizes) are zeros. config: None for `default_mxfp8_config`."""
+    num_rows, k = lhs.shape
+    num_groups, n, _ = rhs.shape
+    if lhs.dtype not in _FP8_DTYPES or rhs.dtype not in _FP8_DTYPES:
+        raise ValueError(f"gmm pallas mxfp8: operands must be float8, got {lhs.dtype}, {rhs.dtype}")
+    if (
+        lhs_scale.shape != (k // BLOCK_SIZE, num_rows)
+        or rhs_scale.shape != (num_groups, k // BLOCK_SIZE, n)
+        or lhs_scale.dtype != jnp.float32
+        or rhs_scale.dtype != jnp.float32
+    ):
+        raise ValueError(
+            f"gmm pallas mxfp8: scales must be fp32 [K/32, M] and [G, K/32, N], got "
+            f"{lhs_scale.shape} {lhs_scale.dtype} and {rhs_scale.shape} "
+            f"{rhs_scale.dtype}"
+        )
+    config = config or default_mxfp8_config(num_rows, k, n, num_groups, out_dtype)
+    config.validate(num_rows, k, n, lhs.dtype, out_dtype, transpose_rhs=True)
+    # The operand tiles are sliced into 32-wide K blocks, so they are swizzled at that width.
+    return gmm_kernel_call(
+        _multiply_scaled_tile,
+        "gmm_mxfp8",
+        lhs,
+        rhs,
+        (lhs_scale, rhs_scale),
+        group_sizes,
+        n=n,
+        out_dtype=out_dtype,
+        transpose_rhs=True,
+        swizzle_k=BLOCK_SIZE,
+        release_delay=0,
+        config=config,
+        interpret=interpret,
+    )
+
+
+def _multiply_scaled_tile(tile: TileContext):
+    """Per K step and 32-wide block: an fp8 wgmma into a fresh accumulator, then
+    acc += block product * (row scale * column scale). The scales are powers of two, so the
+    scaling is exact and acc sees one fp32 rounding per block, in ascending K order. The scales
+    are read from GMEM (L2) straight into registers."""
+    lhs_scale_gmem, rhs_scale_gmem = tile.inputs
+    row_scales = lhs_scale_gmem.at[:, tile.rows]
+    column_scales = rhs_scale_gmem.at[tile.group, :, tile.columns]
+
+    blocks_per_step = tile.config.tile_k // BLOCK_SIZE
+
+    def mma(step, lhs_smem, rhs_smem, acc):
+        a, b = tile.operands(lhs_smem, rhs_smem)
+        for block in range(blocks_per_step):
+            ks = pl.ds(block * BLOCK_SIZE, BLOCK_SIZE)
+
+            def block_product(part_ref):
+                plgpu.wgmma(part_ref, a.at[:, ks], b.at[ks, :])
+                plgpu.wgmma_wait(0)
+                return part_ref[...]
+
+            part = pl.run_scoped(block_product, plgpu.ACC(tile.acc_shape))
+            kb = step[0] * blocks_per_step + block
+            row_scale = plgpu.load(
+                row_scales.at[kb, tile.wg_rows],
+                layout=plgpu.Layout.WGMMA.reduce(1),
+                optimized=False,
+            )
+            col_scale = plgpu.load(
+                column_scales.at[kb, tile.wg_columns],
+                layout=plgpu.Layout.WGMMA.reduce(0),
+                optimized=False,
+            )
+            acc = acc + part * (row_scale[:, None] * col_scale[None, :])
+        return acc
+
+    tile.run_pipeline(
+        mma, lambda eval_pipeline: tile.store(eval_pipeline(zero_accumulator(*tile.acc_shape)))
+    )

@@ -1,0 +1,269 @@
+"""GEMM recipes of the routed experts: how fc1, fc2 and the combine run for one
+`MoEConfig.expert_precision` ("bf16", "mxfp8"). The expert MLP (`jaxmoe.experts.grouped_mlp`)
+asks `recipe_for(config)` and never branches on precision; a new recipe (e.g. blockwise fp8)
+joins by subclassing `ExpertRecipe` and registering in RECIPES.
+
+A recipe decides the GEMM arithmetic only: the rounding points around it (fc1 output, the
+weighted activation, fc2 output, the combine) are the expert MLP's and the same for every
+recipe (docs/numerics.md, "Experts and rounding points").
+
+The token-level MXFP8 options work with every recipe (docs/numerics.md, "MXFP8"):
+  * dispatch_dtype "mxfp8": the tokens were quantized rowwise before the dispatch
+    (`rows_rowwise`). MXFP8 experts use that copy as fc1's fprop operand as it is; bf16 experts
+    take its dequantized value as their input.
+  * combine_bwd_dtype "mxfp8": the gradient of y is quantized rowwise at token level, before it
+    is dispatched back to the rows. MXFP8 experts use the dispatched copy as fc2's dgrad operand
+    as it is (so fc2 and the combine share one custom VJP); bf16 experts take its dequantized
+    value as their output gradient.
+Quantizers are the identity for the gradient (straight-through), as in Transformer Engine.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
+
+from jaxmoe.config import MoEConfig
+from jaxmoe.dispatch import combine, dispatch
+from jaxmoe.mxfp8 import MXTensor, dequantize
+from jaxmoe.ops import gmm
+from jaxmoe.ops.mxfp8_gmm import (
+    Mxfp8GmmResiduals,
+    QuantizedWeights,
+    mxfp8_gmm,
+    mxfp8_gmm_backward,
+    mxfp8_gmm_forward,
+    quantize_weights,
+)
+from jaxmoe.ops.quantize import quantize
+from jaxmoe.plan import Plan
+
+F32 = jnp.float32
+
+
+@struct.dataclass
+class ExpertWeightsMx:
+    """The MXFP8 copies of the experts' fc1 and fc2 weights (`Mxfp8Recipe.quantize_weights`)."""
+
+    fc1: QuantizedWeights
+    fc2: QuantizedWeights
+
+
+class ExpertRecipe:
+    """How the routed experts' GEMMs run. Subclasses implement the three methods."""
+
+    name: str
+
+    def fc1(
+        self,
+        rows: jax.Array,
+        kernel: jax.Array,
+        sizes: jax.Array,
+        *,
+        rows_rowwise: MXTensor | None,
+        weights,
+        out_dtype,
+        impl: str,
+    ) -> jax.Array:
+        """fc1's fp32-accumulated product rows @ kernel[expert], in out_dtype. rows_rowwise: the
+        dispatched MXFP8 copy of rows (dispatch_dtype "mxfp8") or None; weights: this recipe's
+        `quantize_weights` made earlier in the step, or None."""
+        raise NotImplementedError
+
+    def fc2_and_combine(
+        self,
+        a: jax.Array,
+        kernel: jax.Array,
+        row_bias: jax.Array | None,
+        plan: Plan,
+        *,
+        weights,
+        combine_bwd_dtype: str,
+        impl: str,
+    ) -> tuple[jax.Array, jax.Array]:
+        """(out [M, H], combine(out) [T, H]): fc2 of the activation a rounded to a.dtype, plus
+        row_bias (fp32, or None) before that rounding, then the combine."""
+        raise NotImplementedError
+
+    def quantize_weights(self, fc1_kernel: jax.Array, fc2_kernel: jax.Array, impl: str):
+        """Copies of the expert weights to share between the micro-batches of a step."""
+        raise ValueError(
+            f"quantize_expert_weights: the experts run in {self.name}, which has "
+            "no quantized weight copies"
+        )
+
+
+def add_row_bias(out: jax.Array, row_bias: jax.Array | None) -> jax.Array:
+    """round(f32 out + row_bias), or out without a bias."""
+    return out if row_bias is None else (out.astype(F32) + row_bias).astype(out.dtype)
+
+
+class Bf16Recipe(ExpertRecipe):
+    """The GEMMs in the compute dtype with fp32 accumulation (`jaxmoe.ops.gmm`)."""
+
+    name = "bf16"
+
+    def fc1(self, rows, kernel, sizes, *, rows_rowwise, weights, out_dtype, impl):
+        if weights is not None:
+            raise ValueError(
+                f"grouped_mlp: expert_weights are quantized copies; the experts run in {self.name}"
+            )
+        fc1_input = (
+            rows
+            if rows_rowwise is None
+            else _straight_through(rows, dequantize(rows_rowwise, rows.dtype))
+        )
+        return gmm(fc1_input, kernel, sizes, impl=impl, preferred_element_type=out_dtype)
+
+    def fc2_and_combine(self, a, kernel, row_bias, plan, *, weights, combine_bwd_dtype, impl):
+        with jax.named_scope("fc2"):
+            out = add_row_bias(
+                gmm(a, kernel, plan.group_sizes, impl=impl, preferred_element_type=a.dtype),
+                row_bias,
+            )
+        with jax.named_scope("combine"):
+            combined = combine(out, plan, impl)
+            if combine_bwd_dtype == "mxfp8":
+                combined = _gradient_through_mxfp8(combined, impl)
+        return out, combined
+
+
+class Mxfp8Recipe(ExpertRecipe):
+    """Transformer Engine's MXFP8 recipe for every GEMM, forward and backward
+    (`jaxmoe.ops.mxfp8_gmm`), on the compute-dtype copy of the weights; fc2 quantizes the
+    activation after its single rounding, as TE does. Columnwise (wgrad) copies always come from
+    the compute-dtype rows."""
+
+    name = "mxfp8"
+
+    def fc1(self, rows, kernel, sizes, *, rows_rowwise, weights, out_dtype, impl):
+        return mxfp8_gmm(
+            rows,
+            kernel,
+            sizes,
+            lhs_rowwise=rows_rowwise,
+            impl=impl,
+            rhs_quantized=None if weights is None else weights.fc1,
+            preferred_element_type=out_dtype,
+        )
+
+    def fc2_and_combine(self, a, kernel, row_bias, plan, *, weights, combine_bwd_dtype, impl):
+        return _mxfp8_fc2_and_combine(
+            a,
+            kernel,
+            row_bias,
+            plan,
+            None if weights is None else weights.fc2,
+            combine_bwd_dtype,
+            impl,
+        )
+
+    def quantize_weights(self, fc1_kernel, fc2_kernel, impl):
+        return ExpertWeightsMx(
+            fc1=quantize_weights(fc1_kernel, impl), fc2=quantize_weights(fc2_kernel, impl)
+        )
+
+
+RECIPES: dict[str, ExpertRecipe] = {recipe.name: recipe for recipe in (Bf16Recipe(), Mxfp8Recipe())}
+
+
+def recipe_for(config: MoEConfig) -> ExpertRecipe:
+    """The recipe of `config.expert_precision`."""
+    return RECIPES[config.expert_precision]
+
+
+@jax.custom_vjp
+def _straight_through(x, value):
+    """`value` (a quantized copy of x) in the forward; the gradient goes to x unchanged."""
+    return value
+
+
+_straight_through.defvjp(lambda x, value: (value, None), lambda _, grad: (grad, None))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gradient_through_mxfp8(y, impl):
+    """The identity, whose gradient is rounded through rowwise MXFP8 (quantize, dequantize)."""
+    return y
+
+
+_gradient_through_mxfp8.defvjp(
+    lambda y, impl: (y, None),
+    lambda impl, _, grad: (dequantize(quantize(grad, axis=1, impl=impl), grad.dtype),),
+)
+
+
+@struct.dataclass
+class _Fc2CombineResiduals:
+    gemm: Mxfp8GmmResiduals
+    plan: Plan
+    has_bias: bool = struct.field(pytree_node=False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _mxfp8_fc2_and_combine(a, fc2_kernel, row_bias, plan, fc2_weights, combine_bwd_dtype, gmm_impl):
+    """(out, combine(out)) with out = MXFP8 fc2 of the activation a (+ the per-row bias).
+
+    One custom VJP for both, so that the backward can quantize the token-level gradient before
+    dispatching it and hand that MXTensor to fc2's dgrad (combine_bwd_dtype "mxfp8")."""
+    with jax.named_scope("fc2"):
+        out = add_row_bias(
+            mxfp8_gmm(
+                a,
+                fc2_kernel,
+                plan.group_sizes,
+                impl=gmm_impl,
+                rhs_quantized=fc2_weights,
+                preferred_element_type=a.dtype,
+            ),
+            row_bias,
+        )
+    with jax.named_scope("combine"):
+        return out, combine(out, plan, gmm_impl)
+
+
+def _mxfp8_fc2_and_combine_fwd(
+    a, fc2_kernel, row_bias, plan, fc2_weights, combine_bwd_dtype, gmm_impl
+):
+    a, fc2_kernel, row_bias, plan, fc2_weights = custom_vjp_primal_tree_values(
+        (a, fc2_kernel, row_bias, plan, fc2_weights)
+    )
+    with jax.named_scope("fc2"):
+        out, gemm_residuals = mxfp8_gmm_forward(
+            a, fc2_kernel, plan.group_sizes, None, a.dtype, gmm_impl, fc2_weights
+        )
+        out = add_row_bias(out, row_bias)
+    residuals = _Fc2CombineResiduals(gemm=gemm_residuals, plan=plan, has_bias=row_bias is not None)
+    with jax.named_scope("combine"):
+        combined = combine(out, plan, gmm_impl)
+    return (out, combined), residuals
+
+
+def _mxfp8_fc2_and_combine_bwd(combine_bwd_dtype, gmm_impl, residuals, cotangents):
+    d_out, d_combined = cotangents
+    plan = residuals.plan
+    if isinstance(d_combined, SymbolicZero):  # only the fc2_output stage is used
+        d_combined = jnp.zeros(d_combined.shape, d_combined.dtype)
+    with jax.named_scope("combine"):
+        # bf16 rows: fc2's wgrad copy, the bias gradient
+        d_rows = dispatch(d_combined, plan, gmm_impl)
+        grad_rowwise = None
+        if not isinstance(d_out, SymbolicZero):
+            # The fc2_output stage itself is differentiated: the dispatched token gradient is no
+            # longer the whole row gradient, so the sum is quantized on the compute side.
+            d_rows = d_rows + d_out
+        elif combine_bwd_dtype == "mxfp8":
+            grad_rowwise = dispatch(quantize(d_combined, axis=1, impl=residuals.gemm.impl), plan)
+    with jax.named_scope("fc2"):
+        d_a, d_kernel = mxfp8_gmm_backward(residuals.gemm, d_rows, grad_rowwise)
+    d_row_bias = d_rows.astype(F32) if residuals.has_bias else None
+    return d_a, d_kernel, d_row_bias, None, None
+
+
+_mxfp8_fc2_and_combine.defvjp(
+    _mxfp8_fc2_and_combine_fwd, _mxfp8_fc2_and_combine_bwd, symbolic_zeros=True
+)
