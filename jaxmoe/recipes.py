@@ -20,6 +20,7 @@ Quantizers are the identity for the gradient (straight-through), as in Transform
 
 from __future__ import annotations
 
+import abc
 import functools
 
 import jax
@@ -53,11 +54,13 @@ class ExpertWeightsMx:
     fc2: QuantizedWeights
 
 
-class ExpertRecipe:
-    """How the routed experts' GEMMs run. Subclasses implement the three methods."""
+class ExpertRecipe(abc.ABC):
+    """How the routed experts' GEMMs run. Subclasses implement `fc1` and `fc2_and_combine`, and
+    `quantize_weights` when they have weight copies to share."""
 
     name: str
 
+    @abc.abstractmethod
     def fc1(
         self,
         rows: jax.Array,
@@ -72,8 +75,8 @@ class ExpertRecipe:
         """fc1's fp32-accumulated product rows @ kernel[expert], in out_dtype. rows_rowwise: the
         dispatched MXFP8 copy of rows (dispatch_dtype "mxfp8") or None; weights: this recipe's
         `quantize_weights` made earlier in the step, or None."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def fc2_and_combine(
         self,
         a: jax.Array,
@@ -87,7 +90,6 @@ class ExpertRecipe:
     ) -> tuple[jax.Array, jax.Array]:
         """(out [M, H], combine(out) [T, H]): fc2 of the activation a rounded to a.dtype, plus
         row_bias (fp32, or None) before that rounding, then the combine."""
-        raise NotImplementedError
 
     def quantize_weights(self, fc1_kernel: jax.Array, fc2_kernel: jax.Array, impl: str):
         """Copies of the expert weights to share between the micro-batches of a step."""
