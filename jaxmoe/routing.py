@@ -21,6 +21,7 @@ from flax import struct
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.ops.dense import dense
+from jaxmoe.ordered import sum_in_order
 
 F32 = jnp.float32
 
@@ -200,6 +201,8 @@ def tokens_per_expert(
 
 
 # ---------------------------------------------------------------------------- auxiliary losses
+# Their sums over tokens are `sum_in_order`: the loss a user logs has the same bits in every
+# compilation (an XLA reduce's order is picked per compilation on the GPU).
 def aux_loss_scores(logits: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Array]:
     """Megatron's `compute_routing_scores_for_aux_loss`: fp32 scores over all E (softmax, or
     sigmoid/sqrtsoftplus normalised over E) and the plain top-k map [T, E] (no bias, no groups,
@@ -216,9 +219,9 @@ def aux_loss_scores(logits: jax.Array, config: MoEConfig) -> tuple[jax.Array, ja
 
 def _switch_loss(scores, routing_map, num_tokens, config: MoEConfig):
     """Switch-Transformer loss: sum_e (sum_t s[t,e]) count_e * E * coeff / (k * T^2)."""
-    per_expert = jnp.sum(scores, axis=-2) * jnp.sum(routing_map, axis=-2).astype(F32)
+    per_expert = sum_in_order(scores, axis=-2) * jnp.sum(routing_map, axis=-2).astype(F32)
     scale = config.num_experts * config.aux_loss_coeff / (config.top_k * num_tokens * num_tokens)
-    return jnp.sum(per_expert, axis=-1) * scale
+    return sum_in_order(per_expert, axis=-1) * scale
 
 
 def load_balancing_loss(
@@ -250,12 +253,12 @@ def load_balancing_loss(
         num_sequences = scores.shape[0]
         tokens_per_sequence = jnp.maximum(jnp.sum(valid), 1).astype(F32) / num_sequences
         losses = _switch_loss(scores, routing_map, tokens_per_sequence, config)
-        return jnp.mean(losses)
+        return sum_in_order(losses) / num_sequences
     num_valid = jnp.maximum(jnp.sum(valid), 1).astype(F32)
     if config.load_balancing_type == "global_aux_loss" and token_counts is not None:
-        per_expert = jnp.sum(scores, axis=0) * token_counts.astype(F32)
+        per_expert = sum_in_order(scores, axis=0) * token_counts.astype(F32)
         scale = config.num_experts * config.aux_loss_coeff / (config.top_k * num_valid * num_valid)
-        return jnp.sum(per_expert) * scale
+        return sum_in_order(per_expert) * scale
     return _switch_loss(scores, routing_map, num_valid, config)
 
 
@@ -268,7 +271,7 @@ def z_loss(
         return jnp.zeros((), F32)
     lse = jax.nn.logsumexp(logits.astype(F32), axis=-1).astype(logits.dtype).astype(F32)
     valid = jnp.ones(lse.shape, bool) if padding_mask is None else ~padding_mask
-    total = jnp.sum(jnp.where(valid, lse * lse, 0.0))
+    total = sum_in_order(jnp.where(valid, lse * lse, 0.0))
     return total / jnp.maximum(jnp.sum(valid), 1).astype(F32) * coeff
 
 

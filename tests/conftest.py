@@ -69,10 +69,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 class ResultsRecorder:
-    """Collects each test's outcome and writes them with the device and versions as JSON."""
+    """Collects each test's outcome and writes them with the device and versions as JSON, after
+    every test (a run cut by a time limit keeps what finished)."""
 
-    def __init__(self, path: str):
-        self.path, self.results = path, []
+    def __init__(self, path: str, command: str):
+        self.path, self.command, self.results = path, command, []
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
@@ -85,13 +86,14 @@ class ResultsRecorder:
                     failure=str(report.longrepr)[-4000:] if report.failed else None,
                 )
             )
+            self.write()
 
-    def pytest_sessionfinish(self, session):
+    def write(self):
         outcomes = [r["outcome"] for r in self.results]
         device = jax.devices()[0]
         record = dict(
             date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            command="python -m pytest " + " ".join(session.config.invocation_params.args),
+            command=self.command,
             device=getattr(device, "device_kind", device.platform),
             platform=platform.platform(),
             jax=jax.__version__,
@@ -102,11 +104,15 @@ class ResultsRecorder:
         with open(self.path, "w") as f:
             json.dump(record, f, indent=1, default=str)
 
+    def pytest_sessionfinish(self, session):
+        self.write()
+
 
 def pytest_configure(config):
     path = config.getoption("--results-json")
     if path:
-        config.pluginmanager.register(ResultsRecorder(path), "jaxmoe-results-json")
+        command = "python -m pytest " + " ".join(config.invocation_params.args)
+        config.pluginmanager.register(ResultsRecorder(path, command), "jaxmoe-results-json")
 
 
 def _git_commit() -> str | None:

@@ -35,6 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe import MoE, MoEConfig
 from jaxmoe.ops import on_hopper
+from jaxmoe.ordered import sum_in_order
 from jaxmoe.routing import router_logits
 from jaxmoe.shapes import SHAPES, LayerShape
 
@@ -148,12 +149,14 @@ class Layer:
         return model
 
     def train_step_fn(self, graphdef, rest):
-        """(params, x, dy) -> ((loss, (y, router logits)), (d params, d x)) of
-        sum(y * dy) + aux losses."""
+        """(params, x, dy) -> ((loss, (y, router logits, aux losses)), (d params, d x)) of
+        sum(y * dy) + aux losses, the sum over y in a fixed order (an XLA reduce of the harness
+        could add in another order in another compilation; the layer's own sums are in order)."""
 
         def loss(params, x, dy):
             y, aux, stages = nnx.merge(graphdef, params, rest).forward_with_stages(x)
-            return (jnp.sum(y.astype(F32) * dy) + aux.total_loss, (y, stages.router_logits))
+            harness = sum_in_order(jnp.ravel(y.astype(F32) * dy))
+            return harness + aux.total_loss, (y, stages.router_logits, aux.total_loss)
 
         return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
 
@@ -322,7 +325,7 @@ def test_d2_router_accumulators_and_negative_control(layer):
 
 # ---------------------------------------------------------------------------------------- D3
 def test_d3_training_forward_equals_inference_forward(layer):
-    (_, (y_train, logits_train)), _ = layer.train(layer.params, layer.x, layer.dy)
+    (_, (y_train, logits_train, _)), _ = layer.train(layer.params, layer.x, layer.dy)
     y_inference, logits_inference, _ = layer.forward(layer.x)
     assert_bitwise(np.asarray(y_train), np.asarray(y_inference))
     assert_bitwise(np.asarray(logits_train), np.asarray(logits_inference))

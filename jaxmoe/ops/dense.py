@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jaxmoe.ops import registry
 from jaxmoe.ops.gmm import KERNEL_DTYPES, KERNEL_MULTIPLE, gmm, tgmm
 from jaxmoe.ops.pallas.tgmm_hopper import default_tgmm_config
+from jaxmoe.ordered import sum_in_order
 
 F32 = jnp.float32
 
@@ -127,12 +128,6 @@ def _row_chunks(num_rows: int, k: int, n: int) -> jax.Array:
     return jnp.array([size] * (chunks - 1) + [num_rows - size * (chunks - 1)], jnp.int32)
 
 
-def _sum_in_order(parts: jax.Array) -> jax.Array:
-    """parts[0] + parts[1] + ... left to right: elementwise adds, whose order no compiler
-    choice changes (an XLA reduce leaves its order to the emitter XLA picks)."""
-    return functools.reduce(lambda total, i: total + parts[i], range(1, parts.shape[0]), parts[0])
-
-
 def _dense_pallas_bwd(out_dtype, residuals, grad):
     x, w, bias = residuals
     x_padded = _pad_to_kernel(x, 1)
@@ -149,14 +144,14 @@ def _dense_pallas_bwd(out_dtype, residuals, grad):
             impl="pallas",
             preferred_element_type=F32,
         )
-        part_w = _sum_in_order(
+        part_w = sum_in_order(
             tgmm(x_padded, piece, chunks, impl="pallas", preferred_element_type=F32)
         )
         d_x = part_x if d_x is None else d_x + part_x
         d_w = part_w if d_w is None else d_w + part_w
     d_x = d_x[:, : x.shape[1]].astype(x.dtype)
     d_w = d_w[: w.shape[0], : w.shape[1]].astype(w.dtype)
-    d_bias = None if bias is None else jnp.sum(grad.astype(F32), axis=0).astype(bias.dtype)
+    d_bias = None if bias is None else sum_in_order(grad.astype(F32)).astype(bias.dtype)
     return d_x, d_w, d_bias
 
 

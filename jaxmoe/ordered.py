@@ -1,0 +1,37 @@
+"""Float sums in an order fixed by the shape alone.
+
+An XLA reduce leaves its summation order to the code XLA emits for it, and on the GPU XLA picks
+that code per compilation by timing candidates (its fusion autotuner): two compilations of the
+same program can add in different orders and differ in the last bit. `sum_in_order` adds with
+elementwise adds in a balanced pairwise tree, an order no compiler choice changes; its gradient
+is elementwise too (no reduce appears in the backward pass)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def sum_in_order(x: jax.Array, axis: int = 0, *, keepdims: bool = False) -> jax.Array:
+    """The sum of x along `axis` as a pairwise tree fixed by the axis length n: each level
+    adds element i of the first half to element i of the second (h = n // 2 pairs), and an odd
+    n carries its last element to the next level unchanged. n = 0 gives zeros.
+
+    Bitwise the same in every compilation and on every backend that rounds each fp add
+    (XLA does not reassociate float adds); its error bound is a pairwise sum's, log2(n) ulps."""
+    x = jnp.asarray(x)
+    axis = axis % x.ndim if x.ndim else 0
+    n = x.shape[axis]
+    if n == 0:
+        out = jnp.zeros(x.shape[:axis] + x.shape[axis + 1 :], x.dtype)
+        return jnp.expand_dims(out, axis) if keepdims else out
+    while n > 1:
+        half = n // 2
+        pairs = lax.slice_in_dim(x, 0, half, axis=axis) + lax.slice_in_dim(
+            x, half, 2 * half, axis=axis
+        )
+        if n % 2:
+            pairs = jnp.concatenate([pairs, lax.slice_in_dim(x, n - 1, n, axis=axis)], axis)
+        x, n = pairs, half + n % 2
+    return x if keepdims else jnp.squeeze(x, axis)
