@@ -9,6 +9,8 @@ points"):
   o = round(fc2 accumulation in fp32); with a bias: round(f32 o + f32 b2 * p)
   y = combine(o)                                                  [T, H]
 Padding rows are zero and carry p = 0, so their activation rows are exactly zero.
+Every sum that autodiff would leave to an XLA reduce (the probability's and the shared gate's
+gradients, the biases' gradients) runs in a fixed order (`jaxmoe.ordered`, `bias_per_row`).
 
 The GEMMs run by the recipe of `MoEConfig.expert_precision` (`jaxmoe.recipes`: bf16 or
 MXFP8, and the token-level MXFP8 options of the dispatch and the combine gradient).
@@ -16,6 +18,7 @@ MXFP8, and the token-level MXFP8 options of the dispatch and the combine gradien
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -23,7 +26,9 @@ import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.mxfp8 import MXTensor
-from jaxmoe.ops.dense import dense
+from jaxmoe.ops.dense import bf16_pieces, dense
+from jaxmoe.ops.gmm import KERNEL_MULTIPLE, tgmm
+from jaxmoe.ordered import broadcast_in_order
 from jaxmoe.plan import Plan
 from jaxmoe.recipes import recipe_for
 
@@ -52,14 +57,41 @@ def weighted_activation(h: jax.Array, probs: jax.Array | None, config: MoEConfig
     else:
         out = activation(z, config.activation)
     if probs is not None:
-        out = out * probs.astype(F32)[:, None]
+        out = out * broadcast_in_order(probs.astype(F32)[:, None], out.shape)
     return out.astype(h.dtype)
 
 
-def _per_row(bias: jax.Array, row_expert: jax.Array) -> jax.Array:
-    """bias[row_expert] with zeros for rows past the last expert block (row_expert == E)."""
+def bias_per_row(bias: jax.Array, plan: Plan, impl: str = "auto") -> jax.Array:
+    """fp32 bias[row_expert] [M, N] for bias [E, N]: each row gets its expert's bias, rows past
+    the last expert block zeros. Its gradient sums each expert's rows on the weight-gradient
+    GEMM (`ops.gmm.tgmm`, ones^T @ rows, in fp32; an fp32 gradient as three exact bf16 pieces):
+    a fixed order, where the gather's own gradient is a scatter-add whose order is the GPU's."""
+    return _bias_per_row(bias, plan.row_expert, plan.group_sizes, impl)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _bias_per_row(bias, row_expert, group_sizes, impl):
     padded = jnp.concatenate([bias, jnp.zeros((1,) + bias.shape[1:], bias.dtype)], axis=0)
-    return jnp.take(padded, row_expert, axis=0)
+    return jnp.take(padded, row_expert, axis=0).astype(F32)
+
+
+def _bias_per_row_fwd(bias, row_expert, group_sizes, impl):
+    residuals = (row_expert, group_sizes, jnp.zeros((0,), bias.dtype))
+    return _bias_per_row(bias, row_expert, group_sizes, impl), residuals
+
+
+def _bias_per_row_bwd(impl, residuals, g):
+    row_expert, group_sizes, like = residuals
+    g = jnp.where((row_expert < group_sizes.shape[0])[:, None], g, 0.0)
+    ones = jnp.ones((g.shape[0], KERNEL_MULTIPLE), jnp.bfloat16)
+    total = None
+    for piece in bf16_pieces(g, jnp.bfloat16):
+        part = tgmm(ones, piece, group_sizes, impl=impl)[:, 0]
+        total = part if total is None else total + part
+    return total.astype(like.dtype), None, None
+
+
+_bias_per_row.defvjp(_bias_per_row_fwd, _bias_per_row_bwd)
 
 
 class ExpertStages(NamedTuple):
@@ -127,15 +159,14 @@ def grouped_mlp(
             impl=gmm_impl,
         )
         if fc1_bias is not None:
-            h = h + _per_row(fc1_bias, plan.row_expert).astype(F32)
+            h = h + bias_per_row(fc1_bias, plan, gmm_impl)
         h = h.astype(dtype)
     with jax.named_scope("activation"):
         a = weighted_activation(h, row_probs, config)
-    row_bias = (
-        None
-        if fc2_bias is None
-        else _per_row(fc2_bias, plan.row_expert).astype(F32) * row_probs.astype(F32)[:, None]
-    )
+    row_bias = None
+    if fc2_bias is not None:
+        row_bias = bias_per_row(fc2_bias, plan, gmm_impl)
+        row_bias = row_bias * broadcast_in_order(row_probs.astype(F32)[:, None], row_bias.shape)
     out, combined = recipe.fc2_and_combine(
         a,
         fc2_kernel,
@@ -165,5 +196,5 @@ def shared_mlp(
     if gate_kernel is not None:
         logit = dense(x, gate_kernel.astype(dtype), impl=impl)
         gate = jax.nn.sigmoid(logit.astype(F32)).astype(dtype)
-        out = out * gate
+        out = out * broadcast_in_order(gate, out.shape)
     return out

@@ -4,9 +4,12 @@ An XLA reduce leaves its summation order to the code XLA emits for it, and on th
 that code per compilation by timing candidates (its fusion autotuner): two compilations of the
 same program can add in different orders and differ in the last bit. `sum_in_order` adds with
 elementwise adds in a balanced pairwise tree, an order no compiler choice changes; its gradient
-is elementwise too (no reduce appears in the backward pass)."""
+is elementwise too (no reduce appears in the backward pass). `broadcast_in_order` is the
+broadcast whose gradient is such a sum."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,3 +38,35 @@ def sum_in_order(x: jax.Array, axis: int = 0, *, keepdims: bool = False) -> jax.
             pairs = jnp.concatenate([pairs, lax.slice_in_dim(x, n - 1, n, axis=axis)], axis)
         x, n = pairs, half + n % 2
     return x if keepdims else jnp.squeeze(x, axis)
+
+
+def broadcast_in_order(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """`jnp.broadcast_to(x, shape)` whose gradient sums over the broadcast axes with
+    `sum_in_order` (in fp32 for narrower floats, rounded once to x.dtype). Autodiff of a plain
+    broadcast (`p[:, None] * a`) sums with an XLA reduce, whose order XLA picks per compilation."""
+    x = jnp.asarray(x)
+    return _broadcast(x, tuple(shape), x.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _broadcast(x, shape, in_shape):
+    return jnp.broadcast_to(x, shape)
+
+
+def _broadcast_fwd(x, shape, in_shape):
+    return jnp.broadcast_to(x, shape), jnp.zeros((0,), x.dtype)
+
+
+def _broadcast_bwd(shape, in_shape, residual, g):
+    dtype = residual.dtype
+    total = g.astype(jnp.promote_types(dtype, jnp.float32))
+    lead = len(shape) - len(in_shape)
+    for _ in range(lead):
+        total = sum_in_order(total, axis=0)
+    for axis, (size, full) in enumerate(zip(in_shape, shape[lead:], strict=True)):
+        if size == 1 and full != 1:
+            total = sum_in_order(total, axis=axis, keepdims=True)
+    return (total.astype(dtype),)
+
+
+_broadcast.defvjp(_broadcast_fwd, _broadcast_bwd)

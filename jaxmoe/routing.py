@@ -8,6 +8,11 @@ Ties: every top-k in this module (experts per token, groups per token, tokens pe
 capacity) is resolved toward the LOWER index, i.e. the earlier expert / group / token wins, tokens
 counted in Megatron's sequence-major order (`megatron_token_order`). Megatron uses `torch.topk`,
 whose tie order is an implementation detail; this rule is jaxmoe's definition.
+
+Every float sum here, forward and backward, is `jaxmoe.ordered`'s (a fixed pairwise order): an
+XLA reduce's order is chosen per compilation on the GPU, and two compilations of one step would
+differ in the last bit. The top-k gathers' gradients scatter one value per target (exact in any
+order).
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from flax import struct
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.ops.dense import dense
-from jaxmoe.ordered import sum_in_order
+from jaxmoe.ordered import broadcast_in_order, sum_in_order
 
 F32 = jnp.float32
+# The name scope of the top-k selections: their gradients scatter one value per target.
+SELECTION = "top_k_selection"
 
 
 @struct.dataclass
@@ -52,14 +59,29 @@ def router_logits(
 def _divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     """A true IEEE division. XLA rewrites x / broadcast(d) into x * (1 / d), which rounds twice
     (0.5 / 1.0 style ties come out one ulp low); the barrier keeps the division."""
-    return numerator / jax.lax.optimization_barrier(jnp.broadcast_to(denominator, numerator.shape))
+    spread = broadcast_in_order(denominator, numerator.shape)
+    return numerator / jax.lax.optimization_barrier(spread)
+
+
+def _shifted_exp(logits: jax.Array) -> jax.Array:
+    """exp(z - max z) over the last axis in fp32; the shift is a constant to autodiff (the
+    result's uses do not depend on it)."""
+    z = logits.astype(F32)
+    return jnp.exp(z - jnp.max(jax.lax.stop_gradient(z), axis=-1, keepdims=True))
 
 
 def _softmax(logits: jax.Array) -> jax.Array:
     """fp32 softmax over the last axis with a true division (as torch computes it)."""
+    e = _shifted_exp(logits)
+    return _divide(e, sum_in_order(e, axis=-1, keepdims=True))
+
+
+def _logsumexp(logits: jax.Array) -> jax.Array:
+    """log(sum(exp(z))) over the last axis in fp32, shifted by the row's max."""
     z = logits.astype(F32)
-    e = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))
-    return _divide(e, jnp.sum(e, axis=-1, keepdims=True))
+    shift = jnp.max(jax.lax.stop_gradient(z), axis=-1)
+    shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
+    return jnp.log(sum_in_order(jnp.exp(z - shift[..., None]), axis=-1)) + shift
 
 
 def _scores(logits: jax.Array, score_function: str) -> jax.Array:
@@ -72,6 +94,7 @@ def _scores(logits: jax.Array, score_function: str) -> jax.Array:
     raise ValueError(score_function)
 
 
+@jax.named_scope(SELECTION)
 def _top_k(scores: jax.Array, k: int, num_groups: int | None, group_topk: int | None):
     """Top-k over the last axis, optionally group-limited (Megatron `group_limited_topk`).
 
@@ -83,7 +106,7 @@ def _top_k(scores: jax.Array, k: int, num_groups: int | None, group_topk: int | 
     num_tokens, num_experts = scores.shape
     grouped = scores.reshape(num_tokens, num_groups, num_experts // num_groups)
     best_in_group = jax.lax.top_k(grouped, k // group_topk)[0]
-    group_scores = jnp.sum(best_in_group.astype(F32), axis=-1).astype(scores.dtype)
+    group_scores = sum_in_order(best_in_group.astype(F32), axis=-1).astype(scores.dtype)
     chosen_groups = jax.lax.top_k(group_scores, group_topk)[1]
     group_allowed = jnp.any(chosen_groups[:, :, None] == jnp.arange(num_groups), axis=1)
     allowed = jnp.repeat(group_allowed, num_experts // num_groups, axis=1)
@@ -106,11 +129,12 @@ def topk_routing(
         scores = _scores(logits, config.score_function)
         if expert_bias is not None:
             indices = _top_k(scores + expert_bias.astype(F32), k, *groups)[1]
-            probs = jnp.take_along_axis(scores, indices, axis=-1)
+            with jax.named_scope(SELECTION):
+                probs = jnp.take_along_axis(scores, indices, axis=-1)
         else:
             probs, indices = _top_k(scores, k, *groups)
         if k > 1:
-            probs = _divide(probs, jnp.sum(probs, axis=-1, keepdims=True) + 1e-20)
+            probs = _divide(probs, sum_in_order(probs, axis=-1, keepdims=True) + 1e-20)
     if config.topk_scaling_factor is not None:
         probs = probs * jnp.asarray(config.topk_scaling_factor, F32)
     return probs.astype(logits.dtype), indices.astype(jnp.int32)
@@ -119,7 +143,7 @@ def topk_routing(
 def dense_probs(probs: jax.Array, indices: jax.Array, num_experts: int) -> jax.Array:
     """[T, k] probabilities -> dense [T, E] (zeros off the top-k), without a scatter."""
     one_hot = indices[..., None] == jnp.arange(num_experts, dtype=indices.dtype)
-    return jnp.sum(jnp.where(one_hot, probs[..., None], 0), axis=-2).astype(probs.dtype)
+    return sum_in_order(jnp.where(one_hot, probs[..., None], 0), axis=-2).astype(probs.dtype)
 
 
 def megatron_token_order(num_tokens: int, sequence_shape: tuple[int, ...] | None) -> np.ndarray:
@@ -201,8 +225,6 @@ def tokens_per_expert(
 
 
 # ---------------------------------------------------------------------------- auxiliary losses
-# Their sums over tokens are `sum_in_order`: the loss a user logs has the same bits in every
-# compilation (an XLA reduce's order is picked per compilation on the GPU).
 def aux_loss_scores(logits: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Array]:
     """Megatron's `compute_routing_scores_for_aux_loss`: fp32 scores over all E (softmax, or
     sigmoid/sqrtsoftplus normalised over E) and the plain top-k map [T, E] (no bias, no groups,
@@ -211,7 +233,7 @@ def aux_loss_scores(logits: jax.Array, config: MoEConfig) -> tuple[jax.Array, ja
         scores = _softmax(logits)
     else:
         scores = _scores(logits, config.score_function)
-        scores = _divide(scores, jnp.sum(scores, axis=-1, keepdims=True) + 1e-20)
+        scores = _divide(scores, sum_in_order(scores, axis=-1, keepdims=True) + 1e-20)
     top = _top_k(scores, config.top_k, None, None)[1]
     routing_map = jnp.any(top[..., None] == jnp.arange(config.num_experts), axis=1)
     return scores, routing_map
@@ -269,7 +291,7 @@ def z_loss(
     Megatron (bf16 by default); padding tokens excluded. An fp32 scalar (0 when coeff is None)."""
     if coeff is None:
         return jnp.zeros((), F32)
-    lse = jax.nn.logsumexp(logits.astype(F32), axis=-1).astype(logits.dtype).astype(F32)
+    lse = _logsumexp(logits).astype(logits.dtype).astype(F32)
     valid = jnp.ones(lse.shape, bool) if padding_mask is None else ~padding_mask
     total = sum_in_order(jnp.where(valid, lse * lse, 0.0))
     return total / jnp.maximum(jnp.sum(valid), 1).astype(F32) * coeff

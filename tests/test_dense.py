@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxmoe.ops import dense
-from jaxmoe.ops.dense import _bf16_pieces, _row_chunks
+from jaxmoe.ops.dense import _row_chunks, bf16_pieces
 
 from bitwise import assert_bitwise, differs
 
@@ -84,21 +84,21 @@ def test_fp32_output_gradient_keeps_fp32_precision(interpret):
     assert miss_fraction(dw_rounded_grad.astype(BF16), dw_ref) >= 0.1
 
 
-def test_bf16_pieces_add_up_exactly():
+def testbf16_pieces_add_up_exactly():
     g = np.concatenate(
         [np.random.default_rng(0).standard_normal(1000) * 10.0**e for e in range(-20, 21, 5)]
     ).astype(np.float32)
     g = np.concatenate([g, np.float32([0.0, -0.0, 1.0, 3.4e38, -3.4028235e38, -1.2e-30])])
-    pieces = _bf16_pieces(jnp.asarray(g), BF16)
+    pieces = bf16_pieces(jnp.asarray(g), BF16)
     assert len(pieces) == 3 and all(p.dtype == BF16 for p in pieces)
     total = sum(np.asarray(p, np.float64) for p in pieces)
     np.testing.assert_array_equal(total, g.astype(np.float64))
-    special = _bf16_pieces(jnp.float32([np.inf, -np.inf, np.nan]), BF16)
+    special = bf16_pieces(jnp.float32([np.inf, -np.inf, np.nan]), BF16)
     np.testing.assert_array_equal(np.asarray(special[0], np.float32), [np.inf, -np.inf, np.nan])
     assert not np.any(np.asarray(special[1], np.float32)) and not np.any(
         np.asarray(special[2], np.float32)
     )
-    assert _bf16_pieces(jnp.asarray(g, BF16), BF16)[0].dtype == BF16  # already bf16: as is
+    assert bf16_pieces(jnp.asarray(g, BF16), BF16)[0].dtype == BF16  # already bf16: as is
 
 
 def test_rows_do_not_depend_on_the_batch(interpret):

@@ -21,8 +21,9 @@ from flax import nnx
 import jaxmoe
 from jaxmoe import MoE, MoEConfig, demo, mxfp8
 from jaxmoe.dispatch import combine
-from jaxmoe.experts import weighted_activation
+from jaxmoe.experts import bias_per_row, weighted_activation
 from jaxmoe.ops import gmm, mxfp8_gmm, quantize_weights, tgmm
+from jaxmoe.ordered import broadcast_in_order
 
 from bitwise import assert_bitwise, differs
 
@@ -144,15 +145,12 @@ reference_gmm.defvjp(
 )
 
 
-def _per_row(bias, plan):
-    return jnp.take(jnp.concatenate([bias, jnp.zeros_like(bias[:1])]), plan.row_expert, axis=0)
-
-
 def reference_forward(model, x):
     """The layer's routed experts (no shared expert) with `reference_gmm` and plain autodiff:
     the bf16 layer with MXFP8 GEMMs swapped in, wire options ignored. It shares the layer's
-    routing, plan, dispatch and combine on purpose, to isolate the MXFP8 GEMM wiring of the
-    gradients; the forward is checked with nothing shared in tests/test_layer_reference.py
+    routing, plan, dispatch, combine and fixed-order bias and probability sums on purpose, to
+    isolate the MXFP8 GEMM wiring of the gradients; the forward is checked with nothing shared
+    in tests/test_layer_reference.py
     (`test_mxfp8_layer_against_the_loop_reference_with_independent_quantization`)."""
     config, experts = model.config, model.experts
     _, routing = model.router(x)
@@ -160,11 +158,12 @@ def reference_forward(model, x):
     rows, row_probs = jaxmoe.dispatch(x, plan), jaxmoe.gather_slots(routing.probs, plan)
     h = reference_gmm(rows, experts.fc1_kernel[...], plan.group_sizes)
     if config.add_bias_linear:
-        h = h + _per_row(experts.fc1_bias[...], plan).astype(F32)
+        h = h + bias_per_row(experts.fc1_bias[...], plan, model.gmm_impl)
     a = weighted_activation(h.astype(BF16), row_probs, config)
     out = reference_gmm(a, experts.fc2_kernel[...], plan.group_sizes).astype(BF16)
     if config.add_bias_linear:
-        bias = _per_row(experts.fc2_bias[...], plan).astype(F32) * row_probs.astype(F32)[:, None]
+        bias = bias_per_row(experts.fc2_bias[...], plan, model.gmm_impl)
+        bias = bias * broadcast_in_order(row_probs.astype(F32)[:, None], bias.shape)
         out = (out.astype(F32) + bias).astype(BF16)
     return combine(out, plan)
 

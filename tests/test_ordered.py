@@ -2,6 +2,8 @@
 loop of the same tree, with an elementwise gradient; the auxiliary losses use it for every sum
 over tokens."""
 
+import dataclasses
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -10,6 +12,7 @@ import pytest
 
 from jaxmoe import MoEConfig, routing
 from jaxmoe.ordered import sum_in_order
+from jaxmoe.shapes import SHAPES
 
 from bitwise import assert_bitwise, differs
 
@@ -116,3 +119,89 @@ def test_aux_losses_sum_over_tokens_in_order(balancing, score_function):
 
     assert not float_sums_over(losses, logits, axis_size=37)
     assert float_sums_over(lambda v: jnp.sum(v * v), logits, axis_size=37)
+
+
+LAYER_CONFIGS = {
+    "softmax_capacity": dict(
+        aux_loss_coeff=1e-2, z_loss_coeff=1e-3, capacity_factor=1.0, token_drop_policy="probs"
+    ),
+    "pre_softmax_biases": dict(
+        pre_softmax=True,
+        add_bias_linear=True,
+        gated_linear_unit=False,
+        activation="gelu",
+        capacity_factor=1.5,
+        token_drop_policy="position",
+        pad_expert_input_to_capacity=True,
+    ),
+    "deepseek_v3_style": dict(  # its config (sigmoid, groups, expert bias, gated shared expert)
+        dataclasses.asdict(SHAPES["deepseek_v3_style"].config),
+        num_experts=8,
+        top_k=2,
+        num_groups=4,
+        group_topk=2,
+        shared_expert_intermediate_size=128,
+    ),
+    "sqrtsoftplus_mxfp8": dict(
+        score_function="sqrtsoftplus",
+        aux_loss_coeff=1e-2,
+        expert_precision="mxfp8",
+        dispatch_dtype="mxfp8",
+        combine_bwd_dtype="mxfp8",
+        expert_row_alignment=32,
+        shared_expert_intermediate_size=128,
+    ),
+}
+
+
+def compiler_ordered_sums(jaxpr, outer_scope: str = "") -> list[str]:
+    """The equations whose float result depends on an order XLA picks: reduce_sum and cumsum
+    over an axis longer than 1, scatter-add (but the top-k selections' gradients, one value per
+    target), and XLA dots. `outer_scope`: the name scope of the equation holding this jaxpr."""
+    found = []
+    for eqn in jaxpr.eqns:
+        scope = f"{outer_scope}/{eqn.source_info.name_stack}"
+        name = eqn.primitive.name
+        aval = eqn.invars[0].aval if eqn.invars else None
+        floating = any(jnp.issubdtype(v.aval.dtype, jnp.floating) for v in eqn.outvars)
+        if name == "reduce_sum" and floating:
+            suspect = any(aval.shape[a] > 1 for a in eqn.params["axes"])
+        elif name == "cumsum" and floating:
+            suspect = aval.shape[eqn.params["axis"]] > 1
+        elif name == "scatter-add" and floating:
+            suspect = routing.SELECTION not in scope
+        else:
+            suspect = name == "dot_general"
+        if suspect:
+            found.append(f"{name} {aval} at {scope}")
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += compiler_ordered_sums(sub, scope)
+    return found
+
+
+@pytest.mark.parametrize("name", LAYER_CONFIGS)
+def test_training_step_has_no_compiler_ordered_sum(name):
+    """The layer's training step on the kernels (traced, not run), y and every gradient: every
+    float sum is `jaxmoe.ordered`'s or a kernel's, so two compilations give the same bits (on
+    the H200 an XLA reduce of the probability gradient came out differently in two compilations
+    of one step). Control: an XLA reduce over the output is found."""
+    from flax import nnx
+
+    from jaxmoe import MoE
+
+    config = MoEConfig(
+        **{"num_experts": 8, "top_k": 2, **LAYER_CONFIGS[name], "ffn_hidden_size": 128}
+    )
+    model = MoE(config, 128, param_dtype=jnp.bfloat16, gmm_impl="pallas", rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    x = jax.random.normal(jax.random.key(1), (2, 40, 128)).astype(jnp.bfloat16)
+
+    def step(total):
+        def loss(params, rest, x):
+            y, aux, _ = nnx.merge(graphdef, params, rest).forward_with_stages(x)
+            return total(y.astype(jnp.float32)) + aux.total_loss
+
+        return jax.make_jaxpr(jax.grad(loss, argnums=(0, 2)))(params, rest, x).jaxpr
+
+    assert not compiler_ordered_sums(step(lambda y: sum_in_order(jnp.ravel(y))))
+    assert compiler_ordered_sums(step(jnp.sum))

@@ -12,8 +12,8 @@ Implementations (`impl=`):
            multiples of 64 where needed (zero products leave every sum unchanged). Backward:
            d x on the same kernel (batch-invariant per token); d w on the weight-gradient
            kernel (`ops/pallas/tgmm_hopper.py`) over row chunks of the batch, summed in fp32 in
-           chunk order (a fixed order: the same bits in every run and every compilation, which
-           an autotuned library GEMM does not promise); d bias an fp32 sum. An fp32 output's
+           a fixed order (`jaxmoe.ordered.sum_in_order`: the same bits in every compilation,
+           which an autotuned library GEMM does not promise); d bias likewise. An fp32 output's
            gradient is split exactly into three bf16 pieces, so both products keep fp32
            precision.
   "auto"   "pallas" on a Hopper GPU for bf16/fp16 operands, else "xla".
@@ -89,7 +89,7 @@ def _product(x, w, out_dtype):
     return out[:, : w.shape[1]]
 
 
-def _bf16_pieces(g: jax.Array, dtype) -> list[jax.Array]:
+def bf16_pieces(g: jax.Array, dtype) -> list[jax.Array]:
     """g as a list of `dtype` arrays that add up to g exactly: [g] when g already has that
     dtype, else three (hi, mid, lo) for an fp32 g, each the leading 8 significant bits of what
     the earlier ones leave (truncated, so that no piece overflows; Inf and NaN stay in hi). Exact
@@ -134,7 +134,7 @@ def _dense_pallas_bwd(out_dtype, residuals, grad):
     w_padded = _pad_to_kernel(_pad_to_kernel(w, 0), 1)[None]
     chunks = _row_chunks(x.shape[0], x_padded.shape[1], w_padded.shape[2])
     d_x = d_w = None
-    for piece in _bf16_pieces(grad, x.dtype):
+    for piece in bf16_pieces(grad, x.dtype):
         piece = _pad_to_kernel(piece, 1)
         part_x = gmm(
             piece,
