@@ -385,4 +385,6 @@ def test_training_step_lowers_the_loss(layer, record_property):
     stepped = jax.tree.map(step, layer.params, grads)
     (new_loss, _), _ = layer.train(stepped, layer.x, layer.dy)
     record_property("loss_before_after", [float(loss), float(new_loss)])
+    stats = jax.devices()[0].memory_stats() or {}
+    record_property("peak_device_bytes", stats.get("peak_bytes_in_use"))  # sizes the processes
     assert float(new_loss) < float(loss)
