@@ -5,6 +5,7 @@
   interpreter) to check the suite itself.
 * The `interpret` fixture runs Pallas Mosaic GPU kernels on CPU, each call race-checked; tests
   that use it are marked `slow` (`make test-quick` leaves them out).
+* Eight host devices (`--xla_force_host_platform_device_count=8`) for meshes on CPU.
 * `--results-json PATH` writes every test's outcome, duration and recorded properties
   (`record_property`) with the device and versions to PATH: the GPU suite's record
   (`make test-gpu`).
@@ -12,15 +13,23 @@
 
 import datetime
 import json
+import os
 import platform
 import subprocess
 
-import jax
-import pytest
+# Eight host (CPU) devices for the expert-parallel tests' meshes; everything else runs on the
+# first. XLA reads the flag when JAX starts, so it is set before JAX is imported.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 
-from jaxmoe.ops import on_hopper
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
-from interpreter import race_checked_interpreter
+from jaxmoe.ops import on_hopper  # noqa: E402
+
+from interpreter import race_checked_interpreter  # noqa: E402
 
 
 def pytest_addoption(parser):

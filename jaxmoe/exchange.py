@@ -1,0 +1,181 @@
+"""The expert-parallel row exchange: expert-buffer rows to the ranks that own their experts, and
+the expert outputs back (docs/expert_parallel.md).
+
+Runs per rank inside `jax.shard_map` over the expert axis (`axis_name`, `num_ranks` ranks; rank r
+owns experts [r * E/R, (r + 1) * E/R)). The sender's buffer is its local `Plan`'s, expert-major,
+so the rows for one rank form one contiguous range of it. The receiver lays its buffer out
+expert-major and source-minor: expert e's rows are the block from source 0, then source 1, ...,
+each block at its padded size (a multiple of the row alignment), tokens in their source order.
+
+The transport is a dense `all_to_all` with room for a whole local buffer per peer, so no row is
+ever lost whatever the routing. Every step is a row permutation with zero fill, so the two
+directions are each other's transpose: `send_rows`'s VJP is `return_rows` and the reverse. No
+scatter-add, and a row's values are moved, never summed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxmoe.plan import Plan
+
+
+@struct.dataclass
+class ExchangePlan:
+    """Index arrays of one rank's exchange (N: the sentinel, one past the source's last row).
+
+    send_row:    [R * C] local buffer row sent in slot c to peer p (index p * C + c); M: none.
+    back_row:    [M] slot (p * C + c) from which local buffer row m comes back; R * C: none.
+    recv_slot:   [R * C] received slot (s * C + c) held by each receiver row; R * C: padding.
+    return_slot: [R * C] receiver row that goes back in received slot s * C + c; R * C: none.
+    group_sizes: [E/R] rows per local expert in the receiver's buffer (all sources, padded).
+    row_expert:  [R * C] local expert of each receiver row; E/R past the last block.
+    source_sizes:[R, E/R] padded block sizes received from each source.
+    """
+
+    send_row: jax.Array
+    back_row: jax.Array
+    recv_slot: jax.Array
+    return_slot: jax.Array
+    group_sizes: jax.Array
+    row_expert: jax.Array
+    source_sizes: jax.Array
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the receiver's buffer (static: room for every source's whole buffer)."""
+        return self.recv_slot.shape[0]
+
+
+def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def exchange_plan(plan: Plan, num_ranks: int, axis_name: str) -> ExchangePlan:
+    """The exchange of `plan`'s buffer over the `axis_name` axis of `num_ranks` ranks (inside
+    shard_map). Sends the per-expert block sizes to their owners (one small all_to_all)."""
+    num_experts = plan.group_sizes.shape[0]
+    if num_experts % num_ranks:
+        raise ValueError(f"exchange: {num_experts} experts do not split over {num_ranks} ranks")
+    local_experts = num_experts // num_ranks
+    num_rows = plan.num_rows  # M, also the per-peer room C
+    ranks, slots = jnp.arange(num_ranks, dtype=jnp.int32), jnp.arange(num_rows, dtype=jnp.int32)
+
+    # Sender: peer p's rows are the buffer range of its experts' blocks.
+    block_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(plan.group_sizes)])
+    peer_start = block_start[ranks * local_experts]
+    peer_count = block_start[(ranks + 1) * local_experts] - peer_start
+    send_row = jnp.where(
+        slots[None, :] < peer_count[:, None], peer_start[:, None] + slots[None, :], num_rows
+    ).reshape(-1)
+    owner = jnp.minimum(plan.row_expert // local_experts, num_ranks - 1)
+    back_row = jnp.where(
+        plan.row_expert < num_experts,
+        owner * num_rows + jnp.arange(num_rows, dtype=jnp.int32) - peer_start[owner],
+        num_ranks * num_rows,
+    )
+
+    # Receiver: blocks (expert e, source s) in order e-major, s-minor.
+    source_sizes = jax.lax.all_to_all(
+        plan.group_sizes.reshape(num_ranks, local_experts), axis_name, 0, 0, tiled=True
+    )  # [source, local expert]
+    source_offset = _exclusive_cumsum(source_sizes, axis=1)  # where (s, e) starts in s's slots
+    blocks = source_sizes.T.reshape(-1)  # [(e, s)]
+    dest_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(blocks)])
+    total = num_ranks * num_rows
+    rows = jnp.arange(total, dtype=jnp.int32)
+    block = jnp.searchsorted(dest_start[1:], rows, side="right", method="compare_all")
+    block = block.astype(jnp.int32)
+    real = block < blocks.shape[0]
+    clipped = jnp.minimum(block, blocks.shape[0] - 1)
+    expert, source = clipped // num_ranks, clipped % num_ranks
+    recv_slot = jnp.where(
+        real,
+        source * num_rows + source_offset[source, expert] + rows - dest_start[clipped],
+        total,
+    )
+    # Inverse: received slot (s, c) -> receiver row, for the slots that carried rows.
+    slot_source, slot_c = rows // num_rows, rows % num_rows
+    sent_by_source = jnp.sum(source_sizes, axis=1)
+    slot_expert = jnp.sum(slot_c[:, None] >= source_offset[slot_source][:, 1:], axis=1)
+    slot_expert = slot_expert.astype(jnp.int32)
+    return_slot = jnp.where(
+        slot_c < sent_by_source[slot_source],
+        dest_start[slot_expert * num_ranks + slot_source]
+        + slot_c
+        - source_offset[slot_source, slot_expert],
+        total,
+    )
+    return ExchangePlan(
+        send_row=send_row.astype(jnp.int32),
+        back_row=back_row.astype(jnp.int32),
+        recv_slot=recv_slot.astype(jnp.int32),
+        return_slot=return_slot.astype(jnp.int32),
+        group_sizes=jnp.sum(source_sizes, axis=0).astype(jnp.int32),
+        row_expert=jnp.where(real, expert, local_experts).astype(jnp.int32),
+        source_sizes=source_sizes.astype(jnp.int32),
+    )
+
+
+def _take(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[index] with zero rows where index == len(x)."""
+    padded = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)], axis=0)
+    return jnp.take(padded, index, axis=0)
+
+
+def _all_to_all(slots: jax.Array, num_ranks: int, axis_name: str) -> jax.Array:
+    """[R * C, ...] slots, block p to rank p -> [R * C, ...], block s from rank s."""
+    blocks = slots.reshape((num_ranks, -1) + slots.shape[1:])
+    return jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True).reshape(slots.shape)
+
+
+def _send(rows, xplan, axis_name):
+    num_ranks = xplan.source_sizes.shape[0]
+    received = _all_to_all(_take(rows, xplan.send_row), num_ranks, axis_name)
+    return _take(received, xplan.recv_slot)
+
+
+def _return(rows, xplan, axis_name):
+    num_ranks = xplan.source_sizes.shape[0]
+    received = _all_to_all(_take(rows, xplan.return_slot), num_ranks, axis_name)
+    return _take(received, xplan.back_row)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def send_rows(rows: jax.Array, xplan: ExchangePlan, axis_name: str) -> jax.Array:
+    """The local buffer's rows [M, ...] -> the receiver's buffer [R * M, ...] (zero padding
+    rows). Values move unchanged; the VJP is `return_rows`."""
+    return _send(rows, xplan, axis_name)
+
+
+def _send_fwd(rows, xplan, axis_name):
+    return _send(rows, xplan, axis_name), xplan
+
+
+def _send_bwd(axis_name, xplan, grad):
+    return _return(grad, xplan, axis_name), None
+
+
+send_rows.defvjp(_send_fwd, _send_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def return_rows(rows: jax.Array, xplan: ExchangePlan, axis_name: str) -> jax.Array:
+    """The receiver's buffer rows [R * M, ...] -> back to their source, in its local buffer
+    layout [M, ...] (zero for rows that were not sent). The VJP is `send_rows`."""
+    return _return(rows, xplan, axis_name)
+
+
+def _return_fwd(rows, xplan, axis_name):
+    return _return(rows, xplan, axis_name), xplan
+
+
+def _return_bwd(axis_name, xplan, grad):
+    return _send(grad, xplan, axis_name), None
+
+
+return_rows.defvjp(_return_fwd, _return_bwd)
