@@ -6,6 +6,7 @@ Data path: route -> plan -> dispatch -> grouped expert MLP -> combine (+ shared 
 from jaxmoe import mxfp8, ops
 from jaxmoe.config import MoEConfig, selective_precision
 from jaxmoe.dispatch import combine, dispatch, gather_slots
+from jaxmoe.expert_parallel import expert_parallel_forward
 from jaxmoe.moe import ExpertBias, MoE, MoEAux, MoEStages, to_linen
 from jaxmoe.plan import Plan, make_plan
 from jaxmoe.routing import Routing, route, router_logits, update_expert_bias
@@ -18,6 +19,7 @@ __all__ = [
     "MoEStages",
     "ExpertBias",
     "to_linen",
+    "expert_parallel_forward",
     "Routing",
     "route",
     "router_logits",

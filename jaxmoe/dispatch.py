@@ -22,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops.permute import combine_rows, dispatch_rows
@@ -120,3 +121,37 @@ def _gather_slots_bwd(plan, grad):
 
 
 gather_slots.defvjp(_gather_slots_fwd, _gather_slots_bwd)
+
+
+@struct.dataclass
+class LocalRoute:
+    """How tokens reach the experts on this device and come back: the plan's expert buffer.
+
+    The experts' code sees a route only through these members, so that an expert-parallel
+    route (`jaxmoe.exchange.ExchangedRoute`, rows moved to the experts' owners) runs the same
+    GEMMs, activation and gradient rules:
+      group_sizes [G]  rows per expert of the buffer the GEMMs read (padding included)
+      row_expert [M]   expert of each buffer row (G past the last block)
+      to_experts(x)    token rows [T, H] (array or rowwise MXTensor) -> buffer rows
+      to_tokens(rows)  buffer rows -> each token's rows combined [T, H]; VJP: to_experts
+      slot_values(v)   per-slot values [T, k] -> per-row values [M]"""
+
+    plan: Plan
+    impl: str = struct.field(pytree_node=False, default="auto")
+
+    @property
+    def group_sizes(self) -> jax.Array:
+        return self.plan.group_sizes
+
+    @property
+    def row_expert(self) -> jax.Array:
+        return self.plan.row_expert
+
+    def to_experts(self, x: jax.Array | MXTensor) -> jax.Array | MXTensor:
+        return dispatch(x, self.plan, self.impl)
+
+    def to_tokens(self, rows: jax.Array) -> jax.Array:
+        return combine(rows, self.plan, self.impl)
+
+    def slot_values(self, values: jax.Array) -> jax.Array:
+        return gather_slots(values, self.plan)

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxmoe.dispatch import combine, dispatch, gather_slots
+from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.plan import Plan
 
 
@@ -179,3 +181,41 @@ def _return_bwd(axis_name, xplan, grad):
 
 
 return_rows.defvjp(_return_fwd, _return_bwd)
+
+
+@struct.dataclass
+class ExchangedRoute:
+    """A route (see `jaxmoe.dispatch.LocalRoute`) across expert-parallel ranks: the local plan's
+    buffer rows go to their experts' owners and come back before the combine. The experts see
+    the receiver's buffer (`group_sizes` and `row_expert` over this rank's E/R experts)."""
+
+    plan: Plan
+    exchange: ExchangePlan
+    axis_name: str = struct.field(pytree_node=False)
+    impl: str = struct.field(pytree_node=False, default="auto")
+
+    @classmethod
+    def build(cls, plan: Plan, impl: str, *, num_ranks: int, axis_name: str) -> ExchangedRoute:
+        return cls(plan, exchange_plan(plan, num_ranks, axis_name), axis_name, impl)
+
+    @property
+    def group_sizes(self) -> jax.Array:
+        return self.exchange.group_sizes
+
+    @property
+    def row_expert(self) -> jax.Array:
+        return self.exchange.row_expert
+
+    def to_experts(self, x: jax.Array | MXTensor) -> jax.Array | MXTensor:
+        rows = dispatch(x, self.plan, self.impl)
+        if isinstance(rows, MXTensor):  # fp8 data and scale rows travel as they are
+            send = lambda a: _send(a, self.exchange, self.axis_name)
+            return MXTensor(data=send(rows.data), scale=send(rows.scale), axis=1, fmt=rows.fmt)
+        return send_rows(rows, self.exchange, self.axis_name)
+
+    def to_tokens(self, rows: jax.Array) -> jax.Array:
+        return combine(return_rows(rows, self.exchange, self.axis_name), self.plan, self.impl)
+
+    def slot_values(self, values: jax.Array) -> jax.Array:
+        per_row = gather_slots(values, self.plan)[:, None]
+        return send_rows(per_row, self.exchange, self.axis_name)[:, 0]

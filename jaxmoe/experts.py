@@ -29,7 +29,6 @@ from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops.dense import bf16_pieces, dense
 from jaxmoe.ops.gmm import KERNEL_MULTIPLE, tgmm
 from jaxmoe.ordered import broadcast_in_order
-from jaxmoe.plan import Plan
 from jaxmoe.recipes import recipe_for
 
 F32 = jnp.float32
@@ -61,12 +60,13 @@ def weighted_activation(h: jax.Array, probs: jax.Array | None, config: MoEConfig
     return out.astype(h.dtype)
 
 
-def bias_per_row(bias: jax.Array, plan: Plan, impl: str = "auto") -> jax.Array:
-    """fp32 bias[row_expert] [M, N] for bias [E, N]: each row gets its expert's bias, rows past
-    the last expert block zeros. Its gradient sums each expert's rows on the weight-gradient
+def bias_per_row(bias: jax.Array, route: Any, impl: str = "auto") -> jax.Array:
+    """fp32 bias[row_expert] [M, N] for bias [E, N] (the route's `row_expert` and
+    `group_sizes`, or a `Plan`'s): each row gets its expert's bias, rows past the last expert
+    block zeros. Its gradient sums each expert's rows on the weight-gradient
     GEMM (`ops.gmm.tgmm`, ones^T @ rows, in fp32; an fp32 gradient as three exact bf16 pieces):
     a fixed order, where the gather's own gradient is a scatter-add whose order is the GPU's."""
-    return _bias_per_row(bias, plan.row_expert, plan.group_sizes, impl)
+    return _bias_per_row(bias, route.row_expert, route.group_sizes, impl)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -127,7 +127,7 @@ def quantize_expert_weights(
 def grouped_mlp(
     rows: jax.Array,
     row_probs: jax.Array,
-    plan: Plan,
+    route: Any,
     weights: ExpertMatrices,
     config: MoEConfig,
     *,
@@ -137,7 +137,9 @@ def grouped_mlp(
 ) -> ExpertStages:
     """Run every expert on its row block of the buffer and combine the rows back to tokens.
 
-    rows [M, H] (dispatched tokens, compute dtype); row_probs [M]; plan: the buffer layout;
+    rows [M, H] (dispatched tokens, compute dtype); row_probs [M]; route: the buffer's layout and
+    the way back to tokens (`jaxmoe.dispatch.LocalRoute`, or `jaxmoe.exchange.ExchangedRoute`
+    across expert-parallel ranks);
     weights: the experts' parameters; rows_rowwise: the dispatched rowwise MXFP8 copy of the
     tokens (dispatch_dtype "mxfp8"), else None. expert_weights: `quantize_expert_weights` of
     these kernels made earlier in the step (None: quantize here). Returns the stages;
@@ -152,26 +154,26 @@ def grouped_mlp(
         h = recipe.fc1(
             rows,
             fc1_kernel,
-            plan.group_sizes,
+            route.group_sizes,
             rows_rowwise=rows_rowwise,
             weights=expert_weights,
             out_dtype=fc1_out_dtype,
             impl=gmm_impl,
         )
         if fc1_bias is not None:
-            h = h + bias_per_row(fc1_bias, plan, gmm_impl)
+            h = h + bias_per_row(fc1_bias, route, gmm_impl)
         h = h.astype(dtype)
     with jax.named_scope("activation"):
         a = weighted_activation(h, row_probs, config)
     row_bias = None
     if fc2_bias is not None:
-        row_bias = bias_per_row(fc2_bias, plan, gmm_impl)
+        row_bias = bias_per_row(fc2_bias, route, gmm_impl)
         row_bias = row_bias * broadcast_in_order(row_probs.astype(F32)[:, None], row_bias.shape)
     out, combined = recipe.fc2_and_combine(
         a,
         fc2_kernel,
         row_bias,
-        plan,
+        route,
         weights=expert_weights,
         combine_bwd_dtype=config.combine_bwd_dtype,
         impl=gmm_impl,

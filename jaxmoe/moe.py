@@ -24,7 +24,7 @@ from flax import nnx, struct
 
 from jaxmoe import routing as routing_lib
 from jaxmoe.config import MoEConfig
-from jaxmoe.dispatch import dispatch, gather_slots
+from jaxmoe.dispatch import LocalRoute
 from jaxmoe.experts import ExpertMatrices, grouped_mlp, quantize_expert_weights, shared_mlp
 from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor
 from jaxmoe.ops.quantize import quantize
@@ -195,7 +195,7 @@ class GroupedMLP(nnx.Module):
         self.fc1_bias = _zeros((e, f1), param_dtype, (EXPERT, MLP)) if bias else None
         self.fc2_bias = _zeros((e, hidden_size), param_dtype, (EXPERT, EMBED)) if bias else None
 
-    def __call__(self, rows, row_probs, plan, *, rows_rowwise, expert_weights, gmm_impl: str):
+    def __call__(self, rows, row_probs, route, *, rows_rowwise, expert_weights, gmm_impl: str):
         value = lambda p: None if p is None else p[...]
         weights = ExpertMatrices(
             self.fc1_kernel[...], self.fc2_kernel[...], value(self.fc1_bias), value(self.fc2_bias)
@@ -203,7 +203,7 @@ class GroupedMLP(nnx.Module):
         return grouped_mlp(
             rows,
             row_probs,
-            plan,
+            route,
             weights,
             self.config,
             rows_rowwise=rows_rowwise,
@@ -383,9 +383,14 @@ class MoE(nnx.Module):
         *,
         padding_mask: jax.Array | None = None,
         expert_weights: ExpertWeightsMx | None = None,
+        route_for: Callable[[Plan, str], Any] = LocalRoute,
     ) -> tuple[jax.Array, MoEAux, MoEStages]:
         """Like `__call__`, plus the intermediate values (`MoEStages`, for stage-by-stage
-        comparisons). Unused entries cost nothing under jit."""
+        comparisons). Unused entries cost nothing under jit.
+
+        route_for(plan, gmm_impl): how the plan's rows reach the experts and come back; the
+        default keeps them on this device (`jaxmoe.expert_parallel` passes the exchange between
+        expert-parallel ranks, and the experts' parameters are then this rank's)."""
         self._check_input(x, padding_mask)
         config = self.config
         tokens = x.reshape(-1, self.hidden_size).astype(self.dtype)
@@ -396,19 +401,20 @@ class MoE(nnx.Module):
         with jax.named_scope("plan"):
             plan = make_plan(routing, config)
         with jax.named_scope("dispatch"):
-            rows = dispatch(tokens, plan, self.gmm_impl)
+            route = route_for(plan, self.gmm_impl)
+            rows = route.to_experts(tokens)
             # dispatch_dtype "mxfp8": quantize each token once, before the dispatch (blocks
             # along H).
             rows_rowwise = (
-                dispatch(quantize(tokens, axis=1, impl=self.gmm_impl), plan)
+                route.to_experts(quantize(tokens, axis=1, impl=self.gmm_impl))
                 if config.dispatch_dtype == "mxfp8"
                 else None
             )
-            row_probs = gather_slots(routing.probs, plan)
+            row_probs = route.slot_values(routing.probs)
         expert = self.experts(
             rows,
             row_probs,
-            plan,
+            route,
             rows_rowwise=rows_rowwise,
             expert_weights=expert_weights,
             gmm_impl=self.gmm_impl,

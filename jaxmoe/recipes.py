@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,6 @@ from flax import struct
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.dispatch import combine, dispatch
 from jaxmoe.mxfp8 import MXTensor, dequantize
 from jaxmoe.ops import gmm
 from jaxmoe.ops.mxfp8_gmm import (
@@ -41,7 +41,6 @@ from jaxmoe.ops.mxfp8_gmm import (
     quantize_weights,
 )
 from jaxmoe.ops.quantize import quantize
-from jaxmoe.plan import Plan
 
 F32 = jnp.float32
 
@@ -82,14 +81,15 @@ class ExpertRecipe(abc.ABC):
         a: jax.Array,
         kernel: jax.Array,
         row_bias: jax.Array | None,
-        plan: Plan,
+        route: Any,
         *,
         weights,
         combine_bwd_dtype: str,
         impl: str,
     ) -> tuple[jax.Array, jax.Array]:
-        """(out [M, H], combine(out) [T, H]): fc2 of the activation a rounded to a.dtype, plus
-        row_bias (fp32, or None) before that rounding, then the combine."""
+        """(out [M, H], route.to_tokens(out) [T, H]): fc2 of the activation a rounded to
+        a.dtype, plus row_bias (fp32, or None) before that rounding, then the combine
+        (`jaxmoe.dispatch.LocalRoute` says what a route provides)."""
 
     def quantize_weights(self, fc1_kernel: jax.Array, fc2_kernel: jax.Array, impl: str):
         """Copies of the expert weights to share between the micro-batches of a step."""
@@ -121,14 +121,14 @@ class Bf16Recipe(ExpertRecipe):
         )
         return gmm(fc1_input, kernel, sizes, impl=impl, preferred_element_type=out_dtype)
 
-    def fc2_and_combine(self, a, kernel, row_bias, plan, *, weights, combine_bwd_dtype, impl):
+    def fc2_and_combine(self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl):
         with jax.named_scope("fc2"):
             out = add_row_bias(
-                gmm(a, kernel, plan.group_sizes, impl=impl, preferred_element_type=a.dtype),
+                gmm(a, kernel, route.group_sizes, impl=impl, preferred_element_type=a.dtype),
                 row_bias,
             )
         with jax.named_scope("combine"):
-            combined = combine(out, plan, impl)
+            combined = route.to_tokens(out)
             if combine_bwd_dtype == "mxfp8":
                 combined = _gradient_through_mxfp8(combined, impl)
         return out, combined
@@ -153,12 +153,12 @@ class Mxfp8Recipe(ExpertRecipe):
             preferred_element_type=out_dtype,
         )
 
-    def fc2_and_combine(self, a, kernel, row_bias, plan, *, weights, combine_bwd_dtype, impl):
+    def fc2_and_combine(self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl):
         return _mxfp8_fc2_and_combine(
             a,
             kernel,
             row_bias,
-            plan,
+            route,
             None if weights is None else weights.fc2,
             combine_bwd_dtype,
             impl,
@@ -202,13 +202,16 @@ _gradient_through_mxfp8.defvjp(
 @struct.dataclass
 class _Fc2CombineResiduals:
     gemm: Mxfp8GmmResiduals
-    plan: Plan
+    route: Any
     has_bias: bool = struct.field(pytree_node=False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _mxfp8_fc2_and_combine(a, fc2_kernel, row_bias, plan, fc2_weights, combine_bwd_dtype, gmm_impl):
-    """(out, combine(out)) with out = MXFP8 fc2 of the activation a (+ the per-row bias).
+def _mxfp8_fc2_and_combine(
+    a, fc2_kernel, row_bias, route, fc2_weights, combine_bwd_dtype, gmm_impl
+):
+    """(out, route.to_tokens(out)) with out = MXFP8 fc2 of the activation a (+ the per-row
+    bias).
 
     One custom VJP for both, so that the backward can quantize the token-level gradient before
     dispatching it and hand that MXTensor to fc2's dgrad (combine_bwd_dtype "mxfp8")."""
@@ -217,7 +220,7 @@ def _mxfp8_fc2_and_combine(a, fc2_kernel, row_bias, plan, fc2_weights, combine_b
             mxfp8_gmm(
                 a,
                 fc2_kernel,
-                plan.group_sizes,
+                route.group_sizes,
                 impl=gmm_impl,
                 rhs_quantized=fc2_weights,
                 preferred_element_type=a.dtype,
@@ -225,41 +228,43 @@ def _mxfp8_fc2_and_combine(a, fc2_kernel, row_bias, plan, fc2_weights, combine_b
             row_bias,
         )
     with jax.named_scope("combine"):
-        return out, combine(out, plan, gmm_impl)
+        return out, route.to_tokens(out)
 
 
 def _mxfp8_fc2_and_combine_fwd(
-    a, fc2_kernel, row_bias, plan, fc2_weights, combine_bwd_dtype, gmm_impl
+    a, fc2_kernel, row_bias, route, fc2_weights, combine_bwd_dtype, gmm_impl
 ):
-    a, fc2_kernel, row_bias, plan, fc2_weights = custom_vjp_primal_tree_values(
-        (a, fc2_kernel, row_bias, plan, fc2_weights)
+    a, fc2_kernel, row_bias, route, fc2_weights = custom_vjp_primal_tree_values(
+        (a, fc2_kernel, row_bias, route, fc2_weights)
     )
     with jax.named_scope("fc2"):
         out, gemm_residuals = mxfp8_gmm_forward(
-            a, fc2_kernel, plan.group_sizes, None, a.dtype, gmm_impl, fc2_weights
+            a, fc2_kernel, route.group_sizes, None, a.dtype, gmm_impl, fc2_weights
         )
         out = add_row_bias(out, row_bias)
-    residuals = _Fc2CombineResiduals(gemm=gemm_residuals, plan=plan, has_bias=row_bias is not None)
+    residuals = _Fc2CombineResiduals(
+        gemm=gemm_residuals, route=route, has_bias=row_bias is not None
+    )
     with jax.named_scope("combine"):
-        combined = combine(out, plan, gmm_impl)
+        combined = route.to_tokens(out)
     return (out, combined), residuals
 
 
 def _mxfp8_fc2_and_combine_bwd(combine_bwd_dtype, gmm_impl, residuals, cotangents):
     d_out, d_combined = cotangents
-    plan = residuals.plan
+    route = residuals.route
     if isinstance(d_combined, SymbolicZero):  # only the fc2_output stage is used
         d_combined = jnp.zeros(d_combined.shape, d_combined.dtype)
     with jax.named_scope("combine"):
         # bf16 rows: fc2's wgrad copy, the bias gradient
-        d_rows = dispatch(d_combined, plan, gmm_impl)
+        d_rows = route.to_experts(d_combined)
         grad_rowwise = None
         if not isinstance(d_out, SymbolicZero):
             # The fc2_output stage itself is differentiated: the dispatched token gradient is no
             # longer the whole row gradient, so the sum is quantized on the compute side.
             d_rows = d_rows + d_out
         elif combine_bwd_dtype == "mxfp8":
-            grad_rowwise = dispatch(quantize(d_combined, axis=1, impl=residuals.gemm.impl), plan)
+            grad_rowwise = route.to_experts(quantize(d_combined, axis=1, impl=residuals.gemm.impl))
     with jax.named_scope("fc2"):
         d_a, d_kernel = mxfp8_gmm_backward(residuals.gemm, d_rows, grad_rowwise)
     d_row_bias = d_rows.astype(F32) if residuals.has_bias else None

@@ -16,6 +16,7 @@ from flax import nnx
 
 import jaxmoe
 from jaxmoe import MoE, MoEConfig
+from jaxmoe.dispatch import LocalRoute
 from jaxmoe.experts import ExpertMatrices, grouped_mlp
 from jaxmoe.ops import gmm
 
@@ -157,7 +158,7 @@ def test_padding_row_contents_do_not_reach_real_rows_in_bf16():
         return grouped_mlp(
             rows,
             probs,
-            plan,
+            LocalRoute(plan, "xla"),
             ExpertMatrices(experts.fc1_kernel[...], experts.fc2_kernel[...]),
             config,
             gmm_impl="xla",

@@ -1,0 +1,144 @@
+"""The layer over a mesh of 8 host devices (`jaxmoe.expert_parallel`): y, the auxiliary losses and
+d x have the same bits at expert-parallel degrees 1, 2, 4 and 8 (bf16 and MXFP8 on the wire), and
+equal the single-device layer on each rank's tokens; the parameter gradients agree within
+rounding (their cross-rank sum is not yet in a fixed order)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxmoe import MoE, MoEConfig
+from jaxmoe.expert_parallel import expert_parallel_forward
+from jaxmoe.ordered import sum_in_order
+
+from bitwise import assert_bitwise, differs
+
+H, BATCH, SEQ = 64, 8, 6
+BF16 = MoEConfig(
+    num_experts=8,
+    top_k=2,
+    ffn_hidden_size=64,
+    aux_loss_coeff=1e-2,
+    z_loss_coeff=1e-3,
+    shared_expert_intermediate_size=32,
+)
+MXFP8 = BF16.replace(
+    expert_precision="mxfp8",
+    dispatch_dtype="mxfp8",
+    combine_bwd_dtype="mxfp8",
+    expert_row_alignment=32,
+)
+CONFIGS = {"bf16": BF16, "mxfp8": MXFP8}
+
+
+def make(config):
+    model = MoE(config, H, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, H)).astype(jnp.bfloat16)
+    cotangent = jax.random.normal(jax.random.key(2), (BATCH, SEQ, H))
+    return model, x, cotangent
+
+
+def mesh_for(ep):
+    return jax.make_mesh((8 // ep, ep), ("data", "ep"))
+
+
+def step(model, x, cotangent, mesh, padding_mask=None):
+    """(y, aux, d x, d params) of <y, cotangent> + the ranks' auxiliary losses."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, x):
+        local = nnx.merge(graphdef, params, rest)
+        y, aux = expert_parallel_forward(local, x, mesh, padding_mask=padding_mask)
+        whole = lambda a: jax.reshard(a, NamedSharding(mesh, P()))  # one array to sum in order
+        total = sum_in_order(jnp.ravel(whole(y).astype(jnp.float32) * cotangent))
+        return total + sum_in_order(whole(aux.total_loss)), (y, aux)
+
+    grad = jax.grad(loss, argnums=(1, 0), has_aux=True)
+    (d_x, d_params), (y, aux) = jax.jit(grad)(params, x)
+    return y, aux, d_x, d_params
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_same_bits_at_every_degree(precision):
+    model, x, cotangent = make(CONFIGS[precision])
+    runs = {ep: step(model, x, cotangent, mesh_for(ep)) for ep in (1, 2, 4, 8)}
+    y1, aux1, d_x1, _ = runs[1]
+    for y, aux, d_x, _ in runs.values():
+        assert_bitwise(np.asarray(y), np.asarray(y1))
+        for a, b in zip(jax.tree.leaves(aux), jax.tree.leaves(aux1), strict=True):
+            assert_bitwise(np.asarray(a), np.asarray(b))
+        assert_bitwise(np.asarray(d_x), np.asarray(d_x1))
+    # ep = 1 is the single-device layer on each rank's tokens.
+    for rank in range(8):
+        alone = model(x[rank : rank + 1])[0]
+        assert_bitwise(np.asarray(y1)[rank : rank + 1], np.asarray(alone))
+    # Control: a change to one expert of the last rank changes y.
+    model.experts.fc2_kernel[...] = model.experts.fc2_kernel[...].at[-1].multiply(2)
+    assert differs(np.asarray(step(model, x, cotangent, mesh_for(8))[0]), np.asarray(y1))
+
+
+def single_device_gradients(model, x, cotangent):
+    """The parameter gradients of the same loss on one device: each rank's tokens a call."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params):
+        local, total = nnx.merge(graphdef, params, rest), 0.0
+        for rank in range(8):
+            y, aux = local(x[rank : rank + 1])
+            total += jnp.sum(y.astype(jnp.float32) * cotangent[rank : rank + 1])
+            total += aux.total_loss
+        return total
+
+    return jax.jit(jax.grad(loss))(params)
+
+
+def test_parameter_gradients_agree_within_rounding():
+    """Every degree's parameter gradients against the single-device layer's (one call per
+    rank's tokens, summed), normwise within 2^-7 (bf16 gradients summed in other orders)."""
+    model, x, cotangent = make(BF16)
+    reference = single_device_gradients(model, x, cotangent)
+    for ep in (1, 2, 8):
+        grads = step(model, x, cotangent, mesh_for(ep))[3]
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(reference), strict=True):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            assert np.linalg.norm(a - b) <= 2.0**-7 * np.linalg.norm(b)
+
+
+def test_padding_tokens_are_left_out_at_every_degree():
+    model, x, cotangent = make(BF16)
+    mask = jnp.zeros((BATCH, SEQ), bool).at[:, -2:].set(True)
+    y1, aux1 = step(model, x, cotangent, mesh_for(1), mask)[:2]
+    y8, aux8 = step(model, x, cotangent, mesh_for(8), mask)[:2]
+    assert_bitwise(np.asarray(y8), np.asarray(y1))
+    assert_bitwise(np.asarray(aux8.tokens_per_expert), np.asarray(aux1.tokens_per_expert))
+    assert int(np.asarray(aux1.tokens_per_expert).sum()) == BATCH * (SEQ - 2) * 2
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda m, x: (m, x, jax.make_mesh((8,), ("data",))), "has no 'ep'"),
+        (lambda m, x: (m, x[:6], jax.make_mesh((2, 4), ("data", "ep"))), "multiple of the 8"),
+        (
+            lambda m, x: (MoE(BF16.replace(num_experts=6), H, rngs=nnx.Rngs(0)), x, mesh_for(4)),
+            "6 experts do not split",
+        ),
+        (
+            lambda m, x: (
+                MoE(BF16.replace(load_balancing_type="global_aux_loss"), H, rngs=nnx.Rngs(0)),
+                x,
+                mesh_for(2),
+            ),
+            "global_aux_loss",
+        ),
+    ],
+)
+def test_bad_meshes_and_configs_are_refused(change, message):
+    model, x, _ = make(BF16)
+    model, x, mesh = change(model, x)
+    with pytest.raises(ValueError, match=message):
+        expert_parallel_forward(model, x, mesh)
