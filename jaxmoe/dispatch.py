@@ -130,8 +130,9 @@ class LocalRoute:
     The experts' code sees a route only through these members, so that an expert-parallel
     route (`jaxmoe.exchange.ExchangedRoute`, rows moved to the experts' owners) runs the same
     GEMMs, activation and gradient rules:
-      group_sizes [G]  rows per expert of the buffer the GEMMs read (padding included)
-      row_expert [M]   expert of each buffer row (G past the last block)
+      group_sizes [G]  rows per group of the buffer the GEMMs read (padding included)
+      row_group [M]    group of each buffer row (G past the last block)
+      per_group(w)     an expert tensor [E, ...] -> one entry per group [G, ...]
       to_experts(x)    token rows [T, H] (array or rowwise MXTensor) -> buffer rows
       to_tokens(rows)  buffer rows -> each token's rows combined [T, H]; VJP: to_experts
       slot_values(v)   per-slot values [T, k] -> per-row values [M]"""
@@ -144,8 +145,11 @@ class LocalRoute:
         return self.plan.group_sizes
 
     @property
-    def row_expert(self) -> jax.Array:
+    def row_group(self) -> jax.Array:
         return self.plan.row_expert
+
+    def per_group(self, weights: jax.Array) -> jax.Array:
+        return weights  # one group per expert
 
     def to_experts(self, x: jax.Array | MXTensor) -> jax.Array | MXTensor:
         return dispatch(x, self.plan, self.impl)

@@ -23,6 +23,7 @@ from flax import struct
 
 from jaxmoe.dispatch import combine, dispatch, gather_slots
 from jaxmoe.mxfp8 import MXTensor
+from jaxmoe.ordered import broadcast_in_order
 from jaxmoe.plan import Plan
 
 
@@ -36,6 +37,7 @@ class ExchangePlan:
     return_slot: [R * C] receiver row that goes back in received slot s * C + c; R * C: none.
     group_sizes: [E/R] rows per local expert in the receiver's buffer (all sources, padded).
     row_expert:  [R * C] local expert of each receiver row; E/R past the last block.
+    row_block:   [R * C] (expert, source) block e * R + s of each receiver row; E past the last.
     source_sizes:[R, E/R] padded block sizes received from each source.
     """
 
@@ -45,6 +47,7 @@ class ExchangePlan:
     return_slot: jax.Array
     group_sizes: jax.Array
     row_expert: jax.Array
+    row_block: jax.Array
     source_sizes: jax.Array
 
     @property
@@ -119,6 +122,7 @@ def exchange_plan(plan: Plan, num_ranks: int, axis_name: str) -> ExchangePlan:
         return_slot=return_slot.astype(jnp.int32),
         group_sizes=jnp.sum(source_sizes, axis=0).astype(jnp.int32),
         row_expert=jnp.where(real, expert, local_experts).astype(jnp.int32),
+        row_block=jnp.where(real, clipped, blocks.shape[0]).astype(jnp.int32),
         source_sizes=source_sizes.astype(jnp.int32),
     )
 
@@ -186,8 +190,11 @@ return_rows.defvjp(_return_fwd, _return_bwd)
 @struct.dataclass
 class ExchangedRoute:
     """A route (see `jaxmoe.dispatch.LocalRoute`) across expert-parallel ranks: the local plan's
-    buffer rows go to their experts' owners and come back before the combine. The experts see
-    the receiver's buffer (`group_sizes` and `row_expert` over this rank's E/R experts)."""
+    buffer rows go to their experts' owners and come back before the combine. The GEMMs see the
+    receiver's buffer as one group per (local expert, source) block, each with its expert's
+    weights (`per_group`), so that each block's weight-gradient partial is its own and the
+    partials are summed over the sources in the fixed order of `sum_in_order`
+    (docs/expert_parallel.md, "Backward and the gradient reduction")."""
 
     plan: Plan
     exchange: ExchangePlan
@@ -200,11 +207,20 @@ class ExchangedRoute:
 
     @property
     def group_sizes(self) -> jax.Array:
-        return self.exchange.group_sizes
+        return self.exchange.source_sizes.T.reshape(-1)
 
     @property
-    def row_expert(self) -> jax.Array:
-        return self.exchange.row_expert
+    def row_group(self) -> jax.Array:
+        return self.exchange.row_block
+
+    def per_group(self, weights: jax.Array) -> jax.Array:
+        """[E/R, ...] -> [E/R * R, ...]: each local expert's weights once per source block; the
+        gradient sums the blocks' partials with `sum_in_order` in fp32."""
+        sources = self.exchange.source_sizes.shape[0]
+        spread = broadcast_in_order(
+            weights[:, None], (weights.shape[0], sources) + weights.shape[1:]
+        )
+        return spread.reshape((-1,) + weights.shape[1:])
 
     def to_experts(self, x: jax.Array | MXTensor) -> jax.Array | MXTensor:
         rows = dispatch(x, self.plan, self.impl)

@@ -6,14 +6,17 @@ owns its expert (`jaxmoe.exchange`), runs its experts, and combines its tokens' 
 come back, in the single-device order. So y, the auxiliary losses (each rank's own tokens') and
 d x have the same bits at any expert-parallel degree.
 
-Status (issue 16): the parameters' gradients are summed over the ranks by JAX's transpose of
-`shard_map` (an XLA all-reduce), whose order depends on the degree; they agree with the
-single-device layer within rounding, not yet bitwise. The transport is a dense all-to-all.
+The parameters' gradients are summed over the ranks in one fixed order too: each rank works on
+an fp32 copy of every parameter, each (expert, source) block of the expert GEMMs has its own
+weight-gradient partial, and the partials are summed with `sum_in_order` over the global
+source index, inside the owner first and across the data axes after (the same tree). The
+transport is a dense all-to-all (room for a whole local buffer per peer).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmoe.exchange import ExchangedRoute
 from jaxmoe.moe import MoE, MoEAux
+from jaxmoe.ordered import sum_in_order
 
 
 def expert_parallel_forward(
@@ -60,15 +64,17 @@ def expert_parallel_forward(
     if padding_mask is None:
         padding_mask = jnp.zeros(x.shape[:-1], bool)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    param_specs = jax.tree_util.tree_map_with_path(
-        lambda path, _: P(expert_axis) if _in_experts(path) else P(), params
-    )
+    # Every rank computes with its own fp32 copy of each parameter (the experts' over the data
+    # axes only, as they are split over the expert axis), so that its gradient leaves the ranks
+    # as per-rank partials, summed by `_OrderedCopies` in one fixed order.
+    copies = _OrderedCopies(mesh, expert_axis)
+    copy_specs = jax.tree_util.tree_map_with_path(lambda path, _: copies.spec(path), params)
     rest_specs = jax.tree.map(lambda _: P(), rest)
     tokens = P(mesh.axis_names)
     route_for = functools.partial(ExchangedRoute.build, num_ranks=ep, axis_name=expert_axis)
 
     def rank_forward(params, rest, x, padding_mask):
-        local = nnx.merge(graphdef, params, rest)
+        local = nnx.merge(graphdef, jax.tree.map(lambda p: p[0], params), rest)
         y, aux, _ = local.forward_with_stages(x, padding_mask=padding_mask, route_for=route_for)
         return y, jax.tree.map(lambda a: a[None], aux)
 
@@ -78,21 +84,76 @@ def expert_parallel_forward(
     sharded = jax.shard_map(
         rank_forward,
         mesh=mesh,
-        in_specs=(param_specs, rest_specs, tokens, tokens),
+        in_specs=(copy_specs, rest_specs, tokens, tokens),
         out_specs=(tokens, tokens),
-        # The custom VJPs (GEMMs, exchange) return per-rank partial cotangents of parameters
-        # that are replicated over some axes; shard_map's transpose then sums them over those
-        # axes (not yet in a fixed order: docs/expert_parallel.md).
-        check_vma=False,
+        check_vma=False,  # the custom VJPs inside return per-rank partials
     )
     return sharded(
-        placed(params, param_specs),
-        placed(rest, rest_specs),
-        placed(x, tokens),
-        placed(padding_mask, tokens),
+        copies(params), placed(rest, rest_specs), placed(x, tokens), placed(padding_mask, tokens)
     )
 
 
 def _in_experts(path) -> bool:
     """Whether a parameter belongs to the routed experts (split over the expert axis)."""
     return any(getattr(key, "key", None) == "experts" for key in path)
+
+
+class _OrderedCopies:
+    """params -> per-rank fp32 copies [n, ...] (n: the ranks of the copy axes, in mesh order),
+    whose gradient is the copies' cotangents summed with `sum_in_order` over n in fp32 and
+    rounded once to the parameter's dtype. Rank g = its linear index over the copy axes, so the
+    tree is the same for every split of the ranks (docs/expert_parallel.md). The routed
+    experts' parameters are copied over the data axes and split over the expert axis, the
+    others copied over every axis."""
+
+    def __init__(self, mesh: Mesh, expert_axis: str):
+        self.mesh, self.expert_axis = mesh, expert_axis
+        self.apply = jax.custom_vjp(self._copies)
+        self.apply.defvjp(lambda p: (self._copies(p), _dtypes(p)), self._sum)
+
+    def __call__(self, params):
+        return self.apply(params)
+
+    def layout(self, path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(the axes a parameter is copied over, the axes its own leading dims are split over)."""
+        if _in_experts(path):
+            data = tuple(a for a in self.mesh.axis_names if a != self.expert_axis)
+            return data, (self.expert_axis,)
+        return tuple(self.mesh.axis_names), ()
+
+    def spec(self, path) -> P:
+        """The partition spec of a parameter's copies [n, ...]."""
+        axes, dims = self.layout(path)
+        return P(axes, *dims)
+
+    def _copies(self, params):
+        def copy(path, p):
+            axes, _ = self.layout(path)
+            n = math.prod(self.mesh.shape[a] for a in axes)
+            spread = jnp.broadcast_to(p.astype(jnp.float32)[None], (n,) + p.shape)
+            return jax.reshard(spread, NamedSharding(self.mesh, self.spec(path)))
+
+        return jax.tree_util.tree_map_with_path(copy, params)
+
+    def _sum(self, dtypes, cotangents):
+        def total(path, g, like):
+            axes, dims = self.layout(path)
+
+            def rank_sum(local):
+                every = jax.lax.all_gather(local[0], axes, axis=0, tiled=False)
+                return sum_in_order(every.astype(jnp.float32), axis=0).astype(like.dtype)
+
+            return jax.shard_map(
+                rank_sum,
+                mesh=self.mesh,
+                in_specs=self.spec(path),
+                out_specs=P(*dims),
+                check_vma=False,
+            )(g)
+
+        return (jax.tree_util.tree_map_with_path(total, cotangents, dtypes),)
+
+
+def _dtypes(params):
+    """Empty arrays that carry each parameter's dtype to the backward pass."""
+    return jax.tree.map(lambda p: jnp.zeros((0,), p.dtype), params)

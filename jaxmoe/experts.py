@@ -61,28 +61,28 @@ def weighted_activation(h: jax.Array, probs: jax.Array | None, config: MoEConfig
 
 
 def bias_per_row(bias: jax.Array, route: Any, impl: str = "auto") -> jax.Array:
-    """fp32 bias[row_expert] [M, N] for bias [E, N] (the route's `row_expert` and
-    `group_sizes`, or a `Plan`'s): each row gets its expert's bias, rows past the last expert
-    block zeros. Its gradient sums each expert's rows on the weight-gradient
-    GEMM (`ops.gmm.tgmm`, ones^T @ rows, in fp32; an fp32 gradient as three exact bf16 pieces):
-    a fixed order, where the gather's own gradient is a scatter-add whose order is the GPU's."""
-    return _bias_per_row(bias, route.row_expert, route.group_sizes, impl)
+    """fp32 bias[row_group] [M, N] for bias [G, N] (the route's `row_group` and
+    `group_sizes`): each row gets its group's bias, rows past the last block zeros. Its gradient
+    sums each group's rows on the weight-gradient GEMM (`ops.gmm.tgmm`, ones^T @ rows, in fp32;
+    an fp32 gradient as three exact bf16 pieces): a fixed order, where the gather's own
+    gradient is a scatter-add whose order is the GPU's."""
+    return _bias_per_row(bias, route.row_group, route.group_sizes, impl)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _bias_per_row(bias, row_expert, group_sizes, impl):
+def _bias_per_row(bias, row_group, group_sizes, impl):
     padded = jnp.concatenate([bias, jnp.zeros((1,) + bias.shape[1:], bias.dtype)], axis=0)
-    return jnp.take(padded, row_expert, axis=0).astype(F32)
+    return jnp.take(padded, row_group, axis=0).astype(F32)
 
 
-def _bias_per_row_fwd(bias, row_expert, group_sizes, impl):
-    residuals = (row_expert, group_sizes, jnp.zeros((0,), bias.dtype))
-    return _bias_per_row(bias, row_expert, group_sizes, impl), residuals
+def _bias_per_row_fwd(bias, row_group, group_sizes, impl):
+    residuals = (row_group, group_sizes, jnp.zeros((0,), bias.dtype))
+    return _bias_per_row(bias, row_group, group_sizes, impl), residuals
 
 
 def _bias_per_row_bwd(impl, residuals, g):
-    row_expert, group_sizes, like = residuals
-    g = jnp.where((row_expert < group_sizes.shape[0])[:, None], g, 0.0)
+    row_group, group_sizes, like = residuals
+    g = jnp.where((row_group < group_sizes.shape[0])[:, None], g, 0.0)
     ones = jnp.ones((g.shape[0], KERNEL_MULTIPLE), jnp.bfloat16)
     total = None
     for piece in bf16_pieces(g, jnp.bfloat16):
@@ -146,8 +146,10 @@ def grouped_mlp(
     `.combined` [T, H] in rows.dtype is each token's probability-weighted sum of its expert
     outputs."""
     dtype, recipe = rows.dtype, recipe_for(config)
-    fc1_kernel, fc2_kernel = weights.fc1_kernel.astype(dtype), weights.fc2_kernel.astype(dtype)
-    fc1_bias, fc2_bias = weights.fc1_bias, weights.fc2_bias
+    per_group = lambda w: None if w is None else route.per_group(w)
+    fc1_kernel = per_group(weights.fc1_kernel).astype(dtype)
+    fc2_kernel = per_group(weights.fc2_kernel).astype(dtype)
+    fc1_bias, fc2_bias = per_group(weights.fc1_bias), per_group(weights.fc2_bias)
     # The bias is added to the fp32 accumulator before the single rounding, as in TE's epilogue.
     fc1_out_dtype = F32 if fc1_bias is not None else dtype
     with jax.named_scope("fc1"):

@@ -17,9 +17,11 @@ from jax import lax
 
 
 def sum_in_order(x: jax.Array, axis: int = 0, *, keepdims: bool = False) -> jax.Array:
-    """The sum of x along `axis` as a pairwise tree fixed by the axis length n: each level
-    adds element i of the first half to element i of the second (h = n // 2 pairs), and an odd
-    n carries its last element to the next level unchanged. n = 0 gives zeros.
+    """The sum of x along `axis` as a pairwise tree fixed by the axis length n: each level adds
+    neighbours, element 2i to element 2i + 1, and an odd n carries its last element to the next
+    level unchanged. n = 0 gives zeros. For n a power of two, summing consecutive blocks of a
+    power-of-two length first and then the block sums gives the same tree (what lets a sum over
+    ranks be split into a sum inside each rank and one across them).
 
     Bitwise the same in every compilation and on every backend that rounds each fp add
     (XLA does not reassociate float adds); its error bound is a pairwise sum's, log2(n) ulps."""
@@ -31,9 +33,9 @@ def sum_in_order(x: jax.Array, axis: int = 0, *, keepdims: bool = False) -> jax.
         return jnp.expand_dims(out, axis) if keepdims else out
     while n > 1:
         half = n // 2
-        pairs = lax.slice_in_dim(x, 0, half, axis=axis) + lax.slice_in_dim(
-            x, half, 2 * half, axis=axis
-        )
+        even = lax.slice_in_dim(x, 0, 2 * half, stride=2, axis=axis)
+        odd = lax.slice_in_dim(x, 1, 2 * half, stride=2, axis=axis)
+        pairs = even + odd
         if n % 2:
             pairs = jnp.concatenate([pairs, lax.slice_in_dim(x, n - 1, n, axis=axis)], axis)
         x, n = pairs, half + n % 2

@@ -1,7 +1,8 @@
-"""The layer over a mesh of 8 host devices (`jaxmoe.expert_parallel`): y, the auxiliary losses and
-d x have the same bits at expert-parallel degrees 1, 2, 4 and 8 (bf16 and MXFP8 on the wire), and
-equal the single-device layer on each rank's tokens; the parameter gradients agree within
-rounding (their cross-rank sum is not yet in a fixed order)."""
+"""The layer over a mesh of 8 host devices (`jaxmoe.expert_parallel`): y, the auxiliary losses, d x
+and every parameter gradient have the same bits at expert-parallel degrees 1, 2, 4 and 8 (bf16
+and MXFP8 on the wire); y equals the single-device layer on each rank's tokens, and the
+gradients equal its gradients within rounding (they are summed over the ranks in another,
+fixed, order)."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmoe import MoE, MoEConfig
+from jaxmoe.exchange import ExchangedRoute
 from jaxmoe.expert_parallel import expert_parallel_forward
 from jaxmoe.ordered import sum_in_order
 
@@ -66,12 +68,14 @@ def step(model, x, cotangent, mesh, padding_mask=None):
 def test_same_bits_at_every_degree(precision):
     model, x, cotangent = make(CONFIGS[precision])
     runs = {ep: step(model, x, cotangent, mesh_for(ep)) for ep in (1, 2, 4, 8)}
-    y1, aux1, d_x1, _ = runs[1]
-    for y, aux, d_x, _ in runs.values():
+    y1, aux1, d_x1, d_params1 = runs[1]
+    for y, aux, d_x, d_params in runs.values():
         assert_bitwise(np.asarray(y), np.asarray(y1))
         for a, b in zip(jax.tree.leaves(aux), jax.tree.leaves(aux1), strict=True):
             assert_bitwise(np.asarray(a), np.asarray(b))
         assert_bitwise(np.asarray(d_x), np.asarray(d_x1))
+        for a, b in zip(jax.tree.leaves(d_params), jax.tree.leaves(d_params1), strict=True):
+            assert_bitwise(np.asarray(a), np.asarray(b))
     # ep = 1 is the single-device layer on each rank's tokens.
     for rank in range(8):
         alone = model(x[rank : rank + 1])[0]
@@ -79,6 +83,22 @@ def test_same_bits_at_every_degree(precision):
     # Control: a change to one expert of the last rank changes y.
     model.experts.fc2_kernel[...] = model.experts.fc2_kernel[...].at[-1].multiply(2)
     assert differs(np.asarray(step(model, x, cotangent, mesh_for(8))[0]), np.asarray(y1))
+
+
+def test_control_one_group_per_expert_changes_the_gradient_bits(monkeypatch):
+    """Negative control for the gradients: if the owner's GEMMs saw one group per expert (all
+    sources' rows accumulated together), the expert gradients at ep = 2 would not have ep = 1's
+    bits."""
+    model, x, cotangent = make(BF16)
+    ep1 = step(model, x, cotangent, mesh_for(1))[3]
+    monkeypatch.setattr(ExchangedRoute, "group_sizes", property(lambda r: r.exchange.group_sizes))
+    monkeypatch.setattr(ExchangedRoute, "row_group", property(lambda r: r.exchange.row_expert))
+    monkeypatch.setattr(ExchangedRoute, "per_group", lambda r, w: w)
+    ep2 = step(model, x, cotangent, mesh_for(2))[3]
+    assert differs(
+        np.asarray(ep2["experts"]["fc1_kernel"][...]),
+        np.asarray(ep1["experts"]["fc1_kernel"][...]),
+    )
 
 
 def single_device_gradients(model, x, cotangent):
@@ -96,7 +116,7 @@ def single_device_gradients(model, x, cotangent):
     return jax.jit(jax.grad(loss))(params)
 
 
-def test_parameter_gradients_agree_within_rounding():
+def test_parameter_gradients_agree_with_one_device_within_rounding():
     """Every degree's parameter gradients against the single-device layer's (one call per
     rank's tokens, summed), normwise within 2^-7 (bf16 gradients summed in other orders)."""
     model, x, cotangent = make(BF16)

@@ -20,7 +20,7 @@ from flax import nnx
 
 import jaxmoe
 from jaxmoe import MoE, MoEConfig, demo, mxfp8
-from jaxmoe.dispatch import combine
+from jaxmoe.dispatch import LocalRoute, combine
 from jaxmoe.experts import bias_per_row, weighted_activation
 from jaxmoe.ops import gmm, mxfp8_gmm, quantize_weights, tgmm
 from jaxmoe.ordered import broadcast_in_order
@@ -158,11 +158,11 @@ def reference_forward(model, x):
     rows, row_probs = jaxmoe.dispatch(x, plan), jaxmoe.gather_slots(routing.probs, plan)
     h = reference_gmm(rows, experts.fc1_kernel[...], plan.group_sizes)
     if config.add_bias_linear:
-        h = h + bias_per_row(experts.fc1_bias[...], plan, model.gmm_impl)
+        h = h + bias_per_row(experts.fc1_bias[...], LocalRoute(plan), model.gmm_impl)
     a = weighted_activation(h.astype(BF16), row_probs, config)
     out = reference_gmm(a, experts.fc2_kernel[...], plan.group_sizes).astype(BF16)
     if config.add_bias_linear:
-        bias = bias_per_row(experts.fc2_bias[...], plan, model.gmm_impl)
+        bias = bias_per_row(experts.fc2_bias[...], LocalRoute(plan), model.gmm_impl)
         bias = bias * broadcast_in_order(row_probs.astype(F32)[:, None], bias.shape)
         out = (out.astype(F32) + bias).astype(BF16)
     return combine(out, plan)

@@ -26,7 +26,7 @@ def pairwise_numpy(x: np.ndarray) -> np.float32:
         return F32(0)
     while len(values) > 1:
         half = len(values) // 2
-        pairs = [F32(values[i] + values[half + i]) for i in range(half)]
+        pairs = [F32(values[2 * i] + values[2 * i + 1]) for i in range(half)]
         values = pairs + values[2 * half :]
     return values[0]
 
