@@ -140,7 +140,7 @@ class _OrderedCopies:
             axes, dims = self.layout(path)
 
             def rank_sum(local):
-                every = jax.lax.all_gather(local[0], axes, axis=0, tiled=False)
+                every = jax.lax.all_gather(local[0], axes, axis=0) if axes else local
                 return sum_in_order(every.astype(jnp.float32), axis=0).astype(like.dtype)
 
             return jax.shard_map(

@@ -85,6 +85,21 @@ def test_same_bits_at_every_degree(precision):
     assert differs(np.asarray(step(model, x, cotangent, mesh_for(8))[0]), np.asarray(y1))
 
 
+@pytest.mark.parametrize(
+    "shape, names, like",
+    [((8,), ("ep",), 8), ((2, 2, 2), ("pod", "data", "ep"), 2)],
+    ids=["expert_axis_alone", "two_data_axes"],
+)
+def test_any_data_axes(shape, names, like):
+    """An expert axis alone, or two data axes, give the bits of ("data", "ep") with the same
+    expert-parallel degree (ranks numbered in mesh order)."""
+    model, x, cotangent = make(BF16)
+    got = step(model, x, cotangent, jax.make_mesh(shape, names))
+    want = step(model, x, cotangent, mesh_for(like))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_bitwise(np.asarray(a), np.asarray(b))
+
+
 def test_control_one_group_per_expert_changes_the_gradient_bits(monkeypatch):
     """Negative control for the gradients: if the owner's GEMMs saw one group per expert (all
     sources' rows accumulated together), the expert gradients at ep = 2 would not have ep = 1's
