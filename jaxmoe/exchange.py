@@ -23,6 +23,7 @@ from flax import struct
 
 from jaxmoe.dispatch import combine, dispatch, gather_slots
 from jaxmoe.mxfp8 import MXTensor
+from jaxmoe.ops.permute import dispatch_rows
 from jaxmoe.ordered import broadcast_in_order
 from jaxmoe.plan import Plan
 
@@ -128,9 +129,8 @@ def exchange_plan(plan: Plan, num_ranks: int, axis_name: str) -> ExchangePlan:
 
 
 def _take(x: jax.Array, index: jax.Array) -> jax.Array:
-    """x[index] with zero rows where index == len(x)."""
-    padded = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)], axis=0)
-    return jnp.take(padded, index, axis=0)
+    """x[index] with zero rows where index == len(x) (the dispatch's row gather)."""
+    return dispatch_rows(x, index, impl="xla")
 
 
 def _all_to_all(slots: jax.Array, num_ranks: int, axis_name: str) -> jax.Array:
