@@ -85,6 +85,23 @@ def test_same_bits_at_every_degree(precision):
     assert differs(np.asarray(step(model, x, cotangent, mesh_for(8))[0]), np.asarray(y1))
 
 
+@pytest.mark.parametrize("pad", [False, True], ids=["dropping", "padded_to_capacity"])
+def test_capacity_is_per_rank(pad):
+    """With capacity, each rank drops among its own tokens, with the capacity of its own token
+    count (Megatron's per-rank semantics): y equals the single-device layer on each rank's
+    tokens, and every degree gives the same bits."""
+    config = BF16.replace(capacity_factor=1.0, pad_expert_input_to_capacity=pad)
+    model, x, cotangent = make(config)
+    ep1 = step(model, x, cotangent, mesh_for(1))
+    ep4 = step(model, x, cotangent, mesh_for(4))
+    for a, b in zip(jax.tree.leaves(ep4), jax.tree.leaves(ep1), strict=True):
+        assert_bitwise(np.asarray(a), np.asarray(b))
+    for rank in range(8):
+        alone = model(x[rank : rank + 1])[0]
+        assert_bitwise(np.asarray(ep4[0])[rank : rank + 1], np.asarray(alone))
+    assert int(np.asarray(ep1[1].tokens_per_expert).sum()) < BATCH * SEQ * 2  # pairs dropped
+
+
 @pytest.mark.parametrize(
     "shape, names, like",
     [((8,), ("ep",), 8), ((2, 2, 2), ("pod", "data", "ep"), 2)],
