@@ -82,21 +82,14 @@ TINY_SHAPES = {
             seq_len=32,
         ),
         LayerShape(
-            "tiny_deepseek",
-            MoEConfig(
+            "tiny_deepseek",  # deepseek_v3_style's routing and gated shared expert, small
+            SHAPES["deepseek_v3_style"].config.replace(
                 num_experts=16,
                 top_k=4,
                 ffn_hidden_size=64,
-                score_function="sigmoid",
-                enable_expert_bias=True,
                 num_groups=4,
                 group_topk=2,
-                topk_scaling_factor=2.5,
-                router_dtype="fp32",
-                load_balancing_type="seq_aux_loss",
-                aux_loss_coeff=1e-4,
                 shared_expert_intermediate_size=64,
-                shared_expert_gate=True,
             ),
             64,
             batch=2,
