@@ -4,6 +4,12 @@
     moe = bridge.megatron.build_moe(ckpt, layer=0)       # a ready jaxmoe.MoE
     bridge.megatron.save([moe0, moe1], "out", format="torch_dist")
 
+Expert parallel: `build_moe(ckpt, 0, mesh=jax.make_mesh((2, 4), ("data", "ep")))` makes each
+device's arrays from its own experts' slice (the routed experts split over "ep", the rest
+replicated: `jaxmoe.place_on_mesh`'s layout), ready for `jaxmoe.expert_parallel_forward`; an
+EP-sharded Megatron checkpoint is merged by `load` first. `save` (and `weights_from_moe`)
+gather a model placed so to host memory and write the checkpoint the unplaced model writes.
+
 This module only re-exports; the work is split by job:
   * `bridge.megatron_weights`: the in-memory checkpoint (`MegatronCheckpoint`, `MoELayerWeights`,
     `DenseLayerWeights`, `NormWeights`) and Megatron's key names (`MOE_KEYS`, ...);

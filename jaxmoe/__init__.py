@@ -6,7 +6,7 @@ Data path: route -> plan -> dispatch -> grouped expert MLP -> combine (+ shared 
 from jaxmoe import mxfp8, ops
 from jaxmoe.config import MoEConfig, selective_precision
 from jaxmoe.dispatch import combine, dispatch, gather_slots
-from jaxmoe.expert_parallel import expert_parallel_forward
+from jaxmoe.expert_parallel import expert_parallel_forward, place_on_mesh
 from jaxmoe.moe import ExpertBias, MoE, MoEAux, MoEStages, to_linen
 from jaxmoe.plan import Plan, make_plan
 from jaxmoe.routing import Routing, route, router_logits, update_expert_bias
@@ -20,6 +20,7 @@ __all__ = [
     "ExpertBias",
     "to_linen",
     "expert_parallel_forward",
+    "place_on_mesh",
     "Routing",
     "route",
     "router_logits",

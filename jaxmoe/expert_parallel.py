@@ -41,16 +41,24 @@ def expert_parallel_forward(
     in their order (rank (d, e) of a ("data", "ep") mesh holds batch chunk d * ep + e, the same
     tokens whatever the split), the routed experts over `expert_axis` (E / ep each, rank e
     owning experts [e E/ep, (e + 1) E/ep)), everything else replicated. aux holds every rank's
-    own values, stacked on a leading axis of mesh.size. Differentiable; jit it."""
+    own values, stacked on a leading axis of mesh.size. Differentiable; jit it. Under `jax.jit`
+    the parameters must already be on the mesh's devices: place the model with `place_on_mesh`
+    (or build it with `bridge.megatron.build_moe(..., mesh=)`); arrays committed to one device
+    (from DLPack, `jax.device_put(a, device)`) are moved to the mesh only in an eager call.
+
+    Multi-process (`jax.distributed`, e.g. one process per GPU): every process makes the same
+    call (the same jitted step) with the same `mesh`, built over all processes' devices with
+    explicit axes (`jax.make_mesh`'s default). Pass x (and padding_mask) as a global jax.Array
+    split over the mesh as the tokens are, `NamedSharding(mesh, P(mesh.axis_names))`: e.g.
+    `jax.make_array_from_process_local_data(sharding, rows, x_shape)`, each process giving the
+    rows of its own devices in batch order. The parameters may be global arrays (the routed
+    experts split over `expert_axis`, the rest replicated) or host-local values equal on every
+    process. y, aux and the gradients are global
+    arrays (`jax.experimental.multihost_utils.process_allgather` brings one to every host);
+    their bits are those of one process with the same devices (docs/expert_parallel.md)."""
     config = model.config
-    if expert_axis not in mesh.axis_names:
-        raise ValueError(f"expert_parallel_forward: mesh {mesh.axis_names} has no {expert_axis!r}")
+    _check_mesh("expert_parallel_forward", mesh, expert_axis, config.num_experts)
     ranks, ep = mesh.size, mesh.shape[expert_axis]
-    if config.num_experts % ep:
-        raise ValueError(
-            f"expert_parallel_forward: {config.num_experts} experts do not split over "
-            f"{expert_axis} = {ep} ranks"
-        )
     if x.ndim < 2 or x.shape[0] % ranks:
         raise ValueError(
             f"expert_parallel_forward: x must be [B, ..., H] with B a multiple of the "
@@ -79,7 +87,7 @@ def expert_parallel_forward(
         return y, jax.tree.map(lambda a: a[None], aux)
 
     def placed(tree, specs):
-        return jax.tree.map(lambda a, s: jax.reshard(a, NamedSharding(mesh, s)), tree, specs)
+        return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs)
 
     sharded = jax.shard_map(
         rank_forward,
@@ -128,10 +136,11 @@ class _OrderedCopies:
 
     def _copies(self, params):
         def copy(path, p):
-            axes, _ = self.layout(path)
+            axes, dims = self.layout(path)
             n = math.prod(self.mesh.shape[a] for a in axes)
+            p = jax.device_put(p, NamedSharding(self.mesh, P(*dims)))  # onto the mesh first
             spread = jnp.broadcast_to(p.astype(jnp.float32)[None], (n,) + p.shape)
-            return jax.reshard(spread, NamedSharding(self.mesh, self.spec(path)))
+            return jax.device_put(spread, NamedSharding(self.mesh, self.spec(path)))
 
         return jax.tree_util.tree_map_with_path(copy, params)
 
@@ -157,3 +166,42 @@ class _OrderedCopies:
 def _dtypes(params):
     """Empty arrays that carry each parameter's dtype to the backward pass."""
     return jax.tree.map(lambda p: jnp.zeros((0,), p.dtype), params)
+
+
+def place_on_mesh(model: MoE, mesh: Mesh, *, expert_axis: str = "ep") -> MoE:
+    """`model` with its state on `mesh`, laid out as `expert_parallel_forward` splits it: the
+    routed experts' parameters (leading axis E) split over `expert_axis` (`P(expert_axis)`, rank
+    e holding experts [e E/ep, (e + 1) E/ep), replicated over the other axes), every other
+    parameter and variable replicated (`P()`). Returns a new module; `model` is left as it is.
+
+    An abstract model (`nnx.eval_shape`, `jax.ShapeDtypeStruct` leaves) gives the abstract placed
+    model: ShapeDtypeStructs carrying their shardings, from which each parameter can be built
+    directly on its devices (`jax.make_array_from_callback`; `bridge.megatron.build_moe(...,
+    mesh=...)` does). Raises ValueError when `expert_axis` is not a mesh axis or E does not
+    split over it."""
+    _check_mesh("place_on_mesh", mesh, expert_axis, model.config.num_experts)
+
+    def put(value, spec: P):
+        sharding = NamedSharding(mesh, spec)
+        if isinstance(value, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+        return jax.device_put(value, sharding)
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, p: put(p, P(expert_axis) if _in_experts(path) else P()), params
+    )
+    return nnx.merge(graphdef, params, jax.tree.map(lambda v: put(v, P()), rest))
+
+
+def _check_mesh(caller: str, mesh, expert_axis: str, num_experts: int) -> None:
+    """TypeError/ValueError unless `mesh` is a Mesh with `expert_axis` and E splits over it."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{caller}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if expert_axis not in mesh.axis_names:
+        raise ValueError(f"{caller}: mesh {mesh.axis_names} has no {expert_axis!r}")
+    if num_experts % mesh.shape[expert_axis]:
+        raise ValueError(
+            f"{caller}: {num_experts} experts do not split over "
+            f"{expert_axis} = {mesh.shape[expert_axis]} ranks"
+        )

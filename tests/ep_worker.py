@@ -1,0 +1,118 @@
+"""One process of tests/test_expert_parallel_multiprocess.py (a helper, not a test module).
+
+    python tests/ep_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npz
+
+Joins `jax.distributed` (each process with the host devices that XLA_FLAGS gives it), runs the
+layer and loss of tests/test_expert_parallel.py (`make`, `step`: the same model, x and
+cotangent) with `expert_parallel_forward` over meshes of all processes' devices, and process 0
+writes y, the auxiliary losses, d x and every parameter gradient, gathered to the host, to
+OUT.npz (`save`; read back with `load`): one entry "<precision>/<mesh>/<key path>" an array.
+"""
+
+import os
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def meshes() -> dict[str, Mesh]:
+    """("data", "ep") meshes of 8 devices whose collectives cross the processes. Devices in
+    process order (process p holds the p-th half): at 1x8 the experts' all-to-all spans both
+    processes, at 2x4 the gradients' gather over "data" does; 4x2 pairs a device of each
+    process on "ep", so both do."""
+    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+    interleaved = devices.reshape(jax.process_count(), -1).T.reshape(-1)
+
+    def mesh(order, shape):
+        return Mesh(order.reshape(shape), ("data", "ep"), axis_types=(AxisType.Explicit,) * 2)
+
+    return {
+        "1x8": mesh(devices, (1, 8)),
+        "2x4": mesh(devices, (2, 4)),
+        "4x2": mesh(interleaved, (4, 2)),
+    }
+
+
+def placed(model, mesh: Mesh):
+    """`model` with its parameters as global arrays: the routed experts' split over "ep", the
+    others replicated (each process holds only its devices' shards)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def put(path, p):
+        spec = P("ep") if path[0].key == "experts" else P()
+        return jax.device_put(p, NamedSharding(mesh, spec))
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(put, params), rest)
+
+
+def global_tokens(x: np.ndarray, mesh: Mesh) -> jax.Array:
+    """x [B, ...] as a global array split over the mesh like `expert_parallel_forward`'s tokens,
+    each process giving only the rows of its own devices, in batch order (sliced here from the
+    same full x; a real job would load only its own)."""
+    tokens = NamedSharding(mesh, P(mesh.axis_names))
+    index = tokens.addressable_devices_indices_map(x.shape).values()
+    rows = sorted({i for block in index for i in range(*block[0].indices(len(x)))})
+    global_x = jax.make_array_from_process_local_data(tokens, x[rows], x.shape)
+    assert not global_x.is_fully_addressable
+    return global_x
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    """{key path: host array} of a tree of arrays, e.g. `step`'s (y, aux, d x, d params)."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+
+
+def save(path: str, arrays: dict[str, np.ndarray]):
+    """An .npz of the arrays' bits (unsigned integers) and dtype names (bf16 survives)."""
+    uint = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+    entries = {}
+    for key, a in arrays.items():
+        entries[key] = a.view(uint[a.dtype.itemsize])
+        entries[f"dtype:{key}"] = np.array(a.dtype.name)
+    np.savez(path, **entries)
+
+
+def load(path: str) -> dict[str, np.ndarray]:
+    """`save`'s arrays."""
+    with np.load(path) as entries:
+        return {
+            key: entries[key].view(jnp.dtype(str(entries[f"dtype:{key}"])))
+            for key in entries.files
+            if not key.startswith("dtype:")
+        }
+
+
+def main(coordinator: str, num_processes: int, process_id: int, out: str):
+    jax.distributed.initialize(coordinator, num_processes, process_id)
+    from test_expert_parallel import CONFIGS, make, step
+
+    assert jax.process_count() == num_processes and jax.device_count() == 8
+    results = {}
+    for precision, config in CONFIGS.items():
+        model, x, cotangent = make(config)
+        runs = {name: (model, mesh) for name, mesh in meshes().items()}
+        runs["4x2_placed"] = (placed(model, meshes()["4x2"]), meshes()["4x2"])
+        for name, (layer, mesh) in runs.items():
+            outputs = step(layer, global_tokens(np.asarray(x), mesh), cotangent, mesh)
+            on_host = multihost_utils.process_allgather(outputs, tiled=True)
+            for key, value in flat(on_host).items():
+                results[f"{precision}/{name}/{key}"] = value
+    if process_id == 0:
+        save(out, results)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # not waiting at jax.distributed's shutdown barrier for the other process
