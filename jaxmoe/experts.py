@@ -28,7 +28,7 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops.dense import bf16_pieces, dense
 from jaxmoe.ops.gmm import KERNEL_MULTIPLE, tgmm
-from jaxmoe.ordered import broadcast_in_order
+from jaxmoe.ordered import broadcast_in_order, row_sums_in_order
 from jaxmoe.recipes import recipe_for
 
 F32 = jnp.float32
@@ -48,16 +48,40 @@ def activation(z: jax.Array, name: str) -> jax.Array:
 def weighted_activation(h: jax.Array, probs: jax.Array | None, config: MoEConfig) -> jax.Array:
     """act(h) (times the per-row probability when given) computed in fp32, rounded once to h.dtype.
 
-    h: [M, 2F] ([gate; up]) with a GLU, else [M, F]; probs: [M] or None."""
+    h: [M, 2F] ([gate; up]) with a GLU, else [M, F]; probs: [M] or None. The probabilities'
+    gradient is each row's sum of d out * act(h) in a fixed order (`row_sums_in_order`), with
+    act(h) recomputed from h rather than kept in fp32 between the passes."""
+    if probs is None:
+        return _unweighted(h, config).astype(h.dtype)
+    return _weighted(h, probs.astype(F32), config)
+
+
+def _unweighted(h: jax.Array, config: MoEConfig) -> jax.Array:
     z = h.astype(F32)
     if config.gated_linear_unit:
         gate, up = jnp.split(z, 2, axis=-1)
-        out = activation(gate, config.activation) * up
-    else:
-        out = activation(z, config.activation)
-    if probs is not None:
-        out = out * broadcast_in_order(probs.astype(F32)[:, None], out.shape)
-    return out.astype(h.dtype)
+        return activation(gate, config.activation) * up
+    return activation(z, config.activation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _weighted(h, probs, config):
+    return (_unweighted(h, config) * probs[:, None]).astype(h.dtype)
+
+
+def _weighted_fwd(h, probs, config):
+    return _weighted(h, probs, config), (h, probs)
+
+
+def _weighted_bwd(config, residuals, g):
+    h, probs = residuals
+    out, pull = jax.vjp(lambda h: _unweighted(h, config), h)
+    g = g.astype(F32)
+    (d_h,) = pull(g * probs[:, None])
+    return d_h, row_sums_in_order(g * out)
+
+
+_weighted.defvjp(_weighted_fwd, _weighted_bwd)
 
 
 def bias_per_row(bias: jax.Array, route: Any, impl: str = "auto") -> jax.Array:
