@@ -85,6 +85,22 @@ def test_same_bits_at_every_degree(precision):
     assert differs(np.asarray(step(model, x, cotangent, mesh_for(8))[0]), np.asarray(y1))
 
 
+def test_ranks_that_receive_no_rows():
+    """Sigmoid routing with an expert bias that rules out experts 4-7 (so at ep = 2 one rank, at
+    ep = 8 four ranks, get no rows; their expert gradients are zero): the same bits at every
+    degree, and the experts that got no rows have zero gradients."""
+    config = BF16.replace(score_function="sigmoid", enable_expert_bias=True, aux_loss_coeff=0.0)
+    model, x, cotangent = make(config)
+    model.router.expert_bias[...] = jnp.array([0.0] * 4 + [-100.0] * 4, jnp.float32)
+    runs = {ep: step(model, x, cotangent, mesh_for(ep)) for ep in (1, 2, 8)}
+    assert int(np.asarray(runs[1][1].tokens_per_expert)[:, 4:].sum()) == 0
+    for run in runs.values():
+        for a, b in zip(jax.tree.leaves(run), jax.tree.leaves(runs[1]), strict=True):
+            assert_bitwise(np.asarray(a), np.asarray(b))
+    fc1_grad = np.asarray(runs[8][3]["experts"]["fc1_kernel"], np.float32)
+    assert not fc1_grad[4:].any() and fc1_grad[:4].any()
+
+
 @pytest.mark.parametrize("pad", [False, True], ids=["dropping", "padded_to_capacity"])
 def test_capacity_is_per_rank(pad):
     """With capacity, each rank drops among its own tokens, with the capacity of its own token
