@@ -11,9 +11,10 @@ A token's combined value depends only on its own rows, in a fixed order: batch i
 The bf16 / fp32 row moves run on `jaxmoe.ops.permute` (`impl`: Hopper kernels or XLA, same bits).
 
 `dispatch` also moves rowwise MXFP8 tensors (fp8 data and E8M0 scale rows gathered by the same
-index), so that tokens can be quantized once, before the dispatch. An MXTensor carries no
-gradient: the layer sends the gradient of the quantized tokens back through the bf16 dispatch
-(`combine`), treating the quantizer as the identity (straight-through).
+index), so that tokens can be quantized once, before the dispatch, and travel as MXFP8 alone.
+An MXTensor carries no gradient: `dequantized_rows` gives the experts its values and sends
+their gradient back to the tokens through the route's transpose, treating the quantizer as the
+identity (straight-through).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxmoe.mxfp8 import MXTensor
+from jaxmoe.mxfp8 import MXTensor, dequantize
 from jaxmoe.ops.permute import combine_rows, dispatch_rows
 from jaxmoe.plan import Plan
 
@@ -159,3 +160,24 @@ class LocalRoute:
 
     def slot_values(self, values: jax.Array) -> jax.Array:
         return gather_slots(values, self.plan)
+
+
+@jax.custom_vjp
+def dequantized_rows(tokens: jax.Array, rows_rowwise: MXTensor, route) -> jax.Array:
+    """The dispatched rowwise MXFP8 rows (`route.to_experts(quantize(tokens, axis=1))`) in
+    tokens.dtype: what the experts see when the MXFP8 copy alone is dispatched. The gradient goes
+    to the tokens as the dispatch's would (`route.to_tokens`, its transpose), the quantizer
+    taken as the identity (straight-through, as Transformer Engine does)."""
+    return dequantize(rows_rowwise, tokens.dtype)
+
+
+def _dequantized_rows_fwd(tokens, rows_rowwise, route):
+    return dequantized_rows(tokens, rows_rowwise, route), (route, jnp.zeros((0,), tokens.dtype))
+
+
+def _dequantized_rows_bwd(residuals, grad):
+    route, dtype_carrier = residuals
+    return route.to_tokens(grad).astype(dtype_carrier.dtype), None, None
+
+
+dequantized_rows.defvjp(_dequantized_rows_fwd, _dequantized_rows_bwd)

@@ -165,8 +165,9 @@ def grouped_mlp(
     the way back to tokens (`jaxmoe.dispatch.LocalRoute`, or `jaxmoe.exchange.ExchangedRoute`
     across expert-parallel ranks);
     weights: the experts' parameters; rows_rowwise: the dispatched rowwise MXFP8 copy of the
-    tokens (dispatch_dtype "mxfp8"), else None. expert_weights: `quantize_expert_weights` of
-    these kernels made earlier in the step (None: quantize here). Returns the stages;
+    tokens (dispatch_dtype "mxfp8"; rows are then its dequantized values), else None.
+    expert_weights: `quantize_expert_weights` of these kernels made earlier in the step (None:
+    quantize here). Returns the stages;
     `.combined` [T, H] in rows.dtype is each token's probability-weighted sum of its expert
     outputs."""
     dtype, recipe = rows.dtype, recipe_for(config)

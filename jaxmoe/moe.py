@@ -24,7 +24,7 @@ from flax import nnx, struct
 
 from jaxmoe import routing as routing_lib
 from jaxmoe.config import MoEConfig
-from jaxmoe.dispatch import LocalRoute
+from jaxmoe.dispatch import LocalRoute, dequantized_rows
 from jaxmoe.experts import ExpertMatrices, grouped_mlp, quantize_expert_weights, shared_mlp
 from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor
 from jaxmoe.ops.quantize import quantize
@@ -74,7 +74,8 @@ class MoEStages:
     indices: jax.Array  # [T, k] expert of each slot
     kept: jax.Array  # [T, k] bool: the slot survived capacity
     plan: Plan  # the expert buffer's layout
-    dispatched_rows: jax.Array  # [M, H] tokens in expert order
+    dispatched_rows: jax.Array  # [M, H] tokens in expert order (dequantized MXFP8 ones with
+    # dispatch_dtype "mxfp8")
     dispatched_mxfp8: MXTensor | None  # their rowwise MXTensor (dispatch_dtype "mxfp8")
     row_probs: jax.Array  # [M] probability of each row
     fc1_output: jax.Array  # [M, 2F] (gated) or [M, F]
@@ -402,14 +403,13 @@ class MoE(nnx.Module):
             plan = make_plan(routing, config)
         with jax.named_scope("dispatch"):
             route = route_for(plan, self.gmm_impl)
-            rows = route.to_experts(tokens)
-            # dispatch_dtype "mxfp8": quantize each token once, before the dispatch (blocks
-            # along H).
-            rows_rowwise = (
-                route.to_experts(quantize(tokens, axis=1, impl=self.gmm_impl))
-                if config.dispatch_dtype == "mxfp8"
-                else None
-            )
+            if config.dispatch_dtype == "mxfp8":
+                # Each token quantized once (blocks along H); only the MXFP8 copy is dispatched,
+                # and the experts' bf16 rows are its dequantized values.
+                rows_rowwise = route.to_experts(quantize(tokens, axis=1, impl=self.gmm_impl))
+                rows = dequantized_rows(tokens, rows_rowwise, route)
+            else:
+                rows, rows_rowwise = route.to_experts(tokens), None
             row_probs = route.slot_values(routing.probs)
         expert = self.experts(
             rows,

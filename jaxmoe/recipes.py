@@ -9,8 +9,10 @@ recipe (docs/numerics.md, "Experts and rounding points").
 
 The token-level MXFP8 options work with every recipe (docs/numerics.md, "MXFP8"):
   * dispatch_dtype "mxfp8": the tokens were quantized rowwise before the dispatch
-    (`rows_rowwise`). MXFP8 experts use that copy as fc1's fprop operand as it is; bf16 experts
-    take its dequantized value as their input.
+    (`rows_rowwise`), and the rows are its dequantized values (`jaxmoe.dispatch.dequantized_rows`:
+    only the MXFP8 copy travels). MXFP8 experts use that copy as fc1's fprop operand as it is and
+    quantize the rows columnwise for fc1's weight gradient (a copy derived from the wire format,
+    as Transformer Engine's MXFP8 all-to-all does); bf16 experts take the rows as their input.
   * combine_bwd_dtype "mxfp8": the gradient of y is quantized rowwise at token level, before it
     is dispatched back to the rows. MXFP8 experts use the dispatched copy as fc2's dgrad operand
     as it is (so fc2 and the combine share one custom VJP); bf16 experts take its dequantized
@@ -114,12 +116,7 @@ class Bf16Recipe(ExpertRecipe):
             raise ValueError(
                 f"grouped_mlp: expert_weights are quantized copies; the experts run in {self.name}"
             )
-        fc1_input = (
-            rows
-            if rows_rowwise is None
-            else _straight_through(rows, dequantize(rows_rowwise, rows.dtype))
-        )
-        return gmm(fc1_input, kernel, sizes, impl=impl, preferred_element_type=out_dtype)
+        return gmm(rows, kernel, sizes, impl=impl, preferred_element_type=out_dtype)
 
     def fc2_and_combine(self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl):
         with jax.named_scope("fc2"):
@@ -137,8 +134,8 @@ class Bf16Recipe(ExpertRecipe):
 class Mxfp8Recipe(ExpertRecipe):
     """Transformer Engine's MXFP8 recipe for every GEMM, forward and backward
     (`jaxmoe.ops.mxfp8_gmm`), on the compute-dtype copy of the weights; fc2 quantizes the
-    activation after its single rounding, as TE does. Columnwise (wgrad) copies always come from
-    the compute-dtype rows."""
+    activation after its single rounding, as TE does. Columnwise (wgrad) copies come from the
+    compute-dtype rows (with dispatch_dtype "mxfp8", the dequantized wire rows)."""
 
     name = "mxfp8"
 
@@ -176,15 +173,6 @@ RECIPES: dict[str, ExpertRecipe] = {recipe.name: recipe for recipe in (Bf16Recip
 def recipe_for(config: MoEConfig) -> ExpertRecipe:
     """The recipe of `config.expert_precision`."""
     return RECIPES[config.expert_precision]
-
-
-@jax.custom_vjp
-def _straight_through(x, value):
-    """`value` (a quantized copy of x) in the forward; the gradient goes to x unchanged."""
-    return value
-
-
-_straight_through.defvjp(lambda x, value: (value, None), lambda _, grad: (grad, None))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

@@ -5,6 +5,7 @@ gradients equal its gradients within rounding (they are summed over the ranks in
 fixed, order)."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -83,6 +84,32 @@ def test_same_bits_at_every_degree(precision):
     # Control: a change to one expert of the last rank changes y.
     model.experts.fc2_kernel[...] = model.experts.fc2_kernel[...].at[-1].multiply(2)
     assert differs(np.asarray(step(model, x, cotangent, mesh_for(8))[0]), np.asarray(y1))
+
+
+def all_to_all_operands(config) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, shape) of every all_to_all in the expert-parallel forward at ep = 8."""
+    model, x, _ = make(config)
+    jaxpr = jax.make_jaxpr(lambda x: expert_parallel_forward(model, x, mesh_for(8)))(x)
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "all_to_all":
+                found.extend((str(v.aval.dtype), v.aval.shape) for v in eqn.invars)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    return found
+
+
+def test_mxfp8_dispatch_sends_only_the_mxfp8_rows():
+    """With dispatch_dtype "mxfp8" the forward's row all-to-alls are the dispatch's fp8 data and
+    uint8 scales and the combine's bf16 output rows coming back: the tokens do not travel in
+    bf16 too. Control: with bf16 dispatch, two bf16 row exchanges."""
+    rows = lambda operands: sorted(dtype for dtype, shape in operands if shape[-1] in (H, H // 32))
+    assert rows(all_to_all_operands(MXFP8)) == ["bfloat16", "float8_e4m3fn", "uint8"]
+    assert rows(all_to_all_operands(BF16)) == ["bfloat16", "bfloat16"]
 
 
 def test_ranks_that_receive_no_rows():
