@@ -14,9 +14,10 @@ The token-level MXFP8 options work with every recipe (docs/numerics.md, "MXFP8")
     quantize the rows columnwise for fc1's weight gradient (a copy derived from the wire format,
     as Transformer Engine's MXFP8 all-to-all does); bf16 experts take the rows as their input.
   * combine_bwd_dtype "mxfp8": the gradient of y is quantized rowwise at token level, before it
-    is dispatched back to the rows. MXFP8 experts use the dispatched copy as fc2's dgrad operand
-    as it is (so fc2 and the combine share one custom VJP); bf16 experts take its dequantized
-    value as their output gradient.
+    is dispatched back to the rows, and only that copy is dispatched. MXFP8 experts use it as
+    fc2's dgrad operand as it is (so fc2 and the combine share one custom VJP) and quantize its
+    dequantized rows columnwise for fc2's weight gradient; bf16 experts take the dequantized
+    rows as their output gradient.
 Quantizers are the identity for the gradient (straight-through), as in Transformer Engine.
 """
 
@@ -125,9 +126,10 @@ class Bf16Recipe(ExpertRecipe):
                 row_bias,
             )
         with jax.named_scope("combine"):
-            combined = route.to_tokens(out)
             if combine_bwd_dtype == "mxfp8":
-                combined = _gradient_through_mxfp8(combined, impl)
+                combined = _combine_with_mxfp8_gradient(out, route, impl)
+            else:
+                combined = route.to_tokens(out)
         return out, combined
 
 
@@ -175,15 +177,31 @@ def recipe_for(config: MoEConfig) -> ExpertRecipe:
     return RECIPES[config.expert_precision]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _gradient_through_mxfp8(y, impl):
-    """The identity, whose gradient is rounded through rowwise MXFP8 (quantize, dequantize)."""
-    return y
+def _gradient_rows_mxfp8(route, grad: jax.Array, impl: str) -> tuple[MXTensor, jax.Array]:
+    """combine_bwd_dtype "mxfp8": the token-level output gradient quantized rowwise once and
+    sent to the expert rows as MXFP8 alone; (that rowwise copy, its dequantized rows in
+    grad.dtype). The rows are what every other use of the gradient reads (fc2's columnwise
+    weight-gradient copy and bias gradient; bf16 experts' whole backward pass)."""
+    rowwise = route.to_experts(quantize(grad, axis=1, impl=impl))
+    return rowwise, dequantize(rowwise, grad.dtype)
 
 
-_gradient_through_mxfp8.defvjp(
-    lambda y, impl: (y, None),
-    lambda impl, _, grad: (dequantize(quantize(grad, axis=1, impl=impl), grad.dtype),),
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _combine_with_mxfp8_gradient(out, route, impl):
+    """route.to_tokens(out), whose gradient reaches the rows through MXFP8 (bf16 experts)."""
+    return route.to_tokens(out)
+
+
+def _combine_with_mxfp8_gradient_fwd(out, route, impl):
+    return route.to_tokens(out), route
+
+
+def _combine_with_mxfp8_gradient_bwd(impl, route, grad):
+    return _gradient_rows_mxfp8(route, grad, impl)[1], None
+
+
+_combine_with_mxfp8_gradient.defvjp(
+    _combine_with_mxfp8_gradient_fwd, _combine_with_mxfp8_gradient_bwd
 )
 
 
@@ -244,15 +262,15 @@ def _mxfp8_fc2_and_combine_bwd(combine_bwd_dtype, gmm_impl, residuals, cotangent
     if isinstance(d_combined, SymbolicZero):  # only the fc2_output stage is used
         d_combined = jnp.zeros(d_combined.shape, d_combined.dtype)
     with jax.named_scope("combine"):
-        # bf16 rows: fc2's wgrad copy, the bias gradient
-        d_rows = route.to_experts(d_combined)
         grad_rowwise = None
         if not isinstance(d_out, SymbolicZero):
             # The fc2_output stage itself is differentiated: the dispatched token gradient is no
             # longer the whole row gradient, so the sum is quantized on the compute side.
-            d_rows = d_rows + d_out
+            d_rows = route.to_experts(d_combined) + d_out
         elif combine_bwd_dtype == "mxfp8":
-            grad_rowwise = route.to_experts(quantize(d_combined, axis=1, impl=residuals.gemm.impl))
+            grad_rowwise, d_rows = _gradient_rows_mxfp8(route, d_combined, residuals.gemm.impl)
+        else:
+            d_rows = route.to_experts(d_combined)
     with jax.named_scope("fc2"):
         d_a, d_kernel = mxfp8_gmm_backward(residuals.gemm, d_rows, grad_rowwise)
     d_row_bias = d_rows.astype(F32) if residuals.has_bias else None

@@ -49,8 +49,9 @@ def mesh_for(ep):
     return jax.make_mesh((8 // ep, ep), ("data", "ep"))
 
 
-def step(model, x, cotangent, mesh, padding_mask=None):
-    """(y, aux, d x, d params) of <y, cotangent> + the ranks' auxiliary losses."""
+def training_step(model, cotangent, mesh, padding_mask=None):
+    """(params, x) -> ((d x, d params), (y, aux)) of <y, cotangent> + the ranks' auxiliary
+    losses, and the model's params."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss(params, x):
@@ -60,7 +61,12 @@ def step(model, x, cotangent, mesh, padding_mask=None):
         total = sum_in_order(jnp.ravel(whole(y).astype(jnp.float32) * cotangent))
         return total + sum_in_order(whole(aux.total_loss)), (y, aux)
 
-    grad = jax.grad(loss, argnums=(1, 0), has_aux=True)
+    return jax.grad(loss, argnums=(1, 0), has_aux=True), params
+
+
+def step(model, x, cotangent, mesh, padding_mask=None):
+    """(y, aux, d x, d params) of <y, cotangent> + the ranks' auxiliary losses."""
+    grad, params = training_step(model, cotangent, mesh, padding_mask)
     (d_x, d_params), (y, aux) = jax.jit(grad)(params, x)
     return y, aux, d_x, d_params
 
@@ -86,30 +92,34 @@ def test_same_bits_at_every_degree(precision):
     assert differs(np.asarray(step(model, x, cotangent, mesh_for(8))[0]), np.asarray(y1))
 
 
-def all_to_all_operands(config) -> list[tuple[str, tuple[int, ...]]]:
-    """(dtype, shape) of every all_to_all in the expert-parallel forward at ep = 8."""
-    model, x, _ = make(config)
-    jaxpr = jax.make_jaxpr(lambda x: expert_parallel_forward(model, x, mesh_for(8)))(x)
+def row_exchanges(config) -> list[str]:
+    """The dtypes of the row all-to-alls (last dim H, or H/32 for MXFP8 scales) in the
+    expert-parallel training step at ep = 8, sorted."""
+    model, x, cotangent = make(config)
+    grad, params = training_step(model, cotangent, mesh_for(8))
     found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "all_to_all":
-                found.extend((str(v.aval.dtype), v.aval.shape) for v in eqn.invars)
+                found.extend(
+                    str(v.aval.dtype) for v in eqn.invars if v.aval.shape[-1] in (H, H // 32)
+                )
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub)
 
-    walk(jaxpr.jaxpr)
-    return found
+    walk(jax.make_jaxpr(grad)(params, x).jaxpr)
+    return sorted(found)
 
 
-def test_mxfp8_dispatch_sends_only_the_mxfp8_rows():
-    """With dispatch_dtype "mxfp8" the forward's row all-to-alls are the dispatch's fp8 data and
-    uint8 scales and the combine's bf16 output rows coming back: the tokens do not travel in
-    bf16 too. Control: with bf16 dispatch, two bf16 row exchanges."""
-    rows = lambda operands: sorted(dtype for dtype, shape in operands if shape[-1] in (H, H // 32))
-    assert rows(all_to_all_operands(MXFP8)) == ["bfloat16", "float8_e4m3fn", "uint8"]
-    assert rows(all_to_all_operands(BF16)) == ["bfloat16", "bfloat16"]
+def test_mxfp8_rows_alone_cross_the_wire():
+    """With dispatch_dtype and combine_bwd_dtype "mxfp8", the tokens sent to the experts and the
+    output gradient sent back to them travel as fp8 data and uint8 scales alone; the bf16 row
+    exchanges left are the expert outputs coming back and their transpose (the rows' gradient
+    going to the tokens). Control: bf16 on the wire, four bf16 row exchanges."""
+    bf16, fp8 = ["bfloat16"] * 2, ["float8_e4m3fn"] * 2 + ["uint8"] * 2
+    assert row_exchanges(MXFP8) == bf16 + fp8
+    assert row_exchanges(BF16) == bf16 * 2
 
 
 def test_ranks_that_receive_no_rows():

@@ -162,11 +162,21 @@ def wire_copy(rows):
 wire_copy.defvjp(lambda rows: (qdq(rows, 1), None), lambda _, grad: (grad,))
 
 
+@jax.custom_vjp
+def gradient_wire_copy(rows):
+    """The identity, whose gradient goes through rowwise MXFP8 (what only the MXFP8 copy of the
+    output gradient on the wire gives the experts)."""
+    return rows
+
+
+gradient_wire_copy.defvjp(lambda rows: (rows, None), lambda _, grad: (qdq(grad, 1),))
+
+
 def reference_forward(model, x):
     """The layer's routed experts (no shared expert) with `reference_gmm` and plain autodiff:
-    the bf16 layer with MXFP8 GEMMs swapped in, and with dispatch_dtype "mxfp8" the dequantized
-    wire copy as the experts' rows (fc1's weight gradient quantizes it columnwise; the combine's
-    option is fc2's dgrad quantization already). It shares the layer's
+    the bf16 layer with MXFP8 GEMMs swapped in, the dequantized wire copies of the rows
+    (dispatch_dtype "mxfp8") and of their output gradient (combine_bwd_dtype "mxfp8") in place of
+    the bf16 ones (the weight gradients quantize those columnwise). It shares the layer's
     routing, plan, dispatch, combine and fixed-order bias and probability sums on purpose, to
     isolate the MXFP8 GEMM wiring of the gradients; the forward is checked with nothing shared
     in tests/test_layer_reference.py
@@ -186,6 +196,8 @@ def reference_forward(model, x):
         bias = bias_per_row(experts.fc2_bias[...], LocalRoute(plan), model.gmm_impl)
         bias = bias * broadcast_in_order(row_probs.astype(F32)[:, None], bias.shape)
         out = (out.astype(F32) + bias).astype(BF16)
+    if config.combine_bwd_dtype == "mxfp8":
+        out = gradient_wire_copy(out)
     return combine(out, plan)
 
 
@@ -487,9 +499,10 @@ def test_mxfp8_experts_do_not_depend_on_where_the_rowwise_copies_are_made(
 ):
     """MXFP8 experts consume the same rowwise copies whether tokens / gradients were quantized
     before the dispatch (wire) or after it (compute side): outputs and gradients are bitwise
-    those of the all-MXFP8 layer, but for fc1's weight gradient with bf16 dispatch, whose
-    columnwise copy then comes from the bf16 rows rather than the dequantized wire rows (which
-    the MXFP8 wire alone carries, as Transformer Engine's MXFP8 all-to-all): that one differs."""
+    those of the all-MXFP8 layer, except a weight gradient whose columnwise copy then comes
+    from bf16 rows rather than the dequantized wire rows (which the MXFP8 wire alone carries,
+    as Transformer Engine's MXFP8 all-to-all): fc1's with bf16 dispatch, fc2's with a bf16
+    combine gradient. Those differ."""
     x, ct = tokens(48), cotangent_of(48)
     config = ALL.replace(dispatch_dtype=dispatch_dtype, combine_bwd_dtype=combine_bwd_dtype)
     y, grads = training(make(config), x, ct)
@@ -497,8 +510,12 @@ def test_mxfp8_experts_do_not_depend_on_where_the_rowwise_copies_are_made(
     assert_bitwise(y, y_all)
     got, want = grads_by_name(grads), grads_by_name(grads_all)
     assert got.keys() == want.keys()
+    from_bf16_rows = {
+        "fc1_kernel": dispatch_dtype == "bf16",
+        "fc2_kernel": combine_bwd_dtype == "bf16",
+    }
     for name in got:
-        if "fc1_kernel" in name and dispatch_dtype == "bf16":
+        if any(weight in name and other for weight, other in from_bf16_rows.items()):
             assert differs(got[name], want[name])
         else:
             assert_bitwise(got[name], want[name])
