@@ -11,6 +11,13 @@ The transport is a dense `all_to_all` with room for a whole local buffer per pee
 ever lost whatever the routing. Every step is a row permutation with zero fill, so the two
 directions are each other's transpose: `send_rows`'s VJP is `return_rows` and the reverse. No
 scatter-add, and a row's values are moved, never summed.
+
+Token rows going to the experts (the dispatch, and the output gradient in the combine's
+backward pass) travel deduplicated (`send_tokens`): each token once to each rank that owns any
+of its experts (room for all T tokens per peer), and the receiver copies it into the rows of
+those experts. The other direction cannot be deduplicated without summing a token's rows on
+the expert side, so the expert outputs (and the dispatch's gradient) come back row by row and
+are summed on the token's own rank, in the single-device order.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxmoe.dispatch import combine, dispatch, gather_slots
+from jaxmoe.dispatch import combine, gather_slots
 from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops.permute import dispatch_rows
 from jaxmoe.ordered import broadcast_in_order
@@ -40,6 +47,9 @@ class ExchangePlan:
     row_expert:  [R * C] local expert of each receiver row; E/R past the last block.
     row_block:   [R * C] (expert, source) block e * R + s of each receiver row; E past the last.
     source_sizes:[R, E/R] padded block sizes received from each source.
+    token_send:  [R * T] local token sent in token slot c to peer p (index p * T + c); T: none.
+    recv_token:  [R * C] received token slot (s * T + c) copied into each receiver row; R * T:
+                 padding.
     """
 
     send_row: jax.Array
@@ -50,6 +60,8 @@ class ExchangePlan:
     row_expert: jax.Array
     row_block: jax.Array
     source_sizes: jax.Array
+    token_send: jax.Array
+    recv_token: jax.Array
 
     @property
     def num_rows(self) -> int:
@@ -116,6 +128,34 @@ def exchange_plan(plan: Plan, num_ranks: int, axis_name: str) -> ExchangePlan:
         - source_offset[slot_source, slot_expert],
         total,
     )
+    # Deduplicated token sends: the tokens with a kept slot on peer p, in token order.
+    num_tokens, num_slots = plan.slot_row.shape[0], plan.slot_row.size
+    slot_expert = jnp.where(
+        plan.slot_row < num_rows, plan.row_expert[jnp.minimum(plan.slot_row, num_rows - 1)], -1
+    )
+    slot_peer = jnp.where(slot_expert >= 0, slot_expert // local_experts, -1)  # [T, k]
+    to_peer = jnp.any(slot_peer[:, :, None] == ranks, axis=1)  # [T, R]
+    token_pos = _exclusive_cumsum(to_peer.astype(jnp.int32), axis=0)  # place in p's list
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    token_send = (
+        jnp.full((num_ranks, num_tokens), num_tokens, jnp.int32)
+        .at[ranks[None, :], jnp.where(to_peer, token_pos, num_tokens)]
+        .set(jnp.broadcast_to(tokens[:, None], to_peer.shape), mode="drop")
+    )
+    # Each local row's place in its owner's token list travels with the rows.
+    row_token = plan.row_slot // (num_slots // num_tokens)
+    # Each local row's place in its owner's token list travels with the rows, as 1 + place
+    # (0: a padding row, whose receiver row stays zero; empty slots arrive as 0 too).
+    row_pos = jnp.where(
+        row_token < num_tokens, token_pos[jnp.minimum(row_token, num_tokens - 1), owner] + 1, 0
+    )
+    received_pos = _take(
+        _all_to_all(_take(row_pos[:, None], send_row), num_ranks, axis_name), recv_slot
+    )[:, 0]
+    recv_token = jnp.where(
+        real & (received_pos > 0), source * num_tokens + received_pos - 1, num_ranks * num_tokens
+    )
+
     return ExchangePlan(
         send_row=send_row.astype(jnp.int32),
         back_row=back_row.astype(jnp.int32),
@@ -125,6 +165,8 @@ def exchange_plan(plan: Plan, num_ranks: int, axis_name: str) -> ExchangePlan:
         row_expert=jnp.where(real, expert, local_experts).astype(jnp.int32),
         row_block=jnp.where(real, clipped, blocks.shape[0]).astype(jnp.int32),
         source_sizes=source_sizes.astype(jnp.int32),
+        token_send=token_send.reshape(-1),
+        recv_token=recv_token.astype(jnp.int32),
     )
 
 
@@ -149,6 +191,15 @@ def _return(rows, xplan, axis_name):
     num_ranks = xplan.source_sizes.shape[0]
     received = _all_to_all(_take(rows, xplan.return_slot), num_ranks, axis_name)
     return _take(received, xplan.back_row)
+
+
+def send_tokens(x: jax.Array, xplan: ExchangePlan, axis_name: str) -> jax.Array:
+    """Token rows x [T, ...] -> the receiver's buffer rows [R * C, ...]: each token sent once to
+    each peer that owns one of its experts, then copied into those experts' rows. The same
+    values as `send_rows(dispatch(x, plan))`; not differentiable (the routes give it a VJP)."""
+    num_ranks = xplan.source_sizes.shape[0]
+    received = _all_to_all(_take(x, xplan.token_send), num_ranks, axis_name)
+    return _take(received, xplan.recv_token)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -223,15 +274,58 @@ class ExchangedRoute:
         return spread.reshape((-1,) + weights.shape[1:])
 
     def to_experts(self, x: jax.Array | MXTensor) -> jax.Array | MXTensor:
-        rows = dispatch(x, self.plan, self.impl)
-        if isinstance(rows, MXTensor):  # fp8 data and scale rows travel as they are
-            send = lambda a: _send(a, self.exchange, self.axis_name)
-            return MXTensor(data=send(rows.data), scale=send(rows.scale), axis=1, fmt=rows.fmt)
-        return send_rows(rows, self.exchange, self.axis_name)
+        """Token rows (or a rowwise MXTensor: fp8 data and scale rows) -> the receiver's buffer,
+        deduplicated on the wire (`send_tokens`); VJP: `to_tokens`."""
+        if isinstance(x, MXTensor):
+            if x.ndim != 2 or x.axis != 1:
+                raise ValueError(f"to_experts: an MXTensor must be [T, H] blocked along H, got {x}")
+            send = lambda a: send_tokens(a, self.exchange, self.axis_name)
+            return MXTensor(data=send(x.data), scale=send(x.scale), axis=1, fmt=x.fmt)
+        return _route_to_experts(x, self)
 
     def to_tokens(self, rows: jax.Array) -> jax.Array:
-        return combine(return_rows(rows, self.exchange, self.axis_name), self.plan, self.impl)
+        """The receiver's buffer rows back to their sources, each token's rows combined there in
+        the single-device order; VJP: the deduplicated `to_experts`."""
+        return _route_to_tokens(rows, self)
 
     def slot_values(self, values: jax.Array) -> jax.Array:
         per_row = gather_slots(values, self.plan)[:, None]
         return send_rows(per_row, self.exchange, self.axis_name)[:, 0]
+
+
+def _to_tokens(rows, route: ExchangedRoute):
+    back = _return(rows, route.exchange, route.axis_name)
+    return combine(back, route.plan, route.impl)
+
+
+@jax.custom_vjp
+def _route_to_experts(x, route):
+    return send_tokens(x, route.exchange, route.axis_name)
+
+
+def _route_to_experts_fwd(x, route):
+    return _route_to_experts(x, route), (route, jnp.zeros((0,), x.dtype))
+
+
+def _route_to_experts_bwd(residuals, grad):
+    route, dtype_carrier = residuals
+    return _to_tokens(grad, route).astype(dtype_carrier.dtype), None
+
+
+_route_to_experts.defvjp(_route_to_experts_fwd, _route_to_experts_bwd)
+
+
+@jax.custom_vjp
+def _route_to_tokens(rows, route):
+    return _to_tokens(rows, route)
+
+
+def _route_to_tokens_fwd(rows, route):
+    return _to_tokens(rows, route), route
+
+
+def _route_to_tokens_bwd(route, grad):
+    return send_tokens(grad, route.exchange, route.axis_name), None
+
+
+_route_to_tokens.defvjp(_route_to_tokens_fwd, _route_to_tokens_bwd)

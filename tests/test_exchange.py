@@ -12,9 +12,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmoe import MoEConfig, make_plan, route
 from jaxmoe.dispatch import dispatch
-from jaxmoe.exchange import exchange_plan, return_rows, send_rows
+from jaxmoe.exchange import exchange_plan, return_rows, send_rows, send_tokens
 
-from bitwise import assert_bitwise
+from bitwise import assert_bitwise, differs
 
 TOKENS, H = 24, 16  # tokens per rank
 
@@ -88,6 +88,37 @@ def test_rows_reach_their_owner_and_come_back(num_ranks, starve_last_rank):
         assert_bitwise(back[rank], rows[rank])  # every row returns to its place
     if starve_last_rank and num_ranks > 1:
         assert not received[-1].any() and group_sizes[-1].sum() == 0
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+@pytest.mark.parametrize("variant", ["plain", "starved", "capacity"])
+def test_deduplicated_token_send_fills_the_same_rows(num_ranks, variant):
+    """`send_tokens` (each token once per peer, copied into its experts' rows there) gives the
+    receiver buffer of `send_rows(dispatch(x))` bitwise, also with a rank that gets nothing and
+    with slots dropped by capacity; its all-to-all moves R * T token rows, not R * M. Control:
+    a receiver buffer with two rows swapped differs."""
+    mesh = jax.make_mesh((num_ranks,), ("ep",), devices=jax.devices()[:num_ranks])
+    cfg = config()
+    if variant == "capacity":
+        cfg = cfg.replace(capacity_factor=0.5)
+
+    def body(rank):
+        logits = local_logits(rank[0], variant == "starved", num_ranks)
+        plan = make_plan(route(logits, cfg), cfg)
+        xplan = exchange_plan(plan, num_ranks, "ep")
+        x = (rank[0] * 1000 + jnp.arange(TOKENS))[:, None] + jnp.arange(H) / 100.0
+        x = x.astype(jnp.float32)
+        by_row = send_rows(dispatch(x, plan, "xla"), xplan, "ep")
+        return send_tokens(x, xplan, "ep")[None], by_row[None], xplan.token_send[None]
+
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    deduplicated, by_row, token_send = map(np.asarray, jax.jit(sharded)(rank_ids(mesh)))
+    assert_bitwise(deduplicated, by_row)
+    assert token_send.shape == (num_ranks, num_ranks * TOKENS)
+    assert (token_send < TOKENS).sum() <= num_ranks * TOKENS * 2  # at most k copies a token
+    swapped = deduplicated.copy()
+    swapped[0, [0, 1]] = swapped[0, [1, 0]]
+    assert differs(swapped, by_row)
 
 
 def test_layout_follows_the_alignment():

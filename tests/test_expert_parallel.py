@@ -36,6 +36,7 @@ MXFP8 = BF16.replace(
     expert_row_alignment=32,
 )
 CONFIGS = {"bf16": BF16, "mxfp8": MXFP8}
+MXFP8_EXPERTS = MXFP8.replace(dispatch_dtype="bf16", combine_bwd_dtype="bf16")
 
 
 def make(config):
@@ -211,6 +212,40 @@ def test_parameter_gradients_agree_with_one_device_within_rounding():
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(reference), strict=True):
             a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
             assert np.linalg.norm(a - b) <= 2.0**-7 * np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8", "mxfp8_experts"])
+def test_parameter_gradients_are_the_ranks_single_device_gradients_summed_in_order(precision):
+    """At ep = 1 (8 data-parallel ranks) each parameter's gradient is, bitwise, the single-device
+    gradients of the 8 ranks' tokens (each a separate call), summed with `sum_in_order` in fp32
+    and rounded once: what the layer's reduction promises. By the degree invariance above, the
+    same holds at every degree. (The rows themselves, padding included, are checked in
+    tests/test_exchange.py: MXFP8's scale is nearly invisible in a gradient.)"""
+    model, x, cotangent = make(CONFIGS.get(precision, MXFP8_EXPERTS))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def rank_gradients(params, x, cotangent):
+        def loss(params):
+            y, aux = nnx.merge(graphdef, params, rest)(x)
+            return sum_in_order(jnp.ravel(y.astype(jnp.float32) * cotangent)) + aux.total_loss
+
+        return jax.grad(loss)(params)
+
+    per_rank = [rank_gradients(params, x[r : r + 1], cotangent[r : r + 1]) for r in range(8)]
+    want = jax.tree.map(
+        lambda *g: sum_in_order(jnp.stack([a.astype(jnp.float32) for a in g])).astype(g[0].dtype),
+        *per_rank,
+    )
+    got = step(model, x, cotangent, mesh_for(1))[3]
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_bitwise(np.asarray(a), np.asarray(b))
+    # Control: the same tree with every partial sum rounded to the parameter dtype differs.
+    rounded = jax.tree.map(lambda *g: sum_in_order(jnp.stack(g)), *per_rank)
+    assert any(
+        differs(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(rounded), strict=True)
+    )
 
 
 def test_padding_tokens_are_left_out_at_every_degree():
