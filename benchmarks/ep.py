@@ -1,5 +1,6 @@
-"""Expert-parallel benchmark: the row exchange of the dispatch and combine, bf16 vs MXFP8 on the
-wire, next to a dense all-to-all of the same bytes, and the whole layer's weak scaling.
+"""Expert-parallel benchmark: the token exchange of the dispatch and combine, bf16 vs MXFP8 on
+the wire, next to a dense all-to-all of a buffer of the same shape and dtype, and the whole
+layer's weak scaling.
 
     PYTHONPATH=. python benchmarks/ep.py [--shape qwen3_30b] [--tokens-per-device T]
         [--ep 1,2] [--dispatch bf16,mxfp8] [--experts bf16] [--parts exchange,layer]
@@ -9,22 +10,35 @@ On N devices (2 H200s: `--ep` defaults to every power of two up to the device co
 expert-parallel degree R in --ep, on a ("data", "ep") = (1, R) mesh of the first R devices, in
 one process:
   exchange  the layer's routing (router, plan, `exchange_plan`) of random tokens, T per rank,
-            builds every rank's plan; then, timed in turns (`benchmarks.timing.timed_runs`),
-            inside `jax.shard_map`:
-              dispatch fwd   `send_rows` of the local expert buffer [M, H] to the experts' owners
-              dispatch bwd   its transpose (`return_rows` of a receiver buffer [R * M, H])
-              combine fwd    `return_rows` of the receiver buffer back to the sources
-              combine bwd    its transpose (`send_rows` of a local buffer)
-            each with a bf16 wire (the bf16 cases' bwd is `jax.vjp` of the fwd, the custom VJP
-            the layer runs) and an MXFP8 wire (e4m3 data + e8m0 scales, two transfers, as
-            `ExchangedRoute.to_experts` sends an MXTensor), plus `exchange_plan` itself and the
-            reference: a dense `jax.lax.all_to_all` of the same buffers ([R * M, H] per rank,
-            the transport's slots: room for a whole local buffer per peer). Reported: ms, the
-            ratio to that reference, the bus bandwidth ((R - 1) / R of the slot buffer leaves
-            each rank) and the payload rate (the rows of the plan's blocks for the other ranks'
-            experts, alignment padding included: what a ragged transport would move). One
-            plan serves both wires (the MXFP8 layer's 32-row expert alignment), so they differ
-            only in the bytes per row (2H vs H + H/32).
+            builds every rank's plan (the MXFP8 layer's 32-row expert alignment; C = M, the
+            local buffer's rows, is the return's room per peer); then, timed in turns
+            (`benchmarks.timing.timed_runs`), inside `jax.shard_map`, the exchange alone as
+            `jaxmoe.exchange` runs it in the layer (`ExchangedRoute.to_experts` / `to_tokens`):
+              dispatch fwd  bf16   `send_tokens` of the tokens [T, H] (deduplicated: each token
+                                   once per peer owning any of its experts, in [R * T, H]
+                                   slots, then copied into its expert rows on the receiver)
+                            mxfp8  `jaxmoe.ops.quantize.quantize(tokens, axis=1)` + two
+                                   `send_tokens`: the e4m3 data [T, H] and the e8m0 scales
+                                   [T, H/32] (the layer quantizes right before sending, so the
+                                   quantize is INSIDE this case's time; the `quantize` record
+                                   times it alone, for the exchange-only share)
+              dispatch bwd  bf16   `return_rows` of the receiver's gradient rows [R * C, H] to
+                                   their sources (the layer's `_return`; the `combine` that
+                                   follows on the token's rank is layer compute, not timed)
+              combine fwd   bf16   `return_rows` of the expert outputs [R * C, H] (idem)
+              combine bwd   bf16   `send_tokens` of the token-level output gradient [T, H]
+                            mxfp8  quantize + two `send_tokens`, as dispatch fwd mxfp8
+                                   (combine_bwd_dtype "mxfp8")
+            The returns are bf16 in every layer variant, so they have no MXFP8 case. Also timed:
+            `exchange_plan` itself, `quantize` of the [T, H] tokens alone, and the references:
+            a dense `jax.lax.all_to_all` of a buffer of each wire's shape and dtype, per rank
+            ("buffer" in the records): tokens [R * T, H] bf16, tokens [R * T, H] e4m3 +
+            [R * T, H/32] uint8, rows [R * C, H] bf16. Reported: ms, the ratio to the dense
+            all-to-all of the same buffer, the bus bandwidth ((R - 1) / R of the slot buffer
+            leaves each rank) and the payload rate (the rows that really leave a rank, mean over
+            ranks: for token sends the tokens sent to the other ranks, `token_send < T` in their
+            slots; for returns the receiver's real rows, no alignment padding, of the other
+            ranks' tokens). The wires differ only in the bytes per row (2H vs H + H/32).
   layer     the whole layer's training step, jitted: loss = sum(y * dy) + the auxiliary losses,
             gradients w.r.t. x and every parameter (all returned, with the token counts), of
             `expert_parallel_forward` at ep = R on R devices with T tokens per device, next to
@@ -38,8 +52,29 @@ Sizes: `--shape` from `jaxmoe.shapes`, or deepseek_v3_full (DeepSeek-V3's MoE la
 the CPU smoke sizes tiny / tiny_deepseek; T = --tokens-per-device (default: the shape's tokens).
 On CPU (e.g. XLA_FLAGS=--xla_force_host_platform_device_count=8) it runs at the tiny sizes as a
 check of the script; the JSON's `platform` says where it ran.
-Writes ep_<date>[_tag].json to --out after every degree (environment, per-case ms, bytes, GB/s,
-ratios, efficiency) and prints a summary table at the end.
+
+Writes ep_<date>[_tag].json to --out after every degree, and the plot ep_<date>[_tag].png next to
+it (one panel per degree: the four exchange passes' ms, bf16 and MXFP8 bars with the dense
+all-to-all of the same buffer beside each, the quantize share of the MXFP8 bars hatched; a last
+panel: the layer's weak-scaling efficiency per degree, bf16 and MXFP8 dispatch; needs
+matplotlib, skipped with a printed note without it), and prints a summary table at the end.
+The JSON: the environment (device, versions, `on_cpu`, `method`), `shape`, `degrees`, `plot`
+(the PNG's path, or null without matplotlib), `errors`, and
+  plans     per degree: T, `token_slot_rows` R * T, `buffer_rows` C, `receiver_rows` R * C,
+            per-rank lists and means of the tokens sent (all peers / the other ranks), the
+            (token, expert) rows to the other ranks (padded / real), the real rows returned to
+            the other ranks and the rows received, `rows_per_token_to_peers` (real rows per
+            token sent to a peer: what the deduplication saves on the wire)
+  exchange  one record per case: ep, exchange (dispatch / combine / dense_all_to_all /
+            quantize / exchange_plan), pass (fwd / bwd / -), wire (bf16 / mxfp8 / int32), op,
+            in_layer, includes_quantize; for transfers buffer (tokens / rows), row_bytes,
+            slot_rows, buffer_bytes (the all-to-all's slots per rank), bus_bytes (leaving each
+            rank), payload_rows and payload_bytes (mean per rank); compile_s, ms (median),
+            ms_runs, busbw_GBps and payload_GBps (null at ep 1: nothing leaves), ratio_to_dense
+  layer     one record per step: impl (single_device / expert_parallel), ep, devices,
+            dispatch, experts, expert_row_alignment, tokens_per_device, compile_s, ms, ms_runs,
+            tokens_per_s_per_device, tokens_per_s, efficiency
+(a case that failed has `error` instead of its times).
 """
 
 from __future__ import annotations
@@ -69,8 +104,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.timing import sync, timed_runs  # noqa: E402
 from jaxmoe import MoE, MoEConfig  # noqa: E402
 from jaxmoe.config import MXFP8_ALIGNMENTS  # noqa: E402
-from jaxmoe.dispatch import dispatch  # noqa: E402
-from jaxmoe.exchange import exchange_plan, return_rows, send_rows  # noqa: E402
+from jaxmoe.exchange import exchange_plan, return_rows, send_tokens  # noqa: E402
 from jaxmoe.expert_parallel import expert_parallel_forward, place_on_mesh  # noqa: E402
 from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
 from jaxmoe.ops.quantize import quantize  # noqa: E402
@@ -118,16 +152,18 @@ TINY_SHAPES = {
     )
 }
 ALL_SHAPES = {**SHAPES, DEEPSEEK_V3_FULL.name: DEEPSEEK_V3_FULL, **TINY_SHAPES}
-# Where each exchange case sits in the layer's training step.
+# Where each exchange case sits in the layer's training step (the returns are bf16 in every
+# variant, so they have no MXFP8 case).
 IN_LAYER = {
-    ("dispatch", "fwd", "bf16"): "the tokens to the experts (bf16 dispatch)",
-    ("dispatch", "fwd", "mxfp8"): "the quantized tokens to the experts (dispatch_dtype mxfp8)",
-    ("dispatch", "bwd", "bf16"): "the tokens' gradient back (every variant)",
-    ("dispatch", "bwd", "mxfp8"): "not in the layer (the dispatch gradient is bf16)",
-    ("combine", "fwd", "bf16"): "the expert outputs back to the tokens (every variant)",
-    ("combine", "fwd", "mxfp8"): "not in the layer (the expert outputs are bf16)",
-    ("combine", "bwd", "bf16"): "y's gradient to the experts (every variant)",
-    ("combine", "bwd", "mxfp8"): "y's quantized gradient (combine_bwd_dtype and experts mxfp8)",
+    ("dispatch", "fwd", "bf16"): "the tokens to the experts (dispatch_dtype bf16)",
+    ("dispatch", "fwd", "mxfp8"): "the tokens quantized and sent as MXFP8 (dispatch_dtype mxfp8)",
+    ("dispatch", "bwd", "bf16"): "the expert rows' gradient back to the tokens' ranks, before "
+    "its combine there (every variant)",
+    ("combine", "fwd", "bf16"): "the expert outputs back to the tokens' ranks, before the "
+    "combine there (every variant)",
+    ("combine", "bwd", "bf16"): "y's gradient to the experts (combine_bwd_dtype bf16)",
+    ("combine", "bwd", "mxfp8"): "y's gradient quantized and sent as MXFP8 "
+    "(combine_bwd_dtype mxfp8)",
 }
 _START = time.perf_counter()
 
@@ -250,57 +286,82 @@ def exchange_setup(shape: LayerShape, config: MoEConfig, router, mesh, tokens_pe
     degree, hidden = mesh.shape["ep"], shape.hidden_size
     batch, seq_len = token_layout(shape, tokens_per_device)
     spec = NamedSharding(mesh, P(mesh.axis_names))
-    x = random_tokens(jax.random.key(1), (degree * batch, seq_len, hidden), spec)
+    x_shape = (degree * batch, seq_len, hidden)
+    x = random_tokens(jax.random.key(1), x_shape, spec)
+    dy = random_tokens(jax.random.key(2), x_shape, spec)
     router_graphdef, router_state = nnx.split(router)
     router_state = jax.device_put(router_state, NamedSharding(mesh, P()))
     impl = "auto"
     local_experts = config.num_experts // degree
 
-    def rank_setup(state, x):
-        tokens = x.reshape(-1, hidden)
+    def rank_setup(state, x, dy):
+        tokens, grad = x.reshape(-1, hidden), dy.reshape(-1, hidden)
+        num_tokens = tokens.shape[0]
         _, routing = nnx.merge(router_graphdef, state)(tokens, impl, x.shape[:-1])
         plan = make_plan(routing, config)
         xplan = exchange_plan(plan, degree, "ep")
-        rows = dispatch(tokens, plan, impl)
-        mx = dispatch(quantize(tokens, axis=1, impl=impl), plan, impl)
+        rank = jax.lax.axis_index("ep")
+        mx = quantize(tokens, axis=1, impl=impl)
         owner = jnp.arange(config.num_experts) // local_experts
-        to_peers = owner != jax.lax.axis_index("ep")
+        to_peers = owner != rank
+        sent = xplan.token_send.reshape(degree, num_tokens) < num_tokens  # [peer, slot]
+        real = xplan.recv_token < degree * num_tokens  # receiver rows holding a token's copy
+        from_peers = real & (xplan.recv_token // num_tokens != rank)
         return dict(
             plan=plan,
             xplan=xplan,
-            rows=rows,
-            rows_fp8=mx.data,
-            rows_scale=mx.scale,
-            received=send_rows(rows, xplan, "ep"),
-            received_fp8=send_rows(mx.data, xplan, "ep"),
-            received_scale=send_rows(mx.scale, xplan, "ep"),
+            tokens=tokens,  # dispatch fwd: the layer's tokens [T, H]
+            grad=grad,  # combine bwd: the token-level output gradient [T, H]
+            outputs=send_tokens(tokens, xplan, "ep"),  # combine fwd: expert outputs [R * C, H]
+            row_grad=send_tokens(grad, xplan, "ep"),  # dispatch bwd: receiver gradient rows
+            # The dense references' buffers: the token slots [R * T, ...] of each wire.
+            token_slots=jnp.tile(tokens, (degree, 1)),
+            token_slots_fp8=jnp.tile(mx.data, (degree, 1)),
+            token_slots_scale=jnp.tile(mx.scale, (degree, 1)),
+            tokens_sent=jnp.sum(sent),
+            tokens_to_peers=jnp.sum(jnp.where(jnp.arange(degree)[:, None] != rank, sent, False)),
             rows_to_peers=jnp.sum(jnp.where(to_peers, plan.group_sizes, 0)),
             real_rows_to_peers=jnp.sum(jnp.where(to_peers, plan.tokens_per_group, 0)),
+            real_rows_returned=jnp.sum(from_peers),
             rows_received=jnp.sum(xplan.group_sizes),
         )
 
     tokens = P(mesh.axis_names)
     per_rank = jax.shard_map(
-        lambda state, x: jax.tree.map(lambda a: a[None], rank_setup(state, x)),
+        lambda state, x, dy: jax.tree.map(lambda a: a[None], rank_setup(state, x, dy)),
         mesh=mesh,
-        in_specs=(P(), tokens),
+        in_specs=(P(), tokens, tokens),
         out_specs=tokens,
         check_vma=False,
     )
-    inputs = jax.jit(per_rank)(router_state, x)
-    stats = {
-        name: [int(v) for v in np.asarray(inputs.pop(name))]
-        for name in ("rows_to_peers", "real_rows_to_peers", "rows_received")
-    }
-    num_rows = inputs["rows"].shape[1]
+    inputs = jax.jit(per_rank)(router_state, x, dy)
+    counts = (
+        "tokens_sent",
+        "tokens_to_peers",
+        "rows_to_peers",
+        "real_rows_to_peers",
+        "real_rows_returned",
+        "rows_received",
+    )
+    stats = {name: [int(v) for v in np.asarray(inputs.pop(name))] for name in counts}
+    mean = lambda name: float(np.mean(stats[name]))
+    num_rows = inputs["plan"].row_slot.shape[1]
     plan_stats = dict(
         ep=degree,
-        tokens_per_rank=tokens_per_device,
-        buffer_rows=num_rows,  # M: the local expert buffer
-        slot_rows=degree * num_rows,  # R * M: the transport's slots, per rank
+        tokens_per_rank=tokens_per_device,  # T
+        token_slot_rows=degree * tokens_per_device,  # R * T: a token send's slots, per rank
+        buffer_rows=num_rows,  # C = M: the local expert buffer, the return's room per peer
+        receiver_rows=degree * num_rows,  # R * C: the receiver buffer, a return's slots
         expert_row_alignment=config.expert_row_alignment,
-        rows_to_peers_mean=float(np.mean(stats["rows_to_peers"])),
-        real_rows_to_peers_mean=float(np.mean(stats["real_rows_to_peers"])),
+        tokens_sent_mean=mean("tokens_sent"),
+        tokens_to_peers_mean=mean("tokens_to_peers"),
+        rows_to_peers_mean=mean("rows_to_peers"),
+        real_rows_to_peers_mean=mean("real_rows_to_peers"),
+        real_rows_returned_mean=mean("real_rows_returned"),
+        # (token, expert) rows per token sent to a peer: what the deduplication saves
+        rows_per_token_to_peers=mean("real_rows_to_peers") / mean("tokens_to_peers")
+        if mean("tokens_to_peers")
+        else None,
         rows_received_max=max(stats["rows_received"]),
         **stats,
     )
@@ -310,18 +371,37 @@ def exchange_setup(shape: LayerShape, config: MoEConfig, router, mesh, tokens_pe
 def exchange_cases(inputs: dict, mesh, plan_stats: dict, hidden: int) -> list[dict]:
     """The timed exchange cases of one degree (each a record and a call)."""
     degree = mesh.shape["ep"]
-    send = lambda xplan, *bufs: tuple(send_rows(b, xplan, "ep") for b in bufs)
-    back = lambda xplan, *bufs: tuple(return_rows(b, xplan, "ep") for b in bufs)
+    xplan = inputs["xplan"]
+    row_bytes = {"bf16": 2 * hidden, "mxfp8": hidden + hidden // BLOCK_SIZE}
+    # Per buffer: (rows per peer, mean payload rows leaving a rank).
+    buffers = {
+        "tokens": (plan_stats["tokens_per_rank"], plan_stats["tokens_to_peers_mean"]),
+        "rows": (plan_stats["buffer_rows"], plan_stats["real_rows_returned_mean"]),
+    }
+    cases = []
 
-    def transpose_of(op):
-        """The VJP of op (bf16 rows) with cotangent ct: the custom VJP the layer runs."""
+    def sizes(buffer: str, wire: str) -> dict:
+        per_peer, payload_rows = buffers[buffer]
+        return dict(
+            buffer=buffer,
+            row_bytes=row_bytes[wire],
+            slot_rows=degree * per_peer,
+            buffer_bytes=degree * per_peer * row_bytes[wire],  # per rank, the all-to-all's slots
+            bus_bytes=(degree - 1) * per_peer * row_bytes[wire],  # leaving each rank
+            payload_rows=payload_rows,
+            payload_bytes=payload_rows * row_bytes[wire],
+        )
 
-        def bwd(xplan, rows, ct):
-            return jax.vjp(lambda r: op(xplan, r)[0], rows)[1](ct)
+    def add(record: dict, fn: Callable, *args):
+        call_fn = on_ranks(mesh, fn)
+        label = f"ep{degree} {record['exchange']} {record['pass']} {record['wire']}"
+        if record["exchange"] == "dense_all_to_all":
+            label += f" {record['buffer']}"
+        cases.append(
+            dict(record=dict(ep=degree, **record), call=lambda: call_fn(*args), label=label)
+        )
 
-        return bwd
-
-    def dense(bufs):
+    def dense(*bufs):
         return tuple(
             jax.lax.all_to_all(
                 b.reshape((degree, -1) + b.shape[1:]), "ep", 0, 0, tiled=True
@@ -329,74 +409,71 @@ def exchange_cases(inputs: dict, mesh, plan_stats: dict, hidden: int) -> list[di
             for b in bufs
         )
 
-    xplan = inputs["xplan"]
-    local = {"bf16": (inputs["rows"],), "mxfp8": (inputs["rows_fp8"], inputs["rows_scale"])}
-    recv = {
-        "bf16": (inputs["received"],),
-        "mxfp8": (inputs["received_fp8"], inputs["received_scale"]),
-    }
-    row_bytes = {"bf16": 2 * hidden, "mxfp8": hidden + hidden // BLOCK_SIZE}
-    cases = []
+    def send_bf16(xplan, x):
+        return send_tokens(x, xplan, "ep")
 
-    def add(record: dict, fn: Callable, *args):
-        call_fn = on_ranks(mesh, fn)
-        label = f"ep{degree} {record['exchange']} {record['pass']} {record['wire']}"
-        cases.append(
-            dict(record=dict(ep=degree, **record), call=lambda: call_fn(*args), label=label)
-        )
+    def send_mxfp8(xplan, x):  # as the layer: quantize the tokens, then send data and scales
+        mx = quantize(x, axis=1, impl="auto")
+        return send_tokens(mx.data, xplan, "ep"), send_tokens(mx.scale, xplan, "ep")
+
+    def back(xplan, rows):
+        return return_rows(rows, xplan, "ep")
 
     add(
         {"exchange": "exchange_plan", "pass": "fwd", "wire": "int32", "op": "exchange_plan"},
         lambda plan: exchange_plan(plan, degree, "ep"),
         inputs["plan"],
     )
-    for wire in WIRES:
-        slot_bytes = degree * plan_stats["buffer_rows"] * row_bytes[wire]
-        sizes = dict(
-            row_bytes=row_bytes[wire],
-            buffer_bytes=slot_bytes,  # per rank, the all-to-all's slots
-            bus_bytes=slot_bytes * (degree - 1) // degree,  # leaving each rank
-            payload_bytes=plan_stats["rows_to_peers_mean"] * row_bytes[wire],
-        )
-        add(
-            {"exchange": "dense_all_to_all", "pass": "-", "wire": wire, "op": "all_to_all"} | sizes,
-            dense,
-            recv[wire],
-        )
-        for exchange, direction in (
-            ("dispatch", "fwd"),
-            ("dispatch", "bwd"),
-            ("combine", "fwd"),
-            ("combine", "bwd"),
-        ):
-            # dispatch fwd and combine bwd send local rows to the owners; the other two return
-            # the receiver's rows to their sources.
-            sends = (exchange, direction) in (("dispatch", "fwd"), ("combine", "bwd"))
-            op = send if sends else back
-            record = {
-                "exchange": exchange,
-                "pass": direction,
-                "wire": wire,
-                "op": "send_rows" if sends else "return_rows",
-                "in_layer": IN_LAYER[(exchange, direction, wire)],
-                **sizes,
-            }
-            if direction == "bwd" and wire == "bf16":
-                # the transpose of the forward op, whose input is the other side's buffer
-                forward = back if sends else send
-                primal = recv["bf16"][0] if sends else local["bf16"][0]
-                cotangent = local["bf16"][0] if sends else recv["bf16"][0]
-                add(record, transpose_of(forward), xplan, primal, cotangent)
-            else:
-                add(record, op, xplan, *(local if sends else recv)[wire])
+
+    def quantize_only(x):  # the part of the MXFP8 token sends that is not the exchange
+        mx = quantize(x, axis=1, impl="auto")
+        return mx.data, mx.scale
+
+    add(
+        {"exchange": "quantize", "pass": "-", "wire": "mxfp8", "op": "quantize"},
+        quantize_only,
+        inputs["tokens"],
+    )
+    dense_inputs = {
+        ("tokens", "bf16"): (inputs["token_slots"],),
+        ("tokens", "mxfp8"): (inputs["token_slots_fp8"], inputs["token_slots_scale"]),
+        ("rows", "bf16"): (inputs["outputs"],),
+    }
+    for (buffer, wire), bufs in dense_inputs.items():
+        record = {"exchange": "dense_all_to_all", "pass": "-", "wire": wire, "op": "all_to_all"}
+        add(record | sizes(buffer, wire), dense, *bufs)
+    token_sends = {
+        "bf16": ("send_tokens", send_bf16),
+        "mxfp8": ("quantize+send_tokens", send_mxfp8),
+    }
+    for exchange, direction, wire, source in (
+        ("dispatch", "fwd", "bf16", "tokens"),
+        ("dispatch", "fwd", "mxfp8", "tokens"),
+        ("dispatch", "bwd", "bf16", "row_grad"),
+        ("combine", "fwd", "bf16", "outputs"),
+        ("combine", "bwd", "bf16", "grad"),
+        ("combine", "bwd", "mxfp8", "grad"),
+    ):
+        sends = source in ("tokens", "grad")
+        op, fn = token_sends[wire] if sends else ("return_rows", back)
+        record = {
+            "exchange": exchange,
+            "pass": direction,
+            "wire": wire,
+            "op": op,
+            "includes_quantize": wire == "mxfp8",
+            "in_layer": IN_LAYER[(exchange, direction, wire)],
+            **sizes("tokens" if sends else "rows", wire),
+        }
+        add(record, fn, xplan, inputs[source])
     return cases
 
 
 def exchange_rates(records: list[dict]) -> None:
     """Each timed exchange record's bus bandwidth, payload rate and ratio to the dense
-    all-to-all of the same wire and degree."""
+    all-to-all of the same buffer (shape and wire) and degree."""
     dense = {
-        (r["ep"], r["wire"]): r["ms"]
+        (r["ep"], r["buffer"], r["wire"]): r["ms"]
         for r in records
         if r["exchange"] == "dense_all_to_all" and "ms" in r
     }
@@ -406,7 +483,7 @@ def exchange_rates(records: list[dict]) -> None:
         seconds = r["ms"] / 1e3
         r["busbw_GBps"] = r["bus_bytes"] / seconds / 1e9 if r["ep"] > 1 else None
         r["payload_GBps"] = r["payload_bytes"] / seconds / 1e9 if r["ep"] > 1 else None
-        reference = dense.get((r["ep"], r["wire"]))
+        reference = dense.get((r["ep"], r["buffer"], r["wire"]))
         r["ratio_to_dense"] = r["ms"] / reference if reference else None
 
 
@@ -520,21 +597,22 @@ def print_summary(result: dict) -> None:
     fmt = lambda v, spec: "-" if v is None else format(v, spec)
     if result["exchange"]:
         print(
-            "\n-- exchange per rank: ms (median), x dense = ms / dense all_to_all of the same "
-            "buffers, bus GB/s, payload GB/s --"
+            "\n-- exchange per rank: ms (median), x dense = ms / dense all_to_all of a buffer of "
+            "the same shape and wire, bus GB/s, payload GB/s (MXFP8 token sends: quantize "
+            "included) --"
         )
         print(
-            f"{'ep':>3s} {'case':24s} {'wire':6s} {'ms':>9s} {'x dense':>8s} {'bus GB/s':>9s} "
-            f"{'payload':>8s}"
+            f"{'ep':>3s} {'case':24s} {'wire':6s} {'buffer':6s} {'ms':>9s} {'x dense':>8s} "
+            f"{'bus GB/s':>9s} {'payload':>8s}"
         )
         for r in result["exchange"]:
             name = f"{r['exchange']} {r['pass']}".replace(" -", "")
+            head = f"{r['ep']:3d} {name:24s} {r['wire']:6s} {r.get('buffer', '-'):6s}"
             if "ms" not in r:
-                print(f"{r['ep']:3d} {name:24s} {r['wire']:6s} FAILED {r.get('error', '')[:80]}")
+                print(f"{head} FAILED {r.get('error', '')[:80]}")
                 continue
             print(
-                f"{r['ep']:3d} {name:24s} {r['wire']:6s} {r['ms']:9.3f} "
-                f"{fmt(r.get('ratio_to_dense'), '8.2f'):>8s} "
+                f"{head} {r['ms']:9.3f} {fmt(r.get('ratio_to_dense'), '8.2f'):>8s} "
                 f"{fmt(r.get('busbw_GBps'), '9.1f'):>9s} {fmt(r.get('payload_GBps'), '8.1f'):>8s}"
             )
     if result["layer"]:
@@ -559,9 +637,136 @@ def print_summary(result: dict) -> None:
         print(f"FAILED {e}")
 
 
+def plot(result: dict, path: str) -> None:
+    """One panel per degree: the exchange cases' ms (bf16 and MXFP8 wires, the MXFP8 bars'
+    quantize part hatched) with the dense all-to-all of the same buffer beside each; and a last
+    panel of the layer's weak-scaling efficiency per degree and dispatch variant. Needs
+    matplotlib (ImportError without it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    exchange = [r for r in result["exchange"] if "ms" in r]
+    degrees = result["degrees"]
+    passes = [("dispatch", "fwd"), ("dispatch", "bwd"), ("combine", "fwd"), ("combine", "bwd")]
+    buffer_of = {
+        p: "tokens" if p in (("dispatch", "fwd"), ("combine", "bwd")) else "rows" for p in passes
+    }
+    bars = [  # (label, wire, dense?, colour)
+        ("bf16", "bf16", False, "tab:blue"),
+        ("dense bf16", "bf16", True, "lightsteelblue"),
+        ("MXFP8", "mxfp8", False, "tab:orange"),
+        ("dense MXFP8", "mxfp8", True, "navajowhite"),
+    ]
+    width = 0.8 / len(bars)
+    fig, axes = plt.subplots(
+        1, len(degrees) + 1, figsize=(4.2 * (len(degrees) + 1), 4.5), squeeze=False
+    )
+    axes = axes[0]
+    where = "CPU host devices" if result["on_cpu"] else result["device"]
+    for ax, degree in zip(axes, degrees):
+        find = lambda **kv: next(
+            (
+                r
+                for r in exchange
+                if r["ep"] == degree and all(r.get(k) == v for k, v in kv.items())
+            ),
+            None,
+        )
+        quantize_ms = (find(exchange="quantize") or {}).get("ms")
+        for i, (label, wire, is_dense, colour) in enumerate(bars):
+            xs, heights = [], []
+            for j, (name, direction) in enumerate(passes):
+                r = (
+                    find(
+                        exchange="dense_all_to_all", wire=wire, buffer=buffer_of[(name, direction)]
+                    )
+                    if is_dense
+                    else find(exchange=name, **{"pass": direction}, wire=wire)
+                )
+                if r is not None and (not is_dense or find(exchange=name, wire=wire)):
+                    xs.append(j + (i - (len(bars) - 1) / 2) * width)
+                    heights.append(r["ms"])
+            ax.bar(xs, heights, width, label=label, color=colour)
+            if wire == "mxfp8" and not is_dense and quantize_ms and xs:
+                ax.bar(
+                    xs,
+                    [min(quantize_ms, h) for h in heights],
+                    width,
+                    fill=False,
+                    hatch="//",
+                    edgecolor="black",
+                    linewidth=0,
+                    label="of which quantize",
+                )
+        ax.set_xticks(range(len(passes)))
+        ax.set_xticklabels(
+            [
+                f"{n} {d}\n[{'R*T' if buffer_of[(n, d)] == 'tokens' else 'R*C'}, H]"
+                for n, d in passes
+            ],
+            fontsize=8,
+        )
+        ax.set_ylabel("ms per call (median)")
+        ax.set_title(f"exchange, ep = {degree}", fontsize=10)
+        ax.legend(fontsize=7)
+    ax = axes[-1]
+    variants = result["dispatch_variants"]
+    width = 0.8 / max(1, len(variants))
+    for i, wire in enumerate(variants):
+        xs, values = [], []
+        for j, degree in enumerate(degrees):
+            r = next(
+                (
+                    r
+                    for r in result["layer"]
+                    if r["impl"] == "expert_parallel"
+                    and r["ep"] == degree
+                    and r["dispatch"] == wire
+                ),
+                None,
+            )
+            if r is not None and r.get("efficiency") is not None:
+                xs.append(j + (i - (len(variants) - 1) / 2) * width)
+                values.append(r["efficiency"])
+        ax.bar(xs, values, width, label=f"{wire} dispatch")
+    ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(degrees)))
+    ax.set_xticklabels([f"ep {d}" for d in degrees])
+    ax.set_ylabel("tokens/s per device / single device's")
+    ax.set_title("layer train step: weak-scaling efficiency", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.suptitle(
+        f"{result['shape']['name']}, T = {result['shape']['tokens_per_device']} per device, "
+        f"on {where}",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def save_plot(result: dict, path: str) -> str | None:
+    """`plot` to `path`, returned; None, with a printed note, when matplotlib is missing (or
+    the plot fails: the measurements still get written)."""
+    try:
+        plot(result, path)
+    except ImportError as e:
+        log(f"no plot: matplotlib missing ({error_text(e)[:120]})")
+        return None
+    except Exception as e:  # a plotting failure must not lose the run's JSON
+        log(f"no plot: plotting failed ({error_text(e)[:200]})")
+        return None
+    return path
+
+
 def write(result: dict, path: str) -> None:
+    """The rates, the plot (ep_<date>[_tag].png next to the JSON; `plot`: its path, or null
+    without matplotlib) and the JSON at `path`."""
     exchange_rates(result["exchange"])
     layer_rates(result["layer"])
+    result["plot"] = save_plot(result, os.path.splitext(path)[0] + ".png")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
 
@@ -637,6 +842,7 @@ def main(argv=None) -> dict:
         experts=args.experts,
         dispatch_variants=args.dispatch,
         plans=[],
+        plot=None,
         exchange=[],
         layer=[],
         errors=[],
@@ -693,7 +899,7 @@ def main(argv=None) -> dict:
             write(result, path)
     write(result, path)
     print_summary(result)
-    print(f"wrote {path}")
+    print(f"wrote {path}" + (f" and {result['plot']}" if result["plot"] else " (no plot)"))
     return dict(result, path=path)
 
 

@@ -132,6 +132,7 @@ class LocalRoute:
     route (`jaxmoe.exchange.ExchangedRoute`, rows moved to the experts' owners) runs the same
     GEMMs, activation and gradient rules:
       group_sizes [G]  rows per group of the buffer the GEMMs read (padding included)
+      groups_per_weight  n: groups g of one expert are n consecutive ones (expert g // n)
       row_group [M]    group of each buffer row (G past the last block)
       per_group(w)     an expert tensor [E, ...] -> one entry per group [G, ...]
       to_experts(x)    token rows [T, H] (array or rowwise MXTensor) -> buffer rows
@@ -144,6 +145,10 @@ class LocalRoute:
     @property
     def group_sizes(self) -> jax.Array:
         return self.plan.group_sizes
+
+    @property
+    def groups_per_weight(self) -> int:
+        return 1
 
     @property
     def row_group(self) -> jax.Array:

@@ -242,10 +242,11 @@ return_rows.defvjp(_return_fwd, _return_bwd)
 class ExchangedRoute:
     """A route (see `jaxmoe.dispatch.LocalRoute`) across expert-parallel ranks: the local plan's
     buffer rows go to their experts' owners and come back before the combine. The GEMMs see the
-    receiver's buffer as one group per (local expert, source) block, each with its expert's
-    weights (`per_group`), so that each block's weight-gradient partial is its own and the
-    partials are summed over the sources in the fixed order of `sum_in_order`
-    (docs/expert_parallel.md, "Backward and the gradient reduction")."""
+    receiver's buffer as one group per (local expert, source) block, the R blocks of an expert
+    reading its one matrix (`groups_per_weight`; biases are spread per block by `per_group`),
+    so that each block's weight-gradient partial is its own and the partials are summed over
+    the sources in the fixed order of `sum_in_order` (docs/expert_parallel.md, "Backward and
+    the gradient reduction")."""
 
     plan: Plan
     exchange: ExchangePlan
@@ -259,6 +260,11 @@ class ExchangedRoute:
     @property
     def group_sizes(self) -> jax.Array:
         return self.exchange.source_sizes.T.reshape(-1)
+
+    @property
+    def groups_per_weight(self) -> int:
+        """One group per (expert, source): R groups per local expert."""
+        return self.exchange.source_sizes.shape[0]
 
     @property
     def row_group(self) -> jax.Array:

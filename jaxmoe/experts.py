@@ -171,9 +171,12 @@ def grouped_mlp(
     `.combined` [T, H] in rows.dtype is each token's probability-weighted sum of its expert
     outputs."""
     dtype, recipe = rows.dtype, recipe_for(config)
+    # The GEMMs read each expert's matrix for all of its groups (route.groups_per_weight); a
+    # kernel narrower than the compute dtype is widened, a wider one (fp32 copies under expert
+    # parallelism) is rounded by the GEMM, its gradient kept in its dtype.
+    at_least = lambda w: w if jnp.finfo(w.dtype).bits >= jnp.finfo(dtype).bits else w.astype(dtype)
+    fc1_kernel, fc2_kernel = at_least(weights.fc1_kernel), at_least(weights.fc2_kernel)
     per_group = lambda w: None if w is None else route.per_group(w)
-    fc1_kernel = per_group(weights.fc1_kernel).astype(dtype)
-    fc2_kernel = per_group(weights.fc2_kernel).astype(dtype)
     fc1_bias, fc2_bias = per_group(weights.fc1_bias), per_group(weights.fc2_bias)
     # The bias is added to the fp32 accumulator before the single rounding, as in TE's epilogue.
     fc1_out_dtype = F32 if fc1_bias is not None else dtype
@@ -181,7 +184,7 @@ def grouped_mlp(
         h = recipe.fc1(
             rows,
             fc1_kernel,
-            route.group_sizes,
+            route,
             rows_rowwise=rows_rowwise,
             weights=expert_weights,
             out_dtype=fc1_out_dtype,

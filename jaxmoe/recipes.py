@@ -67,16 +67,19 @@ class ExpertRecipe(abc.ABC):
         self,
         rows: jax.Array,
         kernel: jax.Array,
-        sizes: jax.Array,
+        route: Any,
         *,
         rows_rowwise: MXTensor | None,
         weights,
         out_dtype,
         impl: str,
     ) -> jax.Array:
-        """fc1's fp32-accumulated product rows @ kernel[expert], in out_dtype. rows_rowwise: the
-        dispatched MXFP8 copy of rows (dispatch_dtype "mxfp8") or None; weights: this recipe's
-        `quantize_weights` made earlier in the step, or None."""
+        """fc1's fp32-accumulated product rows @ kernel[expert], in out_dtype, over the route's
+        groups (`route.group_sizes`, `route.groups_per_weight` groups per expert). kernel may be
+        wider than rows (fp32 copies under expert parallelism): the products round it to rows'
+        dtype, its gradient keeps its dtype. rows_rowwise: the dispatched MXFP8 copy of rows
+        (dispatch_dtype "mxfp8") or None; weights: this recipe's `quantize_weights` made
+        earlier in the step, or None."""
 
     @abc.abstractmethod
     def fc2_and_combine(
@@ -112,19 +115,31 @@ class Bf16Recipe(ExpertRecipe):
 
     name = "bf16"
 
-    def fc1(self, rows, kernel, sizes, *, rows_rowwise, weights, out_dtype, impl):
+    def fc1(self, rows, kernel, route, *, rows_rowwise, weights, out_dtype, impl):
         if weights is not None:
             raise ValueError(
                 f"grouped_mlp: expert_weights are quantized copies; the experts run in {self.name}"
             )
-        return gmm(rows, kernel, sizes, impl=impl, preferred_element_type=out_dtype)
+        return gmm(
+            rows,
+            kernel,
+            route.group_sizes,
+            impl=impl,
+            preferred_element_type=out_dtype,
+            groups_per_weight=route.groups_per_weight,
+        )
 
     def fc2_and_combine(self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl):
         with jax.named_scope("fc2"):
-            out = add_row_bias(
-                gmm(a, kernel, route.group_sizes, impl=impl, preferred_element_type=a.dtype),
-                row_bias,
+            out = gmm(
+                a,
+                kernel,
+                route.group_sizes,
+                impl=impl,
+                preferred_element_type=a.dtype,
+                groups_per_weight=route.groups_per_weight,
             )
+            out = add_row_bias(out, row_bias)
         with jax.named_scope("combine"):
             if combine_bwd_dtype == "mxfp8":
                 combined = _combine_with_mxfp8_gradient(out, route, impl)
@@ -141,15 +156,16 @@ class Mxfp8Recipe(ExpertRecipe):
 
     name = "mxfp8"
 
-    def fc1(self, rows, kernel, sizes, *, rows_rowwise, weights, out_dtype, impl):
+    def fc1(self, rows, kernel, route, *, rows_rowwise, weights, out_dtype, impl):
         return mxfp8_gmm(
             rows,
             kernel,
-            sizes,
+            route.group_sizes,
             lhs_rowwise=rows_rowwise,
             impl=impl,
             rhs_quantized=None if weights is None else weights.fc1,
             preferred_element_type=out_dtype,
+            groups_per_weight=route.groups_per_weight,
         )
 
     def fc2_and_combine(self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl):
@@ -230,6 +246,7 @@ def _mxfp8_fc2_and_combine(
                 impl=gmm_impl,
                 rhs_quantized=fc2_weights,
                 preferred_element_type=a.dtype,
+                groups_per_weight=route.groups_per_weight,
             ),
             row_bias,
         )
@@ -245,7 +262,14 @@ def _mxfp8_fc2_and_combine_fwd(
     )
     with jax.named_scope("fc2"):
         out, gemm_residuals = mxfp8_gmm_forward(
-            a, fc2_kernel, route.group_sizes, None, a.dtype, gmm_impl, fc2_weights
+            a,
+            fc2_kernel,
+            route.group_sizes,
+            None,
+            a.dtype,
+            gmm_impl,
+            fc2_weights,
+            route.groups_per_weight,
         )
         out = add_row_bias(out, row_bias)
     residuals = _Fc2CombineResiduals(

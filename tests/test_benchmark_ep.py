@@ -1,9 +1,12 @@
 """CPU smoke test of the expert-parallel benchmark (benchmarks/ep.py) on the 8 host devices, so
 that it cannot rot between GPU runs: the whole script at the tiny size with ep 1 and 2, every
-exchange case (dispatch and combine, fwd and bwd, bf16 and MXFP8 wires, the dense all-to-all
-reference, the plan exchange) and every layer step (single device, expert-parallel at ep 1 and
-2, bf16 and MXFP8 dispatch) timed, with finite positive times, rates and efficiencies."""
+exchange case (dispatch and combine, fwd and bwd: the deduplicated token sends on bf16 and MXFP8
+wires, the bf16 returns; the dense all-to-all of each wire's buffer, the quantize alone, the plan
+exchange) and every layer step (single device, expert-parallel at ep 1 and 2, bf16 and MXFP8
+dispatch) timed, with finite positive times, rates and efficiencies; and the plot, or its
+absence without matplotlib (not installed here; the plot itself is drawn where it is)."""
 
+import importlib.util
 import json
 import math
 import os
@@ -16,7 +19,19 @@ from benchmarks import ep as ep_benchmark  # noqa: E402
 
 DEGREES = (1, 2)
 REPEATS = 2
-PASSES = [(e, p) for e in ("dispatch", "combine") for p in ("fwd", "bwd")]
+HIDDEN, TOKENS = 64, 32  # the tiny shape: H, and T per device
+# (exchange, pass, wire, buffer) of the layer's exchanges: token sends and bf16 returns.
+CASES = {
+    ("dispatch", "fwd", "bf16", "tokens"),
+    ("dispatch", "fwd", "mxfp8", "tokens"),
+    ("dispatch", "bwd", "bf16", "rows"),
+    ("combine", "fwd", "bf16", "rows"),
+    ("combine", "bwd", "bf16", "tokens"),
+    ("combine", "bwd", "mxfp8", "tokens"),
+}
+DENSE = {("dense_all_to_all", "-", w, b) for w, b in (("bf16", "tokens"), ("mxfp8", "tokens"))}
+DENSE.add(("dense_all_to_all", "-", "bf16", "rows"))
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
 def positive(value) -> bool:
@@ -32,7 +47,7 @@ def result(tmp_path_factory):
     with open(returned["path"]) as f:
         written = json.load(f)
     assert written == {k: v for k, v in returned.items() if k != "path"}
-    return written
+    return dict(written, path=returned["path"])
 
 
 def test_environment_says_where_it_ran(result):
@@ -40,38 +55,72 @@ def test_environment_says_where_it_ran(result):
     assert result["platform"] == "cpu" and result["on_cpu"] and result["note"]
     assert result["device_count"] == 8
     assert result["degrees"] == list(DEGREES)
-    assert result["shape"]["name"] == "tiny" and result["shape"]["tokens_per_device"] == 32
+    assert result["shape"]["name"] == "tiny" and result["shape"]["tokens_per_device"] == TOKENS
     assert not result["errors"]
 
 
 def test_every_exchange_case_is_timed(result):
-    records = {(r["ep"], r["exchange"], r["pass"], r["wire"]): r for r in result["exchange"]}
-    expected = {(d, "exchange_plan", "fwd", "int32") for d in DEGREES}
+    records = {
+        (r["ep"], r["exchange"], r["pass"], r["wire"], r.get("buffer")): r
+        for r in result["exchange"]
+    }
+    assert len(records) == len(result["exchange"])  # one record per key
+    expected = set()
     for d in DEGREES:
-        for wire in ("bf16", "mxfp8"):
-            expected.add((d, "dense_all_to_all", "-", wire))
-            expected |= {(d, e, p, wire) for e, p in PASSES}
+        expected |= {
+            (d, "exchange_plan", "fwd", "int32", None),
+            (d, "quantize", "-", "mxfp8", None),
+        }
+        expected |= {(d, *case) for case in CASES | DENSE}
     assert set(records) == expected
+    plans = {p["ep"]: p for p in result["plans"]}
     for key, r in records.items():
         assert "error" not in r, r
         assert positive(r["ms"]) and len(r["ms_runs"]) == REPEATS, r
         assert all(positive(t) for t in r["ms_runs"]), r
-        if r["exchange"] == "exchange_plan":
+        if r["exchange"] in ("exchange_plan", "quantize"):
             continue
+        degree, plan = key[0], plans[key[0]]
         assert positive(r["ratio_to_dense"]), r
-        assert r["buffer_bytes"] == key[0] * r["row_bytes"] * result["plans"][0]["buffer_rows"]
-        if key[0] == 1:  # nothing leaves the rank
+        # The wire buffer: token slots [R * T, ...] for token sends, receiver rows [R * C, H].
+        per_peer = TOKENS if r["buffer"] == "tokens" else plan["buffer_rows"]
+        assert r["slot_rows"] == degree * per_peer
+        assert r["buffer_bytes"] == degree * per_peer * r["row_bytes"]
+        assert r["bus_bytes"] == (degree - 1) * per_peer * r["row_bytes"]
+        payload = plan[
+            "tokens_to_peers_mean" if r["buffer"] == "tokens" else "real_rows_returned_mean"
+        ]
+        assert r["payload_rows"] == payload
+        assert r["payload_bytes"] == pytest.approx(payload * r["row_bytes"])
+        if r["exchange"] != "dense_all_to_all":  # the quantize is timed where the layer pays it
+            assert r["includes_quantize"] == (r["wire"] == "mxfp8") and r["in_layer"], r
+        if degree == 1:  # nothing leaves the rank
             assert r["bus_bytes"] == 0 and r["busbw_GBps"] is None
         else:
             assert positive(r["busbw_GBps"]) and positive(r["payload_GBps"]), r
-    # One plan for both wires: they differ only in the bytes per row (2H vs H + H/32).
-    assert records[(2, "dispatch", "fwd", "bf16")]["row_bytes"] == 2 * 64
-    assert records[(2, "dispatch", "fwd", "mxfp8")]["row_bytes"] == 64 + 2
+    # The wires differ only in the bytes per row (2H vs H + H/32); the returns are bf16 rows.
+    assert records[(2, "dispatch", "fwd", "bf16", "tokens")]["row_bytes"] == 2 * HIDDEN
+    assert records[(2, "dispatch", "fwd", "mxfp8", "tokens")]["row_bytes"] == HIDDEN + 2
+    assert records[(2, "combine", "fwd", "bf16", "rows")]["row_bytes"] == 2 * HIDDEN
+
+
+def test_the_plans_count_what_leaves_a_rank(result):
     assert [p["ep"] for p in result["plans"]] == list(DEGREES)
     for plan in result["plans"]:
-        assert plan["slot_rows"] == plan["ep"] * plan["buffer_rows"]
-        sent = sum(plan["real_rows_to_peers"])  # (token, expert) pairs, 32 tokens x 2 a rank
-        assert sent == 0 if plan["ep"] == 1 else 0 < sent <= plan["ep"] * 32 * 2
+        degree = plan["ep"]
+        assert plan["token_slot_rows"] == degree * TOKENS
+        assert plan["receiver_rows"] == degree * plan["buffer_rows"]
+        real_rows = sum(plan["real_rows_to_peers"])  # (token, expert) pairs, 32 tokens x 2 a rank
+        # Every real row a rank sends out comes back from its receiver.
+        assert sum(plan["real_rows_returned"]) == real_rows
+        to_peers = sum(plan["tokens_to_peers"])
+        if degree == 1:
+            assert real_rows == to_peers == 0 and plan["rows_per_token_to_peers"] is None
+            assert plan["tokens_sent"] == [TOKENS]  # every token to its own rank's experts
+        else:  # each token at most once per peer: no more tokens than rows, up to T per peer
+            assert 0 < to_peers <= real_rows <= degree * TOKENS * 2
+            assert all(t <= (degree - 1) * TOKENS for t in plan["tokens_to_peers"])
+            assert 1 <= plan["rows_per_token_to_peers"] <= 2
 
 
 def test_the_layer_is_timed_at_every_degree_with_its_efficiency(result):
@@ -88,3 +137,25 @@ def test_the_layer_is_timed_at_every_degree_with_its_efficiency(result):
         if impl == "single_device":
             assert r["efficiency"] == 1.0
     assert records[("expert_parallel", 2, "mxfp8")]["expert_row_alignment"] == 32
+
+
+def test_the_plot_is_recorded_or_skipped(result):
+    png = os.path.splitext(result["path"])[0] + ".png"
+    if HAVE_MATPLOTLIB:
+        assert result["plot"] == png and os.path.getsize(png) > 0
+    else:
+        assert result["plot"] is None and not os.path.exists(png)
+
+
+def test_without_matplotlib_the_plot_is_skipped_with_a_note(result, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    png = str(tmp_path / "ep.png")
+    assert ep_benchmark.save_plot(result, png) is None
+    assert not os.path.exists(png)
+    assert "no plot" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed")
+def test_the_plot_is_drawn(result, tmp_path):
+    png = str(tmp_path / "ep.png")
+    assert ep_benchmark.save_plot(result, png) == png and os.path.getsize(png) > 0

@@ -180,6 +180,7 @@ def test_control_one_group_per_expert_changes_the_gradient_bits(monkeypatch):
     monkeypatch.setattr(ExchangedRoute, "group_sizes", property(lambda r: r.exchange.group_sizes))
     monkeypatch.setattr(ExchangedRoute, "row_group", property(lambda r: r.exchange.row_expert))
     monkeypatch.setattr(ExchangedRoute, "per_group", lambda r, w: w)
+    monkeypatch.setattr(ExchangedRoute, "groups_per_weight", property(lambda r: 1))
     ep2 = step(model, x, cotangent, mesh_for(2))[3]
     assert differs(
         np.asarray(ep2["experts"]["fc1_kernel"][...]),

@@ -5,6 +5,13 @@ Groups are consecutive row blocks of `lhs`: group g owns rows [offset_g, offset_
 offset_g = sum(group_sizes[:g]). Rows at or past sum(group_sizes) produce zeros (gmm) and are left
 out (tgmm). Sizes must be >= 0 and add up to at most M (checked when they are concrete).
 
+Several consecutive groups may share one matrix (`groups_per_weight` n: group g multiplies
+rhs[g // n]), as the blocks of one expert's rows from n sources do under expert parallelism.
+Each group then still has its own weight-gradient partial (rounded to the compute dtype, as
+the GEMM writes it), and the partials of one matrix are summed in a fixed order in fp32
+(`jaxmoe.ordered.sum_in_order`); an rhs wider than lhs (fp32 weights, bf16 rows) is rounded to
+lhs's dtype for the products and gets its gradient in its own dtype, unrounded.
+
 Implementations (`impl=`):
   "xla"    the readable reference (`jax.lax.ragged_dot`, fp32 accumulation) every kernel is tested
            against. On XLA:CPU a row's result does not depend on the other rows once M >= 2
@@ -29,6 +36,7 @@ from jaxmoe.ops.checks import check_floating, check_group_sizes
 from jaxmoe.ops.pallas.gmm_common import GmmConfig
 from jaxmoe.ops.pallas.gmm_hopper import gmm_pallas
 from jaxmoe.ops.pallas.tgmm_hopper import TgmmConfig, tgmm_pallas
+from jaxmoe.ordered import sum_in_order
 
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _KERNEL_ROW_MULTIPLE = 8
@@ -69,21 +77,28 @@ def gmm(
     impl: str = "auto",
     preferred_element_type=jnp.float32,
     config: GmmConfig | None = None,
+    groups_per_weight: int = 1,
 ) -> jax.Array:
-    """out[m] = lhs[m] @ rhs[g(m)] for lhs [M, K], rhs [G, K, N] (or [G, N, K] with
-    `transpose_rhs`), group_sizes [G] int; fp32 accumulation, result in
-    `preferred_element_type`. Differentiable: dgrad is a gmm, wgrad a `tgmm`, both on the same
-    implementation as the forward. `config` tiles the Pallas forward (None: the shape heuristic;
-    the backward kernels use their heuristics); no config changes the result bits."""
+    """out[m] = lhs[m] @ rhs[g(m) // groups_per_weight] for lhs [M, K], rhs [G / n, K, N] (or
+    [G / n, N, K] with `transpose_rhs`; n = groups_per_weight), group_sizes [G] int; fp32
+    accumulation, result in `preferred_element_type`. rhs may be a wider float than lhs (it is
+    rounded to lhs's dtype). Differentiable: dgrad is a gmm, wgrad a `tgmm` per group (summed
+    over each matrix's groups in a fixed order), on the same implementation as the forward.
+    `config` tiles the Pallas forward (None: the shape heuristic; the backward kernels use
+    their heuristics); no config changes the result bits."""
     registry.check_impl("gmm", impl)
     if lhs.ndim != 2 or rhs.ndim != 3:
         raise ValueError(f"gmm: lhs must be [M, K] and rhs [G, K, N]; got {lhs.shape}, {rhs.shape}")
     check_floating("gmm", lhs=lhs, rhs=rhs)
-    check_group_sizes(group_sizes, rhs.shape[0], lhs.shape[0], "gmm")
+    if jnp.finfo(rhs.dtype).bits < jnp.finfo(lhs.dtype).bits:
+        raise ValueError(f"gmm: rhs ({rhs.dtype}) may not be narrower than lhs ({lhs.dtype})")
+    if groups_per_weight < 1:
+        raise ValueError(f"gmm: groups_per_weight must be >= 1, got {groups_per_weight}")
+    check_group_sizes(group_sizes, rhs.shape[0] * groups_per_weight, lhs.shape[0], "gmm")
     k_rhs, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
     if lhs.shape[1] != k_rhs:
         raise ValueError(f"gmm: contraction sizes differ: lhs K={lhs.shape[1]}, rhs K={k_rhs}")
-    resolved = registry.resolve("gmm", impl, lhs.dtype, rhs.dtype, k_rhs, n)
+    resolved = registry.resolve("gmm", impl, lhs.dtype, lhs.dtype, k_rhs, n)
     return _gmm_differentiable(
         lhs,
         rhs,
@@ -92,7 +107,17 @@ def gmm(
         jnp.dtype(preferred_element_type),
         resolved,
         config,
+        groups_per_weight,
     )
+
+
+def sum_group_partials(partials: jax.Array, groups_per_weight: int, dtype) -> jax.Array:
+    """Per-group weight gradients [G, ...] -> per matrix [G / n, ...] in `dtype`: each matrix's
+    n consecutive partials summed with `sum_in_order` in fp32 (n = 1: only the dtype)."""
+    if groups_per_weight == 1:
+        return partials.astype(dtype)
+    grouped = partials.reshape((-1, groups_per_weight) + partials.shape[1:])
+    return sum_in_order(grouped.astype(jnp.float32), axis=1).astype(dtype)
 
 
 def tgmm(
@@ -119,8 +144,9 @@ def tgmm(
     )
 
 
-def _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config=None):
+def _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config=None, groups_per_weight=1):
     """Forward product on the chosen implementation (no argument checks)."""
+    rhs = rhs.astype(lhs.dtype)
     if impl == "pallas":
         num_rows = lhs.shape[0]
         out = gmm_pallas(
@@ -130,8 +156,10 @@ def _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config=None):
             transpose_rhs=transpose_rhs,
             out_dtype=out_dtype,
             config=config,
+            groups_per_weight=groups_per_weight,
         )
         return out[:num_rows]
+    rhs = jnp.repeat(rhs, groups_per_weight, axis=0) if groups_per_weight > 1 else rhs
     if transpose_rhs:
         rhs = jnp.swapaxes(rhs, 1, 2)
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
@@ -153,26 +181,30 @@ def _tgmm(lhs, rhs, group_sizes, out_dtype, impl, config=None):
     return out.astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _gmm_differentiable(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config):
-    return _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _gmm_differentiable(
+    lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight
+):
+    return _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight)
 
 
-def _gmm_fwd(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config):
-    out = _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config)
+def _gmm_fwd(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight):
+    out = _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight)
     return out, (lhs, rhs, group_sizes)
 
 
-def _gmm_bwd(transpose_rhs, out_dtype, impl, config, residuals, grad):
+def _gmm_bwd(transpose_rhs, out_dtype, impl, config, groups_per_weight, residuals, grad):
     lhs, rhs, group_sizes = residuals
     grad = grad.astype(lhs.dtype)
     # dgrad: d lhs = grad @ rhs[g]^T, i.e. a gmm against the other orientation of rhs.
-    d_lhs = _gmm(grad, rhs, group_sizes, not transpose_rhs, lhs.dtype, impl)
+    d_lhs = _gmm(
+        grad, rhs, group_sizes, not transpose_rhs, lhs.dtype, impl, None, groups_per_weight
+    )
     if transpose_rhs:
-        d_rhs = _tgmm(grad, lhs, group_sizes, rhs.dtype, impl)
+        partials = _tgmm(grad, lhs, group_sizes, lhs.dtype, impl)
     else:
-        d_rhs = _tgmm(lhs, grad, group_sizes, rhs.dtype, impl)
-    return d_lhs, d_rhs, None
+        partials = _tgmm(lhs, grad, group_sizes, lhs.dtype, impl)
+    return d_lhs, sum_group_partials(partials, groups_per_weight, rhs.dtype), None
 
 
 _gmm_differentiable.defvjp(_gmm_fwd, _gmm_bwd)

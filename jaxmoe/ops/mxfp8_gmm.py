@@ -35,6 +35,7 @@ from flax import struct
 
 from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor
 from jaxmoe.ops.checks import check_group_sizes
+from jaxmoe.ops.gmm import sum_group_partials
 from jaxmoe.ops.mxtensor_gmm import gmm_mxtensor, tgmm_mxtensor
 from jaxmoe.ops.quantize import quantize
 
@@ -49,6 +50,8 @@ class Mxfp8GmmResiduals:
     group_sizes: jax.Array
     dtype: Any = struct.field(pytree_node=False)  # compute dtype of lhs, rhs and gradients
     impl: str = struct.field(pytree_node=False)
+    groups_per_weight: int = struct.field(pytree_node=False, default=1)
+    rhs_dtype: Any = struct.field(pytree_node=False, default=None)  # None: dtype
 
 
 @struct.dataclass
@@ -70,19 +73,26 @@ def quantize_weights(rhs: jax.Array, impl: str = "auto") -> QuantizedWeights:
     )
 
 
-def _check_operands(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized=None):
+def _check_operands(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized=None, groups_per_weight=1):
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(
             f"mxfp8_gmm: lhs must be [M, K] and rhs [G, K, N]; got {lhs.shape}, {rhs.shape}"
         )
-    if lhs.dtype != rhs.dtype or not jnp.issubdtype(lhs.dtype, jnp.floating):
+    if not (
+        jnp.issubdtype(lhs.dtype, jnp.floating)
+        and jnp.issubdtype(rhs.dtype, jnp.floating)
+        and jnp.finfo(rhs.dtype).bits >= jnp.finfo(lhs.dtype).bits
+    ):
         raise TypeError(
-            f"mxfp8_gmm: lhs and rhs must share one floating dtype, got {lhs.dtype} and {rhs.dtype}"
+            f"mxfp8_gmm: lhs and rhs must be floating, rhs no narrower, got {lhs.dtype} and "
+            f"{rhs.dtype}"
         )
     (m, k), n = lhs.shape, rhs.shape[2]
     if m % BLOCK_SIZE or k % BLOCK_SIZE or n % BLOCK_SIZE:
         raise ValueError(f"mxfp8_gmm: M={m}, K={k} and N={n} must be multiples of {BLOCK_SIZE}")
-    check_group_sizes(group_sizes, rhs.shape[0], m, "mxfp8_gmm", multiple=BLOCK_SIZE)
+    check_group_sizes(
+        group_sizes, rhs.shape[0] * groups_per_weight, m, "mxfp8_gmm", multiple=BLOCK_SIZE
+    )
     if lhs_rowwise is not None and (
         not isinstance(lhs_rowwise, MXTensor)
         or lhs_rowwise.shape != lhs.shape
@@ -111,18 +121,22 @@ def mxfp8_gmm(
     rhs_quantized: QuantizedWeights | None = None,
     preferred_element_type=jnp.float32,
     impl: str = "auto",
+    groups_per_weight: int = 1,
 ) -> jax.Array:
-    """MXFP8 grouped matmul out[m] = lhs[m] @ rhs[g(m)] (see the module docstring for which copy
-    of which operand each GEMM uses); differentiable w.r.t. lhs and rhs.
+    """MXFP8 grouped matmul out[m] = lhs[m] @ rhs[g(m) // groups_per_weight] (see the module
+    docstring for which copy of which operand each GEMM uses); differentiable w.r.t. lhs and rhs.
 
-    lhs [M, K] and rhs [G, K, N] are the high-precision tensors (one dtype, e.g. bf16).
+    lhs [M, K] and rhs [G / n, K, N] (n = groups_per_weight, as in `jaxmoe.ops.gmm`: each
+    group its own weight-gradient partial, a matrix's partials summed in a fixed order in fp32)
+    are the high-precision tensors (e.g. bf16; rhs may be wider, it is rounded to lhs's dtype
+    before it is quantized, and gets its gradient in its own dtype).
     lhs_rowwise: the fprop copy of lhs when it was quantized elsewhere (e.g. at token level,
       before the dispatch); it must equal `quantize(lhs, axis=1)` up to where it was made.
       None: quantize lhs here. It carries no gradient; lhs does.
     rhs_quantized: `quantize_weights(rhs)` made earlier in the step (None: quantize here). It
       carries no gradient; rhs does.
     Result in `preferred_element_type`."""
-    _check_operands(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized)
+    _check_operands(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, groups_per_weight)
     return _mxfp8_gmm(
         lhs,
         rhs,
@@ -131,6 +145,7 @@ def mxfp8_gmm(
         rhs_quantized,
         jnp.dtype(preferred_element_type),
         impl,
+        groups_per_weight,
     )
 
 
@@ -138,28 +153,42 @@ def _quantize(x, axis, impl):
     return quantize(x, axis=axis, impl=impl)
 
 
-def _fprop(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl):
+def _fprop(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, groups_per_weight):
     lhs_q = _quantize(lhs, 1, impl) if lhs_rowwise is None else lhs_rowwise
     rhs_q = (
-        _quantize(jnp.swapaxes(rhs, 1, 2), 2, impl)
+        _quantize(jnp.swapaxes(rhs.astype(lhs.dtype), 1, 2), 2, impl)
         if rhs_quantized is None
         else rhs_quantized.fprop
     )
-    return gmm_mxtensor(lhs_q, rhs_q, group_sizes, impl=impl, preferred_element_type=out_dtype)
+    return gmm_mxtensor(
+        lhs_q,
+        rhs_q,
+        group_sizes,
+        impl=impl,
+        preferred_element_type=out_dtype,
+        groups_per_weight=groups_per_weight,
+    )
 
 
 def mxfp8_gmm_forward(
-    lhs, rhs, group_sizes, lhs_rowwise, out_dtype, impl, rhs_quantized=None
+    lhs, rhs, group_sizes, lhs_rowwise, out_dtype, impl, rhs_quantized=None, groups_per_weight=1
 ) -> tuple[jax.Array, Mxfp8GmmResiduals]:
     """`mxfp8_gmm`'s forward rule (no argument checks): the output and the residuals for
     `mxfp8_gmm_backward`. Public for ops that fuse the GEMM with their neighbours."""
-    out = _fprop(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl)
+    out = _fprop(
+        lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, groups_per_weight
+    )
+    rhs_columnwise = (
+        _quantize(rhs.astype(lhs.dtype), 2, impl) if rhs_quantized is None else rhs_quantized.dgrad
+    )
     residuals = Mxfp8GmmResiduals(
         lhs_columnwise=_quantize(lhs, 0, impl),
-        rhs_columnwise=(_quantize(rhs, 2, impl) if rhs_quantized is None else rhs_quantized.dgrad),
+        rhs_columnwise=rhs_columnwise,
         group_sizes=group_sizes,
         dtype=lhs.dtype,
         impl=impl,
+        groups_per_weight=groups_per_weight,
+        rhs_dtype=rhs.dtype,
     )
     return out, residuals
 
@@ -174,29 +203,37 @@ def mxfp8_gmm_backward(
     dtype, sizes, impl = residuals.dtype, residuals.group_sizes, residuals.impl
     grad = grad.astype(dtype)
     grad_q = _quantize(grad, 1, impl) if grad_rowwise is None else grad_rowwise
+    per_weight = residuals.groups_per_weight
     d_lhs = gmm_mxtensor(
-        grad_q, residuals.rhs_columnwise, sizes, impl=impl, preferred_element_type=dtype
+        grad_q,
+        residuals.rhs_columnwise,
+        sizes,
+        impl=impl,
+        preferred_element_type=dtype,
+        groups_per_weight=per_weight,
     )
-    d_rhs = tgmm_mxtensor(
+    partials = tgmm_mxtensor(
         residuals.lhs_columnwise,
         _quantize(grad, 0, impl),
         sizes,
         impl=impl,
         preferred_element_type=dtype,
     )
-    return d_lhs, d_rhs
+    return d_lhs, sum_group_partials(partials, per_weight, residuals.rhs_dtype or dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _mxfp8_gmm(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl):
-    return _fprop(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _mxfp8_gmm(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, per_weight):
+    return _fprop(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, per_weight)
 
 
-def _mxfp8_gmm_fwd(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl):
-    return mxfp8_gmm_forward(lhs, rhs, group_sizes, lhs_rowwise, out_dtype, impl, rhs_quantized)
+def _mxfp8_gmm_fwd(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, per_weight):
+    return mxfp8_gmm_forward(
+        lhs, rhs, group_sizes, lhs_rowwise, out_dtype, impl, rhs_quantized, per_weight
+    )
 
 
-def _mxfp8_gmm_bwd(out_dtype, impl, residuals, grad):
+def _mxfp8_gmm_bwd(out_dtype, impl, per_weight, residuals, grad):
     d_lhs, d_rhs = mxfp8_gmm_backward(residuals, grad)
     return d_lhs, d_rhs, None, None, None
 

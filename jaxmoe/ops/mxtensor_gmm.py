@@ -64,8 +64,10 @@ def gmm_mxtensor(
     preferred_element_type=jnp.float32,
     config: GmmConfig | None = None,
     strategy: str = "dequantize",
+    groups_per_weight: int = 1,
 ) -> jax.Array:
-    """out[m, n] = sum_k deq(lhs)[m, k] * deq(rhs)[g(m), n, k], fp32 accumulation.
+    """out[m, n] = sum_k deq(lhs)[m, k] * deq(rhs)[g(m) // groups_per_weight, n, k], fp32
+    accumulation (groups_per_weight: see `jaxmoe.ops.gmm`).
 
     lhs: MXTensor [M, K] with blocks along K (axis 1); rhs: MXTensor [G, N, K] with blocks along
     K (axis 2), i.e. the expert matrices transposed (K-major, what Hopper's fp8 wgmma reads).
@@ -86,14 +88,14 @@ def gmm_mxtensor(
         )
     if strategy not in STRATEGIES:
         raise ValueError(f"gmm_mxtensor: strategy must be one of {STRATEGIES}, got {strategy!r}")
-    num_groups, n, k = rhs.shape
-    check_group_sizes(group_sizes, num_groups, lhs.shape[0], "gmm_mxtensor")
+    num_weights, n, k = rhs.shape
+    check_group_sizes(group_sizes, num_weights * groups_per_weight, lhs.shape[0], "gmm_mxtensor")
     group_sizes = group_sizes.astype(jnp.int32)
     out_dtype = jnp.dtype(preferred_element_type)
     if registry.resolve("gmm_mxtensor", impl, k, n, strategy) == "xla":
         out = jax.lax.ragged_dot(
             dequantize(lhs, jnp.bfloat16),
-            jnp.swapaxes(dequantize(rhs, jnp.bfloat16), 1, 2),
+            jnp.repeat(jnp.swapaxes(dequantize(rhs, jnp.bfloat16), 1, 2), groups_per_weight, 0),
             group_sizes,
             preferred_element_type=jnp.float32,
         )
@@ -107,6 +109,7 @@ def gmm_mxtensor(
             impl="pallas",
             preferred_element_type=out_dtype,
             config=config,
+            groups_per_weight=groups_per_weight,
         )
     num_rows = lhs.shape[0]
     rows = kernel_rows(num_rows)
@@ -120,6 +123,7 @@ def gmm_mxtensor(
         group_sizes,
         out_dtype=out_dtype,
         config=config,
+        groups_per_weight=groups_per_weight,
     )
     return out[:num_rows]
 

@@ -222,12 +222,14 @@ def gmm_kernel_call(
     release_delay: int,
     config: GmmConfig,
     interpret,
+    groups_per_weight: int = 1,
 ):
     """Tile the rows by group, order the work items and run the grouped-matmul kernel named
     kernel_name whose tiles `tile_matmul` (a module-level function: it keys the kernel cache)
     multiplies. extra_inputs: GMEM arrays passed on to it (`TileContext.inputs`); swizzle_k:
     the K width the operand tiles are swizzled at; release_delay: K steps an SMEM slot is kept
-    after its step (0, or 1 to keep a wgmma in flight)."""
+    after its step (0, or 1 to keep a wgmma in flight); groups_per_weight: group g multiplies
+    rhs[g // groups_per_weight] (and the extra inputs' entry of that index)."""
     num_rows, k = lhs.shape
     tiles = row_tiles(group_sizes, num_rows, config.cta_m, ROW_ALIGN)
     work = work_list(tiles, n // (config.cta_n * config.cluster_n), config.grid_tile_width)
@@ -249,7 +251,7 @@ def gmm_kernel_call(
         work.counts,
         work.tile,
         work.column,
-        tiles.group,
+        tiles.group // groups_per_weight,  # the tiles' rhs index (past the last: never read)
         tiles.start,
         tiles.count,
         lhs,

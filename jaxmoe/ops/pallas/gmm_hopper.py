@@ -63,10 +63,12 @@ def gmm_pallas(
     out_dtype,
     config: GmmConfig | None = None,
     interpret=None,
+    groups_per_weight: int = 1,
 ) -> jax.Array:
     """The kernel behind `jaxmoe.ops.gmm(impl="pallas")`: lhs [M, K] and rhs [G, K, N] (or
     [G, N, K] with transpose_rhs), both bf16 or both fp16, to out [M, N] in out_dtype; rows
-    past sum(group_sizes) are zeros. config: None for `default_config`."""
+    past sum(group_sizes) are zeros. config: None for `default_config`. With groups_per_weight
+    n, rhs holds G / n matrices and group g multiplies rhs[g // n]."""
     num_rows, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -92,6 +94,7 @@ def gmm_pallas(
         release_delay=release_delay,
         config=config,
         interpret=interpret,
+        groups_per_weight=groups_per_weight,
     )
 
 

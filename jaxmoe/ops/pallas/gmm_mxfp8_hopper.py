@@ -58,6 +58,7 @@ def gmm_mxfp8_pallas(
     out_dtype,
     config: GmmConfig | None = None,
     interpret=None,
+    groups_per_weight: int = 1,
 ) -> jax.Array:
     """MXFP8 grouped matmul on Hopper: out[m] = sum_k deq(lhs)[m, k] deq(rhs)[g(m)][n, k], fp32
     accumulation. Hopper's fp8 wgmma needs both operands K-major, so rhs is [G, N, K].
@@ -65,7 +66,8 @@ def gmm_mxfp8_pallas(
     lhs [M, K] and rhs [G, N, K]: float8_e4m3fn / float8_e5m2 elements.
     lhs_scale [K/32, M] and rhs_scale [G, K/32, N]: the decoded fp32 block scales 2^(e-127),
       transposed so that a K block's scales for a row tile are contiguous.
-    Rows past sum(group_sizes) are zeros. config: None for `default_mxfp8_config`."""
+    Rows past sum(group_sizes) are zeros. config: None for `default_mxfp8_config`. With
+    groups_per_weight n, rhs (and rhs_scale) hold G / n matrices and group g uses entry g // n."""
     num_rows, k = lhs.shape
     num_groups, n, _ = rhs.shape
     if lhs.dtype not in _FP8_DTYPES or rhs.dtype not in _FP8_DTYPES:
@@ -98,6 +100,7 @@ def gmm_mxfp8_pallas(
         release_delay=0,
         config=config,
         interpret=interpret,
+        groups_per_weight=groups_per_weight,
     )
 
 
