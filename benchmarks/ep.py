@@ -84,7 +84,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -92,7 +91,6 @@ from collections.abc import Callable
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import flax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -101,6 +99,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import report  # noqa: E402
+from benchmarks.report import error_text, log  # noqa: E402
 from benchmarks.timing import sync, timed_runs  # noqa: E402
 from jaxmoe import MoE, MoEConfig  # noqa: E402
 from jaxmoe.config import MXFP8_ALIGNMENTS  # noqa: E402
@@ -165,20 +165,6 @@ IN_LAYER = {
     ("combine", "bwd", "mxfp8"): "y's gradient quantized and sent as MXFP8 "
     "(combine_bwd_dtype mxfp8)",
 }
-_START = time.perf_counter()
-
-
-def log(message: str) -> None:
-    """A progress line with the wall time and the seconds since the start (flushed)."""
-    print(
-        f"[{datetime.datetime.now():%H:%M:%S} +{time.perf_counter() - _START:6.1f}s] {message}",
-        flush=True,
-    )
-
-
-def error_text(e: BaseException) -> str:
-    """A one-line description of a failure, for the records."""
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
 
 
 # ---------------------------------------------------------------------------- configuration
@@ -567,22 +553,15 @@ def layer_rates(records: list[dict]) -> None:
 # -------------------------------------------------------------------------------- reporting
 def environment() -> dict:
     """Device, versions and date of the run."""
-    device = jax.devices()[0]
-    return dict(
-        benchmark="ep",
-        date=datetime.date.today().isoformat(),
-        time=datetime.datetime.now().isoformat(timespec="seconds"),
-        platform=device.platform,
-        device=device.device_kind,
+    on_cpu = jax.devices()[0].platform == "cpu"
+    return report.environment(
+        "ep",
         device_count=jax.device_count(),
-        on_cpu=device.platform == "cpu",
+        on_cpu=on_cpu,
         note="host (CPU) devices: a check of the script, not a measurement of the exchange"
-        if device.platform == "cpu"
+        if on_cpu
         else None,
         xla_flags=os.environ.get("XLA_FLAGS", ""),
-        jax=jax.__version__,
-        flax=flax.__version__,
-        python=platform.python_version(),
     )
 
 

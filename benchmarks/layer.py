@@ -37,7 +37,6 @@ import functools
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -46,15 +45,16 @@ from typing import Any, NamedTuple
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import flax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import report  # noqa: E402
 from benchmarks.layer_competitors import check_supported, jax_moe, torch_moe  # noqa: E402
 from benchmarks.layer_stages import STAGES, describe_profile, stage_breakdown  # noqa: E402
+from benchmarks.report import error_text, log  # noqa: E402
 from benchmarks.timing import profile_events, sync, timed_runs  # noqa: E402
 from jaxmoe import MoE, MoEConfig  # noqa: E402
 from jaxmoe.shapes import SHAPES, LayerShape  # noqa: E402
@@ -97,20 +97,6 @@ TINY_SHAPES = {
         ),
     )
 }
-_START = time.perf_counter()
-
-
-def log(message: str) -> None:
-    """A progress line with the wall time and the seconds since the start (flushed)."""
-    print(
-        f"[{datetime.datetime.now():%H:%M:%S} +{time.perf_counter() - _START:6.1f}s] {message}",
-        flush=True,
-    )
-
-
-def error_text(e: BaseException) -> str:
-    """A one-line description of a failure, for the records."""
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
 
 
 # ------------------------------------------------------------------------------- programs
@@ -729,18 +715,8 @@ def write_outputs(result: dict, kernels: dict, paths: dict) -> None:
 
 def environment() -> dict:
     """Device, versions and date of the run."""
-    device = jax.devices()[0]
-    return dict(
-        benchmark="layer",
-        date=datetime.date.today().isoformat(),
-        time=datetime.datetime.now().isoformat(timespec="seconds"),
-        device=device.device_kind,
-        platform=device.platform,
-        num_sms=getattr(device, "core_count", None),
-        jax=jax.__version__,
-        flax=flax.__version__,
-        torch=torch.__version__,
-        python=platform.python_version(),
+    return report.environment(
+        "layer", num_sms=getattr(jax.devices()[0], "core_count", None), torch=torch.__version__
     )
 
 

@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_gmm_pallas import SMALL
 
 from jaxmoe.mxfp8 import quantize
-from jaxmoe.ops import GmmConfig, gmm
+from jaxmoe.ops import gmm
 from jaxmoe.ops.mxfp8_gmm import mxfp8_gmm
 from jaxmoe.ops.mxtensor_gmm import gmm_mxtensor
 from jaxmoe.ordered import sum_in_order
@@ -20,18 +21,6 @@ from bitwise import assert_bitwise, differs
 
 PER_WEIGHT, WEIGHTS, K, N = 3, 2, 128, 128
 SIZES = [32, 0, 64, 32, 96, 32]  # multiples of 32 (MXFP8 columnwise blocks), an empty group
-SMALL = GmmConfig(
-    tile_m=64,
-    tile_n=64,
-    tile_k=64,
-    max_concurrent_steps=2,
-    grid_tile_width=2,
-    epilogue_tile_n=32,
-    wg_split="m",
-    overlap_wgmma=True,
-    epilogue_slots=2,
-    num_sms=3,
-)
 
 
 def operands(rhs_dtype):
