@@ -109,48 +109,12 @@ from jaxmoe.expert_parallel import expert_parallel_forward, place_on_mesh  # noq
 from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
 from jaxmoe.ops.quantize import quantize  # noqa: E402
 from jaxmoe.plan import make_plan  # noqa: E402
-from jaxmoe.shapes import SHAPES, LayerShape  # noqa: E402
+from jaxmoe.shapes import DEEPSEEK_V3_FULL, SHAPES, TINY_SHAPES, LayerShape  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 AXES = ("data", "ep")
 WIRES = ("bf16", "mxfp8")
 PARTS = ("exchange", "layer")
-# DeepSeek-V3's MoE layer (for EP = 4 / 8): deepseek_v3_style's routing with all 256 experts and
-# its one shared expert, ungated; 8192 tokens per device (2 sequences of 4096).
-DEEPSEEK_V3_FULL = LayerShape(
-    "deepseek_v3_full",
-    SHAPES["deepseek_v3_style"].config.replace(num_experts=256, shared_expert_gate=False),
-    7168,
-    batch=2,
-    seq_len=4096,
-)
-# CPU smoke-test sizes: E = 8 and 16 split over up to 8 ranks.
-TINY_SHAPES = {
-    shape.name: shape
-    for shape in (
-        LayerShape(
-            "tiny",
-            MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=64, aux_loss_coeff=1e-2),
-            64,
-            batch=2,
-            seq_len=16,
-        ),
-        LayerShape(
-            "tiny_deepseek",
-            DEEPSEEK_V3_FULL.config.replace(
-                num_experts=16,
-                top_k=4,
-                ffn_hidden_size=64,
-                num_groups=4,
-                group_topk=2,
-                shared_expert_intermediate_size=64,
-            ),
-            64,
-            batch=2,
-            seq_len=16,
-        ),
-    )
-}
 ALL_SHAPES = {**SHAPES, DEEPSEEK_V3_FULL.name: DEEPSEEK_V3_FULL, **TINY_SHAPES}
 # Where each exchange case sits in the layer's training step (the returns are bf16 in every
 # variant, so they have no MXFP8 case).

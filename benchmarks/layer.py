@@ -56,8 +56,8 @@ from benchmarks.layer_competitors import check_supported, jax_moe, torch_moe  # 
 from benchmarks.layer_stages import STAGES, describe_profile, stage_breakdown  # noqa: E402
 from benchmarks.report import error_text, log  # noqa: E402
 from benchmarks.timing import profile_events, sync, timed_runs  # noqa: E402
-from jaxmoe import MoE, MoEConfig  # noqa: E402
-from jaxmoe.shapes import SHAPES, LayerShape  # noqa: E402
+from jaxmoe import MoE  # noqa: E402
+from jaxmoe.shapes import SHAPES, TINY_SHAPES, LayerShape  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 MODES = ("train", "inference")
@@ -70,33 +70,6 @@ JAXMOE = {
 COMPETITORS = ("torch_grouped_mm", "torch_compile", "jax_ragged_dot")
 REFERENCE = "jaxmoe_bf16"
 PROFILE_STEPS = 3
-# CPU smoke-test sizes (not in the default run): a Mixtral-like and a DeepSeek-like layer.
-TINY_SHAPES = {
-    shape.name: shape
-    for shape in (
-        LayerShape(
-            "tiny",
-            MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=64, aux_loss_coeff=1e-2),
-            64,
-            batch=2,
-            seq_len=32,
-        ),
-        LayerShape(
-            "tiny_deepseek",  # deepseek_v3_style's routing and gated shared expert, small
-            SHAPES["deepseek_v3_style"].config.replace(
-                num_experts=16,
-                top_k=4,
-                ffn_hidden_size=64,
-                num_groups=4,
-                group_topk=2,
-                shared_expert_intermediate_size=64,
-            ),
-            64,
-            batch=2,
-            seq_len=32,
-        ),
-    )
-}
 
 
 # ------------------------------------------------------------------------------- programs

@@ -95,3 +95,44 @@ SHAPES: dict[str, LayerShape] = {
         ),
     )
 }
+
+# DeepSeek-V3's MoE layer for expert parallelism at EP = 4 / 8 (`benchmarks/ep.py`):
+# deepseek_v3_style's routing with all 256 experts and its one shared expert, ungated; 8192
+# tokens per device (2 sequences of 4096).
+DEEPSEEK_V3_FULL = LayerShape(
+    "deepseek_v3_full",
+    SHAPES["deepseek_v3_style"].config.replace(num_experts=256, shared_expert_gate=False),
+    7168,
+    batch=2,
+    seq_len=4096,
+)
+
+# CPU smoke-test sizes of the benchmarks (a check of the scripts, not of the layer's speed): a
+# Mixtral-like layer and deepseek_v3_style's routing and gated shared expert, small (E = 8 and
+# 16 split over up to 8 ranks).
+TINY_SHAPES: dict[str, LayerShape] = {
+    shape.name: shape
+    for shape in (
+        LayerShape(
+            "tiny",
+            MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=64, aux_loss_coeff=1e-2),
+            64,
+            batch=2,
+            seq_len=32,
+        ),
+        LayerShape(
+            "tiny_deepseek",
+            SHAPES["deepseek_v3_style"].config.replace(
+                num_experts=16,
+                top_k=4,
+                ffn_hidden_size=64,
+                num_groups=4,
+                group_topk=2,
+                shared_expert_intermediate_size=64,
+            ),
+            64,
+            batch=2,
+            seq_len=32,
+        ),
+    )
+}

@@ -19,7 +19,7 @@ from benchmarks import ep as ep_benchmark  # noqa: E402
 
 DEGREES = (1, 2)
 REPEATS = 2
-HIDDEN, TOKENS = 64, 32  # the tiny shape: H, and T per device
+HIDDEN, TOKENS = 64, 64  # the tiny shape: H, and T per device
 # (exchange, pass, wire, buffer) of the layer's exchanges: token sends and bf16 returns.
 CASES = {
     ("dispatch", "fwd", "bf16", "tokens"),
