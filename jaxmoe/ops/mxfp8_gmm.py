@@ -219,7 +219,8 @@ def mxfp8_gmm_backward(
         impl=impl,
         preferred_element_type=dtype,
     )
-    return d_lhs, sum_group_partials(partials, per_weight, residuals.rhs_dtype or dtype)
+    rhs_dtype = dtype if residuals.rhs_dtype is None else residuals.rhs_dtype
+    return d_lhs, sum_group_partials(partials, per_weight, rhs_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
