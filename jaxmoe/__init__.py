@@ -7,6 +7,7 @@ from jaxmoe import mxfp8, ops
 from jaxmoe.config import MoEConfig, selective_precision
 from jaxmoe.dispatch import combine, dispatch, gather_slots
 from jaxmoe.expert_parallel import expert_parallel_forward, place_on_mesh
+from jaxmoe.inference import mxfp8_inference
 from jaxmoe.moe import ExpertBias, MoE, MoEAux, MoEStages, to_linen
 from jaxmoe.plan import Plan, make_plan
 from jaxmoe.routing import Routing, route, router_logits, update_expert_bias
@@ -21,6 +22,7 @@ __all__ = [
     "to_linen",
     "expert_parallel_forward",
     "place_on_mesh",
+    "mxfp8_inference",
     "Routing",
     "route",
     "router_logits",

@@ -174,7 +174,9 @@ def grouped_mlp(
     # The GEMMs read each expert's matrix for all of its groups (route.groups_per_weight); a
     # kernel narrower than the compute dtype is widened, a wider one (fp32 copies under expert
     # parallelism) is rounded by the GEMM, its gradient kept in its dtype.
-    at_least = lambda w: w if jnp.finfo(w.dtype).bits >= jnp.finfo(dtype).bits else w.astype(dtype)
+    at_least = lambda w: (
+        w if w is None or jnp.finfo(w.dtype).bits >= jnp.finfo(dtype).bits else w.astype(dtype)
+    )
     fc1_kernel, fc2_kernel = at_least(weights.fc1_kernel), at_least(weights.fc2_kernel)
     per_group = lambda w: None if w is None else route.per_group(w)
     fc1_bias, fc2_bias = per_group(weights.fc1_bias), per_group(weights.fc2_bias)

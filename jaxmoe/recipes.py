@@ -169,6 +169,8 @@ class Mxfp8Recipe(ExpertRecipe):
         )
 
     def fc2_and_combine(self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl):
+        if kernel is None:  # inference on the stored fprop copy alone
+            return _mxfp8_fc2_then_combine(a, None, row_bias, route, weights.fc2, impl)
         return _mxfp8_fc2_and_combine(
             a,
             kernel,
@@ -237,6 +239,10 @@ def _mxfp8_fc2_and_combine(
 
     One custom VJP for both, so that the backward can quantize the token-level gradient before
     dispatching it and hand that MXTensor to fc2's dgrad (combine_bwd_dtype "mxfp8")."""
+    return _mxfp8_fc2_then_combine(a, fc2_kernel, row_bias, route, fc2_weights, gmm_impl)
+
+
+def _mxfp8_fc2_then_combine(a, fc2_kernel, row_bias, route, fc2_weights, gmm_impl):
     with jax.named_scope("fc2"):
         out = add_row_bias(
             mxfp8_gmm(

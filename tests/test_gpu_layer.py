@@ -33,7 +33,7 @@ import pytest
 from flax import nnx
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxmoe import MoE, MoEConfig
+from jaxmoe import MoE, MoEConfig, mxfp8_inference
 from jaxmoe.ops import on_hopper
 from jaxmoe.ordered import sum_in_order
 from jaxmoe.routing import router_logits
@@ -334,6 +334,22 @@ def test_d3_training_forward_equals_inference_forward(layer):
         np.asarray(layer.router_accumulators(layer.x, "xla")),
         np.asarray(layer.router_accumulators(layer.x, layer.impl)),
     )
+
+
+def test_d3_mxfp8_inference_layer_equals_the_training_forward(layer):
+    """MXFP8 cases: the layer with its experts stored as MXFP8 alone (`jaxmoe.mxfp8_inference`)
+    gives the training step's y bitwise; its expert state is fp8 data and uint8 scales only."""
+    model = nnx.merge(layer.graphdef, layer.params, layer.rest)
+    if layer.precision != "mxfp8":  # bf16 experts have no MXFP8 copies to keep
+        with pytest.raises(ValueError, match="expert_precision='mxfp8'"):
+            mxfp8_inference(model)
+        return
+    (_, (y_train, _, _)), _ = layer.train(layer.params, layer.x, layer.dy)
+    inference = mxfp8_inference(model)
+    y_inference = nnx.jit(lambda m, x: m(x)[0])(inference, layer.x)
+    assert_bitwise(np.asarray(y_train), np.asarray(y_inference))
+    dtypes = {str(a.dtype) for a in jax.tree.leaves(nnx.state(inference.experts))}
+    assert dtypes == {"float8_e4m3fn", "uint8"}
 
 
 # ------------------------------------------------------------------------- NaN, XLA, training

@@ -60,16 +60,18 @@ class QuantizedWeights:
     parameter and receives the gradient)."""
 
     fprop: MXTensor  # rhs^T [G, N, K], blocks along K
-    dgrad: MXTensor  # rhs [G, K, N], blocks along N
+    dgrad: MXTensor | None  # rhs [G, K, N], blocks along N; None: forward only (inference)
 
 
-def quantize_weights(rhs: jax.Array, impl: str = "auto") -> QuantizedWeights:
+def quantize_weights(rhs: jax.Array, impl: str = "auto", *, dgrad: bool = True) -> QuantizedWeights:
     """The fprop and dgrad copies of rhs [G, K, N], as `mxfp8_gmm(impl=impl)` would make them.
-    Make them once per optimizer step (after the update) and pass them to every micro-batch."""
+    Make them once per optimizer step (after the update) and pass them to every micro-batch.
+    dgrad=False: the fprop copy alone (inference)."""
     if rhs.ndim != 3:
         raise ValueError(f"quantize_weights: rhs must be [G, K, N], got {rhs.shape}")
     return QuantizedWeights(
-        fprop=_quantize(jnp.swapaxes(rhs, 1, 2), 2, impl), dgrad=_quantize(rhs, 2, impl)
+        fprop=_quantize(jnp.swapaxes(rhs, 1, 2), 2, impl),
+        dgrad=_quantize(rhs, 2, impl) if dgrad else None,
     )
 
 
@@ -102,12 +104,12 @@ def _check_operands(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized=None, grou
             "mxfp8_gmm: lhs_rowwise must be an MXTensor of lhs's shape with blocks along K (axis 1)"
         )
     g = rhs.shape[0]
+    dgrad = None if rhs_quantized is None else rhs_quantized.dgrad
     if rhs_quantized is not None and (
         not isinstance(rhs_quantized, QuantizedWeights)
         or rhs_quantized.fprop.shape != (g, n, k)
         or rhs_quantized.fprop.axis != 2
-        or rhs_quantized.dgrad.shape != (g, k, n)
-        or rhs_quantized.dgrad.axis != 2
+        or (dgrad is not None and (dgrad.shape != (g, k, n) or dgrad.axis != 2))
     ):
         raise ValueError("mxfp8_gmm: rhs_quantized must be quantize_weights(rhs)")
 
@@ -134,8 +136,20 @@ def mxfp8_gmm(
       before the dispatch); it must equal `quantize(lhs, axis=1)` up to where it was made.
       None: quantize lhs here. It carries no gradient; lhs does.
     rhs_quantized: `quantize_weights(rhs)` made earlier in the step (None: quantize here). It
-      carries no gradient; rhs does.
+      carries no gradient; rhs does. rhs None: the forward alone on rhs_quantized's fprop copy
+      (MXFP8 inference with no high-precision weights; not differentiable).
     Result in `preferred_element_type`."""
+    if rhs is None:  # inference on the stored fprop copy alone
+        if rhs_quantized is None:
+            raise ValueError("mxfp8_gmm: without rhs, pass its fprop copy as rhs_quantized")
+        g, n, k = rhs_quantized.fprop.shape
+        like = jax.ShapeDtypeStruct((g, k, n), lhs.dtype)
+        _check_operands(lhs, like, group_sizes, lhs_rowwise, rhs_quantized, groups_per_weight)
+        sizes = group_sizes.astype(jnp.int32)
+        out_dtype = jnp.dtype(preferred_element_type)
+        return _fprop(
+            lhs, None, sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, groups_per_weight
+        )
     _check_operands(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, groups_per_weight)
     return _mxfp8_gmm(
         lhs,

@@ -1,0 +1,75 @@
+"""MXFP8 inference: the layer with its routed experts stored only as the MXFP8 copies that the
+forward GEMMs read (e4m3 data and E8M0 scales, 1.03 bytes a weight), no high-precision master.
+
+    inference = jaxmoe.mxfp8_inference(model)   # model: MoEConfig(expert_precision="mxfp8")
+    y, aux = inference(x)                       # the training forward's bits (D3), any batch
+
+The copies are `quantize_expert_weights`'s fprop copies of the trained weights, so a token's
+output is bitwise the training forward's at any batch size; the router and the shared expert
+keep their weights. The result is for inference only: the experts' GEMMs have no gradient.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from jaxmoe.experts import ExpertMatrices, grouped_mlp
+from jaxmoe.moe import MoE
+from jaxmoe.mxfp8 import MXTensor
+from jaxmoe.ops.mxfp8_gmm import QuantizedWeights, quantize_weights
+from jaxmoe.recipes import ExpertWeightsMx
+
+
+class ExpertCopy(nnx.Variable):
+    """The data or the scales of an MXFP8 weight copy (not trained)."""
+
+
+class Mxfp8GroupedMLP(nnx.Module):
+    """The E routed experts as their MXFP8 fprop copies: fc1 [E, 2F|F, H] and fc2 [E, H, F]
+    (each expert's matrix transposed, blocks along the contraction dim, as the GEMMs read them),
+    biases as they were. Called like `jaxmoe.moe.GroupedMLP`."""
+
+    def __init__(self, model: MoE):
+        config, experts = model.config, model.experts
+        if config.expert_precision != "mxfp8":
+            raise ValueError(
+                "mxfp8_inference: the layer's experts must run in MXFP8 "
+                f"(expert_precision='mxfp8'), got {config.expert_precision!r}"
+            )
+        self.config = config
+        dtype = model.dtype
+        fc1 = quantize_weights(experts.fc1_kernel[...].astype(dtype), model.gmm_impl, dgrad=False)
+        fc2 = quantize_weights(experts.fc2_kernel[...].astype(dtype), model.gmm_impl, dgrad=False)
+        self.fc1_data, self.fc1_scale = ExpertCopy(fc1.fprop.data), ExpertCopy(fc1.fprop.scale)
+        self.fc2_data, self.fc2_scale = ExpertCopy(fc2.fprop.data), ExpertCopy(fc2.fprop.scale)
+        self.fc1_bias, self.fc2_bias = experts.fc1_bias, experts.fc2_bias
+
+    def __call__(self, rows, row_probs, route, *, rows_rowwise, expert_weights, gmm_impl: str):
+        if expert_weights is not None:
+            raise ValueError("mxfp8_inference: the layer holds its MXFP8 copies already")
+        copy = lambda data, scale: QuantizedWeights(
+            fprop=MXTensor(data=data[...], scale=scale[...], axis=2, fmt="e4m3"), dgrad=None
+        )
+        weights = ExpertWeightsMx(
+            fc1=copy(self.fc1_data, self.fc1_scale), fc2=copy(self.fc2_data, self.fc2_scale)
+        )
+        value = lambda p: None if p is None else p[...]
+        return grouped_mlp(
+            rows,
+            row_probs,
+            route,
+            ExpertMatrices(None, None, value(self.fc1_bias), value(self.fc2_bias)),
+            self.config,
+            rows_rowwise=rows_rowwise,
+            expert_weights=weights,
+            gmm_impl=gmm_impl,
+        )
+
+
+def mxfp8_inference(model: MoE) -> MoE:
+    """A copy of `model` for inference whose routed experts hold only their MXFP8 fprop copies
+    (`Mxfp8GroupedMLP`); `model` is left as it is (drop it to free its high-precision expert
+    weights). Needs expert_precision "mxfp8". Its forward gives the training forward's bits."""
+    inference = nnx.clone(model)
+    inference.experts = Mxfp8GroupedMLP(model)
+    return inference

@@ -1,0 +1,87 @@
+"""MXFP8 inference (`jaxmoe.mxfp8_inference`): the routed experts stored only as their MXFP8
+fprop copies (fp8 data and uint8 scales, no high-precision expert weights), and a token's
+output bitwise the training forward's (D3) at any batch size (D2), with MXFP8 or bf16 tokens on
+the dispatch. Controls: the bf16-expert layer, and copies of other weights, give other bits."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxmoe import MoE, MoEConfig, mxfp8_inference
+from jaxmoe.ordered import sum_in_order
+
+from bitwise import assert_bitwise, differs
+
+H = 64
+MXFP8 = MoEConfig(
+    num_experts=8,
+    top_k=2,
+    ffn_hidden_size=64,
+    expert_precision="mxfp8",
+    dispatch_dtype="mxfp8",
+    combine_bwd_dtype="mxfp8",
+    expert_row_alignment=32,
+    shared_expert_intermediate_size=32,
+)
+
+
+def make(config, seed=0):
+    model = MoE(config, H, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
+    x = jax.random.normal(jax.random.key(1), (2, 24, H)).astype(jnp.bfloat16)
+    return model, x
+
+
+def training_output(model, x):
+    """y of the training step (value and gradients computed together)."""
+
+    def loss(model, x):
+        y, aux = model(x)
+        return sum_in_order(jnp.ravel(y.astype(jnp.float32))) + aux.total_loss, y
+
+    (_, y), _ = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model, x)
+    return np.asarray(y)
+
+
+def inference_output(model, x):
+    return np.asarray(nnx.jit(lambda m, x: m(x)[0])(model, x))
+
+
+@pytest.mark.parametrize("dispatch_dtype", ["mxfp8", "bf16"])
+def test_inference_forward_is_the_training_forward_at_any_batch(dispatch_dtype):
+    model, x = make(MXFP8.replace(dispatch_dtype=dispatch_dtype))
+    inference = mxfp8_inference(model)
+    trained = training_output(model, x)
+    assert_bitwise(inference_output(inference, x), trained)
+    assert_bitwise(inference_output(inference, x[:1, :1]), trained[:1, :1])  # a token alone
+    assert_bitwise(inference_output(inference, x[:, :12]), trained[:, :12])  # the first half
+    # Controls: bf16 experts, or copies of other weights, give other bits.
+    bf16 = MXFP8.replace(expert_precision="bf16", combine_bwd_dtype="bf16")
+    assert differs(
+        inference_output(make(bf16.replace(dispatch_dtype=dispatch_dtype))[0], x), trained
+    )
+    other, _ = make(MXFP8.replace(dispatch_dtype=dispatch_dtype), seed=0)
+    other.experts.fc2_kernel[...] = other.experts.fc2_kernel[...] * 1.5
+    assert differs(inference_output(mxfp8_inference(other), x), trained)
+
+
+def test_experts_are_stored_as_mxfp8_alone():
+    model, _ = make(MXFP8)
+    experts = nnx.state(mxfp8_inference(model).experts)
+    dtypes = {str(a.dtype) for a in jax.tree.leaves(experts)}
+    assert dtypes == {"float8_e4m3fn", "uint8"}
+    stored = sum(a.nbytes for a in jax.tree.leaves(experts))
+    weights = model.experts.fc1_kernel[...].size + model.experts.fc2_kernel[...].size
+    assert stored == weights * 33 // 32  # one byte a weight, one scale byte per 32
+    assert model.experts.fc1_kernel[...].dtype == jnp.bfloat16  # the model is left as it is
+
+
+def test_refusals():
+    bf16, _ = make(MXFP8.replace(expert_precision="bf16", combine_bwd_dtype="bf16"))
+    with pytest.raises(ValueError, match="expert_precision='mxfp8'"):
+        mxfp8_inference(bf16)
+    model, x = make(MXFP8)
+    inference = mxfp8_inference(model)
+    with pytest.raises(ValueError, match="holds its MXFP8 copies"):
+        inference(x, expert_weights=model.quantize_expert_weights())
