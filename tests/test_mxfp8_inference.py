@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxmoe import MoE, MoEConfig, mxfp8_inference
+from jaxmoe.ops.mxfp8_gmm import mxfp8_gmm
 from jaxmoe.ordered import sum_in_order
 
 from bitwise import assert_bitwise, differs
@@ -85,3 +86,6 @@ def test_refusals():
     inference = mxfp8_inference(model)
     with pytest.raises(ValueError, match="holds its MXFP8 copies"):
         inference(x, expert_weights=model.quantize_expert_weights())
+    rows = x.reshape(-1, H)[:32]
+    with pytest.raises(ValueError, match="pass its copies as rhs_quantized"):
+        mxfp8_gmm(rows, None, jnp.array([32], jnp.int32))

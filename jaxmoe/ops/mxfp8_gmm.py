@@ -104,7 +104,7 @@ def _check_operands(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized=None, grou
             "mxfp8_gmm: lhs_rowwise must be an MXTensor of lhs's shape with blocks along K (axis 1)"
         )
     g = rhs.shape[0]
-    dgrad = None if rhs_quantized is None else rhs_quantized.dgrad
+    dgrad = getattr(rhs_quantized, "dgrad", None)
     if rhs_quantized is not None and (
         not isinstance(rhs_quantized, QuantizedWeights)
         or rhs_quantized.fprop.shape != (g, n, k)
@@ -140,8 +140,8 @@ def mxfp8_gmm(
       (MXFP8 inference with no high-precision weights; not differentiable).
     Result in `preferred_element_type`."""
     if rhs is None:  # inference on the stored fprop copy alone
-        if rhs_quantized is None:
-            raise ValueError("mxfp8_gmm: without rhs, pass its fprop copy as rhs_quantized")
+        if not isinstance(rhs_quantized, QuantizedWeights):
+            raise ValueError("mxfp8_gmm: without rhs, pass its copies as rhs_quantized")
         g, n, k = rhs_quantized.fprop.shape
         like = jax.ShapeDtypeStruct((g, k, n), lhs.dtype)
         _check_operands(lhs, like, group_sizes, lhs_rowwise, rhs_quantized, groups_per_weight)
