@@ -7,9 +7,10 @@ Dirichlet-skewed group sizes rounded to multiples of 32, the layer's MXFP8 align
 process, GEMMs on already-quantized operands:
   fwd    x @ W[g]        jaxmoe_mxfp8 (strategy "fp8_wgmma": the fp8 kernel) |
                          jaxmoe_mxfp8_dequant (strategy "dequantize": bf16 copies, then the bf16
-                         kernel; the default) | jaxmoe_bf16 |
+                         kernel; the default) | jaxmoe_mxfp8_fused (strategy
+                         "fused_dequantize": the same bits, dequantized in SMEM) | jaxmoe_bf16 |
                          torch_scaled_grouped_mm (fp8 rowwise scales) | torch_grouped_mm (bf16)
-  dgrad  dy @ W[g]^T     same five
+  dgrad  dy @ W[g]^T     same six
   wgrad  x_g^T @ dy_g    jaxmoe_mxfp8 (dequantize + bf16 tgmm) | jaxmoe_bf16 | torch (both)
   quantize               x rowwise and columnwise, and the fused gather + rowwise quantize
                          (dispatch_quantize), on XLA (the reference) and on the Pallas kernels,
@@ -101,10 +102,13 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
             gmm_mxtensor, impl="pallas", preferred_element_type=BF16, strategy="fp8_wgmma"
         )
     )
-    mx_dequant = jax.jit(
-        functools.partial(
-            gmm_mxtensor, impl="pallas", preferred_element_type=BF16, strategy="dequantize"
+    mx_dequant, mx_fused = (
+        jax.jit(
+            functools.partial(
+                gmm_mxtensor, impl="pallas", preferred_element_type=BF16, strategy=strategy
+            )
         )
+        for strategy in ("dequantize", "fused_dequantize")
     )
     bf = jax.jit(
         functools.partial(gmm, impl="pallas", preferred_element_type=BF16),
@@ -128,6 +132,7 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
     if "fwd" in ops:
         run("fwd", "jaxmoe_mxfp8", lambda: mx(x_q, w_fprop, gs))
         run("fwd", "jaxmoe_mxfp8_dequant", lambda: mx_dequant(x_q, w_fprop, gs))
+        run("fwd", "jaxmoe_mxfp8_fused", lambda: mx_fused(x_q, w_fprop, gs))
         run("fwd", "jaxmoe_bf16", lambda: bf(x, w, gs))
         tx8, sx = torch_rowwise_fp8(torch, tx, 1)
         tw8, sw = torch_rowwise_fp8(torch, tw.transpose(-2, -1).contiguous(), 2)  # [G, N, K]
@@ -153,6 +158,7 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
     if "dgrad" in ops:
         run("dgrad", "jaxmoe_mxfp8", lambda: mx(dy_q, w_dgrad, gs))
         run("dgrad", "jaxmoe_mxfp8_dequant", lambda: mx_dequant(dy_q, w_dgrad, gs))
+        run("dgrad", "jaxmoe_mxfp8_fused", lambda: mx_fused(dy_q, w_dgrad, gs))
         run("dgrad", "jaxmoe_bf16", lambda: bf(dy, w, gs, transpose_rhs=True))
         tdy8, sdy = torch_rowwise_fp8(torch, tdy, 1)
         tw8d, swd = torch_rowwise_fp8(torch, tw, 2)  # [G, K, N]

@@ -1,6 +1,8 @@
-"""The Hopper MXFP8 grouped-matmul kernel (fp8 wgmma per 32-wide K block, scales folded into the
-fp32 accumulator), on CPU in Mosaic GPU interpret mode with the race detector, against the
-dequantize-then-XLA reference; lowering at the real shapes; `gpu`-marked tests on the H200.
+"""The Hopper MXFP8 grouped-matmul kernels (fp8 wgmma per 32-wide K block with the scales folded
+into the fp32 accumulator; and dequantization in SMEM before bf16 wgmma), on CPU in Mosaic GPU
+interpret mode with the race detector, against the dequantize-then-XLA reference; lowering at
+the real shapes; `gpu`-marked tests on the H200 (the in-kernel dequantization bitwise equal to
+dequantizing first, there).
 
 Error bound. The reference sums the K exact products deq(a)deq(b) in fp32 in some order; the
 kernel sums each 32-product block (one wgmma) and adds the scaled block sums in ascending K order.
@@ -10,6 +12,7 @@ On the GPU the fp8 tensor cores add a block's 32 products with fewer fraction bi
 (about 2^-13 relative, measured by DeepSeek-V3 on Hopper), so the GPU bound per block is
 2^-12 sum over the block of |a_k b_k|."""
 
+import dataclasses
 import functools
 
 import jax
@@ -20,7 +23,9 @@ from layer_grads import output_and_grads
 
 from jaxmoe import MoEConfig
 from jaxmoe.mxfp8 import MXTensor, dequantize, quantize, scale_multipliers
-from jaxmoe.ops import GmmConfig, gmm_mxtensor, on_hopper, tgmm_mxtensor
+from jaxmoe.ops import DecodeConfig, GmmConfig, gmm_mxtensor, on_hopper, tgmm_mxtensor
+from jaxmoe.ops.pallas.gmm_decode_hopper import default_decode_config
+from jaxmoe.ops.pallas.gmm_dequantize_hopper import default_dequantize_config
 from jaxmoe.ops.pallas.gmm_mxfp8_hopper import default_mxfp8_config
 
 from bitwise import bits, differs
@@ -38,6 +43,7 @@ SMALL = GmmConfig(
     wg_split="m",
     num_sms=3,
 )
+DECODE_SMALL = DecodeConfig(tile_rows=16, wg_n=64, tile_k=128, max_concurrent_steps=2, num_sms=3)
 SIZES = {
     "ragged_tail_and_empty": [37, 0, 90, 50, 3],
     "all_in_one": [0, 0, 200, 0, 0],
@@ -66,12 +72,12 @@ def bound(lhs_q, rhs_q, sizes, per_block_rel=None):
     return (per_block_rel + 2 * (k + k // 32) * U) * absdot + 1e-30
 
 
-@pytest.mark.parametrize("strategy", ["fp8_wgmma", "dequantize"])
+@pytest.mark.parametrize("strategy", ["fp8_wgmma", "dequantize", "fused_dequantize", "decode"])
 @pytest.mark.parametrize("sizes", SIZES.values(), ids=SIZES.keys())
 def test_forward_matches_dequantized_reference(interpret, sizes, strategy):
     lhs_q, rhs_q = operands(200, 256, 128, 5)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    config = None if ON_HOPPER else SMALL
+    config = None if ON_HOPPER else (DECODE_SMALL if strategy == "decode" else SMALL)
     out = gmm_mxtensor(lhs_q, rhs_q, group_sizes, impl="pallas", config=config, strategy=strategy)
     ref = gmm_mxtensor(lhs_q, rhs_q, group_sizes, impl="xla")
     err = np.abs(np.asarray(out) - np.asarray(ref))
@@ -79,7 +85,8 @@ def test_forward_matches_dequantized_reference(interpret, sizes, strategy):
     assert np.all(np.asarray(out)[sum(sizes) :] == 0)
 
 
-def test_empty_experts_and_zero_padding_rows_give_exact_zeros(interpret):
+@pytest.mark.parametrize("strategy", ["fp8_wgmma", "fused_dequantize"])
+def test_empty_experts_and_zero_padding_rows_give_exact_zeros(interpret, strategy):
     lhs_q, rhs_q = operands(192, 256, 128, 4, seed=1)
     padding = np.zeros(192, bool)
     padding[[5, 6, 70, 130]] = True  # zero rows inside groups, as the plan pads
@@ -92,7 +99,7 @@ def test_empty_experts_and_zero_padding_rows_give_exact_zeros(interpret):
             rhs_q,
             sizes,
             impl="pallas",
-            strategy="fp8_wgmma",
+            strategy=strategy,
             config=None if ON_HOPPER else SMALL,
         )
     )
@@ -100,7 +107,8 @@ def test_empty_experts_and_zero_padding_rows_give_exact_zeros(interpret):
     assert np.all(out[~padding][:150] != 0)
 
 
-def test_row_bits_do_not_depend_on_other_groups_or_config(interpret):
+@pytest.mark.parametrize("strategy", ["fp8_wgmma", "fused_dequantize"])
+def test_row_bits_do_not_depend_on_other_groups_or_config(interpret, strategy):
     """Batch invariance as for the bf16 kernel: a row's bits stay when the groups around it
     change and under other tilings (tile_k fixed in the interpreter, see test_gmm_pallas)."""
     lhs_q, rhs_q = operands(256, 256, 128, 4, seed=2)
@@ -135,7 +143,7 @@ def test_row_bits_do_not_depend_on_other_groups_or_config(interpret):
                 jnp.asarray(sizes, jnp.int32),
                 impl="pallas",
                 config=config,
-                strategy="fp8_wgmma",
+                strategy=strategy,
             )
             results.append(bits(out)[probe])
     for other in results[1:]:
@@ -181,20 +189,36 @@ def test_moe_layer_mxfp8_pallas_matches_xla(interpret):
 
 
 @pytest.mark.parametrize(
-    "shape",
-    [(16384, 4096, 28672, 8), (65536, 2048, 1536, 128), (32768, 7168, 4096, 32)],
-    ids=["mixtral", "qwen3", "dsv3"],
+    "strategy,default_config",
+    [
+        ("fp8_wgmma", default_mxfp8_config),
+        ("fused_dequantize", default_dequantize_config),
+        ("decode", default_decode_config),
+    ],
 )
-def test_lowering_at_real_shapes(shape):
-    """Pallas -> Mosaic GPU lowering on CPU for the fp8 kernel at the benchmark shapes."""
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (16384, 4096, 28672, 8),
+        (65536, 2048, 1536, 128),
+        (32768, 7168, 4096, 32),
+        (512, 2048, 384, 128),
+        (128, 4096, 28672, 8),
+        (512, 768, 2048, 128),
+    ],
+    ids=["mixtral", "qwen3", "dsv3", "narrow_n", "mixtral_decode", "qwen3_fc2_decode"],
+)
+def test_lowering_at_real_shapes(shape, strategy, default_config):
+    """Pallas -> Mosaic GPU lowering on CPU for the fp8-reading kernels at the benchmark
+    shapes and at decode sizes (narrow_n: warpgroups stacked along M)."""
     m, k, n, g = shape
     s = jax.ShapeDtypeStruct
     fn = functools.partial(
         gmm_mxtensor,
         impl="pallas",
         preferred_element_type=jnp.bfloat16,
-        config=default_mxfp8_config(m, k, n, g),
-        strategy="fp8_wgmma",
+        config=default_config(m, k, n, g),
+        strategy=strategy,
     )
     jax.jit(lambda ld, ls, rd, rs, sizes: fn(mx(ld, ls, 1), mx(rd, rs, 2), sizes)).trace(
         s((m, k), jnp.float8_e4m3fn),
@@ -217,8 +241,9 @@ def test_refuses_bad_operands():
     with pytest.raises(ValueError, match="group_sizes"):
         gmm_mxtensor(lhs_q, rhs_q, jnp.array([32, 32, 0], jnp.int32))
     lhs96, rhs96 = operands(64, 96, 128, 2)
-    with pytest.raises(ValueError, match="multiples of 128"):
-        gmm_mxtensor(lhs96, rhs96, sizes, impl="pallas", strategy="fp8_wgmma")
+    for strategy in ("fp8_wgmma", "fused_dequantize"):
+        with pytest.raises(ValueError, match="multiples of 128"):
+            gmm_mxtensor(lhs96, rhs96, sizes, impl="pallas", strategy=strategy)
     with pytest.raises(ValueError, match="strategy"):
         gmm_mxtensor(lhs_q, rhs_q, sizes, strategy="fp4")
     with pytest.raises(ValueError, match="blocks"):
@@ -253,3 +278,73 @@ def test_scale_multipliers_decode_every_byte_like_dequantize():
     np.testing.assert_array_equal(
         bits(scale_multipliers(scale)[:, 0]), bits(dequantize(ones)[:, 0])
     )
+
+
+@pytest.mark.gpu
+def test_gpu_in_kernel_dequantization_equals_dequantizing_first_bitwise():
+    """On the H200 the kernels that dequantize in SMEM ("fused_dequantize"; "decode", whose
+    wgmma takes the weights as A and the rows as B) give the bits of dequantizing both operands
+    to bf16 first and running the bf16 kernel (the same k16 wgmma chain in ascending K), at a
+    training size and decode sizes; control: the fp8 wgmma kernel, which folds the scales per
+    32-wide block, differs."""
+    for m, k, n, g in [(8192, 2048, 1536, 128), (512, 2048, 1536, 128), (128, 4096, 2048, 8)]:
+        lhs_q, rhs_q = operands(m, k, n, g, seed=11)
+        sizes = jnp.asarray(np.random.default_rng(1).multinomial(m - 40, np.ones(g) / g), jnp.int32)
+        out = {
+            strategy: bits(gmm_mxtensor(lhs_q, rhs_q, sizes, impl="pallas", strategy=strategy))
+            for strategy in ("dequantize", "fused_dequantize", "decode", "fp8_wgmma")
+        }
+        np.testing.assert_array_equal(out["fused_dequantize"], out["dequantize"])
+        np.testing.assert_array_equal(out["decode"], out["dequantize"])
+        assert differs(out["fp8_wgmma"], out["dequantize"])
+
+
+def test_decode_row_bits_do_not_depend_on_other_groups_or_config(interpret):
+    """The decode kernel's row tiles (out^T tiles gathered back) keep a row's bits when the
+    groups around it change and under other tilings; negative control: XLA's order differs."""
+    lhs_q, rhs_q = operands(256, 256, 256, 4, seed=2)
+    probe = 130
+    layouts = {"a": [64, 40, 60, 36], "b": [0, 0, 200, 56], "c": [100, 7, 41, 9]}
+    configs = [
+        DECODE_SMALL,
+        DecodeConfig(tile_rows=8, wg_n=128, tile_k=64, max_concurrent_steps=1, num_sms=2),
+        DecodeConfig(tile_rows=64, wg_n=64, tile_k=128, max_concurrent_steps=2, num_sms=5),
+    ]
+    if ON_HOPPER:
+        configs = [dataclasses.replace(c, num_sms=132) for c in configs]
+    results = []
+    for sizes in layouts.values():
+        for config in configs:
+            out = gmm_mxtensor(
+                lhs_q,
+                rhs_q,
+                jnp.asarray(sizes, jnp.int32),
+                impl="pallas",
+                config=config,
+                strategy="decode",
+            )
+            results.append(bits(out)[probe])
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
+    ref = gmm_mxtensor(lhs_q, rhs_q, jnp.asarray(layouts["a"], jnp.int32), impl="xla")
+    assert differs(bits(ref)[probe], results[0])
+
+
+def test_decode_config_refuses_what_the_kernel_cannot_run():
+    valid = DecodeConfig(tile_rows=16, wg_n=64, tile_k=128, max_concurrent_steps=2)
+    valid.validate(64, 256, 128, jnp.bfloat16)
+    for bad, problem, match in [
+        (dataclasses.replace(valid, tile_rows=12), (64, 256, 128), "tile_rows"),
+        (dataclasses.replace(valid, wg_n=96), (64, 256, 128), "wg_n"),
+        (valid, (64, 192, 128), "tile_k"),
+        (valid, (64, 256, 192), "2 \\* wg_n"),
+        (dataclasses.replace(valid, max_concurrent_steps=3), (64, 256, 128), "max_concurrent"),
+        (valid, (12, 256, 128), "M=12"),
+        (
+            dataclasses.replace(valid, tile_rows=256, wg_n=128, max_concurrent_steps=2),
+            (256, 4096, 256),
+            "shared memory",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            bad.validate(*problem, jnp.bfloat16)

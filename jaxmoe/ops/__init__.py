@@ -7,6 +7,7 @@ from jaxmoe.ops.gmm import gmm, tgmm
 from jaxmoe.ops.mxfp8_gmm import QuantizedWeights, mxfp8_gmm, quantize_weights
 from jaxmoe.ops.mxtensor_gmm import gmm_mxtensor, tgmm_mxtensor
 from jaxmoe.ops.pallas.gmm_common import GmmConfig
+from jaxmoe.ops.pallas.gmm_decode_hopper import DecodeConfig
 from jaxmoe.ops.pallas.tgmm_hopper import TgmmConfig
 from jaxmoe.ops.permute import combine_rows, dispatch_rows
 from jaxmoe.ops.quantize import dispatch_quantize, quantize
@@ -26,5 +27,6 @@ __all__ = [
     "quantize_weights",
     "GmmConfig",
     "TgmmConfig",
+    "DecodeConfig",
     "on_hopper",
 ]

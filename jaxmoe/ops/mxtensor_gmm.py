@@ -8,11 +8,20 @@ Each computes sum_k deq(a) * deq(b) with fp32 accumulation:
   impl "pallas"  `gmm_mxtensor`, `strategy=`:
                    "dequantize" (default) dequantize both operands to bf16 (exact), then the
                                 bf16 gmm kernel (K and N multiples of 64);
+                   "fused_dequantize" the same bits from one kernel that reads the fp8
+                                operands and dequantizes them in SMEM
+                                (`ops/pallas/gmm_dequantize_hopper.py`; K and N multiples of
+                                128): no bf16 copy in HBM;
+                   "decode"     for few rows per group: lhs dequantized to bf16 (a few KB at
+                                decode sizes), the weights read once as fp8 and dequantized
+                                in SMEM, the wgmma's roles swapped so that a group's few rows
+                                are its narrow side (`ops/pallas/gmm_decode_hopper.py`; K and N
+                                multiples of 128); the dequantize-first bits;
                    "fp8_wgmma"  the Hopper fp8 kernel (`ops/pallas/gmm_mxfp8_hopper.py`: one
                                 fp8 wgmma per 32-wide K block, scales folded into the fp32
                                 accumulator; K and N multiples of 128).
-                 Hopper has no block-scaled MMA, so neither beats bf16 there; "dequantize" is
-                 the faster (docs/kernels.md has the arithmetic and the measurements).
+                 Hopper has no block-scaled MMA, so none beats bf16 there (docs/kernels.md has
+                 the arithmetic and the measurements).
                  `tgmm_mxtensor`: dequantize to bf16, then the bf16 tgmm kernel.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
 Both operands of an fp8 wgmma must be K-major, so the rhs of `gmm_mxtensor` is [G, N, K] with
@@ -29,17 +38,21 @@ from jaxmoe.ops import registry
 from jaxmoe.ops.checks import check_group_sizes
 from jaxmoe.ops.gmm import gmm, kernel_problem, kernel_rows, pad_rows, tgmm
 from jaxmoe.ops.pallas.gmm_common import GmmConfig
+from jaxmoe.ops.pallas.gmm_decode_hopper import DecodeConfig, gmm_decode_pallas
+from jaxmoe.ops.pallas.gmm_dequantize_hopper import gmm_dequantize_pallas
 from jaxmoe.ops.pallas.gmm_mxfp8_hopper import gmm_mxfp8_pallas
 
-STRATEGIES = ("dequantize", "fp8_wgmma")
-FP8_WGMMA_MULTIPLE = 128  # K and N of the fp8 kernel: one 128-byte swizzled row of fp8
+STRATEGIES = ("dequantize", "fused_dequantize", "decode", "fp8_wgmma")
+FP8_KERNEL_MULTIPLE = 128  # K and N of the kernels reading fp8: one 128-byte swizzled row
 _BF16 = jnp.dtype(jnp.bfloat16)  # what both Pallas paths multiply in
 
 
 def _gmm_problem(k: int, n: int, strategy: str) -> str | None:
     """Why the Pallas path of `strategy` cannot run a [.., K] x [G, N, K] problem."""
-    if strategy == "fp8_wgmma" and (k % FP8_WGMMA_MULTIPLE or n % FP8_WGMMA_MULTIPLE):
-        return f"K={k} and N={n} must be multiples of {FP8_WGMMA_MULTIPLE} for the fp8 kernel"
+    if strategy != "dequantize" and (k % FP8_KERNEL_MULTIPLE or n % FP8_KERNEL_MULTIPLE):
+        return (
+            f"K={k} and N={n} must be multiples of {FP8_KERNEL_MULTIPLE} for the {strategy} kernel"
+        )
     return kernel_problem(_BF16, _BF16, k, n)
 
 
@@ -62,7 +75,7 @@ def gmm_mxtensor(
     *,
     impl: str = "auto",
     preferred_element_type=jnp.float32,
-    config: GmmConfig | None = None,
+    config: GmmConfig | DecodeConfig | None = None,
     strategy: str = "dequantize",
     groups_per_weight: int = 1,
 ) -> jax.Array:
@@ -72,7 +85,8 @@ def gmm_mxtensor(
     lhs: MXTensor [M, K] with blocks along K (axis 1); rhs: MXTensor [G, N, K] with blocks along
     K (axis 2), i.e. the expert matrices transposed (K-major, what Hopper's fp8 wgmma reads).
     Rows past sum(group_sizes) give zeros. `strategy` picks the Pallas path (module docstring);
-    `config` tiles its kernel (None: heuristic). Not differentiable (see `mxfp8_gmm`)."""
+    `config` tiles its kernel (None: heuristic; a `DecodeConfig` for "decode"). Not
+    differentiable (see `mxfp8_gmm`)."""
     if not (
         isinstance(lhs, MXTensor)
         and isinstance(rhs, MXTensor)
@@ -111,11 +125,22 @@ def gmm_mxtensor(
             config=config,
             groups_per_weight=groups_per_weight,
         )
+    if strategy == "decode":
+        return gmm_decode_pallas(
+            dequantize(lhs, jnp.bfloat16),
+            rhs.data,
+            _decoded_scales(rhs),
+            group_sizes,
+            out_dtype=out_dtype,
+            config=config,
+            groups_per_weight=groups_per_weight,
+        )
     num_rows = lhs.shape[0]
     rows = kernel_rows(num_rows)
     # Padding rows (zero data) belong to no group; their outputs are cut off below.
     lhs_scale = jnp.swapaxes(scale_multipliers(pad_rows(lhs.scale, rows)), 0, 1)
-    out = gmm_mxfp8_pallas(
+    kernel = gmm_mxfp8_pallas if strategy == "fp8_wgmma" else gmm_dequantize_pallas
+    out = kernel(
         pad_rows(lhs.data, rows),
         lhs_scale,
         rhs.data,

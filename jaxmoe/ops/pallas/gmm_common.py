@@ -60,17 +60,21 @@ class GmmConfig:
         """Columns of the CTA tile."""
         return self.tile_n * (NUM_COMPUTE_WGS if self.wg_split == "n" else 1)
 
-    def smem_bytes(self, in_dtype, out_dtype) -> int:
-        """Shared memory used: the TMA ring of lhs/rhs tiles plus the epilogue tiles of both
-        compute warpgroups."""
+    def smem_bytes(self, in_dtype, out_dtype, scratch_bytes: int = 0) -> int:
+        """Shared memory used: the TMA ring of lhs/rhs tiles, the epilogue tiles of both
+        compute warpgroups and scratch_bytes of the kernel's own per-CTA scratch."""
         ring = (self.cta_m + self.cta_n) * self.tile_k * jnp.dtype(in_dtype).itemsize
         epilogue = NUM_COMPUTE_WGS * self.epilogue_slots * self.tile_m * self.epilogue_tile_n
-        return self.max_concurrent_steps * ring + epilogue * jnp.dtype(out_dtype).itemsize
+        return (
+            self.max_concurrent_steps * ring
+            + epilogue * jnp.dtype(out_dtype).itemsize
+            + scratch_bytes
+        )
 
-    def with_fitting_stages(self, in_dtype, out_dtype) -> GmmConfig:
+    def with_fitting_stages(self, in_dtype, out_dtype, scratch_bytes: int = 0) -> GmmConfig:
         """This config with max_concurrent_steps lowered until its shared memory fits a CTA."""
         config = self
-        while config.smem_bytes(in_dtype, out_dtype) > MAX_SMEM_PER_CTA:
+        while config.smem_bytes(in_dtype, out_dtype, scratch_bytes) > MAX_SMEM_PER_CTA:
             config = dataclasses.replace(
                 config, max_concurrent_steps=config.max_concurrent_steps - 1
             )
@@ -84,11 +88,13 @@ class GmmConfig:
         in_dtype=jnp.bfloat16,
         out_dtype=jnp.bfloat16,
         transpose_rhs: bool = False,
+        scratch_bytes: int = 0,
     ) -> None:
         """Raise ValueError when this config cannot run on the given problem."""
-        if self.smem_bytes(in_dtype, out_dtype) > MAX_SMEM_PER_CTA:
+        used = self.smem_bytes(in_dtype, out_dtype, scratch_bytes)
+        if used > MAX_SMEM_PER_CTA:
             raise ValueError(
-                f"gmm pallas: {self} needs {self.smem_bytes(in_dtype, out_dtype)} "
+                f"gmm pallas: {self} needs {used} "
                 f"bytes of shared memory (> {MAX_SMEM_PER_CTA}); use fewer "
                 "max_concurrent_steps or smaller tiles"
             )
@@ -187,7 +193,8 @@ class TileContext(NamedTuple):
     wg_rows, wg_columns: this warpgroup's share of the CTA tile's rows and columns.
     config: the kernel's config; acc_shape: (tile_m, tile_n), this warpgroup's accumulator.
     release_delay: K steps an SMEM slot is kept after its step (`gmm_kernel_call`).
-    inputs: the kernel's extra GMEM inputs (`gmm_kernel_call`)."""
+    inputs: the kernel's extra GMEM inputs (`gmm_kernel_call`).
+    scratch: this warpgroup's SMEM scratch buffers (`gmm_kernel_call`'s scratch)."""
 
     run_pipeline: Callable
     operands: Callable
@@ -202,6 +209,7 @@ class TileContext(NamedTuple):
     acc_shape: tuple[int, int]
     release_delay: int
     inputs: tuple
+    scratch: tuple = ()
 
 
 TileMatmul = Callable[[TileContext], None]
@@ -223,13 +231,16 @@ def gmm_kernel_call(
     config: GmmConfig,
     interpret,
     groups_per_weight: int = 1,
+    scratch: tuple = (),
 ):
     """Tile the rows by group, order the work items and run the grouped-matmul kernel named
     kernel_name whose tiles `tile_matmul` (a module-level function: it keys the kernel cache)
     multiplies. extra_inputs: GMEM arrays passed on to it (`TileContext.inputs`); swizzle_k:
     the K width the operand tiles are swizzled at; release_delay: K steps an SMEM slot is kept
     after its step (0, or 1 to keep a wgmma in flight); groups_per_weight: group g multiplies
-    rhs[g // groups_per_weight] (and the extra inputs' entry of that index)."""
+    rhs[g // groups_per_weight] (and the extra inputs' entry of that index); scratch: SMEM
+    buffers (`plgpu.SMEM(shape, dtype, transforms=...)`) each compute warpgroup gets for
+    itself (`TileContext.scratch`)."""
     num_rows, k = lhs.shape
     tiles = row_tiles(group_sizes, num_rows, config.cta_m, ROW_ALIGN)
     work = work_list(tiles, n // (config.cta_n * config.cluster_n), config.grid_tile_width)
@@ -246,6 +257,7 @@ def gmm_kernel_call(
         release_delay,
         config,
         interpret,
+        scratch,
     )
     return kernel(
         work.counts,
@@ -274,6 +286,7 @@ def _build_kernel(
     release_delay,
     config: GmmConfig,
     interpret,
+    scratch=(),
 ):
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     cta_m, cta_n, epi_n = config.cta_m, config.cta_n, config.epilogue_tile_n
@@ -340,9 +353,13 @@ def _build_kernel(
             pl.run_scoped,
             allocations=pipeline(ignore, ignore).get_allocations(lhs_view, rhs_view),
             out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, config.epilogue_slots, tile_m, epi_n), out_dtype),
+            scratch_smem=[
+                plgpu.SMEM((NUM_COMPUTE_WGS, *b.shape), b.dtype, transforms=b.transforms)
+                for b in scratch
+            ],
             collective_axes="wg",
         )
-        def _scope(allocations, out_smem):
+        def _scope(allocations, out_smem, scratch_smem):
             wg = lax.axis_index("wg")
             cluster = lax.axis_index("sm")  # one cluster of cluster_n CTAs per work lane
             cta_in_cluster = lax.axis_index("cluster")
@@ -462,6 +479,7 @@ def _build_kernel(
                         acc_shape=(tile_m, tile_n),
                         release_delay=release_delay,
                         inputs=tuple(inputs),
+                        scratch=tuple(buffer.at[wg] for buffer in scratch_smem),
                     )
                 )
 

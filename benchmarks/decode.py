@@ -1,0 +1,364 @@
+"""MoE decode benchmark on one GPU: the layer's inference forward at decode sizes, where reading
+the active experts' weights bounds the time, next to that bound.
+
+    PYTHONPATH=. python benchmarks/decode.py [--shapes qwen3_30b,mixtral,dsv3_ep8]
+        [--tokens 1,8,64,256] [--copies 8] [--parts layer,gmm] [--repeats 3]
+        [--min-window 0.1] [--tag TAG] [--out DIR]
+
+For each `jaxmoe.shapes` layer and token count T (one sequence of T tokens):
+  layer  the inference forward: jaxmoe_bf16 (the bf16 layer), jaxmoe_mxfp8
+         (`jaxmoe.mxfp8_inference`: the experts stored only as their MXFP8 fprop copies; MXFP8
+         dispatch) and torch_grouped_mm (`layer_competitors.torch_moe`, bf16)
+  gmm    the two expert GEMMs alone (fc1 [R, H] x [E, H, 2F|F], fc2 [R, F] x [E, F, H]) on
+         R = T * top_k rows, each token's k experts drawn at random: gmm_bf16 (`ops.gmm`) and
+         MXFP8 on its fprop weight copies (`ops.gmm_mxtensor`), strategies "dequantize",
+         "fused_dequantize" and "decode" (`gmm_mxfp8_dequantize`, `gmm_mxfp8_fused`,
+         `gmm_mxfp8_decode`)
+  floor  the bytes of the active experts' weights (bf16: 2 bytes a weight; MXFP8: 1 + 1/32)
+         over the copy bandwidth measured in the same run ((read + written bytes) / time of a
+         device copy); `share_of_floor` = floor / time.
+No host dispatch is timed: each timed call runs `copies` forwards inside one executable
+(`lax.scan`; torch: one CUDA graph on a GPU), each on its own copy of the weights (so that no
+copy is served from L2) and its own tokens; times are per forward. Implementations take turns
+(`benchmarks.timing.timed_runs`), median of the repeats. Writes decode_<date>[_tag].json (after
+every shape) and, with matplotlib, decode_<date>[_tag].png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import statistics
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from flax import nnx  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import report  # noqa: E402
+from benchmarks.layer_competitors import torch_moe  # noqa: E402
+from benchmarks.report import error_text, log  # noqa: E402
+from benchmarks.timing import sync, timed_runs  # noqa: E402
+from jaxmoe import MoE, mxfp8_inference  # noqa: E402
+from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
+from jaxmoe.ops import gmm, gmm_mxtensor, quantize  # noqa: E402
+from jaxmoe.ops.mxfp8_gmm import quantize_weights  # noqa: E402
+from jaxmoe.shapes import SHAPES, TINY_SHAPES, LayerShape  # noqa: E402
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+DEFAULT_SHAPES = ("qwen3_30b", "mixtral", "dsv3_ep8")
+PARTS = ("layer", "gmm")
+BYTES_PER_WEIGHT = {"bf16": 2.0, "mxfp8": 1.0 + 1.0 / BLOCK_SIZE}
+COPY_BYTES = 1 << 30  # the buffer of the bandwidth measurement
+
+
+def expert_weights_per_expert(shape: LayerShape) -> int:
+    """Weights of one routed expert: fc1 H x (2F or F) and fc2 F x H."""
+    config = shape.config
+    return shape.hidden_size * (config.fc1_output_size + config.ffn_hidden_size)
+
+
+def floor_us(shape: LayerShape, active_experts: float, precision: str, bandwidth: float) -> float:
+    """Microseconds to read the active experts' weights once at `bandwidth` bytes/s."""
+    weight_bytes = active_experts * expert_weights_per_expert(shape) * BYTES_PER_WEIGHT[precision]
+    return weight_bytes / bandwidth * 1e6
+
+
+def copy_bandwidth(repeats: int, min_window: float) -> float:
+    """(read + written bytes) / seconds of a device copy of COPY_BYTES."""
+    source = jnp.ones((COPY_BYTES // 2,), BF16)
+    copy = jax.jit(lambda a: a * 2)  # one read and one write of every element
+    [times] = timed_runs([lambda: copy(source)], iters=3, repeats=repeats, min_window=min_window)
+    return 2 * COPY_BYTES / statistics.median(times)
+
+
+def stacked(tree, copies: int):
+    """`copies` distinct copies of every array of tree, stacked on a new leading axis."""
+    return jax.jit(lambda t: jax.tree.map(lambda a: jnp.stack([a] * copies), t))(tree)
+
+
+def scanned(forward):
+    """fn(per-copy inputs stacked on axis 0) -> (sum of every forward's first output, the
+    forwards' second outputs): the copies' forwards in one executable, all outputs used."""
+
+    def run(*stacked_inputs):
+        def body(total, inputs):
+            out, extra = forward(*inputs)
+            return total + jnp.sum(out.astype(F32)), extra
+
+        return jax.lax.scan(body, jnp.float32(0), stacked_inputs)
+
+    return jax.jit(run)
+
+
+# ---------------------------------------------------------------------------------- parts
+def layer_candidates(shape: LayerShape, tokens: int, copies: int, on_gpu: bool):
+    """impl -> call of the layer part, and the mean number of experts the tokens activate."""
+    keys = jax.random.split(jax.random.key(tokens), copies)
+    xs = jax.vmap(lambda k: jax.random.normal(k, (1, tokens, shape.hidden_size), BF16))(keys)
+    candidates = {}
+    bf16_model = MoE(shape.config, shape.hidden_size, param_dtype=BF16, rngs=nnx.Rngs(0))
+    mx_shape = shape.with_precision("mxfp8")
+    mx_model = mxfp8_inference(
+        MoE(mx_shape.config, shape.hidden_size, param_dtype=BF16, rngs=nnx.Rngs(0))
+    )
+
+    def forward(graphdef, state, x):
+        y, aux = nnx.merge(graphdef, state)(x)
+        return y, aux.tokens_per_expert
+
+    counts = None
+    for impl, model in (("jaxmoe_bf16", bf16_model), ("jaxmoe_mxfp8", mx_model)):
+        graphdef, state = nnx.split(model)
+        states = stacked(state, copies)
+        run = scanned(functools.partial(forward, graphdef))
+        candidates[impl] = functools.partial(run, states, xs)
+        if counts is None:
+            counts = run(states, xs)[1]
+    active = float(jnp.mean(jnp.sum(counts > 0, axis=-1)))
+
+    weights = {
+        ".".join(map(str, path)): torch.from_dlpack(v[...])
+        for path, v in nnx.to_flat_state(stacked(nnx.state(bf16_model), copies))
+    }
+    torch_xs = torch.from_dlpack(xs.reshape(copies, tokens, shape.hidden_size))
+
+    def torch_copies():
+        total = torch.zeros((), dtype=torch.float32, device=torch_xs.device)
+        for i in range(copies):
+            w = {name: a[i] for name, a in weights.items()}
+            total = total + torch_moe(w, torch_xs[i], shape.config, tokens)[0].float().sum()
+        return total
+
+    if not on_gpu:
+        candidates["torch_grouped_mm_eager"] = torch_copies
+        return candidates, active
+    try:
+        candidates["torch_grouped_mm"] = cuda_graph(torch_copies)
+    except Exception as e:  # then timed with its host dispatch, under another name
+        log(f"{shape.name} T={tokens}: no CUDA graph of the torch MoE ({error_text(e)})")
+        candidates["torch_grouped_mm_eager"] = torch_copies
+    return candidates, active
+
+
+def cuda_graph(fn):
+    """fn captured in one CUDA graph (after a warm-up on a side stream), replayed per call."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
+
+
+def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str):
+    """impl -> call of the gmm part, and the mean number of experts the rows activate."""
+    config, h = shape.config, shape.hidden_size
+    rng = np.random.default_rng(tokens)
+    experts = np.stack(
+        [
+            np.stack([rng.permutation(config.num_experts)[: config.top_k] for _ in range(tokens)])
+            for _ in range(copies)
+        ]
+    )
+    sizes = np.stack([np.bincount(e.ravel(), minlength=config.num_experts) for e in experts])
+    rows = tokens * config.top_k
+    keys = jax.random.split(jax.random.key(7), 4)
+    fc1 = jax.random.normal(keys[0], (config.num_experts, h, config.fc1_output_size), BF16)
+    fc2 = jax.random.normal(keys[1], (config.num_experts, config.ffn_hidden_size, h), BF16)
+    x1 = jax.random.normal(keys[2], (copies, rows, h), BF16)
+    x2 = jax.random.normal(keys[3], (copies, rows, config.ffn_hidden_size), BF16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    weights = stacked((fc1, fc2), copies)
+    copies_q = stacked(
+        tuple(quantize_weights(w, impl, dgrad=False).fprop for w in (fc1, fc2)), copies
+    )
+    x_q = jax.jit(jax.vmap(lambda a, b: (quantize(a, axis=1), quantize(b, axis=1))))(x1, x2)
+
+    def bf16(w, a, b, sizes):
+        return gmm(a, w[0], sizes, impl=impl), gmm(b, w[1], sizes, impl=impl)
+
+    def mxfp8(strategy, w, a, b, sizes):
+        run = functools.partial(gmm_mxtensor, impl=impl, strategy=strategy)
+        return run(a, w[0], sizes), run(b, w[1], sizes)
+
+    candidates = {"gmm_bf16": functools.partial(scanned(bf16), weights, x1, x2, group_sizes)}
+    for name, strategy in (
+        ("gmm_mxfp8_dequantize", "dequantize"),
+        ("gmm_mxfp8_fused", "fused_dequantize"),
+        ("gmm_mxfp8_decode", "decode"),
+    ):
+        run = scanned(functools.partial(mxfp8, strategy))
+        candidates[name] = functools.partial(run, copies_q, *x_q, group_sizes)
+    return candidates, float(np.mean(np.sum(sizes > 0, axis=-1)))
+
+
+# ------------------------------------------------------------------------------ the run
+def bench(shape: LayerShape, tokens: int, part: str, args, bandwidth: float, records: list):
+    """Time one part at one token count; append a record per implementation."""
+    on_gpu = jax.devices()[0].platform == "gpu"
+    base = dict(shape=shape.name, tokens=tokens, part=part)
+    try:
+        if part == "layer":
+            candidates, active = layer_candidates(shape, tokens, args.copies, on_gpu)
+        else:
+            candidates, active = gmm_candidates(shape, tokens, args.copies, args.impl)
+    except Exception as e:  # recorded, the other parts go on
+        records.append(dict(base, error=error_text(e)))
+        log(f"{shape.name} T={tokens} {part}: FAILED {error_text(e)}")
+        return
+    runnable = {}
+    for impl, call in candidates.items():
+        try:
+            sync(call())
+            runnable[impl] = call
+        except Exception as e:  # a case an implementation cannot run
+            records.append(dict(base, impl=impl, error=error_text(e)))
+            log(f"{shape.name} T={tokens} {part}: {impl} FAILED {error_text(e)}")
+    runs = timed_runs(
+        list(runnable.values()), iters=1, repeats=args.repeats, min_window=args.min_window
+    )
+    floors = {p: floor_us(shape, active, p, bandwidth) for p in BYTES_PER_WEIGHT}
+    for impl, times in zip(runnable, runs):
+        us = statistics.median(times) / args.copies * 1e6
+        precision = "mxfp8" if "mxfp8" in impl else "bf16"
+        records.append(
+            dict(
+                base,
+                impl=impl,
+                us=us,
+                us_runs=[t / args.copies * 1e6 for t in times],
+                active_experts=active,
+                floor_us=floors[precision],
+                share_of_floor=floors[precision] / us,
+            )
+        )
+        log(
+            f"{shape.name} T={tokens:4d} {part}: {impl:22s} {us:9.1f} us "
+            f"({floors[precision] / us:6.1%} of the {precision} floor {floors[precision]:.1f} us)"
+        )
+
+
+def summarize(records: list) -> list:
+    """Per shape, token count and part: each implementation's time over jaxmoe bf16's."""
+    summary = []
+    reference = {"layer": "jaxmoe_bf16", "gmm": "gmm_bf16"}
+    cases = sorted({(r["shape"], r["tokens"], r["part"]) for r in records if "us" in r})
+    for shape, tokens, part in cases:
+        times = {
+            r["impl"]: r["us"]
+            for r in records
+            if (r["shape"], r["tokens"], r["part"]) == (shape, tokens, part) and "us" in r
+        }
+        ref = times.get(reference[part])
+        summary.append(
+            dict(
+                shape=shape,
+                tokens=tokens,
+                part=part,
+                speedup_over_bf16={
+                    i: ref / t for i, t in times.items() if ref and i != reference[part]
+                },
+            )
+        )
+    return summary
+
+
+def plot(result: dict, path: str) -> None:
+    """One panel per shape and part: microseconds per forward against T, and the floors.
+    Needs matplotlib (ImportError without it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in result["records"] if "us" in r]
+    panels = sorted({(r["shape"], r["part"]) for r in records})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
+    for ax, (shape, part) in zip(axes[0], panels):
+        mine = [r for r in records if (r["shape"], r["part"]) == (shape, part)]
+        for impl in sorted({r["impl"] for r in mine}):
+            points = sorted((r["tokens"], r["us"]) for r in mine if r["impl"] == impl)
+            ax.plot(*zip(*points), marker="o", label=impl)
+        for precision, style in (("bf16", ":"), ("mxfp8", "--")):
+            points = sorted(
+                {
+                    (r["tokens"], r["floor_us"])
+                    for r in mine
+                    if ("mxfp8" in r["impl"]) == (precision == "mxfp8")
+                }
+            )
+            if points:
+                ax.plot(*zip(*points), "k" + style, label=f"{precision} weight-read floor")
+        ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="us per forward")
+        ax.set_title(f"{shape} {part}")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"MoE decode, {result['device']}, {result['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    """Parse the command line (`argv`: None for sys.argv), run every shape, part and token
+    count, writing the JSON after each shape; returns the result (with `path`)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
+    parser.add_argument("--tokens", default="1,8,64,256")
+    parser.add_argument("--copies", type=int, default=8, help="forwards per timed call")
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--impl", default="auto", help="gmm impl of the gmm part")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--min-window", type=float, default=0.1, help="seconds per timed run")
+    parser.add_argument("--tag", default="", help="added to the result file name")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args(argv)
+    known = {**SHAPES, **TINY_SHAPES}
+    shapes = [s for s in args.shapes.split(",") if s]
+    parts = [p for p in args.parts.split(",") if p]
+    if set(shapes) - set(known) or set(parts) - set(PARTS):
+        parser.error(f"unknown shapes or parts; shapes: {sorted(known)}, parts: {PARTS}")
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+    stem = f"decode_{datetime.date.today().isoformat()}" + (f"_{args.tag}" if args.tag else "")
+    path = os.path.join(args.out, stem + ".json")
+    bandwidth = copy_bandwidth(args.repeats, args.min_window)
+    log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    result = report.environment(
+        "decode", torch=torch.__version__, copy_bandwidth_bytes_per_s=bandwidth, copies=args.copies
+    )
+    result.update(records=[], summary=[], command=" ".join(sys.argv if argv is None else argv))
+    for name in shapes:
+        for tokens in token_counts:
+            for part in parts:
+                bench(known[name], tokens, part, args, bandwidth, result["records"])
+        result["summary"] = summarize(result["records"])
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    try:
+        plot(result, path.replace(".json", ".png"))
+    except ImportError as e:
+        log(f"no plot: {e}")
+    result["path"] = path
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""MXFP8 grouped matmul for decode sizes on Hopper (Pallas Mosaic GPU): few rows per group, each
+expert's fp8 weights read once and dequantized in the kernel.
+
+out[m, n] = sum_k lhs[m, k] deq(rhs)[g(m)][n, k] with fp32 accumulation, for bf16 lhs rows (the
+dequantized MXFP8 rows: a few KB at decode sizes) and MXFP8 rhs [G, N, K] (the experts' fprop
+copies). A wgmma multiplies a 64-row A operand by an N-wide B operand, N as small as 8, so here
+the weights are A: each compute warpgroup dequantizes its wg_n weight rows of a 32-wide K block
+into SMEM (bf16) and multiplies them by the group's tile_rows lhs rows as B, accumulating
+out^T [wg_n, tile_rows]. A group with up to tile_rows rows reads its weights once.
+
+Bits: every output is the same chain of k16 wgmma instructions in ascending K as in the bf16
+kernel on the dequantized operands (`gmm_mxtensor`'s "dequantize" strategy), with the operands'
+roles swapped; each product is exact, so the hardware's sum of a k16 step does not depend on
+which operand is A (checked on the H200: `test_gpu_decode_kernel_equals_dequantizing_first`).
+
+Output tiles go to a per-tile buffer [tiles, N, tile_rows] (out^T of each row tile, so that no
+store crosses into another group's rows); XLA gathers out [M, N] from it (M is small here).
+docs/kernels.md describes the design."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxmoe.ints import cdiv
+from jaxmoe.mxfp8 import BLOCK_SIZE
+from jaxmoe.ops.device import num_sms
+from jaxmoe.ops.pallas.gmm_common import MEMORY_REGISTERS, NUM_COMPUTE_WGS, ROW_ALIGN, swizzled
+from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
+from jaxmoe.ops.pallas.tiles import row_tiles, work_list
+
+_FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+_BF16 = jnp.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Tiling of the decode kernel: row tiles of tile_rows lhs rows (the wgmma N, 8 to 256);
+    each of the two compute warpgroups owns wg_n weight rows (64 or 128) of a CTA's
+    2 * wg_n output columns; K steps of tile_k (a multiple of 64); grid_tile_width and
+    num_sms as in `GmmConfig`."""
+
+    tile_rows: int = 32
+    wg_n: int = 128
+    tile_k: int = 128
+    max_concurrent_steps: int = 4
+    grid_tile_width: int = 4
+    num_sms: int = 132
+
+    @property
+    def cta_n(self) -> int:
+        return NUM_COMPUTE_WGS * self.wg_n
+
+    def smem_bytes(self, out_dtype) -> int:
+        """The TMA ring (bf16 lhs, fp8 rhs), the dequantized A blocks and the epilogue tiles."""
+        ring = self.tile_rows * self.tile_k * 2 + self.cta_n * self.tile_k
+        blocks = NUM_COMPUTE_WGS * self.wg_n * BLOCK_SIZE * 2
+        epilogue = NUM_COMPUTE_WGS * self.wg_n * self.tile_rows * jnp.dtype(out_dtype).itemsize
+        return self.max_concurrent_steps * ring + blocks + epilogue
+
+    def validate(self, num_rows: int, k: int, n: int, out_dtype) -> None:
+        """Raise ValueError when this config cannot run on the given problem."""
+        if self.tile_rows % 8 or not 8 <= self.tile_rows <= 256:
+            raise ValueError(
+                f"gmm decode: tile_rows={self.tile_rows} must be 8..256, a multiple of 8"
+            )
+        if self.tile_rows * jnp.dtype(out_dtype).itemsize % 16:
+            raise ValueError("gmm decode: an output tile row must be a multiple of 16 bytes")
+        if self.wg_n not in (64, 128):
+            raise ValueError(f"gmm decode: wg_n={self.wg_n} must be 64 or 128")
+        if self.tile_k % 64 or k % self.tile_k:
+            raise ValueError(f"gmm decode: K={k} must be a multiple of tile_k={self.tile_k} (64k)")
+        if n % self.cta_n:
+            raise ValueError(f"gmm decode: N={n} must be a multiple of 2 * wg_n = {self.cta_n}")
+        if not 1 <= self.max_concurrent_steps <= k // self.tile_k:
+            raise ValueError(f"gmm decode: max_concurrent_steps={self.max_concurrent_steps}")
+        if self.smem_bytes(out_dtype) > MAX_SMEM_PER_CTA:
+            raise ValueError(f"gmm decode: {self} needs too much shared memory")
+        if num_rows < self.tile_rows or num_rows % ROW_ALIGN:
+            raise ValueError(
+                f"gmm decode: M={num_rows} must be >= tile_rows and a multiple of {ROW_ALIGN}"
+            )
+
+
+def default_decode_config(
+    num_rows: int, k: int, n: int, num_groups: int, out_dtype=_BF16
+) -> DecodeConfig:
+    """Heuristic: row tiles twice the mean rows per group (at least 8, at most 128, a power of
+    two), so most groups take one tile and read their weights once; 128 weight rows per
+    warpgroup when N allows; as many stages (up to 6) as shared memory holds."""
+    mean_rows = max(1, num_rows // max(num_groups, 1))
+    tile_rows = min(128, max(8, 1 << (2 * mean_rows - 1).bit_length()))
+    wg_n = 128 if n % 256 == 0 else 64
+    config = DecodeConfig(
+        tile_rows=tile_rows,
+        wg_n=wg_n,
+        tile_k=128 if k % 128 == 0 else 64,
+        max_concurrent_steps=6,
+        num_sms=num_sms(),
+    )
+    steps = min(config.max_concurrent_steps, k // config.tile_k)
+    while (
+        steps > 1
+        and dataclasses.replace(config, max_concurrent_steps=steps).smem_bytes(out_dtype)
+        > MAX_SMEM_PER_CTA
+    ):
+        steps -= 1
+    return dataclasses.replace(config, max_concurrent_steps=steps)
+
+
+def gmm_decode_pallas(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    rhs_scale: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    out_dtype,
+    config: DecodeConfig | None = None,
+    interpret=None,
+    groups_per_weight: int = 1,
+) -> jax.Array:
+    """out[m] = lhs[m] @ deq(rhs)[g(m)]^T for bf16 lhs [M, K], float8 rhs [G, N, K] and its
+    decoded fp32 block scales rhs_scale [G, K/32, N]; rows past sum(group_sizes) are zeros.
+    config: None for `default_decode_config`. With groups_per_weight n, rhs holds G / n
+    matrices and group g multiplies rhs[g // n]."""
+    num_rows, k = lhs.shape
+    num_weights, n, _ = rhs.shape
+    if lhs.dtype != _BF16 or rhs.dtype not in _FP8_DTYPES:
+        raise ValueError(
+            f"gmm decode: lhs must be bf16 and rhs float8, got {lhs.dtype}, {rhs.dtype}"
+        )
+    if rhs_scale.shape != (num_weights, k // BLOCK_SIZE, n) or rhs_scale.dtype != jnp.float32:
+        raise ValueError(
+            f"gmm decode: rhs_scale must be fp32 [G, K/32, N], got {rhs_scale.shape} "
+            f"{rhs_scale.dtype}"
+        )
+    num_groups = group_sizes.shape[0]
+    config = config or default_decode_config(num_rows, k, n, num_groups, out_dtype)
+    rows = max(config.tile_rows, cdiv(num_rows, ROW_ALIGN) * ROW_ALIGN)
+    padded = jnp.pad(lhs, ((0, rows - num_rows), (0, 0)))
+    config.validate(rows, k, n, out_dtype)
+    tiles = row_tiles(group_sizes, rows, config.tile_rows, ROW_ALIGN)
+    work = work_list(tiles, n // config.cta_n, config.grid_tile_width)
+    load_row = jnp.minimum(tiles.start - tiles.start % ROW_ALIGN, rows - config.tile_rows)
+    kernel = _build_kernel(rows, k, n, tiles.num_tiles, jnp.dtype(out_dtype), config, interpret)
+    buffer = kernel(
+        work.counts,
+        work.tile,
+        work.column,
+        tiles.group // groups_per_weight,
+        load_row.astype(jnp.int32),
+        padded,
+        rhs,
+        rhs_scale,
+    )
+    # Row m of out is column (m - load_row) of its tile's out^T; rows past the groups are 0.
+    m = jnp.arange(num_rows, dtype=jnp.int32)
+    used = jnp.arange(tiles.num_tiles) < tiles.counts[0]
+    starts = jnp.where(used, tiles.start, rows)
+    tile = jnp.searchsorted(starts, m, side="right").astype(jnp.int32) - 1
+    tile = jnp.clip(tile, 0, tiles.num_tiles - 1)
+    out = buffer[tile, :, m - load_row[tile]]
+    return jnp.where((m < jnp.sum(group_sizes))[:, None], out, 0).astype(out_dtype)
+
+
+@functools.cache
+def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, interpret):
+    tile_rows, wg_n, tile_k, cta_n = config.tile_rows, config.wg_n, config.tile_k, config.cta_n
+    k_steps = k // tile_k
+    blocks_per_step = tile_k // BLOCK_SIZE
+    scale_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per weight row of a block
+
+    def pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_steps,),
+            memory_registers=MEMORY_REGISTERS,
+            in_specs=[
+                plgpu.BlockSpec(
+                    (tile_rows, tile_k),
+                    lambda ki: (0, ki),
+                    transforms=swizzled(_BF16, BLOCK_SIZE),
+                    memory_space=plgpu.SMEM,
+                ),
+                plgpu.BlockSpec(
+                    (cta_n, tile_k),
+                    lambda ki: (0, ki),
+                    transforms=swizzled(jnp.float8_e4m3fn, BLOCK_SIZE),
+                    memory_space=plgpu.SMEM,
+                ),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=NUM_COMPUTE_WGS,
+            max_concurrent_steps=config.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    def decode_matmul(
+        counts_gmem,
+        work_tile_gmem,
+        work_column_gmem,
+        tile_weight_gmem,
+        tile_load_row_gmem,
+        lhs_gmem,
+        rhs_gmem,
+        rhs_scale_gmem,
+        out_gmem,
+        block_smem,
+        out_smem,
+    ):
+        ignore = lambda *_, **__: None
+
+        @functools.partial(
+            pl.run_scoped,
+            allocations=pipeline(ignore, ignore).get_allocations(
+                lhs_gmem.at[pl.ds(0, tile_rows), :], rhs_gmem.at[0, pl.ds(0, cta_n), :]
+            ),
+            collective_axes="wg",
+        )
+        def _scope(allocations):
+            wg = lax.axis_index("wg")
+            sm = lax.axis_index("sm")
+            wg_cols = pl.ds(wg * wg_n, wg_n)
+            a_block = block_smem.at[wg]
+            num_items = counts_gmem[0]
+            mine = jnp.maximum(num_items - sm + config.num_sms - 1, 0) // config.num_sms
+
+            @pl.loop(0, mine)
+            def _item(j):
+                item = sm + j * config.num_sms
+                tile = work_tile_gmem[item]
+                weight = tile_weight_gmem[tile]
+                column = work_column_gmem[item] * cta_n
+                column_scales = rhs_scale_gmem.at[weight, :, pl.ds(column + wg * wg_n, wg_n)]
+
+                def mma(step, lhs_smem, rhs_smem, acc_ref):
+                    for block in range(blocks_per_step):
+                        ks = pl.ds(block * BLOCK_SIZE, BLOCK_SIZE)
+                        scale = plgpu.load(
+                            column_scales.at[step[0] * blocks_per_step + block],
+                            layout=scale_layout,
+                            optimized=False,
+                        )
+                        w = rhs_smem.at[wg_cols, ks][...].astype(jnp.float32)
+                        a_block[...] = (w * scale[:, None]).astype(_BF16)
+                        plgpu.commit_smem()
+                        plgpu.wgmma(acc_ref, a_block, lhs_smem.at[:, ks].transpose((1, 0)))
+                        plgpu.wgmma_wait(0)  # the next block overwrites a_block
+                    return acc_ref
+
+                def compute_context(eval_pipeline):
+                    def scoped(acc_ref):
+                        eval_pipeline(acc_ref)
+                        tile_out = out_smem.at[wg]
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        tile_out[...] = acc_ref[...].astype(out_dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            tile_out, out_gmem.at[tile, pl.ds(column + wg * wg_n, wg_n), :]
+                        )
+
+                    pl.run_scoped(scoped, plgpu.ACC((wg_n, tile_rows)))
+
+                rows = pl.ds(pl.multiple_of(tile_load_row_gmem[tile], ROW_ALIGN), tile_rows)
+                pipeline(mma, compute_context)(
+                    lhs_gmem.at[rows, :],
+                    rhs_gmem.at[weight, pl.ds(column, cta_n), :],
+                    allocations=allocations,
+                )
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return plgpu.kernel(
+        decode_matmul,
+        kernel_name="gmm_decode",
+        out_type=jax.ShapeDtypeStruct((num_tiles, n, tile_rows), out_dtype),
+        grid=(config.num_sms,),
+        grid_names=("sm",),
+        num_threads=NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        scratch_types=dict(
+            block_smem=plgpu.SMEM(
+                (NUM_COMPUTE_WGS, wg_n, BLOCK_SIZE), _BF16, transforms=swizzled(_BF16, BLOCK_SIZE)
+            ),
+            out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, wg_n, tile_rows), out_dtype),
+        ),
+        interpret=interpret,
+    )

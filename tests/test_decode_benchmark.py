@@ -1,0 +1,67 @@
+"""CPU smoke test of the decode benchmark (benchmarks/decode.py) at a tiny size, so that it
+cannot rot between GPU runs: every implementation of both parts is timed at two token counts,
+the weight-read floors follow from the active experts, and the JSON holds it all."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import decode  # noqa: E402
+from jaxmoe.shapes import TINY_SHAPES  # noqa: E402
+
+TOKENS = (1, 8)
+LAYER_IMPLS = {"jaxmoe_bf16", "jaxmoe_mxfp8", "torch_grouped_mm_eager"}  # no CUDA graph on CPU
+GMM_IMPLS = {"gmm_bf16", "gmm_mxfp8_dequantize", "gmm_mxfp8_fused", "gmm_mxfp8_decode"}
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("decode")
+    result = decode.main(
+        [
+            "--shapes",
+            "tiny",
+            "--tokens",
+            ",".join(map(str, TOKENS)),
+            "--copies",
+            "2",
+            "--repeats",
+            "1",
+            "--min-window",
+            "0.001",
+            "--out",
+            str(out),
+        ]
+    )
+    with open(result["path"]) as f:
+        assert json.load(f)["records"] == result["records"]
+    return result
+
+
+def test_every_implementation_is_timed_at_every_token_count(result):
+    records = result["records"]
+    assert all("error" not in r for r in records), [r for r in records if "error" in r]
+    for part, impls in (("layer", LAYER_IMPLS), ("gmm", GMM_IMPLS)):
+        for tokens in TOKENS:
+            timed = {r["impl"] for r in records if (r["part"], r["tokens"]) == (part, tokens)}
+            assert timed == impls
+    assert all(r["us"] > 0 and len(r["us_runs"]) == 1 for r in records)
+    assert {(s["part"], s["tokens"]) for s in result["summary"]} == {
+        (p, t) for p in ("layer", "gmm") for t in TOKENS
+    }
+
+
+def test_floors_count_the_active_experts_weights(result):
+    shape = TINY_SHAPES["tiny"]
+    config = shape.config
+    bandwidth = result["copy_bandwidth_bytes_per_s"]
+    for r in result["records"]:
+        assert 1 <= r["active_experts"] <= min(config.num_experts, r["tokens"] * config.top_k)
+        precision = "mxfp8" if "mxfp8" in r["impl"] else "bf16"
+        weights = r["active_experts"] * shape.hidden_size * 3 * config.ffn_hidden_size  # GLU
+        per_weight = 2.0 if precision == "bf16" else 1 + 1 / 32
+        assert r["floor_us"] == pytest.approx(weights * per_weight / bandwidth * 1e6)
+        assert r["share_of_floor"] == pytest.approx(r["floor_us"] / r["us"])
