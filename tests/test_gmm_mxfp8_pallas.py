@@ -107,14 +107,22 @@ def test_empty_experts_and_zero_padding_rows_give_exact_zeros(interpret, strateg
     assert np.all(out[~padding][:150] != 0)
 
 
-@pytest.mark.parametrize("strategy", ["fp8_wgmma", "fused_dequantize"])
-def test_row_bits_do_not_depend_on_other_groups_or_config(interpret, strategy):
-    """Batch invariance as for the bf16 kernel: a row's bits stay when the groups around it
-    change and under other tilings (tile_k fixed in the interpreter, see test_gmm_pallas)."""
-    lhs_q, rhs_q = operands(256, 256, 128, 4, seed=2)
-    probe = 130
-    layouts = {"a": [64, 40, 60, 36], "b": [0, 0, 200, 56], "c": [100, 7, 41, 9]}
-    configs = [
+def row_bits_configs(strategy: str) -> list:
+    """Tilings of the kernel of `strategy` whose results must agree bit for bit."""
+    if strategy == "decode":
+        configs = [
+            DECODE_SMALL,
+            DecodeConfig(tile_rows=8, wg_n=128, tile_k=64, max_concurrent_steps=1, num_sms=2),
+            DecodeConfig(tile_rows=64, wg_n=64, tile_k=128, max_concurrent_steps=2, num_sms=5),
+        ]
+        return [dataclasses.replace(c, num_sms=132) for c in configs] if ON_HOPPER else configs
+    if ON_HOPPER:
+        return [
+            GmmConfig(tile_m=64, tile_n=64, tile_k=tk, wg_split=split, max_concurrent_steps=1)
+            for tk in (128, 256)
+            for split in "nm"
+        ]
+    return [
         SMALL,
         GmmConfig(
             tile_m=64,
@@ -127,12 +135,17 @@ def test_row_bits_do_not_depend_on_other_groups_or_config(interpret, strategy):
             num_sms=2,
         ),
     ]
-    if ON_HOPPER:
-        configs = [
-            GmmConfig(tile_m=64, tile_n=64, tile_k=tk, wg_split=split, max_concurrent_steps=1)
-            for tk in (128, 256)
-            for split in "nm"
-        ]
+
+
+@pytest.mark.parametrize("strategy", ["fp8_wgmma", "fused_dequantize", "decode"])
+def test_row_bits_do_not_depend_on_other_groups_or_config(interpret, strategy):
+    """Batch invariance as for the bf16 kernel: a row's bits stay when the groups around it
+    change and under other tilings (tile_k fixed in the interpreter, see test_gmm_pallas; the
+    decode kernel's out^T tiles gathered back included)."""
+    lhs_q, rhs_q = operands(256, 256, 256 if strategy == "decode" else 128, 4, seed=2)
+    probe = 130
+    layouts = {"a": [64, 40, 60, 36], "b": [0, 0, 200, 56], "c": [100, 7, 41, 9]}
+    configs = row_bits_configs(strategy)
     results = []
     for sizes in layouts.values():
         assert np.cumsum([0] + sizes)[2] <= probe < np.cumsum(sizes)[2]
@@ -297,37 +310,6 @@ def test_gpu_in_kernel_dequantization_equals_dequantizing_first_bitwise():
         np.testing.assert_array_equal(out["fused_dequantize"], out["dequantize"])
         np.testing.assert_array_equal(out["decode"], out["dequantize"])
         assert differs(out["fp8_wgmma"], out["dequantize"])
-
-
-def test_decode_row_bits_do_not_depend_on_other_groups_or_config(interpret):
-    """The decode kernel's row tiles (out^T tiles gathered back) keep a row's bits when the
-    groups around it change and under other tilings; negative control: XLA's order differs."""
-    lhs_q, rhs_q = operands(256, 256, 256, 4, seed=2)
-    probe = 130
-    layouts = {"a": [64, 40, 60, 36], "b": [0, 0, 200, 56], "c": [100, 7, 41, 9]}
-    configs = [
-        DECODE_SMALL,
-        DecodeConfig(tile_rows=8, wg_n=128, tile_k=64, max_concurrent_steps=1, num_sms=2),
-        DecodeConfig(tile_rows=64, wg_n=64, tile_k=128, max_concurrent_steps=2, num_sms=5),
-    ]
-    if ON_HOPPER:
-        configs = [dataclasses.replace(c, num_sms=132) for c in configs]
-    results = []
-    for sizes in layouts.values():
-        for config in configs:
-            out = gmm_mxtensor(
-                lhs_q,
-                rhs_q,
-                jnp.asarray(sizes, jnp.int32),
-                impl="pallas",
-                config=config,
-                strategy="decode",
-            )
-            results.append(bits(out)[probe])
-    for other in results[1:]:
-        np.testing.assert_array_equal(other, results[0])
-    ref = gmm_mxtensor(lhs_q, rhs_q, jnp.asarray(layouts["a"], jnp.int32), impl="xla")
-    assert differs(bits(ref)[probe], results[0])
 
 
 def test_decode_config_refuses_what_the_kernel_cannot_run():

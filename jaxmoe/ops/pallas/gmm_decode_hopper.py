@@ -10,8 +10,9 @@ out^T [wg_n, tile_rows]. A group with up to tile_rows rows reads its weights onc
 
 Bits: every output is the same chain of k16 wgmma instructions in ascending K as in the bf16
 kernel on the dequantized operands (`gmm_mxtensor`'s "dequantize" strategy), with the operands'
-roles swapped; each product is exact, so the hardware's sum of a k16 step does not depend on
-which operand is A (checked on the H200: `test_gpu_decode_kernel_equals_dequantizing_first`).
+roles swapped; each product is exact, so the hardware's sum of a k16 step should not depend on
+which operand is A: the H200 test
+`test_gpu_in_kernel_dequantization_equals_dequantizing_first_bitwise` checks it (not yet run).
 
 Output tiles go to a per-tile buffer [tiles, N, tile_rows] (out^T of each row tile, so that no
 store crosses into another group's rows); XLA gathers out [M, N] from it (M is small here).

@@ -16,23 +16,23 @@ docs/kernels.md describes the design."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.mxfp8 import BLOCK_SIZE
-from jaxmoe.ops.device import num_sms
 from jaxmoe.ops.pallas.gmm_common import (
     NUM_COMPUTE_WGS,
     GmmConfig,
     TileContext,
-    aligned_epilogue_tile_n,
     gmm_kernel_call,
     swizzled,
 )
+from jaxmoe.ops.pallas.gmm_mxfp8_hopper import check_fp8_operands, default_mxfp8_config
 
-_FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 _MULTIPLY_DTYPE = jnp.bfloat16
 
 
@@ -55,19 +55,12 @@ def _scratch_bytes(config: GmmConfig) -> int:
 def default_dequantize_config(
     num_rows: int, k: int, n: int, num_groups: int, out_dtype=jnp.bfloat16
 ) -> GmmConfig:
-    """Heuristic: warpgroups side by side along N (each dequantizes only its own rhs columns),
-    128-wide K steps (4 scale blocks), as many stages as shared memory holds."""
-    if k % 128 or n % 128:
-        raise ValueError(f"gmm pallas dequantize: K={k} and N={n} must be multiples of 128")
-    config = GmmConfig(
-        tile_m=64,
-        tile_n=128,
-        tile_k=128,
-        wg_split="n" if n % 256 == 0 else "m",
+    """The fp8 kernel's heuristic (`default_mxfp8_config`: 64 x 128 warpgroup tiles, side by
+    side along N when N allows, so each warpgroup dequantizes only its own rhs columns), its
+    stages refitted around the bf16 blocks."""
+    config = dataclasses.replace(
+        default_mxfp8_config(num_rows, k, n, num_groups, out_dtype),
         max_concurrent_steps=min(6, k // 128),
-        grid_tile_width=8 if num_groups >= 32 else 4,
-        epilogue_tile_n=aligned_epilogue_tile_n(out_dtype),
-        num_sms=num_sms(),
     )
     return config.with_fitting_stages(jnp.float8_e4m3fn, out_dtype, _scratch_bytes(config))
 
@@ -90,22 +83,9 @@ def gmm_dequantize_pallas(
     zeros. config: None for `default_dequantize_config`; its tile_k must be a multiple of 64.
     With groups_per_weight n, rhs (and rhs_scale) hold G / n matrices and group g uses
     entry g // n."""
+    check_fp8_operands(lhs, lhs_scale, rhs, rhs_scale, "gmm pallas dequantize")
     num_rows, k = lhs.shape
     num_groups, n, _ = rhs.shape
-    if lhs.dtype not in _FP8_DTYPES or rhs.dtype not in _FP8_DTYPES:
-        raise ValueError(
-            f"gmm pallas dequantize: operands must be float8, got {lhs.dtype}, {rhs.dtype}"
-        )
-    if (
-        lhs_scale.shape != (k // BLOCK_SIZE, num_rows)
-        or rhs_scale.shape != (num_groups, k // BLOCK_SIZE, n)
-        or lhs_scale.dtype != jnp.float32
-        or rhs_scale.dtype != jnp.float32
-    ):
-        raise ValueError(
-            f"gmm pallas dequantize: scales must be fp32 [K/32, M] and [G, K/32, N], got "
-            f"{lhs_scale.shape} {lhs_scale.dtype} and {rhs_scale.shape} {rhs_scale.dtype}"
-        )
     config = config or default_dequantize_config(num_rows, k, n, num_groups, out_dtype)
     config.validate(
         num_rows,

@@ -48,6 +48,25 @@ def default_mxfp8_config(
     return config.with_fitting_stages(jnp.float8_e4m3fn, out_dtype)
 
 
+def check_fp8_operands(lhs, lhs_scale, rhs, rhs_scale, what: str) -> None:
+    """Raise ValueError unless lhs [M, K] and rhs [G, N, K] are float8 and lhs_scale
+    [K/32, M] and rhs_scale [G, K/32, N] fp32 (the operands of the kernels reading fp8)."""
+    num_rows, k = lhs.shape
+    num_groups, n, _ = rhs.shape
+    if lhs.dtype not in _FP8_DTYPES or rhs.dtype not in _FP8_DTYPES:
+        raise ValueError(f"{what}: operands must be float8, got {lhs.dtype}, {rhs.dtype}")
+    if (
+        lhs_scale.shape != (k // BLOCK_SIZE, num_rows)
+        or rhs_scale.shape != (num_groups, k // BLOCK_SIZE, n)
+        or lhs_scale.dtype != jnp.float32
+        or rhs_scale.dtype != jnp.float32
+    ):
+        raise ValueError(
+            f"{what}: scales must be fp32 [K/32, M] and [G, K/32, N], got "
+            f"{lhs_scale.shape} {lhs_scale.dtype} and {rhs_scale.shape} {rhs_scale.dtype}"
+        )
+
+
 def gmm_mxfp8_pallas(
     lhs: jax.Array,
     lhs_scale: jax.Array,
@@ -68,21 +87,9 @@ def gmm_mxfp8_pallas(
       transposed so that a K block's scales for a row tile are contiguous.
     Rows past sum(group_sizes) are zeros. config: None for `default_mxfp8_config`. With
     groups_per_weight n, rhs (and rhs_scale) hold G / n matrices and group g uses entry g // n."""
+    check_fp8_operands(lhs, lhs_scale, rhs, rhs_scale, "gmm pallas mxfp8")
     num_rows, k = lhs.shape
     num_groups, n, _ = rhs.shape
-    if lhs.dtype not in _FP8_DTYPES or rhs.dtype not in _FP8_DTYPES:
-        raise ValueError(f"gmm pallas mxfp8: operands must be float8, got {lhs.dtype}, {rhs.dtype}")
-    if (
-        lhs_scale.shape != (k // BLOCK_SIZE, num_rows)
-        or rhs_scale.shape != (num_groups, k // BLOCK_SIZE, n)
-        or lhs_scale.dtype != jnp.float32
-        or rhs_scale.dtype != jnp.float32
-    ):
-        raise ValueError(
-            f"gmm pallas mxfp8: scales must be fp32 [K/32, M] and [G, K/32, N], got "
-            f"{lhs_scale.shape} {lhs_scale.dtype} and {rhs_scale.shape} "
-            f"{rhs_scale.dtype}"
-        )
     config = config or default_mxfp8_config(num_rows, k, n, num_groups, out_dtype)
     config.validate(num_rows, k, n, lhs.dtype, out_dtype, transpose_rhs=True)
     # The operand tiles are sliced into 32-wide K blocks, so they are swizzled at that width.
