@@ -8,7 +8,9 @@ the active experts' weights bounds the time, next to that bound.
 For each `jaxmoe.shapes` layer and token count T (one sequence of T tokens):
   layer  the inference forward: jaxmoe_bf16 (the bf16 layer), jaxmoe_mxfp8
          (`jaxmoe.mxfp8_inference`: the experts stored only as their MXFP8 fprop copies; MXFP8
-         dispatch) and torch_grouped_mm (`layer_competitors.torch_moe`, bf16)
+         dispatch), jaxmoe_mxfp8_decode (the same with gemm_strategy "decode": the same bits,
+         the fp8 weights read once by the decode kernel) and torch_grouped_mm
+         (`layer_competitors.torch_moe`, bf16)
   gmm    the two expert GEMMs alone (fc1 [R, H] x [E, H, 2F|F], fc2 [R, F] x [E, F, H]) on
          R = T * top_k rows, each token's k experts drawn at random: gmm_bf16 (`ops.gmm`) and
          MXFP8 on its fprop weight copies (`ops.gmm_mxtensor`), strategies "dequantize",
@@ -107,16 +109,20 @@ def layer_candidates(shape: LayerShape, tokens: int, copies: int, on_gpu: bool):
     candidates = {}
     bf16_model = MoE(shape.config, shape.hidden_size, param_dtype=BF16, rngs=nnx.Rngs(0))
     mx_shape = shape.with_precision("mxfp8")
-    mx_model = mxfp8_inference(
-        MoE(mx_shape.config, shape.hidden_size, param_dtype=BF16, rngs=nnx.Rngs(0))
-    )
+    mx_trained = MoE(mx_shape.config, shape.hidden_size, param_dtype=BF16, rngs=nnx.Rngs(0))
+    models = {
+        "jaxmoe_bf16": bf16_model,
+        "jaxmoe_mxfp8": mxfp8_inference(mx_trained),
+        "jaxmoe_mxfp8_decode": mxfp8_inference(mx_trained, gemm_strategy="decode"),
+    }
+    del mx_trained
 
     def forward(graphdef, state, x):
         y, aux = nnx.merge(graphdef, state)(x)
         return y, aux.tokens_per_expert
 
     counts = None
-    for impl, model in (("jaxmoe_bf16", bf16_model), ("jaxmoe_mxfp8", mx_model)):
+    for impl, model in models.items():
         graphdef, state = nnx.split(model)
         states = stacked(state, copies)
         run = scanned(functools.partial(forward, graphdef))

@@ -3,6 +3,7 @@ forward GEMMs read (e4m3 data and E8M0 scales, 1.03 bytes a weight), no high-pre
 
     inference = jaxmoe.mxfp8_inference(model)   # model: MoEConfig(expert_precision="mxfp8")
     y, aux = inference(x)                       # the training forward's bits (D3), any batch
+    decode = jaxmoe.mxfp8_inference(model, gemm_strategy="decode")  # few tokens per step
 
 The copies are `quantize_expert_weights`'s fprop copies of the trained weights, so a token's
 output is bitwise the training forward's at any batch size; the router and the shared expert
@@ -17,6 +18,7 @@ from jaxmoe.experts import ExpertMatrices, grouped_mlp
 from jaxmoe.moe import MoE
 from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops.mxfp8_gmm import QuantizedWeights, quantize_weights
+from jaxmoe.ops.mxtensor_gmm import STRATEGIES
 from jaxmoe.recipes import ExpertWeightsMx
 
 
@@ -27,16 +29,21 @@ class ExpertCopy(nnx.Variable):
 class Mxfp8GroupedMLP(nnx.Module):
     """The E routed experts as their MXFP8 fprop copies: fc1 [E, 2F|F, H] and fc2 [E, H, F]
     (each expert's matrix transposed, blocks along the contraction dim, as the GEMMs read them),
-    biases as they were. Called like `jaxmoe.moe.GroupedMLP`."""
+    biases as they were; `gemm_strategy`: `gmm_mxtensor`'s strategy for their GEMMs. Called
+    like `jaxmoe.moe.GroupedMLP`."""
 
-    def __init__(self, model: MoE):
+    def __init__(self, model: MoE, gemm_strategy: str = "dequantize"):
         config, experts = model.config, model.experts
         if config.expert_precision != "mxfp8":
             raise ValueError(
                 "mxfp8_inference: the layer's experts must run in MXFP8 "
                 f"(expert_precision='mxfp8'), got {config.expert_precision!r}"
             )
-        self.config = config
+        if gemm_strategy not in STRATEGIES:
+            raise ValueError(
+                f"mxfp8_inference: gemm_strategy must be one of {STRATEGIES}, got {gemm_strategy!r}"
+            )
+        self.config, self.gemm_strategy = config, gemm_strategy
         dtype = model.dtype
         fc1 = quantize_weights(experts.fc1_kernel[...].astype(dtype), model.gmm_impl, dgrad=False)
         fc2 = quantize_weights(experts.fc2_kernel[...].astype(dtype), model.gmm_impl, dgrad=False)
@@ -48,7 +55,9 @@ class Mxfp8GroupedMLP(nnx.Module):
         if expert_weights is not None:
             raise ValueError("mxfp8_inference: the layer holds its MXFP8 copies already")
         copy = lambda data, scale: QuantizedWeights(
-            fprop=MXTensor(data=data[...], scale=scale[...], axis=2, fmt="e4m3"), dgrad=None
+            fprop=MXTensor(data=data[...], scale=scale[...], axis=2, fmt="e4m3"),
+            dgrad=None,
+            fprop_strategy=self.gemm_strategy,
         )
         weights = ExpertWeightsMx(
             fc1=copy(self.fc1_data, self.fc1_scale), fc2=copy(self.fc2_data, self.fc2_scale)
@@ -66,10 +75,14 @@ class Mxfp8GroupedMLP(nnx.Module):
         )
 
 
-def mxfp8_inference(model: MoE) -> MoE:
+def mxfp8_inference(model: MoE, *, gemm_strategy: str = "dequantize") -> MoE:
     """A copy of `model` for inference whose routed experts hold only their MXFP8 fprop copies
     (`Mxfp8GroupedMLP`); `model` is left as it is (drop it to free its high-precision expert
-    weights). Needs expert_precision "mxfp8". Its forward gives the training forward's bits."""
+    weights). Needs expert_precision "mxfp8". Its forward gives the training forward's bits.
+    gemm_strategy: how the expert GEMMs run on the Pallas kernels (`gmm_mxtensor`):
+    "dequantize" (bf16 copies of the operands, then the bf16 kernel), "fused_dequantize" and
+    "decode" (the fp8 weights read once and dequantized in the kernel; "decode" for a few
+    tokens per expert) give the same bits on the GPU; "fp8_wgmma" does not."""
     inference = nnx.clone(model)
-    inference.experts = Mxfp8GroupedMLP(model)
+    inference.experts = Mxfp8GroupedMLP(model, gemm_strategy)
     return inference

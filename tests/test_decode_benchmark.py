@@ -13,7 +13,12 @@ from benchmarks import decode  # noqa: E402
 from jaxmoe.shapes import TINY_SHAPES  # noqa: E402
 
 TOKENS = (1, 8)
-LAYER_IMPLS = {"jaxmoe_bf16", "jaxmoe_mxfp8", "torch_grouped_mm_eager"}  # no CUDA graph on CPU
+LAYER_IMPLS = {
+    "jaxmoe_bf16",
+    "jaxmoe_mxfp8",
+    "jaxmoe_mxfp8_decode",
+    "torch_grouped_mm_eager",
+}  # no CUDA graph on CPU
 GMM_IMPLS = {"gmm_bf16", "gmm_mxfp8_dequantize", "gmm_mxfp8_fused", "gmm_mxfp8_decode"}
 
 

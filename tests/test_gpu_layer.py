@@ -49,7 +49,7 @@ TINY = LayerShape(
     MoEConfig(
         num_experts=8,
         top_k=2,
-        ffn_hidden_size=64,
+        ffn_hidden_size=128,  # K and N of every expert GEMM multiples of 128 (the decode kernel)
         aux_loss_coeff=1e-2,
         shared_expert_intermediate_size=64,
         shared_expert_gate=True,
@@ -338,18 +338,24 @@ def test_d3_training_forward_equals_inference_forward(layer):
 
 def test_d3_mxfp8_inference_layer_equals_the_training_forward(layer):
     """MXFP8 cases: the layer with its experts stored as MXFP8 alone (`jaxmoe.mxfp8_inference`)
-    gives the training step's y bitwise; its expert state is fp8 data and uint8 scales only."""
+    gives the training step's y bitwise, with the default GEMMs and with the decode kernel
+    (`gemm_strategy="decode"`), for the batch and (D2) for a token alone; its expert state is
+    fp8 data and uint8 scales only."""
     model = nnx.merge(layer.graphdef, layer.params, layer.rest)
     if layer.precision != "mxfp8":  # bf16 experts have no MXFP8 copies to keep
         with pytest.raises(ValueError, match="expert_precision='mxfp8'"):
             mxfp8_inference(model)
         return
     (_, (y_train, _, _)), _ = layer.train(layer.params, layer.x, layer.dy)
+    y_train = np.asarray(y_train)
+    forward = nnx.jit(lambda m, x: m(x)[0])
     inference = mxfp8_inference(model)
-    y_inference = nnx.jit(lambda m, x: m(x)[0])(inference, layer.x)
-    assert_bitwise(np.asarray(y_train), np.asarray(y_inference))
+    assert_bitwise(y_train, np.asarray(forward(inference, layer.x)))
     dtypes = {str(a.dtype) for a in jax.tree.leaves(nnx.state(inference.experts))}
     assert dtypes == {"float8_e4m3fn", "uint8"}
+    decode = mxfp8_inference(model, gemm_strategy="decode")
+    assert_bitwise(y_train, np.asarray(forward(decode, layer.x)))
+    assert_bitwise(y_train[:1, :1], np.asarray(forward(decode, layer.x[:1, :1])))
 
 
 # ------------------------------------------------------------------------- NaN, XLA, training

@@ -3,15 +3,20 @@ fprop copies (fp8 data and uint8 scales, no high-precision expert weights), and 
 output bitwise the training forward's (D3) at any batch size (D2), with MXFP8 or bf16 tokens on
 the dispatch. Controls: the bf16-expert layer, and copies of other weights, give other bits."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from bridge import megatron
 from jaxmoe import MoE, MoEConfig, mxfp8_inference
+from jaxmoe.ops import on_hopper
 from jaxmoe.ops.mxfp8_gmm import mxfp8_gmm
 from jaxmoe.ordered import sum_in_order
+from jaxmoe.shapes import MXFP8_OPTIONS
 
 from bitwise import assert_bitwise, differs
 
@@ -83,9 +88,46 @@ def test_refusals():
     with pytest.raises(ValueError, match="expert_precision='mxfp8'"):
         mxfp8_inference(bf16)
     model, x = make(MXFP8)
+    with pytest.raises(ValueError, match="gemm_strategy must be one of"):
+        mxfp8_inference(model, gemm_strategy="fp4")
     inference = mxfp8_inference(model)
     with pytest.raises(ValueError, match="holds its MXFP8 copies"):
         inference(x, expert_weights=model.quantize_expert_weights())
     rows = x.reshape(-1, H)[:32]
     with pytest.raises(ValueError, match="pass its copies as rhs_quantized"):
         mxfp8_gmm(rows, None, jnp.array([32], jnp.int32))
+
+
+def test_gemm_strategies_run_the_stored_copies_on_their_kernels(interpret):
+    """The kernels of every bit-preserving strategy on the stored copies (K and N multiples of
+    128), against "dequantize": bitwise on the H200; in the CPU interpreter, whose wgmma sums
+    a call's K slice in another order, within the normwise bound of
+    `test_moe_layer_mxfp8_pallas_matches_xla` (a last-bit difference may move a later MXFP8
+    rounding one e4m3 step)."""
+    config = MXFP8.replace(num_experts=4, ffn_hidden_size=128, shared_expert_intermediate_size=None)
+    model = MoE(config, 128, param_dtype=jnp.bfloat16, gmm_impl="pallas", rngs=nnx.Rngs(2))
+    x = jax.random.normal(jax.random.key(3), (1, 16, 128)).astype(jnp.bfloat16)
+    y = {
+        strategy: inference_output(mxfp8_inference(model, gemm_strategy=strategy), x)
+        for strategy in ("dequantize", "fused_dequantize", "decode")
+    }
+    for strategy in ("fused_dequantize", "decode"):
+        if on_hopper():
+            assert_bitwise(y[strategy], y["dequantize"])
+        else:
+            a, b = y[strategy].astype(np.float32), y["dequantize"].astype(np.float32)
+            assert np.linalg.norm(a - b) <= 2**-6 * np.linalg.norm(b)
+
+
+def test_a_megatron_checkpoint_runs_as_mxfp8_inference():
+    """A real Megatron-Core checkpoint (the deepseek_bf16 fixture: sigmoid routing, groups,
+    expert bias, shared expert) built with an MXFP8 config and kept as MXFP8 copies alone: the
+    training forward's bits, in the batch and for a token alone."""
+    root = os.path.join(os.path.dirname(__file__), "fixtures", "megatron", "deepseek_bf16")
+    ckpt = megatron.load(os.path.join(root, "torch_dist"), os.path.join(root, "config.json"))
+    model = megatron.build_moe(ckpt, 0, config=ckpt.config.replace(**MXFP8_OPTIONS))
+    x = jax.random.normal(jax.random.key(4), (2, 16, model.hidden_size)).astype(jnp.bfloat16)
+    inference = mxfp8_inference(model)
+    trained = training_output(model, x)
+    assert_bitwise(inference_output(inference, x), trained)
+    assert_bitwise(inference_output(inference, x[1:, 5:6]), trained[1:, 5:6])

@@ -61,6 +61,9 @@ class QuantizedWeights:
 
     fprop: MXTensor  # rhs^T [G, N, K], blocks along K
     dgrad: MXTensor | None  # rhs [G, K, N], blocks along N; None: forward only (inference)
+    # `gmm_mxtensor`'s strategy for GEMMs on the fprop copy (all of them give the same bits on
+    # the kernels; "decode" suits few rows per group)
+    fprop_strategy: str = struct.field(pytree_node=False, default="dequantize")
 
 
 def quantize_weights(rhs: jax.Array, impl: str = "auto", *, dgrad: bool = True) -> QuantizedWeights:
@@ -181,6 +184,7 @@ def _fprop(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, g
         impl=impl,
         preferred_element_type=out_dtype,
         groups_per_weight=groups_per_weight,
+        strategy="dequantize" if rhs_quantized is None else rhs_quantized.fprop_strategy,
     )
 
 

@@ -44,13 +44,15 @@ _BF16 = jnp.bfloat16
 class DecodeConfig:
     """Tiling of the decode kernel: row tiles of tile_rows lhs rows (the wgmma N, 8 to 256);
     each of the two compute warpgroups owns wg_n weight rows (64 or 128) of a CTA's
-    2 * wg_n output columns; K steps of tile_k (a multiple of 64); grid_tile_width and
-    num_sms as in `GmmConfig`."""
+    2 * wg_n output columns; K steps of tile_k (a multiple of 64); block_slots=2 dequantizes a
+    32-wide block while the previous block's wgmma runs (within a K step); grid_tile_width and
+    num_sms as in `GmmConfig`. None of these change the bits."""
 
     tile_rows: int = 32
     wg_n: int = 128
     tile_k: int = 128
     max_concurrent_steps: int = 4
+    block_slots: int = 1
     grid_tile_width: int = 4
     num_sms: int = 132
 
@@ -61,7 +63,7 @@ class DecodeConfig:
     def smem_bytes(self, out_dtype) -> int:
         """The TMA ring (bf16 lhs, fp8 rhs), the dequantized A blocks and the epilogue tiles."""
         ring = self.tile_rows * self.tile_k * 2 + self.cta_n * self.tile_k
-        blocks = NUM_COMPUTE_WGS * self.wg_n * BLOCK_SIZE * 2
+        blocks = NUM_COMPUTE_WGS * self.block_slots * self.wg_n * BLOCK_SIZE * 2
         epilogue = NUM_COMPUTE_WGS * self.wg_n * self.tile_rows * jnp.dtype(out_dtype).itemsize
         return self.max_concurrent_steps * ring + blocks + epilogue
 
@@ -75,6 +77,8 @@ class DecodeConfig:
             raise ValueError("gmm decode: an output tile row must be a multiple of 16 bytes")
         if self.wg_n not in (64, 128):
             raise ValueError(f"gmm decode: wg_n={self.wg_n} must be 64 or 128")
+        if self.block_slots not in (1, 2):
+            raise ValueError(f"gmm decode: block_slots={self.block_slots} must be 1 or 2")
         if self.tile_k % 64 or k % self.tile_k:
             raise ValueError(f"gmm decode: K={k} must be a multiple of tile_k={self.tile_k} (64k)")
         if n % self.cta_n:
@@ -90,11 +94,12 @@ class DecodeConfig:
 
 
 def default_decode_config(
-    num_rows: int, k: int, n: int, num_groups: int, out_dtype=_BF16
+    num_rows: int, k: int, n: int, num_groups: int, out_dtype=_BF16, block_slots: int = 1
 ) -> DecodeConfig:
     """Heuristic: row tiles twice the mean rows per group (at least 8, at most 128, a power of
     two), so most groups take one tile and read their weights once; 128 weight rows per
-    warpgroup when N allows; as many stages (up to 6) as shared memory holds."""
+    warpgroup when N allows; as many stages (up to 6) as shared memory holds beside
+    block_slots dequantized blocks."""
     mean_rows = max(1, num_rows // max(num_groups, 1))
     tile_rows = min(128, max(8, 1 << (2 * mean_rows - 1).bit_length()))
     wg_n = 128 if n % 256 == 0 else 64
@@ -103,6 +108,7 @@ def default_decode_config(
         wg_n=wg_n,
         tile_k=128 if k % 128 == 0 else 64,
         max_concurrent_steps=6,
+        block_slots=block_slots,
         num_sms=num_sms(),
     )
     steps = min(config.max_concurrent_steps, k // config.tile_k)
@@ -228,7 +234,6 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
             wg = lax.axis_index("wg")
             sm = lax.axis_index("sm")
             wg_cols = pl.ds(wg * wg_n, wg_n)
-            a_block = block_smem.at[wg]
             num_items = counts_gmem[0]
             mine = jnp.maximum(num_items - sm + config.num_sms - 1, 0) // config.num_sms
 
@@ -241,8 +246,13 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
                 column_scales = rhs_scale_gmem.at[weight, :, pl.ds(column + wg * wg_n, wg_n)]
 
                 def mma(step, lhs_smem, rhs_smem, acc_ref):
+                    # Slot `block % slots` is rewritten once the wgmma that read it `slots`
+                    # blocks ago has retired (at most slots - 1 in flight); all retire before
+                    # the step's TMA slot (the rows the wgmma reads as B) is released.
+                    slots = config.block_slots
                     for block in range(blocks_per_step):
                         ks = pl.ds(block * BLOCK_SIZE, BLOCK_SIZE)
+                        a_block = block_smem.at[wg, block % slots]
                         scale = plgpu.load(
                             column_scales.at[step[0] * blocks_per_step + block],
                             layout=scale_layout,
@@ -252,7 +262,8 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
                         a_block[...] = (w * scale[:, None]).astype(_BF16)
                         plgpu.commit_smem()
                         plgpu.wgmma(acc_ref, a_block, lhs_smem.at[:, ks].transpose((1, 0)))
-                        plgpu.wgmma_wait(0)  # the next block overwrites a_block
+                        plgpu.wgmma_wait(slots - 1)
+                    plgpu.wgmma_wait(0)
                     return acc_ref
 
                 def compute_context(eval_pipeline):
@@ -288,7 +299,9 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(
             block_smem=plgpu.SMEM(
-                (NUM_COMPUTE_WGS, wg_n, BLOCK_SIZE), _BF16, transforms=swizzled(_BF16, BLOCK_SIZE)
+                (NUM_COMPUTE_WGS, config.block_slots, wg_n, BLOCK_SIZE),
+                _BF16,
+                transforms=swizzled(_BF16, BLOCK_SIZE),
             ),
             out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, wg_n, tile_rows), out_dtype),
         ),
