@@ -15,7 +15,8 @@ For each `jaxmoe.shapes` layer and token count T (one sequence of T tokens):
          R = T * top_k rows, each token's k experts drawn at random: gmm_bf16 (`ops.gmm`) and
          MXFP8 on its fprop weight copies (`ops.gmm_mxtensor`), strategies "dequantize",
          "fused_dequantize" and "decode" (`gmm_mxfp8_dequantize`, `gmm_mxfp8_fused`,
-         `gmm_mxfp8_decode`)
+         `gmm_mxfp8_decode`); --decode-sweep R:S,... adds the decode kernel with tile_rows R
+         and block_slots S (`gmm_mxfp8_decode_rR_sS`; the same bits)
   floor  the bytes of the active experts' weights (bf16: 2 bytes a weight; MXFP8: 1 + 1/32)
          over the copy bandwidth measured in the same run ((read + written bytes) / time of a
          device copy); `share_of_floor` = floor / time.
@@ -53,6 +54,7 @@ from jaxmoe import MoE, mxfp8_inference  # noqa: E402
 from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
 from jaxmoe.ops import gmm, gmm_mxtensor, quantize  # noqa: E402
 from jaxmoe.ops.mxfp8_gmm import quantize_weights  # noqa: E402
+from jaxmoe.ops.pallas.gmm_decode_hopper import default_decode_config  # noqa: E402
 from jaxmoe.shapes import SHAPES, TINY_SHAPES, LayerShape  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -174,7 +176,7 @@ def cuda_graph(fn):
     return replay
 
 
-def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str):
+def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep=()):
     """impl -> call of the gmm part, and the mean number of experts the rows activate."""
     config, h = shape.config, shape.hidden_size
     rng = np.random.default_rng(tokens)
@@ -201,9 +203,18 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str):
     def bf16(w, a, b, sizes):
         return gmm(a, w[0], sizes, impl=impl), gmm(b, w[1], sizes, impl=impl)
 
-    def mxfp8(strategy, w, a, b, sizes):
-        run = functools.partial(gmm_mxtensor, impl=impl, strategy=strategy)
-        return run(a, w[0], sizes), run(b, w[1], sizes)
+    def mxfp8(strategy, w, a, b, sizes, decode_tiling=None):
+        def run(x, w):
+            config = None
+            if decode_tiling is not None:  # (tile_rows, block_slots) of the decode kernel
+                num_weights, n, k = w.shape
+                tile_rows, slots = decode_tiling
+                config = default_decode_config(
+                    x.shape[0], k, n, num_weights, tile_rows=tile_rows, block_slots=slots
+                )
+            return gmm_mxtensor(x, w, sizes, impl=impl, strategy=strategy, config=config)
+
+        return run(a, w[0]), run(b, w[1])
 
     candidates = {"gmm_bf16": functools.partial(scanned(bf16), weights, x1, x2, group_sizes)}
     for name, strategy in (
@@ -213,6 +224,11 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str):
     ):
         run = scanned(functools.partial(mxfp8, strategy))
         candidates[name] = functools.partial(run, copies_q, *x_q, group_sizes)
+    for tile_rows, slots in sweep:
+        run = scanned(functools.partial(mxfp8, "decode", decode_tiling=(tile_rows, slots)))
+        candidates[f"gmm_mxfp8_decode_r{tile_rows}_s{slots}"] = functools.partial(
+            run, copies_q, *x_q, group_sizes
+        )
     return candidates, float(np.mean(np.sum(sizes > 0, axis=-1)))
 
 
@@ -225,7 +241,9 @@ def bench(shape: LayerShape, tokens: int, part: str, args, bandwidth: float, rec
         if part == "layer":
             candidates, active = layer_candidates(shape, tokens, args.copies, on_gpu)
         else:
-            candidates, active = gmm_candidates(shape, tokens, args.copies, args.impl)
+            candidates, active = gmm_candidates(
+                shape, tokens, args.copies, args.impl, args.decode_sweep
+            )
     except Exception as e:  # recorded, the other parts go on
         records.append(dict(base, error=error_text(e)))
         log(f"{shape.name} T={tokens} {part}: FAILED {error_text(e)}")
@@ -331,6 +349,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--copies", type=int, default=8, help="forwards per timed call")
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--impl", default="auto", help="gmm impl of the gmm part")
+    parser.add_argument(
+        "--decode-sweep", default="", help="R:S,... decode-kernel tilings (tile_rows:block_slots)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--min-window", type=float, default=0.1, help="seconds per timed run")
     parser.add_argument("--tag", default="", help="added to the result file name")
@@ -342,6 +363,7 @@ def main(argv=None) -> dict:
     if set(shapes) - set(known) or set(parts) - set(PARTS):
         parser.error(f"unknown shapes or parts; shapes: {sorted(known)}, parts: {PARTS}")
     token_counts = [int(t) for t in args.tokens.split(",")]
+    args.decode_sweep = [tuple(map(int, v.split(":"))) for v in args.decode_sweep.split(",") if v]
     os.makedirs(args.out, exist_ok=True)
     stem = f"decode_{datetime.date.today().isoformat()}" + (f"_{args.tag}" if args.tag else "")
     path = os.path.join(args.out, stem + ".json")

@@ -19,7 +19,14 @@ LAYER_IMPLS = {
     "jaxmoe_mxfp8_decode",
     "torch_grouped_mm_eager",
 }  # no CUDA graph on CPU
-GMM_IMPLS = {"gmm_bf16", "gmm_mxfp8_dequantize", "gmm_mxfp8_fused", "gmm_mxfp8_decode"}
+GMM_IMPLS = {
+    "gmm_bf16",
+    "gmm_mxfp8_dequantize",
+    "gmm_mxfp8_fused",
+    "gmm_mxfp8_decode",
+    "gmm_mxfp8_decode_r8_s1",
+    "gmm_mxfp8_decode_r16_s2",
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +44,8 @@ def result(tmp_path_factory):
             "1",
             "--min-window",
             "0.001",
+            "--decode-sweep",
+            "8:1,16:2",
             "--out",
             str(out),
         ]

@@ -94,14 +94,21 @@ class DecodeConfig:
 
 
 def default_decode_config(
-    num_rows: int, k: int, n: int, num_groups: int, out_dtype=_BF16, block_slots: int = 1
+    num_rows: int,
+    k: int,
+    n: int,
+    num_groups: int,
+    out_dtype=_BF16,
+    block_slots: int = 1,
+    tile_rows: int | None = None,
 ) -> DecodeConfig:
-    """Heuristic: row tiles twice the mean rows per group (at least 8, at most 128, a power of
-    two), so most groups take one tile and read their weights once; 128 weight rows per
-    warpgroup when N allows; as many stages (up to 6) as shared memory holds beside
+    """Heuristic: row tiles (None: twice the mean rows per group, at least 8, at most 128, a
+    power of two, so most groups take one tile and read their weights once); 128 weight rows
+    per warpgroup when N allows; as many stages (up to 6) as shared memory holds beside
     block_slots dequantized blocks."""
-    mean_rows = max(1, num_rows // max(num_groups, 1))
-    tile_rows = min(128, max(8, 1 << (2 * mean_rows - 1).bit_length()))
+    if tile_rows is None:
+        mean_rows = max(1, num_rows // max(num_groups, 1))
+        tile_rows = min(128, max(8, 1 << (2 * mean_rows - 1).bit_length()))
     wg_n = 128 if n % 256 == 0 else 64
     config = DecodeConfig(
         tile_rows=tile_rows,
