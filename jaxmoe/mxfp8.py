@@ -208,6 +208,24 @@ def quantize(x, axis=-1, fmt="e4m3"):
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _dequantize_impl(data, scale, axis, dtype):
+    # Both are exact; multiplying is ~5x faster on the GPU, whose float arithmetic keeps
+    # subnormals (checked on every data byte x scale byte on the H200); XLA:CPU flushes them.
+    return lax.platform_dependent(
+        data,
+        scale,
+        cpu=functools.partial(_dequantize_on_bits, axis=axis, dtype=dtype),
+        default=functools.partial(dequantize_by_multiplying, axis=axis, dtype=dtype),
+    )
+
+
+def dequantize_by_multiplying(data, scale, axis, dtype):
+    """``dequantize``'s values as ``float32(data) * scale_multipliers(scale)``, rounded to dtype:
+    the same bits (NaN payloads aside) where float arithmetic keeps subnormals (GPUs; not XLA:CPU)."""
+    multipliers = jnp.repeat(scale_multipliers(scale), BLOCK_SIZE, axis=axis)
+    return (data.astype(jnp.float32) * multipliers).astype(dtype)
+
+
+def _dequantize_on_bits(data, scale, axis, dtype):
     bits = lax.bitcast_convert_type(data.astype(jnp.float32), jnp.uint32)  # float8 -> fp32 is exact
     e = jnp.repeat(scale.astype(jnp.int32), BLOCK_SIZE, axis=axis)
     sign = bits & _SIGN
@@ -234,7 +252,8 @@ def _dequantize_impl(data, scale, axis, dtype):
 
 
 def dequantize(t, dtype=jnp.float32):
-    """Decode an MXTensor: ``fp8 * 2^(e-127)`` computed exactly in fp32, then RNE-rounded to ``dtype``.
+    """Decode an MXTensor: ``fp8 * 2^(e-127)`` computed exactly in fp32, then RNE-rounded to ``dtype``
+    (on the integer bits on CPU, by a float multiply elsewhere: the same bits, NaN payloads aside).
 
     Scale byte 0 decodes to 2^-127 and byte 255 to NaN, as in TE main after PR #3262 (TE 2.6-2.18 decode
     byte 0 as 0.0, so blocks with scale byte 0 would dequantize to zeros there). Products >= 2^128 give

@@ -250,6 +250,29 @@ def mx(data, scale, axis):
     return MXTensor(data=data, scale=scale, axis=axis, fmt="e4m3")
 
 
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_dequantize_takes_the_weights_untransposed(interpret, impl):
+    """rhs [G, K, N] with blocks along K (quantized without transposing the weights) gives the
+    bits of its [G, N, K] copy; the fp8-reading strategies refuse it."""
+    lhs_q, rhs_q = operands(200, 256, 128, 5, seed=3)
+    sizes = jnp.asarray(SIZES["ragged_tail_and_empty"], jnp.int32)
+    weights = jnp.swapaxes(dequantize(rhs_q, jnp.bfloat16), 1, 2)  # [G, K, N], exact
+    rhs_kn = quantize(weights, axis=1)
+    config = None if ON_HOPPER else SMALL
+    out = {
+        name: bits(gmm_mxtensor(lhs_q, rhs, sizes, impl=impl, config=config))
+        for name, rhs in (("nk", rhs_q), ("kn", rhs_kn))
+    }
+    np.testing.assert_array_equal(out["kn"], out["nk"])
+    one_scale_up = dataclasses.replace(rhs_kn, scale=rhs_kn.scale.at[2, 0, 0].add(1))
+    assert differs(
+        bits(gmm_mxtensor(lhs_q, one_scale_up, sizes, impl=impl, config=config)), out["nk"]
+    )
+    for strategy in ("fp8_wgmma", "fused_dequantize", "decode"):
+        with pytest.raises(ValueError, match="reads rhs as"):
+            gmm_mxtensor(lhs_q, rhs_kn, sizes, impl="pallas", strategy=strategy)
+
+
 def test_refuses_bad_operands():
     lhs_q, rhs_q = operands(64, 128, 128, 2)
     sizes = jnp.array([32, 32], jnp.int32)

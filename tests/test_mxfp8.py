@@ -302,22 +302,53 @@ def test_quantizing_dequantized_values_gives_them_back(fmt):
     assert np.any(_bytes(again)[1] != scale)
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_dequantize_every_byte_and_scale(fmt):
-    """All 256 data bytes x all 256 scale bytes (0 -> 2^-127, 255 -> NaN)."""
+def _every_byte_and_scale(fmt):
+    """MXTensor of all 256 data bytes x all 256 scale bytes (0 -> 2^-127, 255 -> NaN)."""
     data = np.tile(np.arange(256, dtype=np.uint8), (256, 1)).repeat(32, axis=1)[
         :, ::8
     ]  # [256 scales, 1024]
     scale = np.tile(np.arange(256, dtype=np.uint8)[:, None], (1, data.shape[1] // 32))
-    t = mxfp8.MXTensor(
+    return mxfp8.MXTensor(
         jnp.asarray(data.view(ref.FP8_DTYPES[fmt])), jnp.asarray(scale), axis=1, fmt=fmt
     )
+
+
+def _assert_dequantizes_every_byte_and_scale(fmt):
+    t = _every_byte_and_scale(fmt)
+    data, scale = _bytes(t)
     for dtype in (np.float32, BF16, np.float16):
         _assert_same_float_bits(
             mxfp8.dequantize(t, dtype), ref.dequantize(data, scale, 1, fmt, dtype)
         )
     deq = np.asarray(mxfp8.dequantize(t))
     assert np.isnan(deq[255]).all() and np.isinf(deq[254]).any() and deq[0][deq[0] != 0].size > 0
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_dequantize_every_byte_and_scale(fmt):
+    _assert_dequantizes_every_byte_and_scale(fmt)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_gpu_dequantize_every_byte_and_scale(fmt):
+    """On the GPU `dequantize` multiplies (XLA:CPU, which flushes subnormals, takes the bits)."""
+    _assert_dequantizes_every_byte_and_scale(fmt)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_dequantize_by_multiplying_where_no_value_is_subnormal(fmt):
+    """The GPU's formula gives the exact values wherever fp32 keeps them normal (all that XLA:CPU,
+    which flushes subnormals, can check)."""
+    t = _every_byte_and_scale(fmt)
+    want = np.asarray(mxfp8.dequantize(t))
+    normal = (np.abs(want) >= np.finfo(np.float32).tiny) | (want == 0) | ~np.isfinite(want)
+    normal_rows = normal.all(axis=1)
+    assert 100 < normal_rows.sum() < 256
+    got = jax.jit(mxfp8.dequantize_by_multiplying, static_argnums=(2, 3))(
+        t.data, t.scale, 1, jnp.float32
+    )
+    _assert_same_float_bits(np.asarray(got)[normal_rows], want[normal_rows])
 
 
 def test_zero_block_dequantizes_to_zeros():

@@ -167,6 +167,15 @@ def test_rowwise_leading_dims_and_any_row_count(interpret):
     assert_same_mx(quantize(x, axis=-1, impl="pallas"), mxfp8.quantize(x, axis=-1))
 
 
+def test_blocks_along_the_next_to_last_axis_of_stacked_matrices(interpret):
+    """[G, K, N] with blocks along K (the experts' weights as the fprop GEMM reads them) runs on
+    the columnwise kernel as [G * K, N]: no block reaches across two matrices."""
+    x = tensor((3, 64, 96), jnp.bfloat16)
+    ours = quantize(x, axis=1, impl="pallas")
+    assert ours.axis == 1 and ours.scale.shape == (3, 2, 96)
+    assert_same_mx(ours, mxfp8.quantize(x, axis=1))
+
+
 def test_negative_control_one_element_changes_its_block_alone(interpret):
     """A changed element changes the kernel's bits (the comparisons above can see a one-element
     difference), and only inside its own 32-element block: data and scale of every other block

@@ -173,9 +173,7 @@ def _quantize(x, axis, impl):
 def _fprop(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, groups_per_weight):
     lhs_q = _quantize(lhs, 1, impl) if lhs_rowwise is None else lhs_rowwise
     rhs_q = (
-        _quantize(jnp.swapaxes(rhs.astype(lhs.dtype), 1, 2), 2, impl)
-        if rhs_quantized is None
-        else rhs_quantized.fprop
+        _quantize(rhs.astype(lhs.dtype), 1, impl) if rhs_quantized is None else rhs_quantized.fprop
     )
     return gmm_mxtensor(
         lhs_q,

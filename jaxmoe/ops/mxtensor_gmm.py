@@ -25,7 +25,8 @@ Each computes sum_k deq(a) * deq(b) with fp32 accumulation:
                  `tgmm_mxtensor`: dequantize to bf16, then the bf16 tgmm kernel.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
 Both operands of an fp8 wgmma must be K-major, so the rhs of `gmm_mxtensor` is [G, N, K] with
-blocks along K.
+blocks along K; "dequantize" (and "xla") also take it as [G, K, N] with blocks along K, which
+needs no transpose of the high-precision weights (the quantize kernels make it from [G, K, N]).
 """
 
 from __future__ import annotations
@@ -83,33 +84,46 @@ def gmm_mxtensor(
     accumulation (groups_per_weight: see `jaxmoe.ops.gmm`).
 
     lhs: MXTensor [M, K] with blocks along K (axis 1); rhs: MXTensor [G, N, K] with blocks along
-    K (axis 2), i.e. the expert matrices transposed (K-major, what Hopper's fp8 wgmma reads).
-    Rows past sum(group_sizes) give zeros. `strategy` picks the Pallas path (module docstring);
-    `config` tiles its kernel (None: heuristic; a `DecodeConfig` for "decode"). Not
-    differentiable (see `mxfp8_gmm`)."""
+    K (axis 2), i.e. the expert matrices transposed (K-major, what Hopper's fp8 wgmma reads),
+    or, for the "dequantize" strategy, [G, K, N] with blocks along K (axis 1). Rows past
+    sum(group_sizes) give zeros. `strategy` picks the Pallas path (module docstring); `config`
+    tiles its kernel (None: heuristic; a `DecodeConfig` for "decode"). Not differentiable (see
+    `mxfp8_gmm`)."""
     if not (
         isinstance(lhs, MXTensor)
         and isinstance(rhs, MXTensor)
         and lhs.ndim == 2
         and rhs.ndim == 3
         and lhs.axis == 1
-        and rhs.axis == 2
-        and lhs.shape[1] == rhs.shape[2]
+        and rhs.axis in (1, 2)
+        and lhs.shape[1] == rhs.shape[rhs.axis]
     ):
         raise ValueError(
             "gmm_mxtensor: lhs must be an MXTensor [M, K] with blocks along K and "
-            "rhs an MXTensor [G, N, K] with blocks along K"
+            "rhs an MXTensor [G, N, K] or [G, K, N] with blocks along K"
         )
     if strategy not in STRATEGIES:
         raise ValueError(f"gmm_mxtensor: strategy must be one of {STRATEGIES}, got {strategy!r}")
-    num_weights, n, k = rhs.shape
+    k_major = rhs.axis == 2
+    if not k_major and strategy != "dequantize":
+        raise ValueError(
+            f"gmm_mxtensor: the {strategy} strategy reads rhs as [G, N, K] (blocks along the "
+            "last axis); got [G, K, N]"
+        )
+    num_weights, n, k = rhs.shape if k_major else (rhs.shape[0], rhs.shape[2], rhs.shape[1])
     check_group_sizes(group_sizes, num_weights * groups_per_weight, lhs.shape[0], "gmm_mxtensor")
     group_sizes = group_sizes.astype(jnp.int32)
     out_dtype = jnp.dtype(preferred_element_type)
     if registry.resolve("gmm_mxtensor", impl, k, n, strategy) == "xla":
         out = jax.lax.ragged_dot(
             dequantize(lhs, jnp.bfloat16),
-            jnp.repeat(jnp.swapaxes(dequantize(rhs, jnp.bfloat16), 1, 2), groups_per_weight, 0),
+            jnp.repeat(
+                jnp.swapaxes(dequantize(rhs, jnp.bfloat16), 1, 2)
+                if k_major
+                else dequantize(rhs, jnp.bfloat16),
+                groups_per_weight,
+                0,
+            ),
             group_sizes,
             preferred_element_type=jnp.float32,
         )
@@ -119,7 +133,7 @@ def gmm_mxtensor(
             dequantize(lhs, jnp.bfloat16),
             dequantize(rhs, jnp.bfloat16),
             group_sizes,
-            transpose_rhs=True,
+            transpose_rhs=k_major,
             impl="pallas",
             preferred_element_type=out_dtype,
             config=config,

@@ -4,7 +4,8 @@
   impl "xla"     `jaxmoe.mxfp8.quantize`, the TE-exact reference.
   impl "pallas"  the Hopper kernels (ops/pallas/quantize_hopper.py), bitwise equal to it:
                  blocks along the last axis (any leading shape, viewed as 2-D), blocks along
-                 axis 0 of a 2-D [M, K] with K % 16 == 0, and the dispatch gather with H a
+                 the next-to-last axis with the last a multiple of 16 (leading axes merged
+                 into it: [G, K, N] is [G * K, N]), and the dispatch gather with H a
                  multiple of 64 (bf16) / 32 (fp32); bf16 or fp32 input, not empty. Other
                  problems raise ValueError.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
@@ -53,12 +54,9 @@ def _kernel_problem(x, axis) -> str | None:
         if x.shape[-1] % BLOCK_SIZE:
             return None  # `quantize` raises the reference's error
         return rowwise_problem((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
-    if axis == 0 and x.ndim == 2:
-        return columnwise_problem(x.shape, x.dtype)
-    return (
-        f"blocks along axis {axis} of shape {x.shape}: the kernels take the last axis, or "
-        f"axis 0 of a 2-D [M, K]"
-    )
+    if axis == x.ndim - 2:
+        return columnwise_problem((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
+    return f"blocks along axis {axis} of shape {x.shape}: the kernels take the last two axes"
 
 
 def _gather_kernel_problem(x, num_rows) -> str | None:
@@ -91,8 +89,12 @@ def quantize(x: jax.Array, axis: int = -1, fmt: str = "e4m3", *, impl: str = "au
             axis=axis,
             fmt=fmt,
         )
-    data, scale = quantize_columnwise_pallas(x, fmt)
-    return MXTensor(data=data, scale=scale, axis=0, fmt=fmt)
+    # Blocks along axis -2 never straddle two leading indices: its length is a multiple of 32.
+    data, scale = quantize_columnwise_pallas(x.reshape(-1, x.shape[-1]), fmt)
+    scale_shape = x.shape[:-2] + (x.shape[-2] // BLOCK_SIZE, x.shape[-1])
+    return MXTensor(
+        data=data.reshape(x.shape), scale=scale.reshape(scale_shape), axis=axis, fmt=fmt
+    )
 
 
 def dispatch_quantize(

@@ -11,8 +11,11 @@ out^T [wg_n, tile_rows]. A group with up to tile_rows rows reads its weights onc
 Bits: every output is the same chain of k16 wgmma instructions in ascending K as in the bf16
 kernel on the dequantized operands (`gmm_mxtensor`'s "dequantize" strategy), with the operands'
 roles swapped; each product is exact, so the hardware's sum of a k16 step should not depend on
-which operand is A: the H200 test
-`test_gpu_in_kernel_dequantization_equals_dequantizing_first_bitwise` checks it (not yet run).
+which operand is A, and it does not on the H200
+(`test_gpu_in_kernel_dequantization_equals_dequantizing_first_bitwise`).
+
+The weights' fp8 tiles and fp32 block scales come through the same TMA ring, so no warpgroup
+waits on a global load.
 
 Output tiles go to a per-tile buffer [tiles, N, tile_rows] (out^T of each row tile, so that no
 store crosses into another group's rows); XLA gathers out [M, N] from it (M is small here).
@@ -61,8 +64,10 @@ class DecodeConfig:
         return NUM_COMPUTE_WGS * self.wg_n
 
     def smem_bytes(self, out_dtype) -> int:
-        """The TMA ring (bf16 lhs, fp8 rhs), the dequantized A blocks and the epilogue tiles."""
+        """The TMA ring (bf16 lhs, fp8 rhs, fp32 rhs scales), the dequantized A blocks and the
+        epilogue tiles."""
         ring = self.tile_rows * self.tile_k * 2 + self.cta_n * self.tile_k
+        ring += self.tile_k // BLOCK_SIZE * self.cta_n * 4
         blocks = NUM_COMPUTE_WGS * self.block_slots * self.wg_n * BLOCK_SIZE * 2
         epilogue = NUM_COMPUTE_WGS * self.wg_n * self.tile_rows * jnp.dtype(out_dtype).itemsize
         return self.max_concurrent_steps * ring + blocks + epilogue
@@ -104,19 +109,22 @@ def default_decode_config(
 ) -> DecodeConfig:
     """Heuristic: row tiles (None: twice the mean rows per group, at least 8, at most 128, a
     power of two, so most groups take one tile and read their weights once); 128 weight rows
-    per warpgroup when N allows; as many stages (up to 6) as shared memory holds beside
-    block_slots dequantized blocks."""
+    per warpgroup when N allows and the groups that the rows can reach fill the SMs with
+    256-column work items (else 64, twice the items); as many stages (up to 6) as shared
+    memory holds beside block_slots dequantized blocks."""
     if tile_rows is None:
         mean_rows = max(1, num_rows // max(num_groups, 1))
         tile_rows = min(128, max(8, 1 << (2 * mean_rows - 1).bit_length()))
-    wg_n = 128 if n % 256 == 0 else 64
+    sms = num_sms()
+    wide_items = min(num_rows, num_groups) * (n // (2 * 128))
+    wg_n = 128 if n % 256 == 0 and wide_items >= sms else 64
     config = DecodeConfig(
         tile_rows=tile_rows,
         wg_n=wg_n,
         tile_k=128 if k % 128 == 0 else 64,
         max_concurrent_steps=6,
         block_slots=block_slots,
-        num_sms=num_sms(),
+        num_sms=sms,
     )
     steps = min(config.max_concurrent_steps, k // config.tile_k)
     while (
@@ -208,6 +216,9 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
                     transforms=swizzled(jnp.float8_e4m3fn, BLOCK_SIZE),
                     memory_space=plgpu.SMEM,
                 ),
+                plgpu.BlockSpec(
+                    (blocks_per_step, cta_n), lambda ki: (ki, 0), memory_space=plgpu.SMEM
+                ),
             ],
             wg_axis="wg",
             num_compute_wgs=NUM_COMPUTE_WGS,
@@ -233,7 +244,9 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
         @functools.partial(
             pl.run_scoped,
             allocations=pipeline(ignore, ignore).get_allocations(
-                lhs_gmem.at[pl.ds(0, tile_rows), :], rhs_gmem.at[0, pl.ds(0, cta_n), :]
+                lhs_gmem.at[pl.ds(0, tile_rows), :],
+                rhs_gmem.at[0, pl.ds(0, cta_n), :],
+                rhs_scale_gmem.at[0, :, pl.ds(0, cta_n)],
             ),
             collective_axes="wg",
         )
@@ -250,9 +263,8 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
                 tile = work_tile_gmem[item]
                 weight = tile_weight_gmem[tile]
                 column = work_column_gmem[item] * cta_n
-                column_scales = rhs_scale_gmem.at[weight, :, pl.ds(column + wg * wg_n, wg_n)]
 
-                def mma(step, lhs_smem, rhs_smem, acc_ref):
+                def mma(_, lhs_smem, rhs_smem, scale_smem, acc_ref):
                     # Slot `block % slots` is rewritten once the wgmma that read it `slots`
                     # blocks ago has retired (at most slots - 1 in flight); all retire before
                     # the step's TMA slot (the rows the wgmma reads as B) is released.
@@ -261,9 +273,7 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
                         ks = pl.ds(block * BLOCK_SIZE, BLOCK_SIZE)
                         a_block = block_smem.at[wg, block % slots]
                         scale = plgpu.load(
-                            column_scales.at[step[0] * blocks_per_step + block],
-                            layout=scale_layout,
-                            optimized=False,
+                            scale_smem.at[block, wg_cols], layout=scale_layout, optimized=False
                         )
                         w = rhs_smem.at[wg_cols, ks][...].astype(jnp.float32)
                         a_block[...] = (w * scale[:, None]).astype(_BF16)
@@ -290,6 +300,7 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
                 pipeline(mma, compute_context)(
                     lhs_gmem.at[rows, :],
                     rhs_gmem.at[weight, pl.ds(column, cta_n), :],
+                    rhs_scale_gmem.at[weight, :, pl.ds(column, cta_n)],
                     allocations=allocations,
                 )
 
