@@ -125,6 +125,9 @@ def pytest_configure(config):
 
 
 def _git_commit() -> str | None:
+    """JAXMOE_GIT_COMMIT when set (a copy of the tree whose .git lags behind it), else HEAD."""
+    if os.environ.get("JAXMOE_GIT_COMMIT"):
+        return os.environ["JAXMOE_GIT_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
