@@ -3,7 +3,7 @@ the active experts' weights bounds the time, next to that bound.
 
     PYTHONPATH=. python benchmarks/decode.py [--shapes qwen3_30b,mixtral,dsv3_ep8]
         [--tokens 1,8,64,256] [--copies 8] [--parts layer,gmm] [--repeats 3]
-        [--min-window 0.1] [--tag TAG] [--out DIR]
+        [--min-window 0.1] [--profile] [--tag TAG] [--out DIR]
 
 For each `jaxmoe.shapes` layer and token count T (one sequence of T tokens):
   layer  the inference forward: jaxmoe_bf16 (the bf16 layer), jaxmoe_mxfp8
@@ -22,7 +22,9 @@ For each `jaxmoe.shapes` layer and token count T (one sequence of T tokens):
          device copy); `share_of_floor` = floor / time.
 No host dispatch is timed: each timed call runs `copies` forwards inside one executable
 (`lax.scan`; torch: one CUDA graph on a GPU), each on its own copy of the weights (so that no
-copy is served from L2) and its own tokens; times are per forward. Implementations take turns
+copy is served from L2) and its own tokens; times are per forward. --profile adds each
+implementation's device time per forward by kernel name (`kernels_us`, from a JAX profile; GPU
+only), which shows what besides the GEMM kernels a forward runs. Implementations take turns
 (`benchmarks.timing.timed_runs`), median of the repeats. Writes decode_<date>[_tag].json (after
 every shape) and, with matplotlib, decode_<date>[_tag].png to --out.
 """
@@ -30,6 +32,7 @@ every shape) and, with matplotlib, decode_<date>[_tag].png to --out.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import functools
 import json
@@ -49,9 +52,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import report  # noqa: E402
 from benchmarks.layer_competitors import torch_moe  # noqa: E402
 from benchmarks.report import error_text, log  # noqa: E402
-from benchmarks.timing import sync, timed_runs  # noqa: E402
+from benchmarks.timing import gpu_stream_events, profile_events, sync, timed_runs  # noqa: E402
 from jaxmoe import MoE, mxfp8_inference  # noqa: E402
-from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
+from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor  # noqa: E402
 from jaxmoe.ops import gmm, gmm_mxtensor, quantize  # noqa: E402
 from jaxmoe.ops.mxfp8_gmm import quantize_weights  # noqa: E402
 from jaxmoe.ops.pallas.gmm_decode_hopper import default_decode_config  # noqa: E402
@@ -195,16 +198,18 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
     x2 = jax.random.normal(keys[3], (copies, rows, config.ffn_hidden_size), BF16)
     group_sizes = jnp.asarray(sizes, jnp.int32)
     weights = stacked((fc1, fc2), copies)
-    copies_q = stacked(
-        tuple(quantize_weights(w, impl, dgrad=False).fprop for w in (fc1, fc2)), copies
-    )
+    # Stored as `mxfp8_inference` stores them: fp8 data and block-major scale bytes.
+    fprop = [quantize_weights(w, impl, dgrad=False).fprop for w in (fc1, fc2)]
+    copies_q = stacked(tuple((t.data, jnp.swapaxes(t.scale, 1, 2)) for t in fprop), copies)
     x_q = jax.jit(jax.vmap(lambda a, b: (quantize(a, axis=1), quantize(b, axis=1))))(x1, x2)
 
     def bf16(w, a, b, sizes):
         return gmm(a, w[0], sizes, impl=impl), gmm(b, w[1], sizes, impl=impl)
 
     def mxfp8(strategy, w, a, b, sizes, decode_tiling=None):
-        def run(x, w):
+        def run(x, stored):
+            data, block_major_scale = stored
+            w = MXTensor(data, jnp.swapaxes(block_major_scale, 1, 2), axis=2, fmt="e4m3")
             config = None
             if decode_tiling is not None:  # (tile_rows, block_slots) of the decode kernel
                 num_weights, n, k = w.shape
@@ -272,12 +277,26 @@ def bench(shape: LayerShape, tokens: int, part: str, args, bandwidth: float, rec
                 active_experts=active,
                 floor_us=floors[precision],
                 share_of_floor=floors[precision] / us,
+                **(
+                    kernel_breakdown(runnable[impl], args.copies) if args.profile and on_gpu else {}
+                ),
             )
         )
         log(
             f"{shape.name} T={tokens:4d} {part}: {impl:22s} {us:9.1f} us "
             f"({floors[precision] / us:6.1%} of the {precision} floor {floors[precision]:.1f} us)"
         )
+
+
+def kernel_breakdown(call, copies: int, runs: int = 2, top: int = 12) -> dict:
+    """Device us per forward of the GPU work a call launches, by kernel name (the `top`
+    longest, the rest summed as "other"), from a profile of `runs` calls of `copies` forwards."""
+    per_kernel = collections.Counter()
+    for event in gpu_stream_events(profile_events(call, runs=runs)):
+        per_kernel[event.name] += event.dur_us / (runs * copies)
+    longest = dict(per_kernel.most_common(top))
+    longest["other"] = sum(per_kernel.values()) - sum(longest.values())
+    return dict(device_us=sum(per_kernel.values()), kernels_us=longest)
 
 
 def summarize(records: list) -> list:
@@ -351,6 +370,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--impl", default="auto", help="gmm impl of the gmm part")
     parser.add_argument(
         "--decode-sweep", default="", help="R:S,... decode-kernel tilings (tile_rows:block_slots)"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="add each impl's device time by kernel (GPU)"
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--min-window", type=float, default=0.1, help="seconds per timed run")

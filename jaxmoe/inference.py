@@ -12,6 +12,7 @@ keep their weights. The result is for inference only: the experts' GEMMs have no
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.experts import ExpertMatrices, grouped_mlp
@@ -30,7 +31,12 @@ class Mxfp8GroupedMLP(nnx.Module):
     """The E routed experts as their MXFP8 fprop copies: fc1 [E, 2F|F, H] and fc2 [E, H, F]
     (each expert's matrix transposed, blocks along the contraction dim, as the GEMMs read them),
     biases as they were; `gemm_strategy`: `gmm_mxtensor`'s strategy for their GEMMs. Called
-    like `jaxmoe.moe.GroupedMLP`."""
+    like `jaxmoe.moe.GroupedMLP`.
+
+    The scale bytes are stored block-major, [E, K/32, N] (the MXTensor's [E, N, K/32]
+    transposed), the layout the fp8-reading kernels take: the forward transposes them back
+    into the MXTensor and the kernel's wrapper transposes that again, and XLA removes the pair,
+    so no call touches every expert's scales before the kernel."""
 
     def __init__(self, model: MoE, gemm_strategy: str = "dequantize"):
         config, experts = model.config, model.experts
@@ -47,15 +53,18 @@ class Mxfp8GroupedMLP(nnx.Module):
         dtype = model.dtype
         fc1 = quantize_weights(experts.fc1_kernel[...].astype(dtype), model.gmm_impl, dgrad=False)
         fc2 = quantize_weights(experts.fc2_kernel[...].astype(dtype), model.gmm_impl, dgrad=False)
-        self.fc1_data, self.fc1_scale = ExpertCopy(fc1.fprop.data), ExpertCopy(fc1.fprop.scale)
-        self.fc2_data, self.fc2_scale = ExpertCopy(fc2.fprop.data), ExpertCopy(fc2.fprop.scale)
+        block_major = lambda scale: ExpertCopy(jnp.swapaxes(scale, 1, 2))
+        self.fc1_data, self.fc1_scale = ExpertCopy(fc1.fprop.data), block_major(fc1.fprop.scale)
+        self.fc2_data, self.fc2_scale = ExpertCopy(fc2.fprop.data), block_major(fc2.fprop.scale)
         self.fc1_bias, self.fc2_bias = experts.fc1_bias, experts.fc2_bias
 
     def __call__(self, rows, row_probs, route, *, rows_rowwise, expert_weights, gmm_impl: str):
         if expert_weights is not None:
             raise ValueError("mxfp8_inference: the layer holds its MXFP8 copies already")
         copy = lambda data, scale: QuantizedWeights(
-            fprop=MXTensor(data=data[...], scale=scale[...], axis=2, fmt="e4m3"),
+            fprop=MXTensor(
+                data=data[...], scale=jnp.swapaxes(scale[...], 1, 2), axis=2, fmt="e4m3"
+            ),
             dgrad=None,
             fprop_strategy=self.gemm_strategy,
         )

@@ -4,6 +4,7 @@ output bitwise the training forward's (D3) at any batch size (D2), with MXFP8 or
 the dispatch. Controls: the bf16-expert layer, and copies of other weights, give other bits."""
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +14,9 @@ from flax import nnx
 
 from bridge import megatron
 from jaxmoe import MoE, MoEConfig, mxfp8_inference
-from jaxmoe.ops import on_hopper
-from jaxmoe.ops.mxfp8_gmm import mxfp8_gmm
+from jaxmoe.mxfp8 import MXTensor
+from jaxmoe.ops import gmm_mxtensor, on_hopper
+from jaxmoe.ops.mxfp8_gmm import mxfp8_gmm, quantize_weights
 from jaxmoe.ordered import sum_in_order
 from jaxmoe.shapes import MXFP8_OPTIONS
 
@@ -117,6 +119,37 @@ def test_gemm_strategies_run_the_stored_copies_on_their_kernels(interpret):
         else:
             a, b = y[strategy].astype(np.float32), y["dequantize"].astype(np.float32)
             assert np.linalg.norm(a - b) <= 2**-6 * np.linalg.norm(b)
+
+
+def scale_relayouts(hlo: str, shapes) -> list:
+    """The transposes and copies that the compiled module makes of uint8 arrays of `shapes`."""
+    found = re.findall(r"= u8\[([\d,]+)\]\{[\d,]*\} (transpose|copy)\(", hlo)
+    return [(dims, op) for dims, op in found if tuple(map(int, dims.split(","))) in shapes]
+
+
+def test_decode_forward_reads_the_stored_scales_in_place(interpret):
+    """The stored scale bytes are block-major, as the decode kernel reads them: the compiled
+    forward makes no transposed copy of any expert's scales (a per-call pass over every
+    expert's scales would cost more than the kernel at a token or two). Control: an MXTensor
+    stored in its own layout gets one."""
+    config = MXFP8.replace(num_experts=4, ffn_hidden_size=128, shared_expert_intermediate_size=None)
+    model = MoE(config, 128, param_dtype=jnp.bfloat16, gmm_impl="pallas", rngs=nnx.Rngs(2))
+    x = jax.ShapeDtypeStruct((1, 4, 128), jnp.bfloat16)
+    decode = mxfp8_inference(model, gemm_strategy="decode")
+    fc1, fc2 = decode.experts.fc1_scale[...], decode.experts.fc2_scale[...]
+    shapes = {a.shape for a in (fc1, fc2)} | {a.shape[:1] + a.shape[:0:-1] for a in (fc1, fc2)}
+    graphdef, state = nnx.split(decode)
+    forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x)[0])
+    assert scale_relayouts(forward.lower(state, x).compile().as_text(), shapes) == []
+
+    fprop = quantize_weights(model.experts.fc1_kernel[...], dgrad=False).fprop  # [E, N, K/32]
+    rows = MXTensor(
+        jnp.zeros((32, 128), jnp.float8_e4m3fn), jnp.zeros((32, 4), jnp.uint8), 1, "e4m3"
+    )
+    gemm = jax.jit(
+        lambda w: gmm_mxtensor(rows, w, jnp.full((4,), 8), impl="pallas", strategy="decode")
+    )
+    assert scale_relayouts(gemm.lower(fprop).compile().as_text(), shapes)
 
 
 def test_a_megatron_checkpoint_runs_as_mxfp8_inference():

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.ints import cdiv
-from jaxmoe.mxfp8 import BLOCK_SIZE
+from jaxmoe.mxfp8 import BLOCK_SIZE, scale_multipliers
 from jaxmoe.ops.device import num_sms
 from jaxmoe.ops.pallas.gmm_common import MEMORY_REGISTERS, NUM_COMPUTE_WGS, ROW_ALIGN, swizzled
 from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
@@ -64,10 +64,10 @@ class DecodeConfig:
         return NUM_COMPUTE_WGS * self.wg_n
 
     def smem_bytes(self, out_dtype) -> int:
-        """The TMA ring (bf16 lhs, fp8 rhs, fp32 rhs scales), the dequantized A blocks and the
-        epilogue tiles."""
+        """The TMA ring (bf16 lhs, fp8 rhs, its E8M0 scale bytes), the dequantized A blocks and
+        the epilogue tiles."""
         ring = self.tile_rows * self.tile_k * 2 + self.cta_n * self.tile_k
-        ring += self.tile_k // BLOCK_SIZE * self.cta_n * 4
+        ring += self.tile_k // BLOCK_SIZE * self.cta_n
         blocks = NUM_COMPUTE_WGS * self.block_slots * self.wg_n * BLOCK_SIZE * 2
         epilogue = NUM_COMPUTE_WGS * self.wg_n * self.tile_rows * jnp.dtype(out_dtype).itemsize
         return self.max_concurrent_steps * ring + blocks + epilogue
@@ -148,7 +148,8 @@ def gmm_decode_pallas(
     groups_per_weight: int = 1,
 ) -> jax.Array:
     """out[m] = lhs[m] @ deq(rhs)[g(m)]^T for bf16 lhs [M, K], float8 rhs [G, N, K] and its
-    decoded fp32 block scales rhs_scale [G, K/32, N]; rows past sum(group_sizes) are zeros.
+    E8M0 block scale bytes rhs_scale [G, K/32, N] (uint8, decoded in the kernel by
+    `jaxmoe.mxfp8.scale_multipliers`); rows past sum(group_sizes) are zeros.
     config: None for `default_decode_config`. With groups_per_weight n, rhs holds G / n
     matrices and group g multiplies rhs[g // n]."""
     num_rows, k = lhs.shape
@@ -157,9 +158,9 @@ def gmm_decode_pallas(
         raise ValueError(
             f"gmm decode: lhs must be bf16 and rhs float8, got {lhs.dtype}, {rhs.dtype}"
         )
-    if rhs_scale.shape != (num_weights, k // BLOCK_SIZE, n) or rhs_scale.dtype != jnp.float32:
+    if rhs_scale.shape != (num_weights, k // BLOCK_SIZE, n) or rhs_scale.dtype != jnp.uint8:
         raise ValueError(
-            f"gmm decode: rhs_scale must be fp32 [G, K/32, N], got {rhs_scale.shape} "
+            f"gmm decode: rhs_scale must be uint8 [G, K/32, N], got {rhs_scale.shape} "
             f"{rhs_scale.dtype}"
         )
     num_groups = group_sizes.shape[0]
@@ -272,8 +273,12 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
                     for block in range(blocks_per_step):
                         ks = pl.ds(block * BLOCK_SIZE, BLOCK_SIZE)
                         a_block = block_smem.at[wg, block % slots]
-                        scale = plgpu.load(
-                            scale_smem.at[block, wg_cols], layout=scale_layout, optimized=False
+                        scale = scale_multipliers(
+                            plgpu.load(
+                                scale_smem.at[block, wg_cols],
+                                layout=scale_layout,
+                                optimized=False,
+                            )
                         )
                         w = rhs_smem.at[wg_cols, ks][...].astype(jnp.float32)
                         a_block[...] = (w * scale[:, None]).astype(_BF16)
