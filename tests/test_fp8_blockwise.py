@@ -1,0 +1,253 @@
+"""FP8 blockwise quantization (`jaxmoe.fp8_blockwise`, TE's Float8BlockScaling at its defaults):
+the integer-bit scale rule against the float division it replaces on every mantissa at many
+exponents; the quantizers bitwise against a numpy port of TE's kernels (float arithmetic, which
+numpy does without flushing subnormals) on the edge cases (zeros, NaN, +-Inf, subnormal inputs,
+amax mantissas at and around 1.75, amax whose quotient overflows, partial blocks); the reference
+GEMMs exact on inputs whose partials are exact, and within the fp32 bound on random data."""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxmoe import fp8_blockwise as fb
+
+F32, BF16 = np.float32, ml_dtypes.bfloat16
+FP8 = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+MAX_FP8 = {"e4m3": 448.0, "e5m2": 57344.0}
+
+
+# ------------------------------------------------------------------- a numpy port of TE's kernel
+def te_scale(amax, fmt, x_dtype):
+    """compute_scale_from_amax(amax, max_fp8, pow2=True, eps=0, max of x_dtype), elementwise."""
+    amax = np.asarray(amax, F32)
+    with np.errstate(divide="ignore", over="ignore"):
+        scale = F32(MAX_FP8[fmt]) / amax
+    scale = np.where(np.isinf(scale), F32(ml_dtypes.finfo(x_dtype).max), scale).astype(F32)
+    scale = (scale.view(np.uint32) & np.uint32(0xFF800000)).view(F32)
+    return np.where((amax == 0) | np.isinf(amax) | np.isnan(amax), F32(1), scale)
+
+
+def te_quantize(x, block_axes, fmt="e4m3"):
+    """(data bytes, scale_inv) as TE's blockwise kernels compute them."""
+    x = np.asarray(x)
+    shape = x.shape
+    padded = [-(-n // 128) * 128 if a in block_axes else n for a, n in enumerate(shape)]
+    xf = np.pad(x.astype(F32), [(0, p - n) for p, n in zip(padded, shape)])
+    blocked, within = [], []
+    for a, n in enumerate(padded):
+        blocked += [n // 128, 128] if a in block_axes else [n]
+        if a in block_axes:
+            within.append(len(blocked) - 1)
+    xb = xf.reshape(blocked)
+    amax = np.fmax.reduce(np.abs(xb), axis=tuple(within), keepdims=True, initial=F32(0))
+    scale = te_scale(amax, fmt, x.dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = np.clip(xb * scale, -MAX_FP8[fmt], MAX_FP8[fmt]).astype(F32)  # satfinite
+    q = y.astype(FP8[fmt]).view(np.uint8)
+    q = np.where(np.isnan(xb), np.uint8(0x7F), q).reshape(padded)[tuple(slice(0, n) for n in shape)]
+    scale_inv = (F32(1) / scale).astype(F32)
+    return q, np.squeeze(scale_inv, tuple(within))
+
+
+def assert_matches_te(x, block_axes, fmt="e4m3"):
+    t = (
+        fb.quantize_1x128(jnp.asarray(x), block_axes[0], fmt)
+        if len(block_axes) == 1
+        else fb.quantize_128x128(jnp.asarray(x), fmt)
+    )
+    q, scale_inv = te_quantize(x, block_axes, fmt)
+    np.testing.assert_array_equal(np.asarray(t.data).view(np.uint8), q)
+    np.testing.assert_array_equal(
+        np.asarray(t.scale_inv).view(np.uint32), scale_inv.view(np.uint32)
+    )
+    return t
+
+
+# --------------------------------------------------------------------------------- the rule
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("exponent", [0, 1, 2, 3, 4, 9, 10, 60, 126, 127, 128, 200, 253, 254])
+def test_scale_rule_equals_the_division_on_every_mantissa(fmt, exponent):
+    """amax = every mantissa at this biased exponent (0: the fp32 subnormals, whose quotient
+    overflows to the dtype's max)."""
+    bits = (np.uint32(exponent) << 23) | np.arange(1 << 23, dtype=np.uint32)
+    k = np.asarray(fb.scale_exponent_from_amax_bits(jnp.asarray(bits), fmt))
+    want = te_scale(bits.view(F32), fmt, F32)
+    got = (np.exp2(k.astype(np.float64))).astype(F32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_scale_rule_special_amax():
+    k = fb.scale_exponent_from_amax_bits(jnp.array([0, 0x7F800000], jnp.uint32))
+    np.testing.assert_array_equal(np.asarray(k), [0, 0])  # scale 1 for amax 0 and +Inf
+
+
+# ----------------------------------------------------------------------------- quantizers
+def edge_blocks(dtype):
+    """Rows of 128 covering TE's special cases, one block per row."""
+    rng = np.random.default_rng(0)
+    tiny = float(ml_dtypes.finfo(dtype).smallest_subnormal)
+    rows = [
+        np.zeros(128),
+        -np.zeros(128),
+        np.r_[np.nan, rng.normal(size=127)],
+        np.full(128, np.nan),
+        np.r_[np.inf, rng.normal(size=127)],
+        np.r_[-np.inf, np.nan, rng.normal(size=126)],
+        np.r_[tiny, -tiny, np.zeros(126)],
+        np.r_[3 * tiny, tiny, np.zeros(126)],
+        rng.normal(size=128) * 1e-38,
+        np.r_[float(ml_dtypes.finfo(dtype).max), rng.normal(size=127)],
+        np.r_[1.75, rng.uniform(-1.75, 1.75, 127)],
+        np.r_[np.nextafter(F32(1.75), F32(2)), rng.uniform(-1, 1, 127)],
+        np.r_[np.nextafter(F32(1.75), F32(1)), rng.uniform(-1, 1, 127)],
+        rng.normal(size=128) * 2.0 ** rng.integers(-30, 30),
+    ]
+    return np.stack([np.asarray(r, np.float64) for r in rows]).astype(dtype)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [F32, BF16, np.float16])
+def test_1x128_equals_te_on_edge_cases(dtype, fmt):
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = edge_blocks(dtype)
+    assert_matches_te(x, (1,), fmt)
+    assert_matches_te(np.ascontiguousarray(x.T), (0,), fmt)  # the token-direction copy
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_128x128_equals_te_and_transposes_exactly(dtype):
+    rng = np.random.default_rng(1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        rows = np.tile(edge_blocks(dtype).astype(F32), (15, 2))[:200, :160]  # partial blocks
+        w = (rows * 2.0 ** rng.integers(-8, 8, (2, 200, 1))).astype(dtype)
+    t = assert_matches_te(w, (1, 2))
+    assert t.scale_inv.shape == (2, 2, 2)
+    transposed = fb.quantize_128x128(jnp.swapaxes(jnp.asarray(w), 1, 2))
+    np.testing.assert_array_equal(
+        np.asarray(transposed.data).view(np.uint8),
+        np.swapaxes(np.asarray(t.data).view(np.uint8), 1, 2),
+    )
+    np.testing.assert_array_equal(
+        np.asarray(transposed.scale_inv), np.swapaxes(np.asarray(t.scale_inv), 1, 2)
+    )
+
+
+@pytest.mark.parametrize("shape, axis", [((3, 300), 1), ((300, 5), 0), ((2, 130, 4), 1)])
+def test_partial_blocks_and_random_values(shape, axis):
+    x = (np.random.default_rng(2).standard_t(3, size=shape) * 10).astype(BF16)
+    t = assert_matches_te(x, (axis,))
+    np.testing.assert_array_equal(
+        np.asarray(fb.dequantize(t)),
+        np.asarray(t.data).astype(F32) * np.asarray(fb.block_multipliers(t)),
+    )
+
+
+def test_one_element_changes_its_block_alone():
+    """Negative control: raising one element's magnitude past its block's amax changes that
+    block's scale and data, and no other block."""
+    x = np.random.default_rng(3).normal(size=(2, 256)).astype(F32)
+    before = fb.quantize_1x128(jnp.asarray(x))
+    x[0, 5] = 1000.0
+    after = fb.quantize_1x128(jnp.asarray(x))
+    changed = np.asarray(before.scale_inv) != np.asarray(after.scale_inv)
+    np.testing.assert_array_equal(changed, [[True, False], [False, False]])
+    np.testing.assert_array_equal(np.asarray(before.data)[:, 128:], np.asarray(after.data)[:, 128:])
+
+
+def test_refusals():
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        fb.quantize_1x128(jnp.zeros((2, 128), jnp.int32))
+    with pytest.raises(ValueError, match="out of range"):
+        fb.quantize_1x128(jnp.zeros((2, 128)), axis=2)
+    with pytest.raises(ValueError, match="two axes"):
+        fb.quantize_128x128(jnp.zeros(128))
+    with pytest.raises(ValueError, match="empty"):
+        fb.quantize_1x128(jnp.zeros((0, 128)))
+    with pytest.raises(ValueError, match="fmt"):
+        fb.quantize_1x128(jnp.zeros((2, 128)), fmt="e3m4")
+
+
+# ------------------------------------------------------------------------ reference GEMMs
+def exact_operands(m, k, n, g, seed):
+    """Integers in [-7, 7] scaled by a power of two per block (lhs per 1x128 block, rhs per
+    128x128 block): every quantized value is exact, and so is every partial and fold."""
+    rng = np.random.default_rng(seed)
+    lhs = rng.integers(-7, 8, (m, k)) * 2.0 ** rng.integers(-2, 3, (m, k // 128)).repeat(128, 1)
+    rhs = rng.integers(-7, 8, (g, k, n)) * 2.0 ** rng.integers(
+        -2, 3, (g, k // 128, 1, n // 128)
+    ).repeat(128, 2).repeat(128, 3).reshape(g, k, n)
+    return lhs.astype(F32), rhs.astype(F32)
+
+
+def grouped_product(lhs, rhs, sizes, transpose_rhs=False):
+    out = np.zeros((lhs.shape[0], rhs.shape[1] if transpose_rhs else rhs.shape[2]))
+    start = 0
+    for g, size in enumerate(sizes):
+        w = rhs[g].T if transpose_rhs else rhs[g]
+        out[start : start + size] = lhs[start : start + size].astype(np.float64) @ w
+        start += size
+    return out
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fprop", "dgrad"])
+def test_gmm_reference_is_exact_on_exact_operands(transpose_rhs):
+    lhs, rhs = exact_operands(96, 384, 256, 3, seed=4)
+    if transpose_rhs:  # dgrad: contract the weights' N; lhs is a gradient [M, N]
+        lhs = lhs[:, :256]
+    sizes = np.array([40, 0, 50])  # rows 90.. belong to no group
+    out = fb.gmm_reference(
+        fb.quantize_1x128(jnp.asarray(lhs)),
+        fb.quantize_128x128(jnp.asarray(rhs)),
+        jnp.asarray(sizes),
+        transpose_rhs=transpose_rhs,
+    )
+    np.testing.assert_array_equal(np.asarray(out), grouped_product(lhs, rhs, sizes, transpose_rhs))
+
+
+def test_gmm_reference_scales_each_block_by_its_own_scales():
+    """Negative control: moving one lhs block's scale to its neighbour changes the result."""
+    lhs, rhs = exact_operands(32, 256, 128, 1, seed=5)
+    lq, rq = fb.quantize_1x128(jnp.asarray(lhs)), fb.quantize_128x128(jnp.asarray(rhs))
+    swapped = fb.BlockwiseTensor(lq.data, lq.scale_inv[:, ::-1], lq.block_axes)
+    sizes = jnp.array([32])
+    assert np.any(
+        np.asarray(fb.gmm_reference(swapped, rq, sizes))
+        != np.asarray(fb.gmm_reference(lq, rq, sizes))
+    )
+
+
+def test_gmm_reference_within_the_fp32_bound_on_random_data():
+    rng = np.random.default_rng(6)
+    lhs = rng.normal(size=(64, 512)).astype(F32)
+    rhs = rng.normal(size=(2, 512, 256)).astype(F32)
+    lq, rq = fb.quantize_1x128(jnp.asarray(lhs)), fb.quantize_128x128(jnp.asarray(rhs))
+    sizes = np.array([30, 34])
+    out = np.asarray(fb.gmm_reference(lq, rq, jnp.asarray(sizes)))
+    a, b = np.asarray(fb.dequantize(lq), np.float64), np.asarray(fb.dequantize(rq), np.float64)
+    exact = grouped_product(a, b, sizes)
+    absdot = grouped_product(np.abs(a), np.abs(b), sizes)
+    k = lhs.shape[1]
+    assert np.all(np.abs(out - exact) <= (k + k // 128) * 2.0**-24 * absdot + 1e-30)
+
+
+def test_tgmm_reference_is_exact_on_exact_operands():
+    rng = np.random.default_rng(7)
+    x = rng.integers(-7, 8, (384, 128)) * 2.0 ** rng.integers(-4, 4, (3, 1, 128)).repeat(
+        128, 1
+    ).reshape(384, 128)
+    dy = rng.integers(-7, 8, (384, 256)).astype(F32)
+    sizes = np.array([256, 0, 128])
+    out = fb.tgmm_reference(
+        fb.quantize_1x128(jnp.asarray(x, jnp.float32), 0),
+        fb.quantize_1x128(jnp.asarray(dy), 0),
+        sizes,
+    )
+    want = np.stack([x[:256].T @ dy[:256], np.zeros((128, 256)), x[256:].T @ dy[256:]])
+    np.testing.assert_array_equal(np.asarray(out), want)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        fb.tgmm_reference(
+            fb.quantize_1x128(jnp.asarray(x, jnp.float32), 0),
+            fb.quantize_1x128(jnp.asarray(dy), 0),
+            np.array([100, 284]),
+        )
