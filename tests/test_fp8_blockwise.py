@@ -5,12 +5,14 @@ numpy does without flushing subnormals) on the edge cases (zeros, NaN, +-Inf, su
 amax mantissas at and around 1.75, amax whose quotient overflows, partial blocks); the reference
 GEMMs exact on inputs whose partials are exact, and within the fp32 bound on random data."""
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
 from jaxmoe import fp8_blockwise as fb
+from jaxmoe.ops import GmmConfig, gmm_fp8_blockwise, on_hopper
 
 F32, BF16 = np.float32, ml_dtypes.bfloat16
 FP8 = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
@@ -251,3 +253,98 @@ def test_tgmm_reference_is_exact_on_exact_operands():
             fb.quantize_1x128(jnp.asarray(dy), 0),
             np.array([100, 284]),
         )
+
+
+# ------------------------------------------------------------------------- the Hopper kernel
+# Interpret mode: fp32 output tiles of 32 columns are 128-byte rows (the TMA rule).
+SMALL = GmmConfig(
+    tile_m=64,
+    tile_n=64,
+    tile_k=128,
+    max_concurrent_steps=2,
+    grid_tile_width=2,
+    epilogue_tile_n=32,
+    wg_split="m",
+    num_sms=3,
+)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fprop", "dgrad"])
+def test_kernel_equals_the_reference_on_exact_operands(interpret, transpose_rhs):
+    """The 128-wide scale blocks' kernel (one fp8 wgmma per block, folded with the product of
+    its scales) against the reference: equal where every partial is exact, zeros past the
+    groups, empty groups; control: the reference with one lhs block's scale moved differs."""
+    lhs, rhs = exact_operands(200, 256, 384, 3, seed=8)
+    if transpose_rhs:
+        lhs = np.tile(lhs, (1, 2))[:, :384]
+    lq, rq = fb.quantize_1x128(jnp.asarray(lhs)), fb.quantize_128x128(jnp.asarray(rhs))
+    sizes = jnp.array([70, 0, 100])
+    config = None if on_hopper() else SMALL
+    got = gmm_fp8_blockwise(
+        lq, rq, sizes, transpose_rhs=transpose_rhs, impl="pallas", config=config
+    )
+    want = gmm_fp8_blockwise(lq, rq, sizes, transpose_rhs=transpose_rhs, impl="xla")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(
+        np.asarray(want), grouped_product(lhs, rhs, [70, 0, 100], transpose_rhs)
+    )
+    moved = fb.BlockwiseTensor(lq.data, jnp.roll(lq.scale_inv, 1, axis=1), lq.block_axes)
+    assert np.any(
+        np.asarray(gmm_fp8_blockwise(moved, rq, sizes, transpose_rhs=transpose_rhs, impl="xla"))
+        != np.asarray(want)
+    )
+
+
+def test_kernel_within_the_fp32_bound_on_random_data(interpret):
+    rng = np.random.default_rng(9)
+    lq = fb.quantize_1x128(jnp.asarray(rng.normal(size=(130, 256)), jnp.bfloat16))
+    rq = fb.quantize_128x128(jnp.asarray(rng.normal(size=(2, 256, 128)), jnp.bfloat16))
+    sizes = np.array([64, 60])
+    config = None if on_hopper() else SMALL
+    got = np.asarray(gmm_fp8_blockwise(lq, rq, jnp.asarray(sizes), impl="pallas", config=config))
+    a, b = np.asarray(fb.dequantize(lq), np.float64), np.asarray(fb.dequantize(rq), np.float64)
+    exact = grouped_product(a, b, sizes)
+    bound = 2 * (256 + 2) * 2.0**-24 * grouped_product(np.abs(a), np.abs(b), sizes) + 1e-30
+    assert np.all(np.abs(got - exact) <= bound) and np.all(got[124:] == 0)
+
+
+def test_gmm_refuses_bad_operands():
+    lq = fb.quantize_1x128(jnp.ones((32, 256)))
+    rq = fb.quantize_128x128(jnp.ones((2, 256, 128)))
+    with pytest.raises(ValueError, match="1x128 blocks along C"):
+        gmm_fp8_blockwise(fb.quantize_1x128(jnp.ones((32, 256)), 0), rq, jnp.array([16, 16]))
+    with pytest.raises(ValueError, match="contract 128"):
+        gmm_fp8_blockwise(lq, rq, jnp.array([16, 16]), transpose_rhs=True)
+    with pytest.raises(ValueError, match="group_sizes"):
+        gmm_fp8_blockwise(lq, rq, jnp.array([16, 16, 0]))
+    odd = fb.quantize_128x128(jnp.ones((2, 256, 96)))
+    with pytest.raises(ValueError, match="multiples of 128"):
+        gmm_fp8_blockwise(lq, odd, jnp.array([16, 16]), impl="pallas")
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fprop", "dgrad"])
+def test_kernel_lowers_at_real_shapes(transpose_rhs):
+    """Pallas -> Mosaic GPU lowering on CPU at the mixtral and dsv3 expert shapes."""
+    s = jax.ShapeDtypeStruct
+    for m, k, n, g in [(16384, 4096, 14336, 8), (32768, 7168, 2048, 32)]:
+        c = n if transpose_rhs else k
+
+        def run(ld, ls, rd, rs, sizes):
+            lq = fb.BlockwiseTensor(ld, ls, (1,))
+            rq = fb.BlockwiseTensor(rd, rs, (1, 2))
+            return gmm_fp8_blockwise(
+                lq,
+                rq,
+                sizes,
+                transpose_rhs=transpose_rhs,
+                impl="pallas",
+                preferred_element_type=jnp.bfloat16,
+            )
+
+        jax.jit(run).trace(
+            s((m, c), jnp.float8_e4m3fn),
+            s((m, c // 128), jnp.float32),
+            s((g, k, n), jnp.float8_e4m3fn),
+            s((g, k // 128, n // 128), jnp.float32),
+            s((g,), jnp.int32),
+        ).lower(lowering_platforms=("cuda",))

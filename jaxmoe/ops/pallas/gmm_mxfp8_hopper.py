@@ -1,12 +1,16 @@
-"""MXFP8 grouped matmul kernel for Hopper (Pallas Mosaic GPU): fp8 operands with one power-of-two
-scale per 32 elements along K, fp32 accumulation:
-out[m, n] = sum_k deq(lhs)[m, k] deq(rhs)[g(m)][n, k].
+"""Block-scaled fp8 grouped matmul kernel for Hopper (Pallas Mosaic GPU): fp8 operands with one
+fp32 scale per `scale_block` elements along K (MXFP8: 32, power-of-two scales; FP8 blockwise:
+128, `jaxmoe.fp8_blockwise`), fp32 accumulation:
+out[m, n] = sum over K blocks b, in order, of P_b[m, n] * (lhs_scale[b, m] * rhs_scale[g(m), b, n])
+with P_b the block's fp8 product.
 
 Same persistent, warp-specialised pipeline as the bf16 kernel (`gmm_common`); a K step runs one
-fp8 wgmma per 32-wide scale block and folds the block's scales into the accumulator.
+fp8 wgmma per scale block into a fresh accumulator and folds it, scaled, into the running one.
 docs/kernels.md describes the design."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -48,21 +52,24 @@ def default_mxfp8_config(
     return config.with_fitting_stages(jnp.float8_e4m3fn, out_dtype)
 
 
-def check_fp8_operands(lhs, lhs_scale, rhs, rhs_scale, what: str) -> None:
+def check_fp8_operands(
+    lhs, lhs_scale, rhs, rhs_scale, what: str, scale_block: int = BLOCK_SIZE
+) -> None:
     """Raise ValueError unless lhs [M, K] and rhs [G, N, K] are float8 and lhs_scale
-    [K/32, M] and rhs_scale [G, K/32, N] fp32 (the operands of the kernels reading fp8)."""
+    [K/B, M] and rhs_scale [G, K/B, N] fp32, B = scale_block (the operands of the kernels
+    reading fp8)."""
     num_rows, k = lhs.shape
     num_groups, n, _ = rhs.shape
     if lhs.dtype not in _FP8_DTYPES or rhs.dtype not in _FP8_DTYPES:
         raise ValueError(f"{what}: operands must be float8, got {lhs.dtype}, {rhs.dtype}")
     if (
-        lhs_scale.shape != (k // BLOCK_SIZE, num_rows)
-        or rhs_scale.shape != (num_groups, k // BLOCK_SIZE, n)
+        lhs_scale.shape != (k // scale_block, num_rows)
+        or rhs_scale.shape != (num_groups, k // scale_block, n)
         or lhs_scale.dtype != jnp.float32
         or rhs_scale.dtype != jnp.float32
     ):
         raise ValueError(
-            f"{what}: scales must be fp32 [K/32, M] and [G, K/32, N], got "
+            f"{what}: scales must be fp32 [K/{scale_block}, M] and [G, K/{scale_block}, N], got "
             f"{lhs_scale.shape} {lhs_scale.dtype} and {rhs_scale.shape} {rhs_scale.dtype}"
         )
 
@@ -87,15 +94,52 @@ def gmm_mxfp8_pallas(
       transposed so that a K block's scales for a row tile are contiguous.
     Rows past sum(group_sizes) are zeros. config: None for `default_mxfp8_config`. With
     groups_per_weight n, rhs (and rhs_scale) hold G / n matrices and group g uses entry g // n."""
-    check_fp8_operands(lhs, lhs_scale, rhs, rhs_scale, "gmm pallas mxfp8")
+    return gmm_block_scaled_fp8_pallas(
+        lhs,
+        lhs_scale,
+        rhs,
+        rhs_scale,
+        group_sizes,
+        scale_block=BLOCK_SIZE,
+        out_dtype=out_dtype,
+        config=config,
+        interpret=interpret,
+        groups_per_weight=groups_per_weight,
+    )
+
+
+def gmm_block_scaled_fp8_pallas(
+    lhs: jax.Array,
+    lhs_scale: jax.Array,
+    rhs: jax.Array,
+    rhs_scale: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    scale_block: int,
+    out_dtype,
+    config: GmmConfig | None = None,
+    interpret=None,
+    groups_per_weight: int = 1,
+) -> jax.Array:
+    """Block-scaled fp8 grouped matmul on Hopper (module docstring): lhs [M, K] and rhs
+    [G, N, K] float8 (both K-major, as Hopper's fp8 wgmma reads them); lhs_scale [K/B, M] and
+    rhs_scale [G, K/B, N] fp32 multipliers, B = scale_block (32 or 128), transposed so that a
+    K block's scales for a row tile are contiguous (FP8 blockwise: a 128 x 128 weight block's
+    scale repeated over its 128 columns). Rows past sum(group_sizes) are zeros. config: None
+    for `default_mxfp8_config`. groups_per_weight as in `gmm_mxfp8_pallas`."""
+    if scale_block not in _TILE_MATMULS:
+        raise ValueError(f"gmm pallas fp8: scale_block must be one of {sorted(_TILE_MATMULS)}")
+    check_fp8_operands(lhs, lhs_scale, rhs, rhs_scale, "gmm pallas fp8", scale_block)
     num_rows, k = lhs.shape
     num_groups, n, _ = rhs.shape
     config = config or default_mxfp8_config(num_rows, k, n, num_groups, out_dtype)
     config.validate(num_rows, k, n, lhs.dtype, out_dtype, transpose_rhs=True)
-    # The operand tiles are sliced into 32-wide K blocks, so they are swizzled at that width.
+    if config.tile_k % scale_block:
+        raise ValueError(f"gmm pallas fp8: tile_k={config.tile_k} must hold whole scale blocks")
+    # The operand tiles are sliced into scale_block-wide K blocks, so they are swizzled at that width.
     return gmm_kernel_call(
-        _multiply_scaled_tile,
-        "gmm_mxfp8",
+        _TILE_MATMULS[scale_block],
+        "gmm_mxfp8" if scale_block == BLOCK_SIZE else "gmm_fp8_blockwise",
         lhs,
         rhs,
         (lhs_scale, rhs_scale),
@@ -103,7 +147,7 @@ def gmm_mxfp8_pallas(
         n=n,
         out_dtype=out_dtype,
         transpose_rhs=True,
-        swizzle_k=BLOCK_SIZE,
+        swizzle_k=scale_block,
         release_delay=0,
         config=config,
         interpret=interpret,
@@ -111,21 +155,21 @@ def gmm_mxfp8_pallas(
     )
 
 
-def _multiply_scaled_tile(tile: TileContext):
-    """Per K step and 32-wide block: an fp8 wgmma into a fresh accumulator, then
-    acc += block product * (row scale * column scale). The scales are powers of two, so the
-    scaling is exact and acc sees one fp32 rounding per block, in ascending K order. The scales
-    are read from GMEM (L2) straight into registers."""
+def _multiply_scaled_tile(tile: TileContext, scale_block: int):
+    """Per K step and scale block: an fp8 wgmma into a fresh accumulator, then
+    acc += block product * (row scale * column scale), one fp32 rounding per block, in
+    ascending K order (with power-of-two scales the scaling itself is exact). The scales are
+    read from GMEM (L2) straight into registers."""
     lhs_scale_gmem, rhs_scale_gmem = tile.inputs
     row_scales = lhs_scale_gmem.at[:, tile.rows]
     column_scales = rhs_scale_gmem.at[tile.group, :, tile.columns]
 
-    blocks_per_step = tile.config.tile_k // BLOCK_SIZE
+    blocks_per_step = tile.config.tile_k // scale_block
 
     def mma(step, lhs_smem, rhs_smem, acc):
         a, b = tile.operands(lhs_smem, rhs_smem)
         for block in range(blocks_per_step):
-            ks = pl.ds(block * BLOCK_SIZE, BLOCK_SIZE)
+            ks = pl.ds(block * scale_block, scale_block)
 
             def block_product(part_ref):
                 plgpu.wgmma(part_ref, a.at[:, ks], b.at[ks, :])
@@ -150,3 +194,10 @@ def _multiply_scaled_tile(tile: TileContext):
     tile.run_pipeline(
         mma, lambda eval_pipeline: tile.store(eval_pipeline(zero_accumulator(*tile.acc_shape)))
     )
+
+
+# Module-level tile functions (they key gmm_common's kernel cache), by scale block.
+_TILE_MATMULS = {
+    BLOCK_SIZE: functools.partial(_multiply_scaled_tile, scale_block=BLOCK_SIZE),
+    128: functools.partial(_multiply_scaled_tile, scale_block=128),
+}
