@@ -80,8 +80,10 @@ def megatron_args(
         moe_dispatch_fwd_dtype=c.dispatch_dtype,
         moe_combine_bwd_dtype=c.combine_bwd_dtype,
     )
-    if c.expert_precision == "mxfp8":
-        args.update(fp8="e4m3", fp8_recipe="mxfp8")
+    if c.expert_precision in ("mxfp8", "fp8_blockwise"):
+        args.update(
+            fp8="e4m3", fp8_recipe="mxfp8" if c.expert_precision == "mxfp8" else "blockwise"
+        )
     return args
 
 

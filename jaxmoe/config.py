@@ -17,11 +17,13 @@ ScoreFunction = Literal["softmax", "sigmoid", "sqrtsoftplus"]
 LoadBalancingType = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"]
 Activation = Literal["silu", "gelu", "squared_relu"]
 Precision = Literal["bf16", "mxfp8"]
+ExpertPrecision = Literal["bf16", "mxfp8", "fp8_blockwise"]
 
 _SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 _LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 _ACTIVATIONS = ("silu", "gelu", "squared_relu")
 _PRECISIONS = ("bf16", "mxfp8")
+_EXPERT_PRECISIONS = (*_PRECISIONS, "fp8_blockwise")
 MXFP8_ALIGNMENTS = (32, 128, 256)
 
 
@@ -66,7 +68,9 @@ class MoEConfig:
     Precision and layout:
       expert_row_alignment: each expert's row block is padded with zero rows to a multiple of this
         (1: no padding; 32/128/256 for MXFP8).
-      expert_precision: "bf16" or "mxfp8" expert GEMMs.
+      expert_precision: "bf16", "mxfp8" or "fp8_blockwise" expert GEMMs (the last: Transformer
+        Engine's Float8BlockScaling, `jaxmoe.ops.fp8_blockwise_gmm`; expert_row_alignment a
+        multiple of 128).
       dispatch_dtype: wire/compute dtype of the dispatched tokens, "bf16" or "mxfp8".
       combine_bwd_dtype: dtype of the gradient dispatched back through the combine, "bf16"|"mxfp8".
     """
@@ -95,7 +99,7 @@ class MoEConfig:
     shared_expert_intermediate_size: int | None = None
     shared_expert_gate: bool = False
     expert_row_alignment: int = 1
-    expert_precision: Precision = "bf16"
+    expert_precision: ExpertPrecision = "bf16"
     dispatch_dtype: Precision = "bf16"
     combine_bwd_dtype: Precision = "bf16"
 
@@ -121,7 +125,7 @@ class MoEConfig:
         choice("load_balancing_type", _LOAD_BALANCING)
         choice("token_drop_policy", ("probs", "position"))
         choice("activation", _ACTIVATIONS)
-        choice("expert_precision", _PRECISIONS)
+        choice("expert_precision", _EXPERT_PRECISIONS)
         choice("dispatch_dtype", _PRECISIONS)
         choice("combine_bwd_dtype", _PRECISIONS)
 
@@ -172,6 +176,12 @@ class MoEConfig:
             fail("shared_expert_gate", "needs shared_expert_intermediate_size")
         if self.uses_mxfp8 and self.expert_row_alignment not in MXFP8_ALIGNMENTS:
             fail("expert_row_alignment", f"MXFP8 paths need one of {MXFP8_ALIGNMENTS}")
+        if self.expert_precision == "fp8_blockwise" and self.expert_row_alignment % 128:
+            fail(
+                "expert_row_alignment",
+                "fp8_blockwise experts need a multiple of 128 (their weight gradient's 1x128 "
+                "blocks along the rows must not mix experts)",
+            )
 
     # ------------------------------------------------------------------ derived quantities
     @property
@@ -254,10 +264,12 @@ class MoEConfig:
         alignment = 1
         if args.get("fp8") and args.get("fp8_recipe") == "mxfp8":
             expert_precision, alignment = "mxfp8", 32
+        elif args.get("fp8") == "e4m3" and args.get("fp8_recipe") == "blockwise":
+            expert_precision, alignment = "fp8_blockwise", 128
         elif args.get("fp8"):
             raise ValueError(
-                f"from_megatron: fp8 recipe {args.get('fp8_recipe')!r} is not "
-                "supported (only mxfp8)"
+                f"from_megatron: fp8 recipe {args.get('fp8_recipe')!r} with format "
+                f"{args.get('fp8')!r} is not supported (mxfp8, or blockwise with e4m3)"
             )
 
         fields = dict(

@@ -12,8 +12,8 @@ Padding rows are zero and carry p = 0, so their activation rows are exactly zero
 Every sum that autodiff would leave to an XLA reduce (the probability's and the shared gate's
 gradients, the biases' gradients) runs in a fixed order (`jaxmoe.ordered`, `bias_per_row`).
 
-The GEMMs run by the recipe of `MoEConfig.expert_precision` (`jaxmoe.recipes`: bf16 or
-MXFP8, and the token-level MXFP8 options of the dispatch and the combine gradient).
+The GEMMs run by the recipe of `MoEConfig.expert_precision` (`jaxmoe.recipes`: bf16, MXFP8
+or FP8 blockwise, and the token-level MXFP8 options of the dispatch and the combine gradient).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from jaxmoe import routing as routing_lib
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import LocalRoute, dequantized_rows
 from jaxmoe.experts import ExpertMatrices, grouped_mlp, quantize_expert_weights, shared_mlp
+from jaxmoe.fp8_blockwise import BLOCK as FP8_BLOCK
 from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor
 from jaxmoe.ops.quantize import quantize
 from jaxmoe.plan import Plan, make_plan
@@ -292,7 +293,7 @@ class MoE(nnx.Module):
             raise TypeError(f"MoE: config must be a MoEConfig, got {type(config).__name__}")
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
             raise ValueError(f"MoE: hidden_size must be a positive int, got {hidden_size!r}")
-        _check_mxfp8_shapes(config, hidden_size)
+        _check_block_shapes(config, hidden_size)
         for name, dt in (("param_dtype", param_dtype), ("dtype", dtype)):
             if dt is not None and not jnp.issubdtype(jnp.dtype(dt), jnp.floating):
                 raise TypeError(f"MoE: {name} must be a floating dtype, got {dt}")
@@ -469,9 +470,9 @@ class MoE(nnx.Module):
         )
 
 
-def _check_mxfp8_shapes(config: MoEConfig, hidden_size: int) -> None:
+def _check_block_shapes(config: MoEConfig, hidden_size: int) -> None:
     """MXFP8 blocks are 32 wide: H must be a multiple of 32 for any MXFP8 option, and F too for
-    MXFP8 experts (fc2 contracts over F)."""
+    MXFP8 experts (fc2 contracts over F); FP8 blockwise experts need both multiples of 128."""
     if config.uses_mxfp8 and hidden_size % BLOCK_SIZE:
         raise ValueError(
             f"MoE: hidden_size ({hidden_size}) must be a multiple of {BLOCK_SIZE} "
@@ -481,6 +482,14 @@ def _check_mxfp8_shapes(config: MoEConfig, hidden_size: int) -> None:
         raise ValueError(
             f"MoE: ffn_hidden_size ({config.ffn_hidden_size}) must be a multiple "
             f"of {BLOCK_SIZE} for expert_precision='mxfp8' (blocks of 32 along F)"
+        )
+    if config.expert_precision == "fp8_blockwise" and (
+        hidden_size % FP8_BLOCK or config.ffn_hidden_size % FP8_BLOCK
+    ):
+        raise ValueError(
+            f"MoE: hidden_size ({hidden_size}) and ffn_hidden_size ({config.ffn_hidden_size}) "
+            f"must be multiples of {FP8_BLOCK} for expert_precision='fp8_blockwise' (its "
+            "1x128 and 128x128 blocks)"
         )
 
 

@@ -1,7 +1,7 @@
 """GEMM recipes of the routed experts: how fc1, fc2 and the combine run for one
-`MoEConfig.expert_precision` ("bf16", "mxfp8"). The expert MLP (`jaxmoe.experts.grouped_mlp`)
-asks `recipe_for(config)` and never branches on precision; a new recipe (e.g. blockwise fp8)
-joins by subclassing `ExpertRecipe` and registering in RECIPES.
+`MoEConfig.expert_precision` ("bf16", "mxfp8", "fp8_blockwise"). The expert MLP
+(`jaxmoe.experts.grouped_mlp`) asks `recipe_for(config)` and never branches on precision; a new
+recipe joins by subclassing `ExpertRecipe` and registering in RECIPES.
 
 A recipe decides the GEMM arithmetic only: the rounding points around it (fc1 output, the
 weighted activation, fc2 output, the combine) are the expert MLP's and the same for every
@@ -34,7 +34,7 @@ from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.mxfp8 import MXTensor, dequantize
-from jaxmoe.ops import gmm
+from jaxmoe.ops import fp8_blockwise_gmm, gmm
 from jaxmoe.ops.mxfp8_gmm import (
     Mxfp8GmmResiduals,
     QuantizedWeights,
@@ -115,13 +115,10 @@ class Bf16Recipe(ExpertRecipe):
 
     name = "bf16"
 
-    def fc1(self, rows, kernel, route, *, rows_rowwise, weights, out_dtype, impl):
-        if weights is not None:
-            raise ValueError(
-                f"grouped_mlp: expert_weights are quantized copies; the experts run in {self.name}"
-            )
+    def gemm(self, lhs, kernel, route, out_dtype, impl):
+        """lhs [M, K] @ kernel[expert] over the route's groups, fp32 accumulation, in out_dtype."""
         return gmm(
-            rows,
+            lhs,
             kernel,
             route.group_sizes,
             impl=impl,
@@ -129,17 +126,16 @@ class Bf16Recipe(ExpertRecipe):
             groups_per_weight=route.groups_per_weight,
         )
 
+    def fc1(self, rows, kernel, route, *, rows_rowwise, weights, out_dtype, impl):
+        if weights is not None:
+            raise ValueError(
+                f"grouped_mlp: expert_weights are quantized copies; the experts run in {self.name}"
+            )
+        return self.gemm(rows, kernel, route, out_dtype, impl)
+
     def fc2_and_combine(self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl):
         with jax.named_scope("fc2"):
-            out = gmm(
-                a,
-                kernel,
-                route.group_sizes,
-                impl=impl,
-                preferred_element_type=a.dtype,
-                groups_per_weight=route.groups_per_weight,
-            )
-            out = add_row_bias(out, row_bias)
+            out = add_row_bias(self.gemm(a, kernel, route, a.dtype, impl), row_bias)
         with jax.named_scope("combine"):
             if combine_bwd_dtype == "mxfp8":
                 combined = _combine_with_mxfp8_gradient(out, route, impl)
@@ -187,7 +183,28 @@ class Mxfp8Recipe(ExpertRecipe):
         )
 
 
-RECIPES: dict[str, ExpertRecipe] = {recipe.name: recipe for recipe in (Bf16Recipe(), Mxfp8Recipe())}
+class Fp8BlockwiseRecipe(Bf16Recipe):
+    """Transformer Engine's FP8 blockwise recipe (`Float8BlockScaling`: 1x128 activations and
+    gradients, 128x128 weights) for fc1 and fc2, forward and backward
+    (`jaxmoe.ops.fp8_blockwise_gmm`); the rest as the bf16 recipe (with dispatch_dtype "mxfp8"
+    the rows are the dequantized wire rows, quantized again in 1x128 blocks)."""
+
+    name = "fp8_blockwise"
+
+    def gemm(self, lhs, kernel, route, out_dtype, impl):
+        if route.groups_per_weight != 1:
+            raise ValueError(
+                "fp8_blockwise experts do not run under expert parallelism yet "
+                f"(groups_per_weight={route.groups_per_weight})"
+            )
+        return fp8_blockwise_gmm(
+            lhs, kernel, route.group_sizes, impl=impl, preferred_element_type=out_dtype
+        )
+
+
+RECIPES: dict[str, ExpertRecipe] = {
+    recipe.name: recipe for recipe in (Bf16Recipe(), Mxfp8Recipe(), Fp8BlockwiseRecipe())
+}
 
 
 def recipe_for(config: MoEConfig) -> ExpertRecipe:

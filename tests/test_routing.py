@@ -800,7 +800,7 @@ def test_from_megatron_rejects_unsupported(key, value, message):
         MoEConfig.from_megatron(args)
 
 
-def test_from_megatron_rejects_non_mxfp8_fp8_and_maps_mxfp8():
+def test_from_megatron_maps_mxfp8_and_blockwise_and_rejects_other_fp8():
     args = _megatron_args("deepseek_bf16")
     args.update(fp8="hybrid", fp8_recipe="delayed")
     with pytest.raises(ValueError, match="fp8"):
@@ -808,3 +808,9 @@ def test_from_megatron_rejects_non_mxfp8_fp8_and_maps_mxfp8():
     args.update(fp8_recipe="mxfp8")
     config = MoEConfig.from_megatron(args)
     assert config.expert_precision == "mxfp8" and config.expert_row_alignment == 32
+    args.update(fp8_recipe="blockwise")
+    with pytest.raises(ValueError, match="blockwise with e4m3"):
+        MoEConfig.from_megatron(args)  # hybrid: e5m2 gradients, not modelled
+    args.update(fp8="e4m3")
+    config = MoEConfig.from_megatron(args)
+    assert config.expert_precision == "fp8_blockwise" and config.expert_row_alignment == 128

@@ -3,7 +3,7 @@ for it in `jaxmoe.ops.registry`: "pallas")."""
 
 from jaxmoe.ops.dense import dense
 from jaxmoe.ops.device import on_hopper
-from jaxmoe.ops.fp8_blockwise_gmm import gmm_fp8_blockwise
+from jaxmoe.ops.fp8_blockwise_gmm import fp8_blockwise_gmm, gmm_fp8_blockwise
 from jaxmoe.ops.gmm import gmm, tgmm
 from jaxmoe.ops.mxfp8_gmm import QuantizedWeights, mxfp8_gmm, quantize_weights
 from jaxmoe.ops.mxtensor_gmm import gmm_mxtensor, tgmm_mxtensor
@@ -21,6 +21,7 @@ __all__ = [
     "gmm_mxtensor",
     "tgmm_mxtensor",
     "gmm_fp8_blockwise",
+    "fp8_blockwise_gmm",
     "quantize",
     "dispatch_quantize",
     "dispatch_rows",

@@ -9,17 +9,27 @@ dgrad of Transformer Engine's `Float8BlockScaling` recipe for the experts.
                  of 128). Its partials come from the tensor core, so it equals the reference
                  where the partials are exact and is within the fp32 bound elsewhere.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
+`fp8_blockwise_gmm` is the differentiable GEMM of the recipe on high-precision operands.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.fp8_blockwise import BLOCK, BlockwiseTensor, gmm_reference
+from jaxmoe.fp8_blockwise import (
+    BLOCK,
+    BlockwiseTensor,
+    dequantize,
+    gmm_reference,
+    quantize_1x128,
+    quantize_128x128,
+)
 from jaxmoe.ops import registry
 from jaxmoe.ops.checks import check_group_sizes
-from jaxmoe.ops.gmm import kernel_rows, pad_rows
+from jaxmoe.ops.gmm import kernel_rows, pad_rows, tgmm
 from jaxmoe.ops.pallas.gmm_common import GmmConfig
 from jaxmoe.ops.pallas.gmm_mxfp8_hopper import gmm_block_scaled_fp8_pallas
 
@@ -92,3 +102,78 @@ def gmm_fp8_blockwise(
         config=config,
     )
     return out[:num_rows]
+
+
+def fp8_blockwise_gmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    impl: str = "auto",
+    preferred_element_type=jnp.float32,
+) -> jax.Array:
+    """Grouped matmul out[m] = lhs[m] @ rhs[g(m)] with Transformer Engine's FP8 blockwise recipe,
+    differentiable w.r.t. lhs and rhs (straight-through quantizers, as in TE):
+      fprop  lhs in 1x128 blocks along K  x  rhs in 128x128 blocks  (`gmm_fp8_blockwise`)
+      dgrad  grad in 1x128 blocks along N  x  the same rhs blocks, transposed
+      wgrad  lhs and grad each in 1x128 blocks along the rows, dequantized (exact) and
+             multiplied by `jaxmoe.ops.tgmm` (no blockwise wgrad kernel yet: the same products,
+             summed over all of a group's rows in one fp32 chain instead of per 128-row block)
+    lhs [M, K] and rhs [G, K, N] high precision (rhs rounded to lhs's dtype before it is
+    quantized; its gradient in its own dtype); K, N and every group size multiples of 128 (no
+    1x128 block along the rows mixes two groups; rows past the groups must be zeros, as the plan
+    makes them). Result in `preferred_element_type`."""
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(
+            f"fp8_blockwise_gmm: lhs must be [M, K] and rhs [G, K, N]; got {lhs.shape}, {rhs.shape}"
+        )
+    _, k, n = rhs.shape
+    if k % BLOCK or n % BLOCK:
+        raise ValueError(f"fp8_blockwise_gmm: K={k} and N={n} must be multiples of {BLOCK}")
+    check_group_sizes(group_sizes, rhs.shape[0], lhs.shape[0], "fp8_blockwise_gmm", multiple=BLOCK)
+    return _fp8_blockwise_gmm(
+        lhs,
+        rhs,
+        group_sizes.astype(jnp.int32),
+        jnp.dtype(preferred_element_type),
+        impl,
+        jnp.dtype(lhs.dtype),
+        jnp.dtype(rhs.dtype),
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fp8_blockwise_gmm(lhs, rhs, group_sizes, out_dtype, impl, dtype, rhs_dtype):
+    return _fp8_blockwise_gmm_fwd(lhs, rhs, group_sizes, out_dtype, impl, dtype, rhs_dtype)[0]
+
+
+def _fp8_blockwise_gmm_fwd(lhs, rhs, group_sizes, out_dtype, impl, dtype, rhs_dtype):
+    weights = quantize_128x128(rhs.astype(lhs.dtype))
+    out = gmm_fp8_blockwise(
+        quantize_1x128(lhs, 1), weights, group_sizes, impl=impl, preferred_element_type=out_dtype
+    )
+    return out, (quantize_1x128(lhs, 0), weights, group_sizes)
+
+
+def _fp8_blockwise_gmm_bwd(out_dtype, impl, dtype, rhs_dtype, residuals, grad):
+    lhs_columnwise, weights, group_sizes = residuals
+    grad = grad.astype(dtype)
+    d_lhs = gmm_fp8_blockwise(
+        quantize_1x128(grad, 1),
+        weights,
+        group_sizes,
+        transpose_rhs=True,
+        impl=impl,
+        preferred_element_type=dtype,
+    )
+    d_rhs = tgmm(
+        dequantize(lhs_columnwise, dtype),
+        dequantize(quantize_1x128(grad, 0), dtype),
+        group_sizes,
+        impl=impl,
+        preferred_element_type=rhs_dtype,
+    )
+    return d_lhs, d_rhs, None
+
+
+_fp8_blockwise_gmm.defvjp(_fp8_blockwise_gmm_fwd, _fp8_blockwise_gmm_bwd)
