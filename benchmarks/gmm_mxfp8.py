@@ -10,7 +10,10 @@ process, GEMMs on already-quantized operands:
                          kernel; the default) | jaxmoe_mxfp8_fused (strategy
                          "fused_dequantize": the same bits, dequantized in SMEM) | jaxmoe_bf16 |
                          torch_scaled_grouped_mm (fp8 rowwise scales) | torch_grouped_mm (bf16)
-  dgrad  dy @ W[g]^T     same six
+                         | jaxmoe_fp8_blockwise (`ops.gmm_fp8_blockwise`: TE's FP8 blockwise
+                         recipe, 1x128 x 128x128 blocks, on the 128-block fp8 kernel; its fprop
+                         transposes the fp8 weights in the call)
+  dgrad  dy @ W[g]^T     same seven
   wgrad  x_g^T @ dy_g    jaxmoe_mxfp8 (dequantize + bf16 tgmm) | jaxmoe_bf16 | torch (both)
   quantize               x rowwise and columnwise, and the fused gather + rowwise quantize
                          (dispatch_quantize), on XLA (the reference) and on the Pallas kernels,
@@ -37,8 +40,17 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gmm import SHAPES, bar_plot, cell, group_sizes_for  # noqa: E402
 from benchmarks.timing import device_seconds, time_it  # noqa: E402
+from jaxmoe.fp8_blockwise import quantize_1x128, quantize_128x128  # noqa: E402
 from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
-from jaxmoe.ops import dispatch_quantize, gmm, gmm_mxtensor, quantize, tgmm, tgmm_mxtensor  # noqa: E402
+from jaxmoe.ops import (  # noqa: E402
+    dispatch_quantize,
+    gmm,
+    gmm_fp8_blockwise,
+    gmm_mxtensor,
+    quantize,
+    tgmm,
+    tgmm_mxtensor,
+)
 from jaxmoe.ops.pallas.quantize_hopper import (  # noqa: E402
     ARITHMETIC,
     gather_quantize_rowwise_pallas,
@@ -127,12 +139,18 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
     w_dgrad = quantize(w, axis=2)  # [G, K, N], blocks along N
     x_col, dy_col = quantize(x, axis=0), quantize(dy, axis=0)
     jax.block_until_ready((x_q, dy_q, w_fprop, w_dgrad, x_col, dy_col))
+    blockwise = jax.jit(
+        functools.partial(gmm_fp8_blockwise, impl="pallas", preferred_element_type=BF16),
+        static_argnames="transpose_rhs",
+    )
+    x_b, dy_b, w_b = quantize_1x128(x), quantize_1x128(dy), quantize_128x128(w)
 
     # ---- fwd: out[M, N]
     if "fwd" in ops:
         run("fwd", "jaxmoe_mxfp8", lambda: mx(x_q, w_fprop, gs))
         run("fwd", "jaxmoe_mxfp8_dequant", lambda: mx_dequant(x_q, w_fprop, gs))
         run("fwd", "jaxmoe_mxfp8_fused", lambda: mx_fused(x_q, w_fprop, gs))
+        run("fwd", "jaxmoe_fp8_blockwise", lambda: blockwise(x_b, w_b, gs))
         run("fwd", "jaxmoe_bf16", lambda: bf(x, w, gs))
         tx8, sx = torch_rowwise_fp8(torch, tx, 1)
         tw8, sw = torch_rowwise_fp8(torch, tw.transpose(-2, -1).contiguous(), 2)  # [G, N, K]
@@ -159,6 +177,7 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
         run("dgrad", "jaxmoe_mxfp8", lambda: mx(dy_q, w_dgrad, gs))
         run("dgrad", "jaxmoe_mxfp8_dequant", lambda: mx_dequant(dy_q, w_dgrad, gs))
         run("dgrad", "jaxmoe_mxfp8_fused", lambda: mx_fused(dy_q, w_dgrad, gs))
+        run("dgrad", "jaxmoe_fp8_blockwise", lambda: blockwise(dy_b, w_b, gs, transpose_rhs=True))
         run("dgrad", "jaxmoe_bf16", lambda: bf(dy, w, gs, transpose_rhs=True))
         tdy8, sdy = torch_rowwise_fp8(torch, tdy, 1)
         tw8d, swd = torch_rowwise_fp8(torch, tw, 2)  # [G, K, N]
