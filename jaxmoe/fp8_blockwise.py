@@ -187,29 +187,32 @@ def gmm_reference(lhs: BlockwiseTensor, rhs: BlockwiseTensor, group_sizes, *, tr
             f"gmm_reference: contraction {k} vs {w.shape[1]}; must be a multiple of 128"
         )
     ends = jnp.cumsum(group_sizes)
-    group = jnp.searchsorted(ends, jnp.arange(m), side="right")
-    valid = group < w.shape[0]
-    group = jnp.minimum(group, w.shape[0] - 1)
+    group = jnp.minimum(jnp.searchsorted(ends, jnp.arange(m), side="right"), w.shape[0] - 1)
     a = lhs.data.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
     b = w.astype(jnp.float32).reshape(w.shape[0], k // BLOCK, BLOCK, n)
     column_scale = jnp.repeat(w_scale, BLOCK, axis=2)[:, :, :n]  # [G, K/128, N]
 
     def fold(acc, block):
-        partial = jnp.einsum(
-            "mk,mkn->mn", a[:, block], b[group, block], precision=lax.Precision.HIGHEST
-        )
+        partial = lax.ragged_dot(
+            a[:, block],
+            b[:, block],
+            group_sizes,
+            precision=lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        )  # rows past the groups: 0
         scale = lhs.scale_inv[:, block, None] * column_scale[group, block]
         return acc + partial * scale, None
 
     out, _ = lax.scan(fold, jnp.zeros((m, n), jnp.float32), jnp.arange(k // BLOCK))
-    return jnp.where(valid[:, None], out, 0.0)
+    return out
 
 
 def tgmm_reference(lhs: BlockwiseTensor, rhs: BlockwiseTensor, group_sizes):
     """The blockwise weight gradient's reference: out[g] = sum over g's 128-row blocks b, in
     order, of P_b^T * (lhs.scale_inv[b, k] * rhs.scale_inv[b, n]) in fp32, for lhs [M, K] and
-    rhs [M, N] in 1 x 128 blocks along M (the tokens). Group sizes must be multiples of 128 (no
-    block mixes two experts; the plan pads each expert's rows). fp32 [G, K, N]."""
+    rhs [M, N] in 1 x 128 blocks along M (the tokens). Group sizes: concrete (not traced; a
+    reference for tests), multiples of 128 (no block mixes two experts; the plan pads each
+    expert's rows). fp32 [G, K, N]."""
     if lhs.block_axes != (0,) or rhs.block_axes != (0,) or lhs.shape[0] != rhs.shape[0]:
         raise ValueError("tgmm_reference: lhs [M, K] and rhs [M, N] in 1x128 blocks along M")
     sizes = np.asarray(group_sizes)
