@@ -30,7 +30,7 @@ from jaxmoe.fp8_blockwise import BLOCK as FP8_BLOCK
 from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor
 from jaxmoe.ops.quantize import quantize
 from jaxmoe.plan import Plan, make_plan
-from jaxmoe.recipes import ExpertWeightsMx
+from jaxmoe.recipes import ExpertWeights
 
 F32 = jnp.float32
 
@@ -346,9 +346,10 @@ class MoE(nnx.Module):
             self.global_tokens_per_expert[...] = jnp.zeros_like(self.global_tokens_per_expert[...])
             self.global_aux_steps[...] = jnp.zeros_like(self.global_aux_steps[...])
 
-    def quantize_expert_weights(self) -> ExpertWeightsMx:
+    def quantize_expert_weights(self) -> ExpertWeights:
         """The quantized copies of the routed experts' weights (MXFP8: fprop and dgrad copies;
-        a ValueError for bf16 experts, which have none). Make them once per optimizer step
+        FP8 blockwise: the 128x128 copies and their transposes; a ValueError for bf16 experts,
+        which have none). Make them once per optimizer step
         (after the update) and pass them as `expert_weights=` to each micro-batch's forward:
         the bits are those of quantizing in every call, and the gradient still reaches the
         master weights."""
@@ -365,7 +366,7 @@ class MoE(nnx.Module):
         x: jax.Array,
         *,
         padding_mask: jax.Array | None = None,
-        expert_weights: ExpertWeightsMx | None = None,
+        expert_weights: ExpertWeights | None = None,
     ) -> tuple[jax.Array, MoEAux]:
         """y, aux = moe(x): x [..., H] -> y [..., H] in the compute dtype.
 
@@ -384,7 +385,7 @@ class MoE(nnx.Module):
         x: jax.Array,
         *,
         padding_mask: jax.Array | None = None,
-        expert_weights: ExpertWeightsMx | None = None,
+        expert_weights: ExpertWeights | None = None,
         route_for: Callable[[Plan, str], Any] = LocalRoute,
     ) -> tuple[jax.Array, MoEAux, MoEStages]:
         """Like `__call__`, plus the intermediate values (`MoEStages`, for stage-by-stage

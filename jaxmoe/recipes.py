@@ -35,6 +35,7 @@ from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 from jaxmoe.config import MoEConfig
 from jaxmoe.mxfp8 import MXTensor, dequantize
 from jaxmoe.ops import fp8_blockwise_gmm, gmm
+from jaxmoe.ops.fp8_blockwise_gmm import BlockwiseWeights, quantize_blockwise_weights
 from jaxmoe.ops.mxfp8_gmm import (
     Mxfp8GmmResiduals,
     QuantizedWeights,
@@ -54,6 +55,18 @@ class ExpertWeightsMx:
 
     fc1: QuantizedWeights
     fc2: QuantizedWeights
+
+
+@struct.dataclass
+class ExpertWeightsBlockwise:
+    """The FP8-blockwise copies of the experts' fc1 and fc2 weights
+    (`Fp8BlockwiseRecipe.quantize_weights`)."""
+
+    fc1: BlockwiseWeights
+    fc2: BlockwiseWeights
+
+
+ExpertWeights = ExpertWeightsMx | ExpertWeightsBlockwise  # a recipe's quantized weight copies
 
 
 class ExpertRecipe(abc.ABC):
@@ -115,8 +128,16 @@ class Bf16Recipe(ExpertRecipe):
 
     name = "bf16"
 
-    def gemm(self, lhs, kernel, route, out_dtype, impl):
-        """lhs [M, K] @ kernel[expert] over the route's groups, fp32 accumulation, in out_dtype."""
+    def check_copies(self, weights) -> None:
+        """Raise unless `weights` (expert_weights=) are None or this recipe's copies."""
+        if weights is not None:
+            raise ValueError(
+                f"grouped_mlp: expert_weights are quantized copies; the experts run in {self.name}"
+            )
+
+    def gemm(self, lhs, kernel, route, out_dtype, impl, copies=None):
+        """lhs [M, K] @ kernel[expert] over the route's groups, fp32 accumulation, in out_dtype
+        (copies: this recipe's quantized copies of kernel, or None)."""
         return gmm(
             lhs,
             kernel,
@@ -127,15 +148,16 @@ class Bf16Recipe(ExpertRecipe):
         )
 
     def fc1(self, rows, kernel, route, *, rows_rowwise, weights, out_dtype, impl):
-        if weights is not None:
-            raise ValueError(
-                f"grouped_mlp: expert_weights are quantized copies; the experts run in {self.name}"
-            )
-        return self.gemm(rows, kernel, route, out_dtype, impl)
+        self.check_copies(weights)
+        return self.gemm(
+            rows, kernel, route, out_dtype, impl, None if weights is None else weights.fc1
+        )
 
     def fc2_and_combine(self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl):
+        self.check_copies(weights)
+        copies = None if weights is None else weights.fc2
         with jax.named_scope("fc2"):
-            out = add_row_bias(self.gemm(a, kernel, route, a.dtype, impl), row_bias)
+            out = add_row_bias(self.gemm(a, kernel, route, a.dtype, impl, copies), row_bias)
         with jax.named_scope("combine"):
             if combine_bwd_dtype == "mxfp8":
                 combined = _combine_with_mxfp8_gradient(out, route, impl)
@@ -191,14 +213,31 @@ class Fp8BlockwiseRecipe(Bf16Recipe):
 
     name = "fp8_blockwise"
 
-    def gemm(self, lhs, kernel, route, out_dtype, impl):
+    def check_copies(self, weights) -> None:
+        if weights is not None and not isinstance(weights, ExpertWeightsBlockwise):
+            raise ValueError(
+                "grouped_mlp: expert_weights must be this layer's quantize_expert_weights() "
+                "(fp8_blockwise copies)"
+            )
+
+    def quantize_weights(self, fc1_kernel, fc2_kernel, impl):
+        return ExpertWeightsBlockwise(
+            fc1=quantize_blockwise_weights(fc1_kernel), fc2=quantize_blockwise_weights(fc2_kernel)
+        )
+
+    def gemm(self, lhs, kernel, route, out_dtype, impl, copies=None):
         if route.groups_per_weight != 1:
             raise ValueError(
                 "fp8_blockwise experts do not run under expert parallelism yet "
                 f"(groups_per_weight={route.groups_per_weight})"
             )
         return fp8_blockwise_gmm(
-            lhs, kernel, route.group_sizes, impl=impl, preferred_element_type=out_dtype
+            lhs,
+            kernel,
+            route.group_sizes,
+            rhs_quantized=copies,
+            impl=impl,
+            preferred_element_type=out_dtype,
         )
 
 

@@ -140,6 +140,35 @@ def test_refusals():
         fp8_blockwise_gmm(jnp.ones((256, 128)), jnp.ones((2, 128, 128)), jnp.array([100, 156]))
     with pytest.raises(ValueError, match="multiples of 128"):
         MoE(CONFIG.replace(ffn_hidden_size=96), H, rngs=nnx.Rngs(0))
-    model = make()
     with pytest.raises(ValueError, match="no quantized weight copies"):
-        model.quantize_expert_weights()
+        make(CONFIG.replace(expert_precision="bf16")).quantize_expert_weights()
+
+
+def test_weights_quantized_once_per_step_give_the_same_bits():
+    """MoE.quantize_expert_weights() once, two micro-batches with expert_weights=: outputs and
+    gradients (the bf16 master weights' included) equal quantizing in every call; copies of
+    other weights are used as given (control)."""
+    model = make()
+    weights = model.quantize_expert_weights()
+    stale = make(seed=5).quantize_expert_weights()
+
+    def step(x, expert_weights):
+        def loss(model, x):
+            y, aux = model(x, expert_weights=expert_weights)
+            return jnp.sum(y.astype(jnp.float32) ** 2) + aux.total_loss, y
+
+        (_, y), g = nnx.value_and_grad(loss, has_aux=True)(model, x)
+        return [y, *jax.tree.leaves(g)]
+
+    for seed in (6, 7):
+        x = tokens(40, seed)[None]
+        for a, b in zip(step(x, weights), step(x, None)):
+            assert_bitwise(a, b)
+    assert differs(step(x, stale)[0], step(x, None)[0])
+    with pytest.raises(ValueError, match="fp8_blockwise copies"):
+        model(
+            x,
+            expert_weights=make(
+                CONFIG.replace(expert_precision="mxfp8", expert_row_alignment=32)
+            ).quantize_expert_weights(),
+        )

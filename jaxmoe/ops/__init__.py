@@ -3,7 +3,12 @@ for it in `jaxmoe.ops.registry`: "pallas")."""
 
 from jaxmoe.ops.dense import dense
 from jaxmoe.ops.device import on_hopper
-from jaxmoe.ops.fp8_blockwise_gmm import fp8_blockwise_gmm, gmm_fp8_blockwise
+from jaxmoe.ops.fp8_blockwise_gmm import (
+    BlockwiseWeights,
+    fp8_blockwise_gmm,
+    gmm_fp8_blockwise,
+    quantize_blockwise_weights,
+)
 from jaxmoe.ops.gmm import gmm, tgmm
 from jaxmoe.ops.mxfp8_gmm import QuantizedWeights, mxfp8_gmm, quantize_weights
 from jaxmoe.ops.mxtensor_gmm import gmm_mxtensor, tgmm_mxtensor
@@ -22,6 +27,8 @@ __all__ = [
     "tgmm_mxtensor",
     "gmm_fp8_blockwise",
     "fp8_blockwise_gmm",
+    "BlockwiseWeights",
+    "quantize_blockwise_weights",
     "quantize",
     "dispatch_quantize",
     "dispatch_rows",

@@ -18,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from jaxmoe.fp8_blockwise import (
     BLOCK,
@@ -104,11 +105,34 @@ def gmm_fp8_blockwise(
     return out[:num_rows]
 
 
+@struct.dataclass
+class BlockwiseWeights:
+    """The FP8-blockwise copies of expert weights W [G, K, N] (`quantize_blockwise_weights`):
+    `weights` (128x128 blocks, what dgrad reads) and `transposed` (W^T [G, N, K], the same
+    blocks transposed: K-major, what the fprop kernel reads)."""
+
+    weights: BlockwiseTensor
+    transposed: BlockwiseTensor
+
+
+def quantize_blockwise_weights(rhs: jax.Array) -> BlockwiseWeights:
+    """Both copies of rhs [G, K, N] as `fp8_blockwise_gmm` makes them. Make them once per
+    optimizer step (after the update) and pass them to every micro-batch (`rhs_quantized`)."""
+    if rhs.ndim != 3:
+        raise ValueError(f"quantize_blockwise_weights: rhs must be [G, K, N], got {rhs.shape}")
+    weights = quantize_128x128(rhs)
+    transposed = BlockwiseTensor(
+        jnp.swapaxes(weights.data, 1, 2), jnp.swapaxes(weights.scale_inv, 1, 2), (1, 2)
+    )
+    return BlockwiseWeights(weights, transposed)
+
+
 def fp8_blockwise_gmm(
     lhs: jax.Array,
     rhs: jax.Array,
     group_sizes: jax.Array,
     *,
+    rhs_quantized: BlockwiseWeights | None = None,
     impl: str = "auto",
     preferred_element_type=jnp.float32,
 ) -> jax.Array:
@@ -122,7 +146,9 @@ def fp8_blockwise_gmm(
     lhs [M, K] and rhs [G, K, N] high precision (rhs rounded to lhs's dtype before it is
     quantized; its gradient in its own dtype); K, N and every group size multiples of 128 (no
     1x128 block along the rows mixes two groups; rows past the groups must be zeros, as the plan
-    makes them). Result in `preferred_element_type`."""
+    makes them). rhs_quantized: `quantize_blockwise_weights(rhs)` made earlier in the step
+    (None: quantize here); it carries no gradient, rhs does. Result in
+    `preferred_element_type`."""
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(
             f"fp8_blockwise_gmm: lhs must be [M, K] and rhs [G, K, N]; got {lhs.shape}, {rhs.shape}"
@@ -131,10 +157,18 @@ def fp8_blockwise_gmm(
     if k % BLOCK or n % BLOCK:
         raise ValueError(f"fp8_blockwise_gmm: K={k} and N={n} must be multiples of {BLOCK}")
     check_group_sizes(group_sizes, rhs.shape[0], lhs.shape[0], "fp8_blockwise_gmm", multiple=BLOCK)
+    if rhs_quantized is not None and (
+        not isinstance(rhs_quantized, BlockwiseWeights) or rhs_quantized.weights.shape != rhs.shape
+    ):
+        raise ValueError(
+            "fp8_blockwise_gmm: rhs_quantized must be quantize_blockwise_weights(rhs) of rhs's "
+            f"shape {rhs.shape}"
+        )
     return _fp8_blockwise_gmm(
         lhs,
         rhs,
         group_sizes.astype(jnp.int32),
+        rhs_quantized,
         jnp.dtype(preferred_element_type),
         impl,
         jnp.dtype(lhs.dtype),
@@ -142,17 +176,26 @@ def fp8_blockwise_gmm(
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _fp8_blockwise_gmm(lhs, rhs, group_sizes, out_dtype, impl, dtype, rhs_dtype):
-    return _fp8_blockwise_gmm_fwd(lhs, rhs, group_sizes, out_dtype, impl, dtype, rhs_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fp8_blockwise_gmm(lhs, rhs, group_sizes, rhs_quantized, out_dtype, impl, dtype, rhs_dtype):
+    return _fp8_blockwise_gmm_fwd(
+        lhs, rhs, group_sizes, rhs_quantized, out_dtype, impl, dtype, rhs_dtype
+    )[0]
 
 
-def _fp8_blockwise_gmm_fwd(lhs, rhs, group_sizes, out_dtype, impl, dtype, rhs_dtype):
-    weights = quantize_128x128(rhs.astype(lhs.dtype))
+def _fp8_blockwise_gmm_fwd(lhs, rhs, group_sizes, rhs_quantized, out_dtype, impl, dtype, rhs_dtype):
+    copies = rhs_quantized
+    if copies is None:
+        copies = quantize_blockwise_weights(rhs.astype(lhs.dtype))
     out = gmm_fp8_blockwise(
-        quantize_1x128(lhs, 1), weights, group_sizes, impl=impl, preferred_element_type=out_dtype
+        quantize_1x128(lhs, 1),
+        copies.transposed,
+        group_sizes,
+        transpose_rhs=True,
+        impl=impl,
+        preferred_element_type=out_dtype,
     )
-    return out, (quantize_1x128(lhs, 0), weights, group_sizes)
+    return out, (quantize_1x128(lhs, 0), copies.weights, group_sizes)
 
 
 def _fp8_blockwise_gmm_bwd(out_dtype, impl, dtype, rhs_dtype, residuals, grad):
@@ -173,7 +216,7 @@ def _fp8_blockwise_gmm_bwd(out_dtype, impl, dtype, rhs_dtype, residuals, grad):
         impl=impl,
         preferred_element_type=rhs_dtype,
     )
-    return d_lhs, d_rhs, None
+    return d_lhs, d_rhs, None, None
 
 
 _fp8_blockwise_gmm.defvjp(_fp8_blockwise_gmm_fwd, _fp8_blockwise_gmm_bwd)
