@@ -160,9 +160,10 @@ def block_multipliers(t: BlockwiseTensor) -> jax.Array:
 
 
 def dequantize(t: BlockwiseTensor, dtype=jnp.float32):
-    """fp8 * scale_inv, exact in fp32 (a power-of-two scale), rounded to `dtype`. On CPU the
-    products below 2^-126 are flushed (XLA:CPU); dequantized values are for references and
-    tests, the GEMMs fold the scales per block."""
+    """fp8 * scale_inv, exact in fp32 (a power-of-two scale) where float arithmetic keeps
+    subnormals (GPUs; XLA:CPU flushes products below 2^-126), rounded to `dtype`. The fprop and
+    dgrad GEMMs fold the scales per block instead; the wgrad of `fp8_blockwise_gmm` multiplies
+    dequantized copies for now."""
     return (t.data.astype(jnp.float32) * block_multipliers(t)).astype(dtype)
 
 
