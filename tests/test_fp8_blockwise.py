@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from test_gmm_mxfp8_pallas import SMALL  # the fp8 kernel's interpreter tiling
 
 from jaxmoe import fp8_blockwise as fb
-from jaxmoe.ops import GmmConfig, gmm_fp8_blockwise, on_hopper
+from jaxmoe.ops import gmm_fp8_blockwise, on_hopper
 
 F32, BF16 = np.float32, ml_dtypes.bfloat16
 FP8 = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
@@ -256,17 +257,6 @@ def test_tgmm_reference_is_exact_on_exact_operands():
 
 
 # ------------------------------------------------------------------------- the Hopper kernel
-# Interpret mode: fp32 output tiles of 32 columns are 128-byte rows (the TMA rule).
-SMALL = GmmConfig(
-    tile_m=64,
-    tile_n=64,
-    tile_k=128,
-    max_concurrent_steps=2,
-    grid_tile_width=2,
-    epilogue_tile_n=32,
-    wg_split="m",
-    num_sms=3,
-)
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fprop", "dgrad"])
