@@ -15,8 +15,8 @@ For each `jaxmoe.shapes` layer and token count T (one sequence of T tokens):
          R = T * top_k rows, each token's k experts drawn at random: gmm_bf16 (`ops.gmm`) and
          MXFP8 on its fprop weight copies (`ops.gmm_mxtensor`), strategies "dequantize",
          "fused_dequantize" and "decode" (`gmm_mxfp8_dequantize`, `gmm_mxfp8_fused`,
-         `gmm_mxfp8_decode`); --decode-sweep R:S,... adds the decode kernel with tile_rows R
-         and block_slots S (`gmm_mxfp8_decode_rR_sS`; the same bits)
+         `gmm_mxfp8_decode`); --decode-sweep R,... adds the decode kernel with tile_rows R
+         (`gmm_mxfp8_decode_rR`; the same bits)
   floor  the bytes of the active experts' weights (bf16: 2 bytes a weight; MXFP8: 1 + 1/32)
          over the copy bandwidth measured in the same run ((read + written bytes) / time of a
          device copy); `share_of_floor` = floor / time.
@@ -206,17 +206,14 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
     def bf16(w, a, b, sizes):
         return gmm(a, w[0], sizes, impl=impl), gmm(b, w[1], sizes, impl=impl)
 
-    def mxfp8(strategy, w, a, b, sizes, decode_tiling=None):
+    def mxfp8(strategy, w, a, b, sizes, tile_rows=None):
         def run(x, stored):
             data, block_major_scale = stored
             w = MXTensor(data, jnp.swapaxes(block_major_scale, 1, 2), axis=2, fmt="e4m3")
             config = None
-            if decode_tiling is not None:  # (tile_rows, block_slots) of the decode kernel
+            if tile_rows is not None:  # the decode kernel's row tiles
                 num_weights, n, k = w.shape
-                tile_rows, slots = decode_tiling
-                config = default_decode_config(
-                    x.shape[0], k, n, num_weights, tile_rows=tile_rows, block_slots=slots
-                )
+                config = default_decode_config(x.shape[0], k, n, num_weights, tile_rows=tile_rows)
             return gmm_mxtensor(x, w, sizes, impl=impl, strategy=strategy, config=config)
 
         return run(a, w[0]), run(b, w[1])
@@ -229,9 +226,9 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
     ):
         run = scanned(functools.partial(mxfp8, strategy))
         candidates[name] = functools.partial(run, copies_q, *x_q, group_sizes)
-    for tile_rows, slots in sweep:
-        run = scanned(functools.partial(mxfp8, "decode", decode_tiling=(tile_rows, slots)))
-        candidates[f"gmm_mxfp8_decode_r{tile_rows}_s{slots}"] = functools.partial(
+    for tile_rows in sweep:
+        run = scanned(functools.partial(mxfp8, "decode", tile_rows=tile_rows))
+        candidates[f"gmm_mxfp8_decode_r{tile_rows}"] = functools.partial(
             run, copies_q, *x_q, group_sizes
         )
     return candidates, float(np.mean(np.sum(sizes > 0, axis=-1)))
@@ -369,7 +366,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--impl", default="auto", help="gmm impl of the gmm part")
     parser.add_argument(
-        "--decode-sweep", default="", help="R:S,... decode-kernel tilings (tile_rows:block_slots)"
+        "--decode-sweep", default="", help="R,... decode-kernel row tiles (tile_rows)"
     )
     parser.add_argument(
         "--profile", action="store_true", help="add each impl's device time by kernel (GPU)"
@@ -385,7 +382,7 @@ def main(argv=None) -> dict:
     if set(shapes) - set(known) or set(parts) - set(PARTS):
         parser.error(f"unknown shapes or parts; shapes: {sorted(known)}, parts: {PARTS}")
     token_counts = [int(t) for t in args.tokens.split(",")]
-    args.decode_sweep = [tuple(map(int, v.split(":"))) for v in args.decode_sweep.split(",") if v]
+    args.decode_sweep = [int(v) for v in args.decode_sweep.split(",") if v]
     os.makedirs(args.out, exist_ok=True)
     stem = f"decode_{datetime.date.today().isoformat()}" + (f"_{args.tag}" if args.tag else "")
     path = os.path.join(args.out, stem + ".json")

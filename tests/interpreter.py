@@ -2,12 +2,47 @@
 
 The interpreter starts a fresh race-detector state for each kernel call, so checking the
 detector once at the end of a test would see only the last kernel. `race_checked_interpreter`
-keeps every call's state and fails if any of them found a race."""
+keeps every call's state and fails if any of them found a race.
+
+The interpreter's wgmma takes its A operand from SMEM only; on the GPU `plgpu.wgmma` also takes
+A from registers (the decode kernel's dequantized weights). `race_checked_interpreter` adds that
+case (`_wgmma_taking_a_from_registers`)."""
 
 import contextlib
+import functools
 
+import jax
+import numpy as np
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+from jax._src.pallas.mosaic_gpu.interpret import shared_memory as memory
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def _wgmma_taking_a_from_registers(smem_wgmma):
+    """The interpreter's wgmma callback, extended: an A operand that arrives as a value (a
+    register array) rather than an SMEM allocation key multiplies as it is."""
+
+    @functools.wraps(smem_wgmma)
+    def wgmma(*, a_allocation_key_as_array, **kwargs):
+        a = np.asarray(a_allocation_key_as_array)
+        if a.ndim == 1:  # an SMEM allocation key
+            return smem_wgmma(a_allocation_key_as_array=a_allocation_key_as_array, **kwargs)
+        thread, shared = kwargs["thread"], gpu_callbacks._get_shared_memory()
+        info = memory.GPULoggingInfo(kwargs["mesh_location"], thread, kwargs.get("source_info"))
+
+        def access(name):
+            key = memory.HostAllocationKey.from_array(kwargs[f"{name}_allocation_key_as_array"])
+            transforms = gpu_callbacks._remove_noop_transforms(kwargs[f"{name}_transforms"])
+            where = shared.access(key, jax.tree.map(int, transforms))
+            return key, where, shared.get_buffer_content(key, where, thread, logging_info=info)[0]
+
+        b = access("b")[2]
+        acc_key, acc_where, acc = access("acc")
+        total = acc + np.matmul(a, b, dtype=acc.dtype)
+        shared.store_buffer_content(acc_key, acc_where, total, thread, logging_info=info)
+        return kwargs["token"]
+
+    return wgmma
 
 
 @contextlib.contextmanager
@@ -23,10 +58,13 @@ def race_checked_interpreter():
         return state
 
     gpu_callbacks.GPURaceDetectionState = recording
+    smem_wgmma = gpu_callbacks.wgmma
+    gpu_callbacks.wgmma = _wgmma_taking_a_from_registers(smem_wgmma)
     try:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
             yield states
     finally:
         gpu_callbacks.GPURaceDetectionState = original
+        gpu_callbacks.wgmma = smem_wgmma
     raced = sum(bool(state.races_found) for state in states)
     assert not raced, f"race detected in {raced} of {len(states)} interpreted kernel calls"

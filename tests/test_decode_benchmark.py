@@ -24,8 +24,8 @@ GMM_IMPLS = {
     "gmm_mxfp8_dequantize",
     "gmm_mxfp8_fused",
     "gmm_mxfp8_decode",
-    "gmm_mxfp8_decode_r8_s1",
-    "gmm_mxfp8_decode_r16_s2",
+    "gmm_mxfp8_decode_r8",
+    "gmm_mxfp8_decode_r16",
 }
 
 
@@ -45,7 +45,7 @@ def result(tmp_path_factory):
             "--min-window",
             "0.001",
             "--decode-sweep",
-            "8:1,16:2",
+            "8,16",
             "--out",
             str(out),
         ]

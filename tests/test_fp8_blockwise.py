@@ -285,7 +285,7 @@ def test_kernel_equals_the_reference_on_exact_operands(interpret, transpose_rhs)
     )
 
 
-def test_kernel_within_the_fp32_bound_on_random_data(interpret):
+def test_kernel_within_the_error_bound_on_random_data(interpret):
     rng = np.random.default_rng(9)
     lq = fb.quantize_1x128(jnp.asarray(rng.normal(size=(130, 256)), jnp.bfloat16))
     rq = fb.quantize_128x128(jnp.asarray(rng.normal(size=(2, 256, 128)), jnp.bfloat16))
@@ -294,7 +294,12 @@ def test_kernel_within_the_fp32_bound_on_random_data(interpret):
     got = np.asarray(gmm_fp8_blockwise(lq, rq, jnp.asarray(sizes), impl="pallas", config=config))
     a, b = np.asarray(fb.dequantize(lq), np.float64), np.asarray(fb.dequantize(rq), np.float64)
     exact = grouped_product(a, b, sizes)
-    bound = 2 * (256 + 2) * 2.0**-24 * grouped_product(np.abs(a), np.abs(b), sizes) + 1e-30
+    # The fp32 bound of K + K/128 roundings; on the H200 the fp8 tensor cores add each k32
+    # wgmma's products with fewer fraction bits (2^-12 relative, as tests/test_gmm_mxfp8_pallas.py
+    # derives), four of them per 128-wide K block before the scaled block sum leaves them.
+    per_block_rel = 4 * 2.0**-12 if on_hopper() else 0.0
+    rel = per_block_rel + 2 * (256 + 2) * 2.0**-24
+    bound = rel * grouped_product(np.abs(a), np.abs(b), sizes) + 1e-30
     assert np.all(np.abs(got - exact) <= bound) and np.all(got[124:] == 0)
 
 

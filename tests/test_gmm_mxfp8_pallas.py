@@ -113,9 +113,7 @@ def row_bits_configs(strategy: str) -> list:
         configs = [
             DECODE_SMALL,
             DecodeConfig(tile_rows=8, wg_n=128, tile_k=64, max_concurrent_steps=1, num_sms=2),
-            DecodeConfig(
-                tile_rows=64, wg_n=64, tile_k=128, max_concurrent_steps=2, block_slots=2, num_sms=5
-            ),
+            DecodeConfig(tile_rows=64, wg_n=64, tile_k=128, max_concurrent_steps=2, num_sms=5),
         ]
         return [dataclasses.replace(c, num_sms=132) for c in configs] if ON_HOPPER else configs
     if ON_HOPPER:
@@ -209,9 +207,8 @@ def test_moe_layer_mxfp8_pallas_matches_xla(interpret):
         ("fp8_wgmma", default_mxfp8_config),
         ("fused_dequantize", default_dequantize_config),
         ("decode", default_decode_config),
-        ("decode", functools.partial(default_decode_config, block_slots=2)),
     ],
-    ids=["fp8_wgmma", "fused_dequantize", "decode", "decode_two_slots"],
+    ids=["fp8_wgmma", "fused_dequantize", "decode"],
 )
 @pytest.mark.parametrize(
     "shape",
@@ -345,7 +342,6 @@ def test_decode_config_refuses_what_the_kernel_cannot_run():
     for bad, problem, match in [
         (dataclasses.replace(valid, tile_rows=12), (64, 256, 128), "tile_rows"),
         (dataclasses.replace(valid, wg_n=96), (64, 256, 128), "wg_n"),
-        (dataclasses.replace(valid, block_slots=3), (64, 256, 128), "block_slots"),
         (valid, (64, 192, 128), "tile_k"),
         (valid, (64, 256, 192), "2 \\* wg_n"),
         (dataclasses.replace(valid, max_concurrent_steps=3), (64, 256, 128), "max_concurrent"),

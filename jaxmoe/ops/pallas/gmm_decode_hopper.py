@@ -5,8 +5,9 @@ out[m, n] = sum_k lhs[m, k] deq(rhs)[g(m)][n, k] with fp32 accumulation, for bf1
 dequantized MXFP8 rows: a few KB at decode sizes) and MXFP8 rhs [G, N, K] (the experts' fprop
 copies). A wgmma multiplies a 64-row A operand by an N-wide B operand, N as small as 8, so here
 the weights are A: each compute warpgroup dequantizes its wg_n weight rows of a 32-wide K block
-into SMEM (bf16) and multiplies them by the group's tile_rows lhs rows as B, accumulating
-out^T [wg_n, tile_rows]. A group with up to tile_rows rows reads its weights once.
+in registers (fp8 from SMEM, times the block scale, to bf16) and hands them to the wgmma as A
+from registers, with the group's tile_rows lhs rows (SMEM) as B, accumulating out^T
+[wg_n, tile_rows]. A group with up to tile_rows rows reads its weights once.
 
 Bits: every output is the same chain of k16 wgmma instructions in ascending K as in the bf16
 kernel on the dequantized operands (`gmm_mxtensor`'s "dequantize" strategy), with the operands'
@@ -14,8 +15,8 @@ roles swapped; each product is exact, so the hardware's sum of a k16 step should
 which operand is A, and it does not on the H200
 (`test_gpu_in_kernel_dequantization_equals_dequantizing_first_bitwise`).
 
-The weights' fp8 tiles and fp32 block scales come through the same TMA ring, so no warpgroup
-waits on a global load.
+The weights' fp8 tiles and their E8M0 scale bytes come through the same TMA ring, so no
+warpgroup waits on a global load.
 
 Output tiles go to a per-tile buffer [tiles, N, tile_rows] (out^T of each row tile, so that no
 store crosses into another group's rows); XLA gathers out [M, N] from it (M is small here).
@@ -47,15 +48,13 @@ _BF16 = jnp.bfloat16
 class DecodeConfig:
     """Tiling of the decode kernel: row tiles of tile_rows lhs rows (the wgmma N, 8 to 256);
     each of the two compute warpgroups owns wg_n weight rows (64 or 128) of a CTA's
-    2 * wg_n output columns; K steps of tile_k (a multiple of 64); block_slots=2 dequantizes a
-    32-wide block while the previous block's wgmma runs (within a K step); grid_tile_width and
-    num_sms as in `GmmConfig`. None of these change the bits."""
+    2 * wg_n output columns; K steps of tile_k (a multiple of 64); grid_tile_width and num_sms
+    as in `GmmConfig`. None of these change the bits."""
 
     tile_rows: int = 32
     wg_n: int = 128
     tile_k: int = 128
     max_concurrent_steps: int = 4
-    block_slots: int = 1
     grid_tile_width: int = 4
     num_sms: int = 132
 
@@ -64,13 +63,11 @@ class DecodeConfig:
         return NUM_COMPUTE_WGS * self.wg_n
 
     def smem_bytes(self, out_dtype) -> int:
-        """The TMA ring (bf16 lhs, fp8 rhs, its E8M0 scale bytes), the dequantized A blocks and
-        the epilogue tiles."""
+        """The TMA ring (bf16 lhs, fp8 rhs, its E8M0 scale bytes) and the epilogue tiles."""
         ring = self.tile_rows * self.tile_k * 2 + self.cta_n * self.tile_k
         ring += self.tile_k // BLOCK_SIZE * self.cta_n
-        blocks = NUM_COMPUTE_WGS * self.block_slots * self.wg_n * BLOCK_SIZE * 2
         epilogue = NUM_COMPUTE_WGS * self.wg_n * self.tile_rows * jnp.dtype(out_dtype).itemsize
-        return self.max_concurrent_steps * ring + blocks + epilogue
+        return self.max_concurrent_steps * ring + epilogue
 
     def validate(self, num_rows: int, k: int, n: int, out_dtype) -> None:
         """Raise ValueError when this config cannot run on the given problem."""
@@ -82,8 +79,6 @@ class DecodeConfig:
             raise ValueError("gmm decode: an output tile row must be a multiple of 16 bytes")
         if self.wg_n not in (64, 128):
             raise ValueError(f"gmm decode: wg_n={self.wg_n} must be 64 or 128")
-        if self.block_slots not in (1, 2):
-            raise ValueError(f"gmm decode: block_slots={self.block_slots} must be 1 or 2")
         if self.tile_k % 64 or k % self.tile_k:
             raise ValueError(f"gmm decode: K={k} must be a multiple of tile_k={self.tile_k} (64k)")
         if n % self.cta_n:
@@ -104,26 +99,24 @@ def default_decode_config(
     n: int,
     num_groups: int,
     out_dtype=_BF16,
-    block_slots: int = 1,
     tile_rows: int | None = None,
 ) -> DecodeConfig:
     """Heuristic: row tiles (None: twice the mean rows per group, at least 8, at most 128, a
     power of two, so most groups take one tile and read their weights once); 128 weight rows
-    per warpgroup when N allows and the groups that the rows can reach fill the SMs with
-    256-column work items (else 64, twice the items); as many stages (up to 6) as shared
-    memory holds beside block_slots dequantized blocks."""
+    per warpgroup when N allows and the groups that the rows can reach give at least half the
+    SMs a 256-column work item (else 64, twice the items; on the H200 64 won at qwen3_30b T=1,
+    128 at mixtral T=64 with 128 items); as many stages (up to 6) as shared memory holds."""
     if tile_rows is None:
         mean_rows = max(1, num_rows // max(num_groups, 1))
         tile_rows = min(128, max(8, 1 << (2 * mean_rows - 1).bit_length()))
     sms = num_sms()
     wide_items = min(num_rows, num_groups) * (n // (2 * 128))
-    wg_n = 128 if n % 256 == 0 and wide_items >= sms else 64
+    wg_n = 128 if n % 256 == 0 and 2 * wide_items >= sms else 64
     config = DecodeConfig(
         tile_rows=tile_rows,
         wg_n=wg_n,
         tile_k=128 if k % 128 == 0 else 64,
         max_concurrent_steps=6,
-        block_slots=block_slots,
         num_sms=sms,
     )
     steps = min(config.max_concurrent_steps, k // config.tile_k)
@@ -237,7 +230,6 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
         rhs_gmem,
         rhs_scale_gmem,
         out_gmem,
-        block_smem,
         out_smem,
     ):
         ignore = lambda *_, **__: None
@@ -266,13 +258,10 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
                 column = work_column_gmem[item] * cta_n
 
                 def mma(_, lhs_smem, rhs_smem, scale_smem, acc_ref):
-                    # Slot `block % slots` is rewritten once the wgmma that read it `slots`
-                    # blocks ago has retired (at most slots - 1 in flight); all retire before
-                    # the step's TMA slot (the rows the wgmma reads as B) is released.
-                    slots = config.block_slots
+                    # A block's dequantized weights go to its wgmma from registers; the
+                    # step's wgmmas retire before the TMA slot (their B rows) is released.
                     for block in range(blocks_per_step):
                         ks = pl.ds(block * BLOCK_SIZE, BLOCK_SIZE)
-                        a_block = block_smem.at[wg, block % slots]
                         scale = scale_multipliers(
                             plgpu.load(
                                 scale_smem.at[block, wg_cols],
@@ -281,11 +270,13 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
                             )
                         )
                         w = rhs_smem.at[wg_cols, ks][...].astype(jnp.float32)
-                        a_block[...] = (w * scale[:, None]).astype(_BF16)
-                        plgpu.commit_smem()
-                        plgpu.wgmma(acc_ref, a_block, lhs_smem.at[:, ks].transpose((1, 0)))
-                        plgpu.wgmma_wait(slots - 1)
+                        plgpu.wgmma(
+                            acc_ref,
+                            (w * scale[:, None]).astype(_BF16),
+                            lhs_smem.at[:, ks].transpose((1, 0)),
+                        )
                     plgpu.wgmma_wait(0)
+                    plgpu.commit_smem()
                     return acc_ref
 
                 def compute_context(eval_pipeline):
@@ -321,11 +312,6 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(
-            block_smem=plgpu.SMEM(
-                (NUM_COMPUTE_WGS, config.block_slots, wg_n, BLOCK_SIZE),
-                _BF16,
-                transforms=swizzled(_BF16, BLOCK_SIZE),
-            ),
             out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, wg_n, tile_rows), out_dtype),
         ),
         interpret=interpret,
