@@ -272,6 +272,10 @@ class MoE(nnx.Module):
       dense_impl: implementation of the token-row matmuls alone (router, shared expert); None:
         `gmm_impl`. "xla" there trades batch invariance on the GPU for cuBLAS (benchmarks).
       rngs: `nnx.Rngs`; "params" initialises weights, "jitter" drives the input jitter.
+
+    Attribute `row_alignment`: the expert buffer's row alignment, config.expert_row_alignment;
+    `jaxmoe.mxfp8_inference` sets 1 on its forward-only copy (MXFP8's 32-row blocks serve the
+    backward). A row's outputs do not depend on it.
     """
 
     def __init__(
@@ -302,6 +306,7 @@ class MoE(nnx.Module):
         self.dtype = jnp.dtype(dtype if dtype is not None else param_dtype)
         self.gmm_impl = gmm_impl
         self.dense_impl = gmm_impl if dense_impl is None else dense_impl
+        self.row_alignment = config.expert_row_alignment
         kernel_init = kernel_init or megatron_normal(init_std)
         output_kernel_init = output_kernel_init or megatron_normal(
             init_std / math.sqrt(2.0 * num_layers)
@@ -402,7 +407,7 @@ class MoE(nnx.Module):
         with jax.named_scope("router"):
             logits, routing = self.router(tokens, self.dense_impl, x.shape[:-1])
         with jax.named_scope("plan"):
-            plan = make_plan(routing, config)
+            plan = make_plan(routing, config, self.row_alignment)
         with jax.named_scope("dispatch"):
             route = route_for(plan, self.gmm_impl)
             if config.dispatch_dtype == "mxfp8":

@@ -66,11 +66,11 @@ def _round_up(x, multiple):
     return (x + multiple - 1) // multiple * multiple
 
 
-def buffer_rows(num_tokens: int, config: MoEConfig) -> int:
+def buffer_rows(num_tokens: int, config: MoEConfig, row_alignment: int | None = None) -> int:
     """Static row count of the expert buffer: room for every routed pair plus the worst-case
     alignment padding (or exactly E * padded capacity), at least MIN_BUFFER_ROWS, a multiple of
-    the alignment."""
-    align = config.expert_row_alignment
+    the alignment (row_alignment; None: config.expert_row_alignment)."""
+    align = row_alignment or config.expert_row_alignment
     capacity = config.capacity(num_tokens)
     if config.pad_expert_input_to_capacity:
         rows = config.num_experts * _round_up(capacity, align)
@@ -79,12 +79,14 @@ def buffer_rows(num_tokens: int, config: MoEConfig) -> int:
     return _round_up(max(rows, MIN_BUFFER_ROWS), align)
 
 
-def make_plan(routing: Routing, config: MoEConfig) -> Plan:
-    """Build the plan from a routing decision (see the module docstring for the layout)."""
+def make_plan(routing: Routing, config: MoEConfig, row_alignment: int | None = None) -> Plan:
+    """Build the plan from a routing decision (see the module docstring for the layout), the
+    experts' blocks padded to multiples of row_alignment (None: config.expert_row_alignment)."""
     num_tokens, top_k = routing.indices.shape
-    num_experts, align = config.num_experts, config.expert_row_alignment
+    num_experts = config.num_experts
+    align = row_alignment or config.expert_row_alignment
     num_slots = num_tokens * top_k
-    num_rows = buffer_rows(num_tokens, config)
+    num_rows = buffer_rows(num_tokens, config, align)
 
     slot_expert = jnp.where(routing.kept, routing.indices, num_experts).reshape(-1)
     order = jnp.argsort(slot_expert, stable=True)  # expert-major, tokens ascending

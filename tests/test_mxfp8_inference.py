@@ -18,6 +18,7 @@ from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops import gmm_mxtensor, on_hopper
 from jaxmoe.ops.mxfp8_gmm import mxfp8_gmm, quantize_weights
 from jaxmoe.ordered import sum_in_order
+from jaxmoe.plan import MIN_BUFFER_ROWS
 from jaxmoe.shapes import MXFP8_OPTIONS
 
 from bitwise import assert_bitwise, differs
@@ -74,6 +75,17 @@ def test_inference_forward_is_the_training_forward_at_any_batch(dispatch_dtype):
     assert differs(inference_output(mxfp8_inference(other), x), trained)
 
 
+def test_the_inference_buffer_has_no_padding_rows():
+    """The forward-only copy pads no expert block (MXFP8's 32-row blocks serve the backward):
+    one token's 2 rows in a buffer of MIN_BUFFER_ROWS, not 8 experts x 31 padding rows."""
+    model, x = make(MXFP8)
+    inference = mxfp8_inference(model)
+    assert (model.row_alignment, inference.row_alignment) == (32, 1)
+    stages = nnx.jit(lambda m, x: m.forward_with_stages(x)[2])
+    assert stages(inference, x[:1, :1]).dispatched_rows.shape[0] == MIN_BUFFER_ROWS
+    assert stages(model, x[:1, :1]).dispatched_rows.shape[0] == 2 + 8 * 31 + 6  # rounded up to 32
+
+
 def test_experts_are_stored_as_mxfp8_alone():
     model, _ = make(MXFP8)
     experts = nnx.state(mxfp8_inference(model).experts)
@@ -105,7 +117,8 @@ def test_gemm_strategies_run_the_stored_copies_on_their_kernels(interpret):
     128), against "dequantize": bitwise on the H200; in the CPU interpreter, whose wgmma sums
     a call's K slice in another order, within the normwise bound of
     `test_moe_layer_mxfp8_pallas_matches_xla` (a last-bit difference may move a later MXFP8
-    rounding one e4m3 step)."""
+    rounding one e4m3 step). "dequantize" on the kernels, with the inference copy's unpadded
+    expert blocks, is bitwise the training forward on the same kernels with 32-row blocks."""
     config = MXFP8.replace(num_experts=4, ffn_hidden_size=128, shared_expert_intermediate_size=None)
     model = MoE(config, 128, param_dtype=jnp.bfloat16, gmm_impl="pallas", rngs=nnx.Rngs(2))
     x = jax.random.normal(jax.random.key(3), (1, 16, 128)).astype(jnp.bfloat16)
@@ -113,6 +126,7 @@ def test_gemm_strategies_run_the_stored_copies_on_their_kernels(interpret):
         strategy: inference_output(mxfp8_inference(model, gemm_strategy=strategy), x)
         for strategy in ("dequantize", "fused_dequantize", "decode")
     }
+    assert_bitwise(y["dequantize"], training_output(model, x))
     for strategy in ("fused_dequantize", "decode"):
         if on_hopper():
             assert_bitwise(y[strategy], y["dequantize"])

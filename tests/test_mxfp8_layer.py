@@ -557,7 +557,8 @@ def test_bf16_experts_with_mxfp8_combine_gradient_see_the_dequantized_gradient(d
 
 def test_bad_mxfp8_shapes_and_alignment_are_refused_clearly():
     """Alignments other than 32/128/256 by the config; H (any MXFP8 option) or F (MXFP8
-    experts) not a multiple of 32 by the layer; bad buffers by the op."""
+    experts) not a multiple of 32 by the layer; bad buffers by the op (M and the group sizes
+    only where a backward needs their columnwise blocks)."""
     with pytest.raises(ValueError, match="expert_row_alignment"):
         BASE.replace(expert_row_alignment=8, combine_bwd_dtype="mxfp8")
     with pytest.raises(ValueError, match=r"hidden_size \(48\) must be a multiple of 32"):
@@ -566,10 +567,15 @@ def test_bad_mxfp8_shapes_and_alignment_are_refused_clearly():
         MoE(ALL.replace(ffn_hidden_size=48), H, rngs=nnx.Rngs(0))
     MoE(BASE.replace(ffn_hidden_size=48, dispatch_dtype="mxfp8"), H, rngs=nnx.Rngs(0))
     weights = jnp.ones((2, H, H), BF16)
-    with pytest.raises(ValueError, match="M=48, K=32 and N=32 must be multiples of 32"):
+    with pytest.raises(ValueError, match="M=48 must be a multiple of 32"):
         mxfp8_gmm(tokens(48), weights, jnp.array([32, 16]))
     with pytest.raises(ValueError, match="group sizes must be multiples of 32"):
         mxfp8_gmm(tokens(64), weights, jnp.array([32, 16]))
+    with pytest.raises(ValueError, match="K=48 and N=32 must be multiples of 32"):
+        mxfp8_gmm(jnp.ones((64, 48), BF16), jnp.ones((2, 48, H), BF16), jnp.array([32, 32]))
+    # The forward alone (no high-precision rhs: inference) has no columnwise blocks.
+    stored = quantize_weights(weights, dgrad=False)
+    assert mxfp8_gmm(tokens(48), None, jnp.array([32, 15]), rhs_quantized=stored).shape == (48, H)
 
 
 @pytest.mark.parametrize("pad", [False, True])

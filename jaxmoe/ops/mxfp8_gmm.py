@@ -78,7 +78,11 @@ def quantize_weights(rhs: jax.Array, impl: str = "auto", *, dgrad: bool = True) 
     )
 
 
-def _check_operands(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized=None, groups_per_weight=1):
+def _check_operands(
+    lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized=None, groups_per_weight=1, backward=True
+):
+    """backward=False: the forward alone, whose blocks run along K only, so M and the group
+    sizes need not be multiples of 32."""
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(
             f"mxfp8_gmm: lhs must be [M, K] and rhs [G, K, N]; got {lhs.shape}, {rhs.shape}"
@@ -93,10 +97,19 @@ def _check_operands(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized=None, grou
             f"{rhs.dtype}"
         )
     (m, k), n = lhs.shape, rhs.shape[2]
-    if m % BLOCK_SIZE or k % BLOCK_SIZE or n % BLOCK_SIZE:
-        raise ValueError(f"mxfp8_gmm: M={m}, K={k} and N={n} must be multiples of {BLOCK_SIZE}")
+    if k % BLOCK_SIZE or n % BLOCK_SIZE:
+        raise ValueError(f"mxfp8_gmm: K={k} and N={n} must be multiples of {BLOCK_SIZE}")
+    if backward and m % BLOCK_SIZE:
+        raise ValueError(
+            f"mxfp8_gmm: M={m} must be a multiple of {BLOCK_SIZE} (the backward's columnwise "
+            "blocks run along M)"
+        )
     check_group_sizes(
-        group_sizes, rhs.shape[0] * groups_per_weight, m, "mxfp8_gmm", multiple=BLOCK_SIZE
+        group_sizes,
+        rhs.shape[0] * groups_per_weight,
+        m,
+        "mxfp8_gmm",
+        multiple=BLOCK_SIZE if backward else 1,
     )
     if lhs_rowwise is not None and (
         not isinstance(lhs_rowwise, MXTensor)
@@ -147,7 +160,9 @@ def mxfp8_gmm(
             raise ValueError("mxfp8_gmm: without rhs, pass its copies as rhs_quantized")
         g, n, k = rhs_quantized.fprop.shape
         like = jax.ShapeDtypeStruct((g, k, n), lhs.dtype)
-        _check_operands(lhs, like, group_sizes, lhs_rowwise, rhs_quantized, groups_per_weight)
+        _check_operands(
+            lhs, like, group_sizes, lhs_rowwise, rhs_quantized, groups_per_weight, backward=False
+        )
         sizes = group_sizes.astype(jnp.int32)
         out_dtype = jnp.dtype(preferred_element_type)
         return _fprop(
