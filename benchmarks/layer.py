@@ -11,7 +11,8 @@ by every implementation), in one process:
   jaxmoe     jaxmoe_bf16 (gmm_impl "auto": Pallas kernels for every matmul on Hopper,
              batch-invariant), jaxmoe_bf16_xla_dense (dense_impl "xla": router and shared
              expert on cuBLAS, not batch-invariant: the difference is the cost of batch
-             invariance) and jaxmoe_mxfp8 (`LayerShape.with_precision("mxfp8")`)
+             invariance), jaxmoe_mxfp8 (`LayerShape.with_precision("mxfp8")`) and
+             jaxmoe_fp8_blockwise (`with_precision("fp8_blockwise")`: H and F multiples of 128)
   competitors  torch_grouped_mm (`layer_competitors.torch_moe`, autograd), torch_compile (the
              same under torch.compile, default mode, compile time excluded) and jax_ragged_dot
              (`layer_competitors.jax_moe`); bf16. Each is checked against jaxmoe_bf16: relative
@@ -66,6 +67,7 @@ JAXMOE = {
     "jaxmoe_bf16": ("bf16", None),
     "jaxmoe_bf16_xla_dense": ("bf16", "xla"),
     "jaxmoe_mxfp8": ("mxfp8", None),
+    "jaxmoe_fp8_blockwise": ("fp8_blockwise", None),
 }
 COMPETITORS = ("torch_grouped_mm", "torch_compile", "jax_ragged_dot")
 REFERENCE = "jaxmoe_bf16"

@@ -22,6 +22,8 @@ MXFP8_OPTIONS = dict(
     combine_bwd_dtype="mxfp8",
     expert_row_alignment=32,
 )
+FP8_BLOCKWISE_OPTIONS = dict(expert_precision="fp8_blockwise", expert_row_alignment=128)
+PRECISION_OPTIONS = {"bf16": {}, "mxfp8": MXFP8_OPTIONS, "fp8_blockwise": FP8_BLOCKWISE_OPTIONS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,13 +41,15 @@ class LayerShape:
         return self.batch * self.seq_len
 
     def with_precision(self, precision: str) -> LayerShape:
-        """This shape in "bf16" (as defined) or "mxfp8" (experts, dispatch and combine gradient
-        in MXFP8, 32-row expert alignment)."""
-        if precision == "bf16":
-            return self
-        if precision != "mxfp8":
-            raise ValueError(f"precision must be 'bf16' or 'mxfp8', got {precision!r}")
-        return dataclasses.replace(self, config=self.config.replace(**MXFP8_OPTIONS))
+        """This shape in "bf16" (as defined), "mxfp8" (experts, dispatch and combine gradient
+        in MXFP8, 32-row expert alignment) or "fp8_blockwise" (experts in FP8 blockwise,
+        128-row alignment; bf16 dispatch and combine)."""
+        if precision not in PRECISION_OPTIONS:
+            raise ValueError(
+                f"precision must be one of {tuple(PRECISION_OPTIONS)}, got {precision!r}"
+            )
+        options = PRECISION_OPTIONS[precision]
+        return dataclasses.replace(self, config=self.config.replace(**options)) if options else self
 
 
 SHAPES: dict[str, LayerShape] = {

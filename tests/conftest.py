@@ -47,7 +47,7 @@ def pytest_addoption(parser):
     parser.addoption(
         "--layer-precisions",
         default="bf16,mxfp8",
-        help="tests/test_gpu_layer.py: comma-separated precisions",
+        help="tests/test_gpu_layer.py: comma-separated precisions (bf16, mxfp8, fp8_blockwise)",
     )
 
 

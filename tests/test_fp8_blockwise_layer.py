@@ -13,6 +13,7 @@ from flax import nnx
 from jaxmoe import MoE, MoEConfig
 from jaxmoe import fp8_blockwise as fb
 from jaxmoe.ops import fp8_blockwise_gmm, gmm_fp8_blockwise, tgmm
+from jaxmoe.shapes import SHAPES
 
 from bitwise import assert_bitwise, differs
 
@@ -172,3 +173,15 @@ def test_weights_quantized_once_per_step_give_the_same_bits():
                 CONFIG.replace(expert_precision="mxfp8", expert_row_alignment=32)
             ).quantize_expert_weights(),
         )
+
+
+def test_every_benchmark_shape_runs_in_fp8_blockwise():
+    """`LayerShape.with_precision("fp8_blockwise")` (the layer benchmark's jaxmoe_fp8_blockwise)
+    gives a layer the recipe accepts at every real shape (H and F multiples of 128); unknown
+    precisions are refused."""
+    for shape in SHAPES.values():
+        blockwise = shape.with_precision("fp8_blockwise")
+        assert blockwise.config.expert_precision == "fp8_blockwise"
+        nnx.eval_shape(lambda s=blockwise: MoE(s.config, s.hidden_size, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="precision must be one of"):
+        SHAPES["mixtral"].with_precision("fp4")
