@@ -496,7 +496,7 @@ class MoEAux:
 @dataclasses.dataclass
 class MoEStages:
     """The twin's intermediate values, named and shaped as jaxmoe's `MoEStages` (without the
-    MXFP8 dispatch copy)."""
+    quantized dispatch copy)."""
 
     router_logits: torch.Tensor
     probs: torch.Tensor

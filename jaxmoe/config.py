@@ -16,14 +16,12 @@ from typing import Any, Literal
 ScoreFunction = Literal["softmax", "sigmoid", "sqrtsoftplus"]
 LoadBalancingType = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"]
 Activation = Literal["silu", "gelu", "squared_relu"]
-Precision = Literal["bf16", "mxfp8"]
-ExpertPrecision = Literal["bf16", "mxfp8", "fp8_blockwise"]
+Precision = Literal["bf16", "mxfp8", "fp8_blockwise"]
 
 _SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 _LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 _ACTIVATIONS = ("silu", "gelu", "squared_relu")
-_PRECISIONS = ("bf16", "mxfp8")
-_EXPERT_PRECISIONS = (*_PRECISIONS, "fp8_blockwise")
+_PRECISIONS = ("bf16", "mxfp8", "fp8_blockwise")
 MXFP8_ALIGNMENTS = (32, 128, 256)
 
 
@@ -71,8 +69,11 @@ class MoEConfig:
       expert_precision: "bf16", "mxfp8" or "fp8_blockwise" expert GEMMs (the last: Transformer
         Engine's Float8BlockScaling, `jaxmoe.ops.fp8_blockwise_gmm`; expert_row_alignment a
         multiple of 128).
-      dispatch_dtype: wire/compute dtype of the dispatched tokens, "bf16" or "mxfp8".
-      combine_bwd_dtype: dtype of the gradient dispatched back through the combine, "bf16"|"mxfp8".
+      dispatch_dtype: wire/compute dtype of the dispatched tokens: "bf16", "mxfp8" (32-wide
+        blocks along H) or "fp8_blockwise" (1x128 blocks along H), independent of the experts'
+        precision (`jaxmoe.wire`).
+      combine_bwd_dtype: dtype of the gradient dispatched back through the combine, the same
+        three choices.
     """
 
     num_experts: int
@@ -99,7 +100,7 @@ class MoEConfig:
     shared_expert_intermediate_size: int | None = None
     shared_expert_gate: bool = False
     expert_row_alignment: int = 1
-    expert_precision: ExpertPrecision = "bf16"
+    expert_precision: Precision = "bf16"
     dispatch_dtype: Precision = "bf16"
     combine_bwd_dtype: Precision = "bf16"
 
@@ -125,7 +126,7 @@ class MoEConfig:
         choice("load_balancing_type", _LOAD_BALANCING)
         choice("token_drop_policy", ("probs", "position"))
         choice("activation", _ACTIVATIONS)
-        choice("expert_precision", _EXPERT_PRECISIONS)
+        choice("expert_precision", _PRECISIONS)
         choice("dispatch_dtype", _PRECISIONS)
         choice("combine_bwd_dtype", _PRECISIONS)
 

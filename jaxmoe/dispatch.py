@@ -10,11 +10,11 @@ has a scatter-add:
 A token's combined value depends only on its own rows, in a fixed order: batch invariant.
 The bf16 / fp32 row moves run on `jaxmoe.ops.permute` (`impl`: Hopper kernels or XLA, same bits).
 
-`dispatch` also moves rowwise MXFP8 tensors (fp8 data and E8M0 scale rows gathered by the same
-index), so that tokens can be quantized once, before the dispatch, and travel as MXFP8 alone.
-An MXTensor carries no gradient: `dequantized_rows` gives the experts its values and sends
-their gradient back to the tokens through the route's transpose, treating the quantizer as the
-identity (straight-through).
+`dispatch` also moves quantized token copies (`jaxmoe.wire`: MXFP8 or FP8-blockwise data and
+scale rows gathered by the same index), so that tokens can be quantized once, before the
+dispatch, and travel quantized alone. A quantized copy carries no gradient: `dequantized_rows`
+gives the experts its values and sends their gradient back to the tokens through the route's
+transpose, treating the quantizer as the identity (straight-through).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxmoe.mxfp8 import MXTensor, dequantize
 from jaxmoe.ops.permute import combine_rows, dispatch_rows
 from jaxmoe.plan import Plan
+from jaxmoe.wire import QuantizedRows, dequantize_rows, move_rows
 
 
 def _token_rows(plan: Plan) -> jax.Array:
@@ -43,26 +43,18 @@ def _combine(rows, plan, out_dtype, impl):
     return combine_rows(rows, _token_rows(plan), out_dtype, impl=impl)
 
 
-def dispatch(x: jax.Array | MXTensor, plan: Plan, impl: str = "auto") -> jax.Array | MXTensor:
+def dispatch(x: jax.Array | QuantizedRows, plan: Plan, impl: str = "auto"):
     """Gather token rows x[T, H] into the expert buffer [M, H] laid out by `plan`; padding rows
     are zero. `impl`: `jaxmoe.ops.permute`'s ("auto": the Hopper kernel on a Hopper GPU).
 
-    x may be a rowwise (axis 1) MXTensor: its data and scale rows move together, padding rows
-    get zero data and scale byte 0, so the result equals quantizing the dispatched rows bitwise.
+    x may be a quantized copy blocked along H (`jaxmoe.wire`): its data and scale rows move
+    together, padding rows get zero data and zero scales. For MXFP8 the result equals
+    quantizing the dispatched rows bitwise (a zero block's scale byte is 0); an FP8-blockwise
+    zero row would have scale 1, so only its data and its value (0) agree.
     Differentiable for arrays only (the VJP is `combine`)."""
-    if not isinstance(x, MXTensor):
-        return _dispatch_array(x, plan, impl)
-    if x.ndim != 2 or x.axis != 1:
-        raise ValueError(
-            f"dispatch: an MXTensor must be [T, H] with blocks along H (axis 1), "
-            f"got shape {x.shape} with blocks along axis {x.axis}"
-        )
-    return MXTensor(
-        data=_dispatch(x.data, plan, "xla"),
-        scale=_dispatch(x.scale, plan, "xla"),
-        axis=1,
-        fmt=x.fmt,
-    )
+    if isinstance(x, QuantizedRows):
+        return move_rows(x, lambda a: _dispatch(a, plan, "xla"))
+    return _dispatch_array(x, plan, impl)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -135,7 +127,7 @@ class LocalRoute:
       groups_per_weight  n: groups g of one expert are n consecutive ones (expert g // n)
       row_group [M]    group of each buffer row (G past the last block)
       per_group(w)     an expert tensor [E, ...] -> one entry per group [G, ...]
-      to_experts(x)    token rows [T, H] (array or rowwise MXTensor) -> buffer rows
+      to_experts(x)    token rows [T, H] (array or quantized copy) -> buffer rows
       to_tokens(rows)  buffer rows -> each token's rows combined [T, H]; VJP: to_experts
       slot_values(v)   per-slot values [T, k] -> per-row values [M]"""
 
@@ -157,7 +149,7 @@ class LocalRoute:
     def per_group(self, weights: jax.Array) -> jax.Array:
         return weights  # one group per expert
 
-    def to_experts(self, x: jax.Array | MXTensor) -> jax.Array | MXTensor:
+    def to_experts(self, x: jax.Array | QuantizedRows) -> jax.Array | QuantizedRows:
         return dispatch(x, self.plan, self.impl)
 
     def to_tokens(self, rows: jax.Array) -> jax.Array:
@@ -168,16 +160,16 @@ class LocalRoute:
 
 
 @jax.custom_vjp
-def dequantized_rows(tokens: jax.Array, rows_rowwise: MXTensor, route) -> jax.Array:
-    """The dispatched rowwise MXFP8 rows (`route.to_experts(quantize(tokens, axis=1))`) in
-    tokens.dtype: what the experts see when the MXFP8 copy alone is dispatched. The gradient goes
-    to the tokens as the dispatch's would (`route.to_tokens`, its transpose), the quantizer
+def dequantized_rows(tokens: jax.Array, rows_quantized: QuantizedRows, route) -> jax.Array:
+    """The dispatched quantized rows (`route.to_experts(quantize_tokens(tokens, ...))`) in
+    tokens.dtype: what the experts see when the quantized copy alone is dispatched. The gradient
+    goes to the tokens as the dispatch's would (`route.to_tokens`, its transpose), the quantizer
     taken as the identity (straight-through, as Transformer Engine does)."""
-    return dequantize(rows_rowwise, tokens.dtype)
+    return dequantize_rows(rows_quantized, tokens.dtype)
 
 
-def _dequantized_rows_fwd(tokens, rows_rowwise, route):
-    return dequantized_rows(tokens, rows_rowwise, route), (route, jnp.zeros((0,), tokens.dtype))
+def _dequantized_rows_fwd(tokens, rows_quantized, route):
+    return dequantized_rows(tokens, rows_quantized, route), (route, jnp.zeros((0,), tokens.dtype))
 
 
 def _dequantized_rows_bwd(residuals, grad):

@@ -29,10 +29,10 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxmoe.dispatch import combine, gather_slots
-from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops.permute import dispatch_rows
 from jaxmoe.ordered import broadcast_in_order
 from jaxmoe.plan import Plan
+from jaxmoe.wire import QuantizedRows, move_rows
 
 
 @struct.dataclass
@@ -279,14 +279,11 @@ class ExchangedRoute:
         )
         return spread.reshape((-1,) + weights.shape[1:])
 
-    def to_experts(self, x: jax.Array | MXTensor) -> jax.Array | MXTensor:
-        """Token rows (or a rowwise MXTensor: fp8 data and scale rows) -> the receiver's buffer,
-        deduplicated on the wire (`send_tokens`); VJP: `to_tokens`."""
-        if isinstance(x, MXTensor):
-            if x.ndim != 2 or x.axis != 1:
-                raise ValueError(f"to_experts: an MXTensor must be [T, H] blocked along H, got {x}")
-            send = lambda a: send_tokens(a, self.exchange, self.axis_name)
-            return MXTensor(data=send(x.data), scale=send(x.scale), axis=1, fmt=x.fmt)
+    def to_experts(self, x: jax.Array | QuantizedRows) -> jax.Array | QuantizedRows:
+        """Token rows (or a quantized copy, `jaxmoe.wire`: fp8 data and scale rows) -> the
+        receiver's buffer, deduplicated on the wire (`send_tokens`); VJP: `to_tokens`."""
+        if isinstance(x, QuantizedRows):
+            return move_rows(x, lambda a: send_tokens(a, self.exchange, self.axis_name))
         return _route_to_experts(x, self)
 
     def to_tokens(self, rows: jax.Array) -> jax.Array:

@@ -25,11 +25,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops.dense import bf16_pieces, dense
 from jaxmoe.ops.gmm import KERNEL_MULTIPLE, tgmm
 from jaxmoe.ordered import broadcast_in_order, row_sums_in_order
 from jaxmoe.recipes import recipe_for
+from jaxmoe.wire import QuantizedRows
 
 F32 = jnp.float32
 
@@ -155,7 +155,7 @@ def grouped_mlp(
     weights: ExpertMatrices,
     config: MoEConfig,
     *,
-    rows_rowwise: MXTensor | None = None,
+    rows_quantized: QuantizedRows | None = None,
     expert_weights: Any = None,
     gmm_impl: str = "auto",
 ) -> ExpertStages:
@@ -164,8 +164,9 @@ def grouped_mlp(
     rows [M, H] (dispatched tokens, compute dtype); row_probs [M]; route: the buffer's layout and
     the way back to tokens (`jaxmoe.dispatch.LocalRoute`, or `jaxmoe.exchange.ExchangedRoute`
     across expert-parallel ranks);
-    weights: the experts' parameters; rows_rowwise: the dispatched rowwise MXFP8 copy of the
-    tokens (dispatch_dtype "mxfp8"; rows are then its dequantized values), else None.
+    weights: the experts' parameters; rows_quantized: the dispatched quantized copy of the
+    tokens (dispatch_dtype "mxfp8" or "fp8_blockwise", `jaxmoe.wire`; rows are then its
+    dequantized values), else None.
     expert_weights: `quantize_expert_weights` of these kernels made earlier in the step (None:
     quantize here). Returns the stages;
     `.combined` [T, H] in rows.dtype is each token's probability-weighted sum of its expert
@@ -187,7 +188,7 @@ def grouped_mlp(
             rows,
             fc1_kernel,
             route,
-            rows_rowwise=rows_rowwise,
+            rows_quantized=rows_quantized,
             weights=expert_weights,
             out_dtype=fc1_out_dtype,
             impl=gmm_impl,

@@ -58,7 +58,7 @@ class Mxfp8GroupedMLP(nnx.Module):
         self.fc2_data, self.fc2_scale = ExpertCopy(fc2.fprop.data), block_major(fc2.fprop.scale)
         self.fc1_bias, self.fc2_bias = experts.fc1_bias, experts.fc2_bias
 
-    def __call__(self, rows, row_probs, route, *, rows_rowwise, expert_weights, gmm_impl: str):
+    def __call__(self, rows, row_probs, route, *, rows_quantized, expert_weights, gmm_impl: str):
         if expert_weights is not None:
             raise ValueError("mxfp8_inference: the layer holds its MXFP8 copies already")
         copy = lambda data, scale: QuantizedWeights(
@@ -78,7 +78,7 @@ class Mxfp8GroupedMLP(nnx.Module):
             route,
             ExpertMatrices(None, None, value(self.fc1_bias), value(self.fc2_bias)),
             self.config,
-            rows_rowwise=rows_rowwise,
+            rows_quantized=rows_quantized,
             expert_weights=weights,
             gmm_impl=gmm_impl,
         )

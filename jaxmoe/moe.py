@@ -27,10 +27,10 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import LocalRoute, dequantized_rows
 from jaxmoe.experts import ExpertMatrices, grouped_mlp, quantize_expert_weights, shared_mlp
 from jaxmoe.fp8_blockwise import BLOCK as FP8_BLOCK
-from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor
-from jaxmoe.ops.quantize import quantize
+from jaxmoe.mxfp8 import BLOCK_SIZE
 from jaxmoe.plan import Plan, make_plan
 from jaxmoe.recipes import ExpertWeights
+from jaxmoe.wire import QuantizedRows, quantize_tokens
 
 F32 = jnp.float32
 
@@ -75,9 +75,9 @@ class MoEStages:
     indices: jax.Array  # [T, k] expert of each slot
     kept: jax.Array  # [T, k] bool: the slot survived capacity
     plan: Plan  # the expert buffer's layout
-    dispatched_rows: jax.Array  # [M, H] tokens in expert order (dequantized MXFP8 ones with
-    # dispatch_dtype "mxfp8")
-    dispatched_mxfp8: MXTensor | None  # their rowwise MXTensor (dispatch_dtype "mxfp8")
+    dispatched_rows: jax.Array  # [M, H] tokens in expert order (the dequantized copy's values
+    # when dispatch_dtype is not "bf16")
+    dispatched_quantized: QuantizedRows | None  # the copy that was dispatched (`jaxmoe.wire`)
     row_probs: jax.Array  # [M] probability of each row
     fc1_output: jax.Array  # [M, 2F] (gated) or [M, F]
     activation: jax.Array  # [M, F], probabilities applied
@@ -197,7 +197,7 @@ class GroupedMLP(nnx.Module):
         self.fc1_bias = _zeros((e, f1), param_dtype, (EXPERT, MLP)) if bias else None
         self.fc2_bias = _zeros((e, hidden_size), param_dtype, (EXPERT, EMBED)) if bias else None
 
-    def __call__(self, rows, row_probs, route, *, rows_rowwise, expert_weights, gmm_impl: str):
+    def __call__(self, rows, row_probs, route, *, rows_quantized, expert_weights, gmm_impl: str):
         value = lambda p: None if p is None else p[...]
         weights = ExpertMatrices(
             self.fc1_kernel[...], self.fc2_kernel[...], value(self.fc1_bias), value(self.fc2_bias)
@@ -208,7 +208,7 @@ class GroupedMLP(nnx.Module):
             route,
             weights,
             self.config,
-            rows_rowwise=rows_rowwise,
+            rows_quantized=rows_quantized,
             expert_weights=expert_weights,
             gmm_impl=gmm_impl,
         )
@@ -410,19 +410,21 @@ class MoE(nnx.Module):
             plan = make_plan(routing, config, self.row_alignment)
         with jax.named_scope("dispatch"):
             route = route_for(plan, self.gmm_impl)
-            if config.dispatch_dtype == "mxfp8":
-                # Each token quantized once (blocks along H); only the MXFP8 copy is dispatched,
-                # and the experts' bf16 rows are its dequantized values.
-                rows_rowwise = route.to_experts(quantize(tokens, axis=1, impl=self.gmm_impl))
-                rows = dequantized_rows(tokens, rows_rowwise, route)
+            if config.dispatch_dtype != "bf16":
+                # Each token quantized once (blocks along H); only the quantized copy is
+                # dispatched, and the experts' bf16 rows are its dequantized values.
+                rows_quantized = route.to_experts(
+                    quantize_tokens(tokens, config.dispatch_dtype, self.gmm_impl)
+                )
+                rows = dequantized_rows(tokens, rows_quantized, route)
             else:
-                rows, rows_rowwise = route.to_experts(tokens), None
+                rows, rows_quantized = route.to_experts(tokens), None
             row_probs = route.slot_values(routing.probs)
         expert = self.experts(
             rows,
             row_probs,
             route,
-            rows_rowwise=rows_rowwise,
+            rows_quantized=rows_quantized,
             expert_weights=expert_weights,
             gmm_impl=self.gmm_impl,
         )
@@ -450,7 +452,7 @@ class MoE(nnx.Module):
             kept=routing.kept,
             plan=plan,
             dispatched_rows=rows,
-            dispatched_mxfp8=rows_rowwise,
+            dispatched_quantized=rows_quantized,
             row_probs=row_probs,
             fc1_output=expert.fc1_output,
             activation=expert.activation,

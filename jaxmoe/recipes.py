@@ -7,17 +7,20 @@ A recipe decides the GEMM arithmetic only: the rounding points around it (fc1 ou
 weighted activation, fc2 output, the combine) are the expert MLP's and the same for every
 recipe (docs/numerics.md, "Experts and rounding points").
 
-The token-level MXFP8 options work with every recipe (docs/numerics.md, "MXFP8"):
-  * dispatch_dtype "mxfp8": the tokens were quantized rowwise before the dispatch
-    (`rows_rowwise`), and the rows are its dequantized values (`jaxmoe.dispatch.dequantized_rows`:
-    only the MXFP8 copy travels). MXFP8 experts use that copy as fc1's fprop operand as it is and
-    quantize the rows columnwise for fc1's weight gradient (a copy derived from the wire format,
-    as Transformer Engine's MXFP8 all-to-all does); bf16 experts take the rows as their input.
-  * combine_bwd_dtype "mxfp8": the gradient of y is quantized rowwise at token level, before it
-    is dispatched back to the rows, and only that copy is dispatched. MXFP8 experts use it as
-    fc2's dgrad operand as it is (so fc2 and the combine share one custom VJP) and quantize its
-    dequantized rows columnwise for fc2's weight gradient; bf16 experts take the dequantized
-    rows as their output gradient.
+The token-level options ("mxfp8" or "fp8_blockwise", `jaxmoe.wire`) work with every recipe
+(docs/numerics.md, "MXFP8" and "FP8 blockwise"):
+  * dispatch_dtype: the tokens were quantized along H before the dispatch (`rows_quantized`),
+    and the rows are its dequantized values (`jaxmoe.dispatch.dequantized_rows`: only the
+    quantized copy travels). Experts of the copy's format use it as fc1's fprop operand as it
+    is (MXFP8 experts an MXFP8 copy, FP8-blockwise experts a 1x128 one) and quantize the rows
+    along the tokens for fc1's weight gradient (a copy derived from the wire format, as
+    Transformer Engine's MXFP8 all-to-all does); other experts take the rows as their input.
+  * combine_bwd_dtype: the gradient of y is quantized along H at token level, before it is
+    dispatched back to the rows, and only that copy is dispatched. MXFP8 experts use an MXFP8
+    copy as fc2's dgrad operand as it is (so fc2 and the combine share one custom VJP) and
+    quantize its dequantized rows columnwise for fc2's weight gradient; the other experts take
+    the dequantized rows as their output gradient (FP8-blockwise experts quantize them again in
+    1x128 blocks along H: the same values as the copy, so the same products).
 Quantizers are the identity for the gradient (straight-through), as in Transformer Engine.
 """
 
@@ -33,7 +36,8 @@ from flax import struct
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.mxfp8 import MXTensor, dequantize
+from jaxmoe.fp8_blockwise import BlockwiseTensor
+from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops import fp8_blockwise_gmm, gmm
 from jaxmoe.ops.fp8_blockwise_gmm import BlockwiseWeights, quantize_blockwise_weights
 from jaxmoe.ops.mxfp8_gmm import (
@@ -44,7 +48,7 @@ from jaxmoe.ops.mxfp8_gmm import (
     mxfp8_gmm_forward,
     quantize_weights,
 )
-from jaxmoe.ops.quantize import quantize
+from jaxmoe.wire import QuantizedRows, dequantize_rows, quantize_tokens
 
 F32 = jnp.float32
 
@@ -82,7 +86,7 @@ class ExpertRecipe(abc.ABC):
         kernel: jax.Array,
         route: Any,
         *,
-        rows_rowwise: MXTensor | None,
+        rows_quantized: QuantizedRows | None,
         weights,
         out_dtype,
         impl: str,
@@ -90,9 +94,9 @@ class ExpertRecipe(abc.ABC):
         """fc1's fp32-accumulated product rows @ kernel[expert], in out_dtype, over the route's
         groups (`route.group_sizes`, `route.groups_per_weight` groups per expert). kernel may be
         wider than rows (fp32 copies under expert parallelism): the products round it to rows'
-        dtype, its gradient keeps its dtype. rows_rowwise: the dispatched MXFP8 copy of rows
-        (dispatch_dtype "mxfp8") or None; weights: this recipe's `quantize_weights` made
-        earlier in the step, or None."""
+        dtype, its gradient keeps its dtype. rows_quantized: the dispatched quantized copy of
+        rows (dispatch_dtype not "bf16", `jaxmoe.wire`) or None; weights: this recipe's
+        `quantize_weights` made earlier in the step, or None."""
 
     @abc.abstractmethod
     def fc2_and_combine(
@@ -127,6 +131,7 @@ class Bf16Recipe(ExpertRecipe):
     """The GEMMs in the compute dtype with fp32 accumulation (`jaxmoe.ops.gmm`)."""
 
     name = "bf16"
+    fprop_format: type | None = None  # the quantized rows fc1 takes as its operand as they are
 
     def check_copies(self, weights) -> None:
         """Raise unless `weights` (expert_weights=) are None or this recipe's copies."""
@@ -135,9 +140,10 @@ class Bf16Recipe(ExpertRecipe):
                 f"grouped_mlp: expert_weights are quantized copies; the experts run in {self.name}"
             )
 
-    def gemm(self, lhs, kernel, route, out_dtype, impl, copies=None):
+    def gemm(self, lhs, kernel, route, out_dtype, impl, copies=None, lhs_quantized=None):
         """lhs [M, K] @ kernel[expert] over the route's groups, fp32 accumulation, in out_dtype
-        (copies: this recipe's quantized copies of kernel, or None)."""
+        (copies: this recipe's quantized copies of kernel, or None; lhs_quantized: a copy of lhs
+        in `fprop_format`, or None)."""
         return gmm(
             lhs,
             kernel,
@@ -147,10 +153,17 @@ class Bf16Recipe(ExpertRecipe):
             groups_per_weight=route.groups_per_weight,
         )
 
-    def fc1(self, rows, kernel, route, *, rows_rowwise, weights, out_dtype, impl):
+    def fc1(self, rows, kernel, route, *, rows_quantized, weights, out_dtype, impl):
         self.check_copies(weights)
+        own_format = self.fprop_format is not None and isinstance(rows_quantized, self.fprop_format)
         return self.gemm(
-            rows, kernel, route, out_dtype, impl, None if weights is None else weights.fc1
+            rows,
+            kernel,
+            route,
+            out_dtype,
+            impl,
+            None if weights is None else weights.fc1,
+            rows_quantized if own_format else None,
         )
 
     def fc2_and_combine(self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl):
@@ -159,8 +172,8 @@ class Bf16Recipe(ExpertRecipe):
         with jax.named_scope("fc2"):
             out = add_row_bias(self.gemm(a, kernel, route, a.dtype, impl, copies), row_bias)
         with jax.named_scope("combine"):
-            if combine_bwd_dtype == "mxfp8":
-                combined = _combine_with_mxfp8_gradient(out, route, impl)
+            if combine_bwd_dtype != "bf16":
+                combined = _combine_with_quantized_gradient(out, route, combine_bwd_dtype, impl)
             else:
                 combined = route.to_tokens(out)
         return out, combined
@@ -174,12 +187,12 @@ class Mxfp8Recipe(ExpertRecipe):
 
     name = "mxfp8"
 
-    def fc1(self, rows, kernel, route, *, rows_rowwise, weights, out_dtype, impl):
+    def fc1(self, rows, kernel, route, *, rows_quantized, weights, out_dtype, impl):
         return mxfp8_gmm(
             rows,
             kernel,
             route.group_sizes,
-            lhs_rowwise=rows_rowwise,
+            lhs_rowwise=rows_quantized if isinstance(rows_quantized, MXTensor) else None,
             impl=impl,
             rhs_quantized=None if weights is None else weights.fc1,
             preferred_element_type=out_dtype,
@@ -208,10 +221,12 @@ class Mxfp8Recipe(ExpertRecipe):
 class Fp8BlockwiseRecipe(Bf16Recipe):
     """Transformer Engine's FP8 blockwise recipe (`Float8BlockScaling`: 1x128 activations and
     gradients, 128x128 weights) for fc1 and fc2, forward and backward
-    (`jaxmoe.ops.fp8_blockwise_gmm`); the rest as the bf16 recipe (with dispatch_dtype "mxfp8"
-    the rows are the dequantized wire rows, quantized again in 1x128 blocks)."""
+    (`jaxmoe.ops.fp8_blockwise_gmm`); the rest as the bf16 recipe. fc1 takes dispatched 1x128
+    tokens (dispatch_dtype "fp8_blockwise") as they are; with dispatch_dtype "mxfp8" the rows
+    are the dequantized wire rows, quantized again in 1x128 blocks."""
 
     name = "fp8_blockwise"
+    fprop_format = BlockwiseTensor
 
     def check_copies(self, weights) -> None:
         if weights is not None and not isinstance(weights, ExpertWeightsBlockwise):
@@ -225,19 +240,16 @@ class Fp8BlockwiseRecipe(Bf16Recipe):
             fc1=quantize_blockwise_weights(fc1_kernel), fc2=quantize_blockwise_weights(fc2_kernel)
         )
 
-    def gemm(self, lhs, kernel, route, out_dtype, impl, copies=None):
-        if route.groups_per_weight != 1:
-            raise ValueError(
-                "fp8_blockwise experts do not run under expert parallelism yet "
-                f"(groups_per_weight={route.groups_per_weight})"
-            )
+    def gemm(self, lhs, kernel, route, out_dtype, impl, copies=None, lhs_quantized=None):
         return fp8_blockwise_gmm(
             lhs,
             kernel,
             route.group_sizes,
+            lhs_quantized=lhs_quantized,
             rhs_quantized=copies,
             impl=impl,
             preferred_element_type=out_dtype,
+            groups_per_weight=route.groups_per_weight,
         )
 
 
@@ -251,31 +263,34 @@ def recipe_for(config: MoEConfig) -> ExpertRecipe:
     return RECIPES[config.expert_precision]
 
 
-def _gradient_rows_mxfp8(route, grad: jax.Array, impl: str) -> tuple[MXTensor, jax.Array]:
-    """combine_bwd_dtype "mxfp8": the token-level output gradient quantized rowwise once and
-    sent to the expert rows as MXFP8 alone; (that rowwise copy, its dequantized rows in
-    grad.dtype). The rows are what every other use of the gradient reads (fc2's columnwise
-    weight-gradient copy and bias gradient; bf16 experts' whole backward pass)."""
-    rowwise = route.to_experts(quantize(grad, axis=1, impl=impl))
-    return rowwise, dequantize(rowwise, grad.dtype)
+def _gradient_rows(
+    route, grad: jax.Array, wire_dtype: str, impl: str
+) -> tuple[QuantizedRows, jax.Array]:
+    """combine_bwd_dtype "mxfp8" / "fp8_blockwise": the token-level output gradient quantized
+    along H once and sent to the expert rows quantized alone; (that copy, its dequantized rows
+    in grad.dtype). The rows are what every other use of the gradient reads (fc2's weight-
+    gradient copy and bias gradient; the whole backward pass of experts of another format)."""
+    quantized = route.to_experts(quantize_tokens(grad, wire_dtype, impl))
+    return quantized, dequantize_rows(quantized, grad.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _combine_with_mxfp8_gradient(out, route, impl):
-    """route.to_tokens(out), whose gradient reaches the rows through MXFP8 (bf16 experts)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _combine_with_quantized_gradient(out, route, wire_dtype, impl):
+    """route.to_tokens(out), whose gradient reaches the rows quantized in wire_dtype (experts
+    that are not MXFP8)."""
     return route.to_tokens(out)
 
 
-def _combine_with_mxfp8_gradient_fwd(out, route, impl):
+def _combine_with_quantized_gradient_fwd(out, route, wire_dtype, impl):
     return route.to_tokens(out), route
 
 
-def _combine_with_mxfp8_gradient_bwd(impl, route, grad):
-    return _gradient_rows_mxfp8(route, grad, impl)[1], None
+def _combine_with_quantized_gradient_bwd(wire_dtype, impl, route, grad):
+    return _gradient_rows(route, grad, wire_dtype, impl)[1], None
 
 
-_combine_with_mxfp8_gradient.defvjp(
-    _combine_with_mxfp8_gradient_fwd, _combine_with_mxfp8_gradient_bwd
+_combine_with_quantized_gradient.defvjp(
+    _combine_with_quantized_gradient_fwd, _combine_with_quantized_gradient_bwd
 )
 
 
@@ -294,7 +309,8 @@ def _mxfp8_fc2_and_combine(
     bias).
 
     One custom VJP for both, so that the backward can quantize the token-level gradient before
-    dispatching it and hand that MXTensor to fc2's dgrad (combine_bwd_dtype "mxfp8")."""
+    dispatching it and hand an MXFP8 copy to fc2's dgrad (combine_bwd_dtype "mxfp8"; an
+    "fp8_blockwise" copy reaches fc2 as its dequantized rows)."""
     return _mxfp8_fc2_then_combine(a, fc2_kernel, row_bias, route, fc2_weights, gmm_impl)
 
 
@@ -348,16 +364,19 @@ def _mxfp8_fc2_and_combine_bwd(combine_bwd_dtype, gmm_impl, residuals, cotangent
     if isinstance(d_combined, SymbolicZero):  # only the fc2_output stage is used
         d_combined = jnp.zeros(d_combined.shape, d_combined.dtype)
     with jax.named_scope("combine"):
-        grad_rowwise = None
+        grad_quantized = None
         if not isinstance(d_out, SymbolicZero):
             # The fc2_output stage itself is differentiated: the dispatched token gradient is no
             # longer the whole row gradient, so the sum is quantized on the compute side.
             d_rows = route.to_experts(d_combined) + d_out
-        elif combine_bwd_dtype == "mxfp8":
-            grad_rowwise, d_rows = _gradient_rows_mxfp8(route, d_combined, residuals.gemm.impl)
+        elif combine_bwd_dtype != "bf16":
+            grad_quantized, d_rows = _gradient_rows(
+                route, d_combined, combine_bwd_dtype, residuals.gemm.impl
+            )
         else:
             d_rows = route.to_experts(d_combined)
     with jax.named_scope("fc2"):
+        grad_rowwise = grad_quantized if isinstance(grad_quantized, MXTensor) else None
         d_a, d_kernel = mxfp8_gmm_backward(residuals.gemm, d_rows, grad_rowwise)
     d_row_bias = d_rows.astype(F32) if residuals.has_bias else None
     return d_a, d_kernel, d_row_bias, None, None

@@ -1,8 +1,8 @@
 """The layer over a mesh of 8 host devices (`jaxmoe.expert_parallel`): y, the auxiliary losses, d x
 and every parameter gradient have the same bits at expert-parallel degrees 1, 2, 4 and 8 (bf16
-and MXFP8 on the wire); y equals the single-device layer on each rank's tokens, and the
-gradients equal its gradients within rounding (they are summed over the ranks in another,
-fixed, order)."""
+and MXFP8 on the wire; FP8-blockwise experts and wire at 1 and 8); y equals the single-device
+layer on each rank's tokens, and the gradients equal its gradients within rounding (they are
+summed over the ranks in another, fixed, order)."""
 
 import jax
 import jax.extend
@@ -35,14 +35,15 @@ MXFP8 = BF16.replace(
     combine_bwd_dtype="mxfp8",
     expert_row_alignment=32,
 )
+BLOCKWISE_WIRE = BF16.replace(dispatch_dtype="fp8_blockwise", combine_bwd_dtype="fp8_blockwise")
 CONFIGS = {"bf16": BF16, "mxfp8": MXFP8}
 MXFP8_EXPERTS = MXFP8.replace(dispatch_dtype="bf16", combine_bwd_dtype="bf16")
 
 
-def make(config):
-    model = MoE(config, H, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, H)).astype(jnp.bfloat16)
-    cotangent = jax.random.normal(jax.random.key(2), (BATCH, SEQ, H))
+def make(config, hidden_size=H):
+    model = MoE(config, hidden_size, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, hidden_size)).astype(jnp.bfloat16)
+    cotangent = jax.random.normal(jax.random.key(2), (BATCH, SEQ, hidden_size))
     return model, x, cotangent
 
 
@@ -72,10 +73,9 @@ def step(model, x, cotangent, mesh, padding_mask=None):
     return y, aux, d_x, d_params
 
 
-@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
-def test_same_bits_at_every_degree(precision):
-    model, x, cotangent = make(CONFIGS[precision])
-    runs = {ep: step(model, x, cotangent, mesh_for(ep)) for ep in (1, 2, 4, 8)}
+def assert_same_bits_at_every_degree(model, x, cotangent, degrees=(1, 2, 4, 8)):
+    """y, aux, d x and d params of every degree bitwise those of ep = 1; returns ep = 1's."""
+    runs = {ep: step(model, x, cotangent, mesh_for(ep)) for ep in degrees}
     y1, aux1, d_x1, d_params1 = runs[1]
     for y, aux, d_x, d_params in runs.values():
         assert_bitwise(np.asarray(y), np.asarray(y1))
@@ -84,6 +84,13 @@ def test_same_bits_at_every_degree(precision):
         assert_bitwise(np.asarray(d_x), np.asarray(d_x1))
         for a, b in zip(jax.tree.leaves(d_params), jax.tree.leaves(d_params1), strict=True):
             assert_bitwise(np.asarray(a), np.asarray(b))
+    return runs[1]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_same_bits_at_every_degree(precision):
+    model, x, cotangent = make(CONFIGS[precision])
+    y1 = assert_same_bits_at_every_degree(model, x, cotangent)[0]
     # ep = 1 is the single-device layer on each rank's tokens.
     for rank in range(8):
         alone = model(x[rank : rank + 1])[0]
@@ -93,9 +100,9 @@ def test_same_bits_at_every_degree(precision):
     assert differs(np.asarray(step(model, x, cotangent, mesh_for(8))[0]), np.asarray(y1))
 
 
-def row_exchanges(config) -> list[str]:
-    """The dtypes of the row all-to-alls (last dim H, or H/32 for MXFP8 scales) in the
-    expert-parallel training step at ep = 8, sorted."""
+def row_exchanges(config, widths=(H, H // 32)) -> list[str]:
+    """The dtypes of the row all-to-alls (last dim in `widths`: H, or H/32 for MXFP8 scales) in
+    the expert-parallel training step at ep = 8, sorted."""
     model, x, cotangent = make(config)
     grad, params = training_step(model, cotangent, mesh_for(8))
     found = []
@@ -103,9 +110,7 @@ def row_exchanges(config) -> list[str]:
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "all_to_all":
-                found.extend(
-                    str(v.aval.dtype) for v in eqn.invars if v.aval.shape[-1] in (H, H // 32)
-                )
+                found.extend(str(v.aval.dtype) for v in eqn.invars if v.aval.shape[-1] in widths)
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub)
 
@@ -121,6 +126,34 @@ def test_mxfp8_rows_alone_cross_the_wire():
     bf16, fp8 = ["bfloat16"] * 2, ["float8_e4m3fn"] * 2 + ["uint8"] * 2
     assert row_exchanges(MXFP8) == bf16 + fp8
     assert row_exchanges(BF16) == bf16 * 2
+
+
+def test_blockwise_rows_alone_cross_the_wire():
+    """The same with "fp8_blockwise" on the wire: fp8 data rows and one fp32 scale per 1x128
+    block (H = 64: one partial block, so the scale rows are 1 wide, like the routing
+    probabilities' per-row exchanges, which both configs have)."""
+    assert row_exchanges(BLOCKWISE_WIRE) == ["bfloat16"] * 2 + ["float8_e4m3fn"] * 2
+    scales = lambda config: row_exchanges(config, widths=(1,)).count("float32")
+    assert scales(BLOCKWISE_WIRE) == scales(BF16) + 2
+
+
+def test_blockwise_experts_same_bits_at_every_degree():
+    """FP8-blockwise experts (H = F = 128, 128-row blocks) with the blockwise wire: the
+    (expert, source) blocks' weight-gradient partials summed in order, as for bf16: the same
+    bits at ep = 1 and 8 (ep = 1 the single-device layer on each rank's tokens). Control: a
+    change to one expert of the last rank changes y."""
+    config = BLOCKWISE_WIRE.replace(
+        expert_precision="fp8_blockwise",
+        expert_row_alignment=128,
+        ffn_hidden_size=128,
+        shared_expert_intermediate_size=None,
+    )
+    model, x, cotangent = make(config, hidden_size=128)
+    y1 = assert_same_bits_at_every_degree(model, x, cotangent, degrees=(1, 8))[0]
+    for rank in (0, 7):
+        assert_bitwise(np.asarray(y1)[rank : rank + 1], np.asarray(model(x[rank : rank + 1])[0]))
+    model.experts.fc2_kernel[...] = model.experts.fc2_kernel[...].at[-1].multiply(2)
+    assert differs(np.asarray(step(model, x, cotangent, mesh_for(8))[0]), np.asarray(y1))
 
 
 def test_ranks_that_receive_no_rows():

@@ -4,6 +4,8 @@
 to run, a token alone equals the token in a batch (D2), training forward == inference forward
 (D3), with negative controls."""
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,7 +136,16 @@ def test_refusals():
     with pytest.raises(ValueError, match="expert_precision"):
         CONFIG.replace(expert_precision="fp8")
     with pytest.raises(ValueError, match="dispatch_dtype"):
-        CONFIG.replace(dispatch_dtype="fp8_blockwise")
+        CONFIG.replace(dispatch_dtype="fp8")
+    with pytest.raises(ValueError, match="combine_bwd_dtype"):
+        CONFIG.replace(combine_bwd_dtype="blockwise")
+    with pytest.raises(ValueError, match="lhs_quantized"):
+        fp8_blockwise_gmm(
+            jnp.ones((128, 128)),
+            jnp.ones((1, 128, 128)),
+            jnp.array([128]),
+            lhs_quantized=fb.quantize_1x128(jnp.ones((128, 128)), 0),
+        )
     with pytest.raises(ValueError, match="multiples of 128"):
         fp8_blockwise_gmm(jnp.ones((128, 96)), jnp.ones((1, 96, 128)), jnp.array([128]))
     with pytest.raises(ValueError, match="multiples of 128"):
@@ -185,3 +196,123 @@ def test_every_benchmark_shape_runs_in_fp8_blockwise():
         nnx.eval_shape(lambda s=blockwise: MoE(s.config, s.hidden_size, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="precision must be one of"):
         SHAPES["mixtral"].with_precision("fp4")
+
+
+# ------------------------------------------------------------- FP8-blockwise tokens on the wire
+def spread_tokens(n, seed=8):
+    """Tokens whose 1x128 and 32-wide blocks see different maxima (columns scaled by powers of
+    two), so that MXFP8 and 1x128 copies differ."""
+    rng = np.random.default_rng(seed)
+    scale = 2.0 ** rng.integers(-6, 3, (1, H))
+    return jnp.asarray(rng.normal(size=(n, H)) * scale, BF16)
+
+
+def flat_gradients(grads):
+    return {"/".join(map(str, path)): v[...] for path, v in nnx.to_flat_state(grads)}
+
+
+def test_dispatched_blockwise_copy_is_the_quantized_rows():
+    """dispatch_dtype "fp8_blockwise": what travels is each token's 1x128 copy along H, moved to
+    its rows (data bitwise that of quantizing the dispatched rows; padding rows zero data and
+    zero scales), and the experts' rows are its dequantized values."""
+    model = make(CONFIG.replace(dispatch_dtype="fp8_blockwise"))
+    x = spread_tokens(40)
+    _, _, stages = nnx.jit(lambda m, x: m.forward_with_stages(x))(model, x[None])
+    wire = stages.dispatched_quantized
+    assert isinstance(wire, fb.BlockwiseTensor) and wire.block_axes == (1,)
+    row_token = np.asarray(stages.plan.row_token())
+    padded = jnp.concatenate([x, jnp.zeros((1, H), BF16)])[row_token]
+    quantized = fb.quantize_1x128(padded, 1)
+    real = row_token < x.shape[0]
+    assert 0 < real.sum() < len(row_token)  # padding rows exist
+    assert_bitwise(wire.data, quantized.data)
+    assert_bitwise(np.asarray(wire.scale_inv)[real], np.asarray(quantized.scale_inv)[real])
+    assert not np.asarray(wire.scale_inv)[~real].any()
+    assert_bitwise(stages.dispatched_rows, fb.dequantize(quantized, BF16))
+    assert differs(stages.dispatched_rows, padded)  # control: the rows are not the bf16 tokens
+
+
+def layer_step(config, x):
+    """y, d x and every parameter gradient of <y, c> + aux losses, by name, for a cotangent c
+    whose elements are spread over powers of two (so its blocks along H and along the tokens
+    see different maxima)."""
+    model = make(config)
+    rng = np.random.default_rng(9)
+    c = jnp.asarray(rng.normal(size=x.shape) * 2.0 ** rng.integers(-8, 1, x.shape), jnp.float32)
+
+    def loss(model, x):
+        y, aux = model(x)
+        return jnp.sum(y.astype(jnp.float32) * c) + aux.total_loss, y
+
+    (_, y), (d_model, d_x) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        model, x
+    )
+    return dict(y=y, d_x=d_x, **flat_gradients(d_model))
+
+
+@pytest.mark.parametrize("option", ["dispatch_dtype", "combine_bwd_dtype"])
+def test_blockwise_experts_with_a_blockwise_wire(option):
+    """FP8-blockwise experts with an FP8-blockwise wire: the wire copy is what the recipe would
+    quantize (fc1's fprop operand; in value, fc2's dgrad operand), so y, d x and every gradient
+    but that GEMM's weight gradient have the bits of the bf16 wire; the weight gradient's copy
+    along the tokens comes from the dequantized wire rows, as TE derives it, and differs.
+    Control: for bf16 experts the same wire changes y (dispatch) or d x (combine)."""
+    x = spread_tokens(48).reshape(2, 24, H)
+    bf16_wire = layer_step(CONFIG, x)
+    blockwise_wire = layer_step(CONFIG.replace(**{option: "fp8_blockwise"}), x)
+    changed = "experts/fc1_kernel" if option == "dispatch_dtype" else "experts/fc2_kernel"
+    for name, value in bf16_wire.items():
+        if name == changed:
+            assert differs(blockwise_wire[name], value), name
+        else:
+            assert_bitwise(blockwise_wire[name], value)
+    control = "y" if option == "dispatch_dtype" else "d_x"
+    bf16_experts = CONFIG.replace(expert_precision="bf16")
+    assert differs(
+        layer_step(bf16_experts.replace(**{option: "fp8_blockwise"}), x)[control],
+        layer_step(bf16_experts, x)[control],
+    )
+
+
+def test_fc1_takes_the_dispatched_copy_as_it_is(monkeypatch):
+    """With dispatch_dtype "fp8_blockwise" the forward quantizes fc1's operand no more: one 1x128
+    quantize along K in the GEMMs (fc2's) instead of two."""
+    module = importlib.import_module("jaxmoe.ops.fp8_blockwise_gmm")  # not the function
+    calls = []
+
+    def spy(x, axis=-1, fmt="e4m3"):
+        calls.append(axis)
+        return fb.quantize_1x128(x, axis, fmt)
+
+    monkeypatch.setattr(module, "quantize_1x128", spy)
+    x = tokens(32)[None]
+    counts = {}
+    for wire in ("bf16", "fp8_blockwise"):
+        calls.clear()
+        nnx.eval_shape(lambda m, x: m(x), make(CONFIG.replace(dispatch_dtype=wire)), x)
+        counts[wire] = calls.count(1)
+    assert counts == {"bf16": 2, "fp8_blockwise": 1}
+
+
+def test_bf16_experts_take_the_dequantized_wire_rows():
+    """bf16 experts with both wire options "fp8_blockwise": the forward is the bf16 layer on the
+    dequantized rows (the router still sees the tokens), and the output gradient reaching the
+    experts is the dequantized copy of the token gradient; the layer runs run to run the same
+    and a token alone equals the token in the batch (D2)."""
+    config = CONFIG.replace(
+        expert_precision="bf16", dispatch_dtype="fp8_blockwise", combine_bwd_dtype="fp8_blockwise"
+    )
+    model, x = make(config), spread_tokens(33)[None]
+    y1, g1 = training(model, x)
+    y2, g2 = training(model, x)
+    assert_bitwise(y1, y2)
+    for (_, a), (_, b) in zip(nnx.to_flat_state(g1), nnx.to_flat_state(g2)):
+        assert_bitwise(a[...], b[...])
+    _, _, stages = nnx.jit(lambda m, x: m.forward_with_stages(x))(model, x)
+    row_token = np.asarray(stages.plan.row_token())
+    rows = jnp.concatenate([x[0], jnp.zeros((1, H), BF16)])[row_token]
+    assert_bitwise(stages.dispatched_rows, fb.dequantize(fb.quantize_1x128(rows, 1), BF16))
+    bf16_wire = make(CONFIG.replace(expert_precision="bf16"))
+    assert differs(inference(bf16_wire, x), y1)  # control
+    alone = inference(model, x[:, 5:6])
+    assert_bitwise(inference(model, x)[:, 5:6], alone)

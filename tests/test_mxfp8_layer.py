@@ -529,7 +529,7 @@ def test_bf16_experts_with_mxfp8_dispatch_take_the_dequantized_tokens(combine_bw
     stages = stages_of(model, x)
     assert_bitwise(training(model, x, cotangent_of(40))[0], stages.combined)
     w1 = model.experts.fc1_kernel[...]
-    fc1_input = mxfp8.dequantize(stages.dispatched_mxfp8, BF16)
+    fc1_input = mxfp8.dequantize(stages.dispatched_quantized, BF16)
     assert_bitwise(fc1_input, qdq(stages.dispatched_rows, 1))
     want = gmm(fc1_input, w1, stages.plan.group_sizes, impl="xla", preferred_element_type=BF16)
     assert_bitwise(stages.fc1_output, want)

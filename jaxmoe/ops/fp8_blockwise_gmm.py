@@ -30,7 +30,7 @@ from jaxmoe.fp8_blockwise import (
 )
 from jaxmoe.ops import registry
 from jaxmoe.ops.checks import check_group_sizes
-from jaxmoe.ops.gmm import kernel_rows, pad_rows, tgmm
+from jaxmoe.ops.gmm import kernel_rows, pad_rows, sum_group_partials, tgmm
 from jaxmoe.ops.pallas.gmm_common import GmmConfig
 from jaxmoe.ops.pallas.gmm_mxfp8_hopper import gmm_block_scaled_fp8_pallas
 
@@ -132,23 +132,31 @@ def fp8_blockwise_gmm(
     rhs: jax.Array,
     group_sizes: jax.Array,
     *,
+    lhs_quantized: BlockwiseTensor | None = None,
     rhs_quantized: BlockwiseWeights | None = None,
     impl: str = "auto",
     preferred_element_type=jnp.float32,
+    groups_per_weight: int = 1,
 ) -> jax.Array:
-    """Grouped matmul out[m] = lhs[m] @ rhs[g(m)] with Transformer Engine's FP8 blockwise recipe,
-    differentiable w.r.t. lhs and rhs (straight-through quantizers, as in TE):
+    """Grouped matmul out[m] = lhs[m] @ rhs[g(m) // groups_per_weight] with Transformer Engine's
+    FP8 blockwise recipe, differentiable w.r.t. lhs and rhs (straight-through quantizers, as in
+    TE):
       fprop  lhs in 1x128 blocks along K  x  rhs in 128x128 blocks  (`gmm_fp8_blockwise`)
       dgrad  grad in 1x128 blocks along N  x  the same rhs blocks, transposed
       wgrad  lhs and grad each in 1x128 blocks along the rows, dequantized (exact) and
-             multiplied by `jaxmoe.ops.tgmm` (no blockwise wgrad kernel yet: the same products,
-             summed over all of a group's rows in one fp32 chain instead of per 128-row block)
-    lhs [M, K] and rhs [G, K, N] high precision (rhs rounded to lhs's dtype before it is
-    quantized; its gradient in its own dtype); K, N and every group size multiples of 128 (no
-    1x128 block along the rows mixes two groups; rows past the groups must be zeros, as the plan
-    makes them). rhs_quantized: `quantize_blockwise_weights(rhs)` made earlier in the step
-    (None: quantize here); it carries no gradient, rhs does. Result in
-    `preferred_element_type`."""
+             multiplied by `jaxmoe.ops.tgmm` per group (no blockwise wgrad kernel yet: the same
+             products, summed over all of a group's rows in one fp32 chain instead of per
+             128-row block); groups sharing a matrix add their partials with
+             `jaxmoe.ordered.sum_in_order` in fp32, as `jaxmoe.ops.gmm` does
+    lhs [M, K] and rhs [G / n, K, N] high precision (n = groups_per_weight: consecutive groups
+    sharing a matrix, the expert-parallel (expert, source) blocks; rhs rounded to lhs's dtype
+    before it is quantized; its gradient in its own dtype); K, N and every group size multiples
+    of 128 (no 1x128 block along the rows mixes two groups; rows past the groups must be zeros,
+    as the plan makes them). lhs_quantized: the fprop copy of lhs quantized elsewhere (the
+    dispatched 1x128 copy of the tokens, dispatch_dtype "fp8_blockwise"); it must equal
+    `quantize_1x128(lhs, 1)` in value; None: quantize here. rhs_quantized:
+    `quantize_blockwise_weights(rhs)` made earlier in the step (None: quantize here). Neither
+    carries a gradient; lhs and rhs do. Result in `preferred_element_type`."""
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(
             f"fp8_blockwise_gmm: lhs must be [M, K] and rhs [G, K, N]; got {lhs.shape}, {rhs.shape}"
@@ -156,7 +164,26 @@ def fp8_blockwise_gmm(
     _, k, n = rhs.shape
     if k % BLOCK or n % BLOCK:
         raise ValueError(f"fp8_blockwise_gmm: K={k} and N={n} must be multiples of {BLOCK}")
-    check_group_sizes(group_sizes, rhs.shape[0], lhs.shape[0], "fp8_blockwise_gmm", multiple=BLOCK)
+    if groups_per_weight < 1:
+        raise ValueError(
+            f"fp8_blockwise_gmm: groups_per_weight must be >= 1, got {groups_per_weight}"
+        )
+    check_group_sizes(
+        group_sizes,
+        rhs.shape[0] * groups_per_weight,
+        lhs.shape[0],
+        "fp8_blockwise_gmm",
+        multiple=BLOCK,
+    )
+    if lhs_quantized is not None and (
+        not isinstance(lhs_quantized, BlockwiseTensor)
+        or lhs_quantized.shape != lhs.shape
+        or lhs_quantized.block_axes != (1,)
+    ):
+        raise ValueError(
+            "fp8_blockwise_gmm: lhs_quantized must be a BlockwiseTensor of lhs's shape "
+            f"{lhs.shape} in 1x128 blocks along K (axis 1)"
+        )
     if rhs_quantized is not None and (
         not isinstance(rhs_quantized, BlockwiseWeights) or rhs_quantized.weights.shape != rhs.shape
     ):
@@ -168,29 +195,42 @@ def fp8_blockwise_gmm(
         lhs,
         rhs,
         group_sizes.astype(jnp.int32),
+        lhs_quantized,
         rhs_quantized,
         jnp.dtype(preferred_element_type),
         impl,
         jnp.dtype(lhs.dtype),
         jnp.dtype(rhs.dtype),
+        groups_per_weight,
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _fp8_blockwise_gmm(lhs, rhs, group_sizes, rhs_quantized, out_dtype, impl, dtype, rhs_dtype):
+def _sizes_per_weight(group_sizes, groups_per_weight):
+    """Rows per matrix: the n consecutive groups of a matrix are contiguous rows."""
+    if groups_per_weight == 1:
+        return group_sizes
+    return group_sizes.reshape(-1, groups_per_weight).sum(axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _fp8_blockwise_gmm(
+    lhs, rhs, group_sizes, lhs_quantized, rhs_quantized, out_dtype, impl, dtype, rhs_dtype, n
+):
     return _fp8_blockwise_gmm_fwd(
-        lhs, rhs, group_sizes, rhs_quantized, out_dtype, impl, dtype, rhs_dtype
+        lhs, rhs, group_sizes, lhs_quantized, rhs_quantized, out_dtype, impl, dtype, rhs_dtype, n
     )[0]
 
 
-def _fp8_blockwise_gmm_fwd(lhs, rhs, group_sizes, rhs_quantized, out_dtype, impl, dtype, rhs_dtype):
+def _fp8_blockwise_gmm_fwd(
+    lhs, rhs, group_sizes, lhs_quantized, rhs_quantized, out_dtype, impl, dtype, rhs_dtype, n
+):
     copies = rhs_quantized
     if copies is None:
         copies = quantize_blockwise_weights(rhs.astype(lhs.dtype))
     out = gmm_fp8_blockwise(
-        quantize_1x128(lhs, 1),
+        quantize_1x128(lhs, 1) if lhs_quantized is None else lhs_quantized,
         copies.transposed,
-        group_sizes,
+        _sizes_per_weight(group_sizes, n),
         transpose_rhs=True,
         impl=impl,
         preferred_element_type=out_dtype,
@@ -198,25 +238,25 @@ def _fp8_blockwise_gmm_fwd(lhs, rhs, group_sizes, rhs_quantized, out_dtype, impl
     return out, (quantize_1x128(lhs, 0), copies.weights, group_sizes)
 
 
-def _fp8_blockwise_gmm_bwd(out_dtype, impl, dtype, rhs_dtype, residuals, grad):
+def _fp8_blockwise_gmm_bwd(out_dtype, impl, dtype, rhs_dtype, n, residuals, grad):
     lhs_columnwise, weights, group_sizes = residuals
     grad = grad.astype(dtype)
     d_lhs = gmm_fp8_blockwise(
         quantize_1x128(grad, 1),
         weights,
-        group_sizes,
+        _sizes_per_weight(group_sizes, n),
         transpose_rhs=True,
         impl=impl,
         preferred_element_type=dtype,
     )
-    d_rhs = tgmm(
+    partials = tgmm(
         dequantize(lhs_columnwise, dtype),
         dequantize(quantize_1x128(grad, 0), dtype),
         group_sizes,
         impl=impl,
-        preferred_element_type=rhs_dtype,
-    )
-    return d_lhs, d_rhs, None, None
+        preferred_element_type=dtype,
+    )  # each group's partial rounded to the compute dtype, as `jaxmoe.ops.gmm`'s
+    return d_lhs, sum_group_partials(partials, n, rhs_dtype), None, None, None
 
 
 _fp8_blockwise_gmm.defvjp(_fp8_blockwise_gmm_fwd, _fp8_blockwise_gmm_bwd)

@@ -1,0 +1,70 @@
+"""The quantized token rows that travel instead of bf16 ones: the dispatched tokens
+(`MoEConfig.dispatch_dtype`) and the output gradient sent back through the combine
+(`MoEConfig.combine_bwd_dtype`), to halve the bytes of the expert-parallel all-to-all.
+
+  "bf16"           the rows themselves (nothing quantized)
+  "mxfp8"          rowwise MXFP8 (`jaxmoe.mxfp8.MXTensor`: 32-wide blocks along H, E8M0
+                   scales), Transformer Engine's MXFP8 recipe
+  "fp8_blockwise"  1x128 blocks along H (`jaxmoe.fp8_blockwise.BlockwiseTensor`: e4m3, one
+                   power-of-two fp32 scale per block), TE's `Float8BlockScaling` activations
+
+A token is quantized once, at token level, before it moves (`quantize_tokens`); the dispatch and
+the expert-parallel exchange move the copy's data and scale rows with the same index
+(`move_rows`), padding rows getting zero data and zero scales (they dequantize to 0). Whatever
+reads the high-precision rows reads the copy's dequantized values, so only the copy needs to
+travel; experts of the copy's own format use it as their GEMM operand as it is. A copy carries
+no gradient: its users send the gradient to the high-precision rows as if the quantizer were
+the identity (straight-through, as TE does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from jaxmoe.fp8_blockwise import BlockwiseTensor, quantize_1x128
+from jaxmoe.mxfp8 import MXTensor
+from jaxmoe.ops.quantize import quantize
+
+WIRE_DTYPES = ("bf16", "mxfp8", "fp8_blockwise")
+QuantizedRows = MXTensor | BlockwiseTensor
+
+
+def quantize_tokens(x: jax.Array, wire_dtype: str, impl: str = "auto") -> QuantizedRows:
+    """x [T, H] quantized in blocks along H in `wire_dtype` ("mxfp8" or "fp8_blockwise"); no
+    gradient flows through it. impl: the MXFP8 quantize's (`jaxmoe.ops.quantize`)."""
+    if x.ndim != 2:
+        raise ValueError(f"quantize_tokens: x must be [T, H], got {x.shape}")
+    x = jax.lax.stop_gradient(x)
+    if wire_dtype == "mxfp8":
+        return quantize(x, axis=1, impl=impl)
+    if wire_dtype == "fp8_blockwise":
+        return quantize_1x128(x, axis=1)
+    raise ValueError(
+        f"quantize_tokens: wire_dtype must be 'mxfp8' or 'fp8_blockwise', got {wire_dtype!r}"
+    )
+
+
+def is_token_rows(t) -> bool:
+    """Whether t is a quantized [T, H] array blocked along H (what `move_rows` takes)."""
+    if isinstance(t, MXTensor):
+        return t.ndim == 2 and t.axis == 1
+    if isinstance(t, BlockwiseTensor):
+        return t.ndim == 2 and t.block_axes == (1,)
+    return False
+
+
+def move_rows(t: QuantizedRows, move: Callable[[jax.Array], jax.Array]) -> QuantizedRows:
+    """t with `move` (a row permutation with zero fill, e.g. the dispatch's gather) applied to its
+    data rows and its scale rows alike."""
+    if not is_token_rows(t):
+        raise ValueError(
+            f"move_rows: a quantized copy must be [T, H] with blocks along H (axis 1), got {t!r}"
+        )
+    return jax.tree.map(move, t)
+
+
+def dequantize_rows(t: QuantizedRows, dtype) -> jax.Array:
+    """The copy's values in `dtype` (exact: each is an fp8 value times a power of two)."""
+    return t.dequantize(dtype)
