@@ -17,7 +17,9 @@ process, GEMMs on already-quantized operands:
   wgrad  x_g^T @ dy_g    jaxmoe_mxfp8 (dequantize + bf16 tgmm) | jaxmoe_bf16 | torch (both)
   quantize               x rowwise and columnwise, and the fused gather + rowwise quantize
                          (dispatch_quantize), on XLA (the reference) and on the Pallas kernels,
-                         vs a device-to-device copy of the same bytes (the bandwidth ceiling)
+                         MXFP8 and FP8 blockwise 1x128 rowwise (`_1x128`; its scales are as many
+                         bytes: an fp32 per 128 elements), vs a device-to-device copy of the same
+                         bytes (the bandwidth ceiling)
 Writes gmm_mxfp8_<date>.json (+ .png) and prints TFLOP/s and the ratios the issue targets.
 """
 
@@ -53,7 +55,9 @@ from jaxmoe.ops import (  # noqa: E402
 )
 from jaxmoe.ops.pallas.quantize_hopper import (  # noqa: E402
     ARITHMETIC,
+    gather_quantize_1x128_pallas,
     gather_quantize_rowwise_pallas,
+    quantize_1x128_pallas,
     quantize_columnwise_pallas,
     quantize_rowwise_pallas,
 )
@@ -230,9 +234,17 @@ def bench_quantize(x, run, torch):
     dispatch of a call, so a host clock would time the host."""
     m = x.shape[0]
     q_bytes = x.size * 2 + x.size + x.size // BLOCK_SIZE
-    kernels = {"rowwise": quantize_rowwise_pallas, "columnwise": quantize_columnwise_pallas}
-    for axis, kind in ((1, "rowwise"), (0, "columnwise")):
-        fn = functools.partial(quantize, axis=axis, impl="xla")
+    kernels = {
+        "rowwise": quantize_rowwise_pallas,
+        "columnwise": quantize_columnwise_pallas,
+        "1x128_rowwise": quantize_1x128_pallas,
+    }
+    references = {
+        "rowwise": functools.partial(quantize, axis=1, impl="xla"),
+        "columnwise": functools.partial(quantize, axis=0, impl="xla"),
+        "1x128_rowwise": functools.partial(quantize_1x128, axis=1),  # the XLA reference
+    }
+    for kind, fn in references.items():
         run(
             "quantize",
             f"xla_quantize_{kind}",
@@ -254,25 +266,28 @@ def bench_quantize(x, run, torch):
     tokens = x[: m // 2]
     row_token = jax.random.permutation(jax.random.key(1), jnp.arange(m) % (m // 2))
     row_token = jnp.where(jax.random.uniform(jax.random.key(2), (m,)) < 0.05, m // 2, row_token)
-    fn = functools.partial(dispatch_quantize, impl="xla")
-    run(
-        "quantize",
-        "xla_dispatch_quantize",
-        batched(fn, tokens, row_token),
-        work=q_bytes,
-        unit="tbps",
-        calls=QUANTIZE_COPIES,
-    )
-    for arithmetic in ARITHMETIC:
-        fn = functools.partial(gather_quantize_rowwise_pallas, arithmetic=arithmetic)
+    gathers = {"": gather_quantize_rowwise_pallas, "_1x128": gather_quantize_1x128_pallas}
+    for suffix, kernel in gathers.items():
+        recipe = "fp8_blockwise" if suffix else "mxfp8"
+        fn = functools.partial(dispatch_quantize, recipe=recipe, impl="xla")
         run(
             "quantize",
-            f"pallas_{arithmetic}_dispatch_quantize",
+            f"xla_dispatch_quantize{suffix}",
             batched(fn, tokens, row_token),
             work=q_bytes,
             unit="tbps",
             calls=QUANTIZE_COPIES,
         )
+        for arithmetic in ARITHMETIC:
+            fn = functools.partial(kernel, arithmetic=arithmetic)
+            run(
+                "quantize",
+                f"pallas_{arithmetic}_dispatch_quantize{suffix}",
+                batched(fn, tokens, row_token),
+                work=q_bytes,
+                unit="tbps",
+                calls=QUANTIZE_COPIES,
+            )
     pairs = [
         (
             torch.empty(q_bytes // 2, dtype=torch.uint8, device="cuda"),

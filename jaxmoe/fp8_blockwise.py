@@ -84,9 +84,11 @@ class BlockwiseTensor:
 
 
 def scale_exponent_from_amax_bits(amax, fmt="e4m3"):
-    """k with TE's scale 2^k (module docstring) from the fp32 bits of amax >= 0 (non-NaN)."""
+    """k with TE's scale 2^k (module docstring) from the fp32 bits of amax >= 0 (non-NaN); fmt:
+    a name of `jaxmoe.mxfp8.FORMATS` or its entry."""
+    fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
     a = amax.astype(jnp.int32)
-    k = FORMATS[fmt].exp_shift + 127 - (a >> 23) - ((a & _MANT) > _MANT_THRESHOLD)
+    k = fmt.exp_shift + 127 - (a >> 23) - ((a & _MANT) > _MANT_THRESHOLD)
     k = jnp.minimum(k, _MAX_SCALE_EXPONENT)
     return jnp.where((a == 0) | (a == FP32_INF_BITS), 0, k)
 

@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import jax
 
-from jaxmoe.fp8_blockwise import BlockwiseTensor, quantize_1x128
+from jaxmoe.fp8_blockwise import BlockwiseTensor
 from jaxmoe.mxfp8 import MXTensor
-from jaxmoe.ops.quantize import quantize
+from jaxmoe.ops.quantize import quantize, quantize_1x128
 
 WIRE_DTYPES = ("bf16", "mxfp8", "fp8_blockwise")
 QuantizedRows = MXTensor | BlockwiseTensor
@@ -33,14 +33,14 @@ QuantizedRows = MXTensor | BlockwiseTensor
 
 def quantize_tokens(x: jax.Array, wire_dtype: str, impl: str = "auto") -> QuantizedRows:
     """x [T, H] quantized in blocks along H in `wire_dtype` ("mxfp8" or "fp8_blockwise"); no
-    gradient flows through it. impl: the MXFP8 quantize's (`jaxmoe.ops.quantize`)."""
+    gradient flows through it. impl: the quantize's (`jaxmoe.ops.quantize`, `quantize_1x128`)."""
     if x.ndim != 2:
         raise ValueError(f"quantize_tokens: x must be [T, H], got {x.shape}")
     x = jax.lax.stop_gradient(x)
     if wire_dtype == "mxfp8":
         return quantize(x, axis=1, impl=impl)
     if wire_dtype == "fp8_blockwise":
-        return quantize_1x128(x, axis=1)
+        return quantize_1x128(x, axis=1, impl=impl)
     raise ValueError(
         f"quantize_tokens: wire_dtype must be 'mxfp8' or 'fp8_blockwise', got {wire_dtype!r}"
     )

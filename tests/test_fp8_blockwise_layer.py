@@ -280,7 +280,7 @@ def test_fc1_takes_the_dispatched_copy_as_it_is(monkeypatch):
     module = importlib.import_module("jaxmoe.ops.fp8_blockwise_gmm")  # not the function
     calls = []
 
-    def spy(x, axis=-1, fmt="e4m3"):
+    def spy(x, axis=-1, fmt="e4m3", *, impl="auto"):
         calls.append(axis)
         return fb.quantize_1x128(x, axis, fmt)
 

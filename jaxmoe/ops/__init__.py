@@ -16,7 +16,7 @@ from jaxmoe.ops.pallas.gmm_common import GmmConfig
 from jaxmoe.ops.pallas.gmm_decode_hopper import DecodeConfig
 from jaxmoe.ops.pallas.tgmm_hopper import TgmmConfig
 from jaxmoe.ops.permute import combine_rows, dispatch_rows
-from jaxmoe.ops.quantize import dispatch_quantize, quantize
+from jaxmoe.ops.quantize import dispatch_quantize, quantize, quantize_1x128
 
 __all__ = [
     "dense",
@@ -30,6 +30,7 @@ __all__ = [
     "BlockwiseWeights",
     "quantize_blockwise_weights",
     "quantize",
+    "quantize_1x128",
     "dispatch_quantize",
     "dispatch_rows",
     "combine_rows",

@@ -25,7 +25,6 @@ from jaxmoe.fp8_blockwise import (
     BlockwiseTensor,
     dequantize,
     gmm_reference,
-    quantize_1x128,
     quantize_128x128,
 )
 from jaxmoe.ops import registry
@@ -33,6 +32,7 @@ from jaxmoe.ops.checks import check_group_sizes
 from jaxmoe.ops.gmm import kernel_rows, pad_rows, sum_group_partials, tgmm
 from jaxmoe.ops.pallas.gmm_common import GmmConfig
 from jaxmoe.ops.pallas.gmm_mxfp8_hopper import gmm_block_scaled_fp8_pallas
+from jaxmoe.ops.quantize import quantize_1x128
 
 
 def _problem(k: int, n: int) -> str | None:
@@ -228,21 +228,22 @@ def _fp8_blockwise_gmm_fwd(
     if copies is None:
         copies = quantize_blockwise_weights(rhs.astype(lhs.dtype))
     out = gmm_fp8_blockwise(
-        quantize_1x128(lhs, 1) if lhs_quantized is None else lhs_quantized,
+        quantize_1x128(lhs, 1, impl=impl) if lhs_quantized is None else lhs_quantized,
         copies.transposed,
         _sizes_per_weight(group_sizes, n),
         transpose_rhs=True,
         impl=impl,
         preferred_element_type=out_dtype,
     )
-    return out, (quantize_1x128(lhs, 0), copies.weights, group_sizes)
+    # No kernel quantizes along the tokens yet: the wgrad copies are XLA's on every impl.
+    return out, (quantize_1x128(lhs, 0, impl="xla"), copies.weights, group_sizes)
 
 
 def _fp8_blockwise_gmm_bwd(out_dtype, impl, dtype, rhs_dtype, n, residuals, grad):
     lhs_columnwise, weights, group_sizes = residuals
     grad = grad.astype(dtype)
     d_lhs = gmm_fp8_blockwise(
-        quantize_1x128(grad, 1),
+        quantize_1x128(grad, 1, impl=impl),
         weights,
         _sizes_per_weight(group_sizes, n),
         transpose_rhs=True,
@@ -251,7 +252,7 @@ def _fp8_blockwise_gmm_bwd(out_dtype, impl, dtype, rhs_dtype, n, residuals, grad
     )
     partials = tgmm(
         dequantize(lhs_columnwise, dtype),
-        dequantize(quantize_1x128(grad, 0), dtype),
+        dequantize(quantize_1x128(grad, 0, impl="xla"), dtype),
         group_sizes,
         impl=impl,
         preferred_element_type=dtype,

@@ -1,18 +1,21 @@
-"""MXFP8 quantization with a choice of implementation: `quantize` (any axis) and
-`dispatch_quantize` (gather the expert buffer's rows and quantize them in one pass).
+"""Quantization with a choice of implementation: MXFP8 `quantize` (any axis), FP8-blockwise
+`quantize_1x128` (1 x 128 blocks along any axis), and `dispatch_quantize` (gather the expert
+buffer's rows and quantize them in one pass, either recipe).
 
-  impl "xla"     `jaxmoe.mxfp8.quantize`, the TE-exact reference.
-  impl "pallas"  the Hopper kernels (ops/pallas/quantize_hopper.py), bitwise equal to it:
-                 blocks along the last axis (any leading shape, viewed as 2-D), blocks along
-                 the next-to-last axis with the last a multiple of 16 (leading axes merged
-                 into it: [G, K, N] is [G * K, N]), and the dispatch gather with H a
-                 multiple of 64 (bf16) / 32 (fp32); bf16 or fp32 input, not empty. Other
-                 problems raise ValueError.
+  impl "xla"     the TE-exact references `jaxmoe.mxfp8.quantize` and
+                 `jaxmoe.fp8_blockwise.quantize_1x128`.
+  impl "pallas"  the Hopper kernels (ops/pallas/quantize_hopper.py), bitwise equal to them:
+                 blocks along the last axis (any leading shape, viewed as 2-D; FP8 blockwise:
+                 its length a multiple of 128), MXFP8 blocks along the next-to-last axis with
+                 the last a multiple of 16 (leading axes merged into it: [G, K, N] is
+                 [G * K, N]), and the dispatch gather with H a multiple of 64 (bf16) / 32
+                 (fp32) (FP8 blockwise: 128); bf16 or fp32 input, not empty. Other problems
+                 raise ValueError.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
 
-Gradients: an MXTensor carries none (its data is fp8, its scales are integers). Both functions
-take their input through `jax.lax.stop_gradient`, so they run inside `jax.grad` on every impl
-(the kernels have no differentiation rule). Code that differentiates through a quantizer sends
+Gradients: a quantized tensor carries none (its data is fp8, its scales are integers or powers
+of two). The functions take their input through `jax.lax.stop_gradient`, so they run inside
+`jax.grad` on every impl (the kernels have no differentiation rule). Code that differentiates through a quantizer sends
 the gradient to the high-precision tensor as if the quantizer were the identity
 (straight-through, as Transformer Engine does): the layer does this for the dispatched tokens,
 the combine gradient and every MXFP8 GEMM operand (`jaxmoe.ops.mxfp8_gmm`).
@@ -25,17 +28,25 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxmoe import mxfp8
+from jaxmoe import fp8_blockwise, mxfp8
+from jaxmoe.fp8_blockwise import BlockwiseTensor
 from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor
 from jaxmoe.ops import registry
 from jaxmoe.ops.pallas.quantize_hopper import (
+    FP8_BLOCKWISE,
+    MXFP8,
     columnwise_problem,
     gather_problem,
+    gather_quantize_1x128_pallas,
     gather_quantize_rowwise_pallas,
+    quantize_1x128_pallas,
     quantize_columnwise_pallas,
     quantize_rowwise_pallas,
     rowwise_problem,
 )
+
+RECIPES = ("mxfp8", "fp8_blockwise")
+_SCALINGS = {"mxfp8": MXFP8, "fp8_blockwise": FP8_BLOCKWISE}
 
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -59,12 +70,22 @@ def _kernel_problem(x, axis) -> str | None:
     return f"blocks along axis {axis} of shape {x.shape}: the kernels take the last two axes"
 
 
-def _gather_kernel_problem(x, num_rows) -> str | None:
+def _1x128_kernel_problem(x, axis) -> str | None:
+    """Why the FP8-blockwise kernel cannot quantize x along axis (None when it can)."""
+    if _dtype_problem(x):
+        return _dtype_problem(x)
+    if axis != x.ndim - 1:
+        return f"1x128 blocks along axis {axis} of shape {x.shape}: the kernel takes the last"
+    return rowwise_problem((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype, FP8_BLOCKWISE)
+
+
+def _gather_kernel_problem(x, num_rows, recipe) -> str | None:
     """Why the gather-quantize kernel cannot make num_rows rows of x (None when it can)."""
-    return _dtype_problem(x) or gather_problem(x.shape, x.dtype, num_rows)
+    return _dtype_problem(x) or gather_problem(x.shape, x.dtype, num_rows, _SCALINGS[recipe])
 
 
 registry.register("quantize", "pallas", problem=_kernel_problem)
+registry.register("quantize_1x128", "pallas", problem=_1x128_kernel_problem)
 registry.register("dispatch_quantize", "pallas", problem=_gather_kernel_problem)
 
 
@@ -97,21 +118,53 @@ def quantize(x: jax.Array, axis: int = -1, fmt: str = "e4m3", *, impl: str = "au
     )
 
 
-def dispatch_quantize(
-    x: jax.Array, row_token: jax.Array, fmt: str = "e4m3", *, impl: str = "auto"
-) -> MXTensor:
-    """Rows x[row_token[r]] ([M, H], zeros where row_token[r] == T, a padding row) quantized
-    with blocks along H, without a bf16 copy of the gathered rows on "pallas". Equals
-    `quantize(jnp.concatenate([x, zeros])[row_token], axis=1)` bitwise. No gradient flows
-    through it (module docstring)."""
+def quantize_1x128(
+    x: jax.Array, axis: int = -1, fmt: str = "e4m3", *, impl: str = "auto"
+) -> BlockwiseTensor:
+    """`jaxmoe.fp8_blockwise.quantize_1x128(x, axis, fmt)` (same checks, same bits) on the
+    chosen `impl`; no gradient flows through it (module docstring)."""
     x = jax.lax.stop_gradient(jnp.asarray(x))
+    if x.ndim == 0 or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"quantize_1x128: axis {axis} is out of range for shape {x.shape}")
+    axis %= x.ndim
+    if registry.resolve("quantize_1x128", impl, x, axis) == "xla":
+        return fp8_blockwise.quantize_1x128(x, axis, fmt)
+    data, scale_inv = quantize_1x128_pallas(x.reshape(-1, x.shape[-1]), fmt)
+    blocks = x.shape[-1] // fp8_blockwise.BLOCK
+    return BlockwiseTensor(
+        data.reshape(x.shape), scale_inv.reshape(x.shape[:-1] + (blocks,)), (axis,), fmt
+    )
+
+
+def dispatch_quantize(
+    x: jax.Array,
+    row_token: jax.Array,
+    fmt: str = "e4m3",
+    *,
+    recipe: str = "mxfp8",
+    impl: str = "auto",
+) -> MXTensor | BlockwiseTensor:
+    """Rows x[row_token[r]] ([M, H], zeros where row_token[r] == T, a padding row) quantized
+    with blocks along H (recipe "mxfp8": 32 wide, an MXTensor; "fp8_blockwise": 1 x 128, a
+    BlockwiseTensor), without a bf16 copy of the gathered rows on "pallas". Equals quantizing
+    `jnp.concatenate([x, zeros])[row_token]` along axis 1 bitwise. No gradient flows through
+    it (module docstring)."""
+    x = jax.lax.stop_gradient(jnp.asarray(x))
+    if recipe not in RECIPES:
+        raise ValueError(f"dispatch_quantize: recipe must be one of {RECIPES}, got {recipe!r}")
     if x.ndim != 2 or row_token.ndim != 1:
         raise ValueError(
             f"dispatch_quantize: x must be [T, H] and row_token [M], got {x.shape} "
             f"and {row_token.shape}"
         )
-    if registry.resolve("dispatch_quantize", impl, x, row_token.shape[0]) == "xla":
+    if registry.resolve("dispatch_quantize", impl, x, row_token.shape[0], recipe) == "xla":
         padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])
-        return mxfp8.quantize(jnp.take(padded, row_token, axis=0), axis=1, fmt=fmt)
+        rows = jnp.take(padded, row_token, axis=0)
+        if recipe == "fp8_blockwise":
+            return fp8_blockwise.quantize_1x128(rows, 1, fmt)
+        return mxfp8.quantize(rows, axis=1, fmt=fmt)
+    if recipe == "fp8_blockwise":
+        data, scale_inv = gather_quantize_1x128_pallas(x, row_token, fmt)
+        return BlockwiseTensor(data, scale_inv, (1,), fmt)
     data, scale = gather_quantize_rowwise_pallas(x, row_token, fmt)
     return MXTensor(data=data, scale=scale, axis=1, fmt=fmt)

@@ -1,18 +1,23 @@
-"""MXFP8 quantize kernels for Hopper (Pallas Mosaic GPU), bitwise equal to `jaxmoe.mxfp8.quantize`:
-rowwise, columnwise, and the dispatch gather fused with a rowwise quantize.
+"""Quantize kernels for Hopper (Pallas Mosaic GPU): MXFP8, bitwise equal to
+`jaxmoe.mxfp8.quantize` (rowwise, columnwise, and the dispatch gather fused with a rowwise
+quantize), and FP8 blockwise 1 x 128 along the rows, bitwise equal to
+`jaxmoe.fp8_blockwise.quantize_1x128(x, axis=-1)` (rowwise and fused with the gather): the same
+kernels with another `Scaling`.
 
-The scale byte uses the reference's integer rule (`jaxmoe.mxfp8.e8m0_from_amax_bits`). The
-elements are encoded with `arithmetic=`:
+The scale uses the reference's integer rule (`jaxmoe.mxfp8.e8m0_from_amax_bits`, an E8M0 byte;
+`jaxmoe.fp8_blockwise.scale_exponent_from_amax_bits`, an fp32 power of two). The elements are
+encoded with `arithmetic=`:
   "exact"  the reference's integer emulation (`jaxmoe.mxfp8.encode_elements`): no float op meets
            a denormal, so it is bit-exact under XLA:CPU's flush-to-zero too (the interpreter);
   "float"  TE's own arithmetic: RN_fp32(x * 2^(127-e)), clipped to +-max, then the hardware
            fp32 -> fp8 convert. Fewer instructions; exact on the GPU, which keeps denormals.
 Bandwidth-bound: tiles stream through `row_pipeline`. Scales come out compact ([M, K/32] or
-[M/32, K]); `jaxmoe.mxfp8.swizzle_scales` makes the GEMM layout. docs/kernels.md describes the
-design."""
+[M/32, K]; FP8 blockwise [M, K/128]); `jaxmoe.mxfp8.swizzle_scales` makes the MXFP8 GEMM layout.
+docs/kernels.md describes the design."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -21,6 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxmoe import fp8_blockwise
 from jaxmoe.ints import cdiv, round_up
 from jaxmoe.mxfp8 import (
     BLOCK_SIZE,
@@ -30,6 +36,7 @@ from jaxmoe.mxfp8 import (
     e8m0_from_amax_bits,
     encode_elements,
     float32_bits,
+    scale_multipliers,
 )
 from jaxmoe.ops.device import on_gpu
 from jaxmoe.ops.pallas.hopper import TMA_SMEM_ALIGN
@@ -53,13 +60,44 @@ def default_arithmetic() -> str:
     return "float" if on_gpu() else "exact"
 
 
-def _rowwise_layout(dtype):
-    """Register layout of a [tile_elems, 32] tile whose rows are blocks: 32/v consecutive lanes
-    hold a row as one 16-byte vector of v elements each; a warp holds v rows, the warpgroup
-    4v (tiling (4v, 32) / (v, 32) / (v,): warps, lanes (row, vector), vector)."""
+@dataclasses.dataclass(frozen=True)
+class Scaling:
+    """How a kernel scales its blocks: the block width, the scale's dtype and rule. A block is
+    encoded as x / 2^(e - 127) for an exponent e (`exponent`, from the bits of the block's
+    amax) and `stored(e)` is what the scale output holds."""
+
+    name: str
+    block: int
+    scale_dtype: jnp.dtype
+
+    def exponent(self, amax_bits, fmt):
+        if self.name == "mxfp8":
+            return e8m0_from_amax_bits(amax_bits, fmt)
+        return 127 - fp8_blockwise.scale_exponent_from_amax_bits(amax_bits, fmt)
+
+    def stored(self, e):
+        if self.name == "mxfp8":
+            return e.astype(jnp.uint8)  # the E8M0 byte
+        return scale_multipliers(e)  # scale_inv = 2^(e - 127), an fp32 power of two
+
+
+MXFP8 = Scaling("mxfp8", BLOCK_SIZE, jnp.dtype(jnp.uint8))
+FP8_BLOCKWISE = Scaling("fp8_blockwise", fp8_blockwise.BLOCK, jnp.dtype(jnp.float32))
+
+
+def _rowwise_layout(dtype, block=BLOCK_SIZE):
+    """Register layout of a [tile, block] tile whose rows are blocks: block/v consecutive lanes
+    hold a row as 16-byte vectors of v elements each; a warp holds r = 32v/block rows, the
+    warpgroup 4r (tiling (4r, block) / (r, block) / (v,): warps, lanes (row, vector),
+    vector). MXFP8 bf16: 4 lanes a row, 8 rows a warp; 1 x 128 bf16: 16 lanes, 2 rows."""
     v = 16 // jnp.dtype(dtype).itemsize
+    rows = 32 * v // block
+    if rows == 1:  # a row a warp (1 x 128 fp32): Mosaic's canonical form drops the unit tile
+        return plgpu.Layout.TILED(
+            plgpu.Tiling(((4, block), (v,))), warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1
+        )
     return plgpu.Layout.TILED(
-        plgpu.Tiling(((4 * v, BLOCK_SIZE), (v, BLOCK_SIZE), (v,))),
+        plgpu.Tiling(((4 * rows, block), (rows, block), (v,))),
         warp_dims=(-5,),
         lane_dims=(-3, -2),
         vector_dim=-1,
@@ -103,16 +141,16 @@ def _encode(bits, e, axis, layout, fmt, arithmetic):
     return jnp.clip(y, -fmt.max_normal, fmt.max_normal).astype(fmt.dtype)
 
 
-def _quantize_tile(x_smem, data_smem, scale_smem, axis, layout, fmt, arithmetic):
-    """Quantize the SMEM tile `x_smem` (blocks of 32 along `axis`) into `data_smem` (fp8, same
-    shape) and `scale_smem` (one byte per block, in order)."""
+def _quantize_tile(x_smem, data_smem, scale_smem, axis, layout, fmt, arithmetic, scaling=MXFP8):
+    """Quantize the SMEM tile `x_smem` (blocks of scaling.block along `axis`) into `data_smem`
+    (fp8, same shape) and `scale_smem` (one scale per block, in order)."""
     bits = float32_bits(plgpu.load(x_smem, layout=layout))
-    e = e8m0_from_amax_bits(_block_amax_bits(bits, axis), fmt)
-    scale_smem[...] = e.astype(jnp.uint8)
+    e = scaling.exponent(_block_amax_bits(bits, axis), fmt)
+    scale_smem[...] = scaling.stored(e)
     data_smem[...] = _encode(bits, e, axis, layout, fmt, arithmetic)
 
 
-def _problem(what, shape, dtype, needs) -> str | None:
+def _problem(what, shape, dtype, needs, recipe="MXFP8") -> str | None:
     """The first unmet need of a kernel, as an error message, or None. `needs`: pairs
     (description, predicate on (M, K))."""
     needs = [
@@ -125,17 +163,23 @@ def _problem(what, shape, dtype, needs) -> str | None:
     for need, ok in needs:
         if len(shape) != 2 or not ok(*shape):
             return (
-                f"MXFP8 {what} quantize kernel: needs {need}, got {tuple(shape)} "
+                f"{recipe} {what} quantize kernel: needs {need}, got {tuple(shape)} "
                 f"{jnp.dtype(dtype).name}"
             )
     return None
 
 
-def rowwise_problem(shape, dtype) -> str | None:
-    """Why `quantize_rowwise_pallas` cannot take an input of this shape/dtype (None: it can)."""
+def rowwise_problem(shape, dtype, scaling=MXFP8) -> str | None:
+    """Why `quantize_rowwise_pallas` (`quantize_1x128_pallas` for FP8_BLOCKWISE) cannot take an
+    input of this shape/dtype (None: it can)."""
+    b = scaling.block
     return _problem(
-        "rowwise", shape, dtype, [(f"K % {BLOCK_SIZE} == 0", lambda m, k: k % BLOCK_SIZE == 0)]
+        "rowwise", shape, dtype, [(f"K % {b} == 0", lambda m, k: k % b == 0)], _recipe(scaling)
     )
+
+
+def _recipe(scaling):
+    return "MXFP8" if scaling is MXFP8 else "FP8 blockwise"
 
 
 def columnwise_problem(shape, dtype) -> str | None:
@@ -152,11 +196,11 @@ def columnwise_problem(shape, dtype) -> str | None:
     )
 
 
-def gather_problem(shape, dtype, num_rows) -> str | None:
-    """Why `gather_quantize_rowwise_pallas` cannot gather num_rows rows of x of this shape/dtype
-    (None: it can): a row must be whole blocks and a whole number of 128 bytes
-    (`row_pipeline.gather_plan`)."""
-    multiple = max(BLOCK_SIZE, TMA_SMEM_ALIGN // jnp.dtype(dtype).itemsize)
+def gather_problem(shape, dtype, num_rows, scaling=MXFP8) -> str | None:
+    """Why `gather_quantize_rowwise_pallas` (`gather_quantize_1x128_pallas` for FP8_BLOCKWISE)
+    cannot gather num_rows rows of x of this shape/dtype (None: it can): a row must be whole
+    blocks and a whole number of 128 bytes (`row_pipeline.gather_plan`)."""
+    multiple = max(scaling.block, TMA_SMEM_ALIGN // jnp.dtype(dtype).itemsize)
     return _problem(
         "gather",
         shape,
@@ -165,6 +209,7 @@ def gather_problem(shape, dtype, num_rows) -> str | None:
             (f"K % {multiple} == 0", lambda t, k: k % multiple == 0),
             ("at least one row to gather", lambda t, k: num_rows > 0),
         ],
+        _recipe(scaling),
     )
 
 
@@ -172,10 +217,10 @@ def _check(problem, fmt, arithmetic):
     """Raise ValueError for a bad arithmetic or format, or for the kernel's `problem`."""
     if arithmetic not in ARITHMETIC:
         raise ValueError(
-            f"MXFP8 quantize kernel: arithmetic must be one of {ARITHMETIC}, got {arithmetic!r}"
+            f"quantize kernel: arithmetic must be one of {ARITHMETIC}, got {arithmetic!r}"
         )
     if fmt not in FORMATS:
-        raise ValueError(f"MXFP8 quantize kernel: unknown format {fmt!r}")
+        raise ValueError(f"quantize kernel: unknown format {fmt!r}")
     if problem:
         raise ValueError(problem)
 
@@ -183,13 +228,26 @@ def _check(problem, fmt, arithmetic):
 def quantize_rowwise_pallas(x: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None):
     """(data [M, K], scale [M, K/32] uint8) of x [M, K] (bf16/fp32) with blocks along K;
     K % 32 == 0, any M."""
+    return _quantize_rowwise(x, fmt, arithmetic, interpret, MXFP8)
+
+
+def quantize_1x128_pallas(x: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None):
+    """(data [M, K], scale_inv [M, K/128] fp32) of x [M, K] (bf16/fp32) in FP8-blockwise 1 x 128
+    blocks along K (`jaxmoe.fp8_blockwise.quantize_1x128(x, -1)`'s bits); K % 128 == 0, any M."""
+    return _quantize_rowwise(x, fmt, arithmetic, interpret, FP8_BLOCKWISE)
+
+
+def _quantize_rowwise(x, fmt, arithmetic, interpret, scaling):
     arithmetic = arithmetic or default_arithmetic()
-    _check(rowwise_problem(x.shape, x.dtype), fmt, arithmetic)
+    _check(rowwise_problem(x.shape, x.dtype, scaling), fmt, arithmetic)
     m, k = x.shape
-    num_blocks = m * k // BLOCK_SIZE
-    kernel = _rowwise_kernel(num_blocks, jnp.dtype(x.dtype), fmt, arithmetic, interpret, None)
-    data, scale = kernel(x.reshape(num_blocks, BLOCK_SIZE))
-    return data.reshape(m, k), scale[:num_blocks].reshape(m, k // BLOCK_SIZE)
+    b = scaling.block
+    num_blocks = m * k // b
+    kernel = _rowwise_kernel(
+        num_blocks, jnp.dtype(x.dtype), fmt, arithmetic, interpret, None, scaling
+    )
+    data, scale = kernel(x.reshape(num_blocks, b))
+    return data.reshape(m, k), scale[:num_blocks].reshape(m, k // b)
 
 
 def gather_quantize_rowwise_pallas(
@@ -200,18 +258,30 @@ def gather_quantize_rowwise_pallas(
     Returns (data [M, K], scale [M, K/32]), bitwise equal to quantizing the gathered rows.
     Any M; K % 64 == 0 for bf16, K % 32 == 0 for fp32. Tiles load whole token rows or row
     segments (`row_pipeline.gather_plan`)."""
+    return _gather_quantize_rowwise(x, row_token, fmt, arithmetic, interpret, MXFP8)
+
+
+def gather_quantize_1x128_pallas(
+    x: jax.Array, row_token: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None
+):
+    """`gather_quantize_rowwise_pallas` in FP8-blockwise 1 x 128 blocks along K: (data [M, K],
+    scale_inv [M, K/128] fp32), bitwise `quantize_1x128` of the gathered rows, a padding row
+    being a zero row (data 0, scale_inv 1). K % 128 == 0, any M."""
+    return _gather_quantize_rowwise(x, row_token, fmt, arithmetic, interpret, FP8_BLOCKWISE)
+
+
+def _gather_quantize_rowwise(x, row_token, fmt, arithmetic, interpret, scaling):
     arithmetic = arithmetic or default_arithmetic()
-    _check(gather_problem(x.shape, x.dtype, row_token.shape[0]), fmt, arithmetic)
+    _check(gather_problem(x.shape, x.dtype, row_token.shape[0], scaling), fmt, arithmetic)
     num_tokens, k = x.shape
     (m,) = row_token.shape
-    num_blocks = m * k // BLOCK_SIZE
+    b = scaling.block
+    num_blocks = m * k // b
     kernel = _rowwise_kernel(
-        num_blocks, jnp.dtype(x.dtype), fmt, arithmetic, interpret, (num_tokens, m, k // BLOCK_SIZE)
+        num_blocks, jnp.dtype(x.dtype), fmt, arithmetic, interpret, (num_tokens, m, k // b), scaling
     )
-    data, scale = kernel(
-        row_token.astype(jnp.int32), x.reshape(num_tokens * k // BLOCK_SIZE, BLOCK_SIZE)
-    )
-    return data.reshape(m, k), scale[:num_blocks].reshape(m, k // BLOCK_SIZE)
+    data, scale = kernel(row_token.astype(jnp.int32), x.reshape(num_tokens * k // b, b))
+    return data.reshape(m, k), scale[:num_blocks].reshape(m, k // b)
 
 
 def _contiguous_fetch(x_gmem, x_smem, tile):
@@ -227,19 +297,23 @@ def _contiguous_fetch(x_gmem, x_smem, tile):
 
 
 @functools.cache
-def _rowwise_kernel(num_blocks, dtype, fmt_name, arithmetic, interpret, gather):
-    """Kernel for rowwise blocks: fp8 [num_blocks, 32] and scales [num_tiles * tile] (whole
-    tiles, so that their 1-D stores never cross the end; the caller slices) of x [num_blocks, 32]
-    or, with gather = (T, M, R), of (row_token [M], x [T * R, 32]) (`row_pipeline.gather_fetch`)."""
+def _rowwise_kernel(num_blocks, dtype, fmt_name, arithmetic, interpret, gather, scaling=MXFP8):
+    """Kernel for rowwise blocks of B = scaling.block: fp8 [num_blocks, B] and scales
+    [num_tiles * tile] (whole tiles, so that their 1-D stores never cross the end; the caller
+    slices) of x [num_blocks, B] or, with gather = (T, M, R), of (row_token [M], x [T * R, B])
+    (`row_pipeline.gather_fetch`)."""
     fmt = FORMATS[fmt_name]
+    b = scaling.block
     if gather is None:
-        tile, segment = tile_elems(dtype), None
+        tile, segment = tile_elems(dtype, b), None
     else:
-        tile, segment = gather_plan(gather[2] * BLOCK_SIZE, dtype)
+        tile, segment = gather_plan(gather[2] * b, dtype, b)
     num_tiles = cdiv(num_blocks, tile)
     ctas = num_ctas(num_tiles)
-    layout = _rowwise_layout(dtype)
-    scale_slot = round_up(tile, TMA_SMEM_ALIGN)  # a TMA reads each slot: 128-byte aligned
+    layout = _rowwise_layout(dtype, b)
+    # A TMA reads each slot: 128-byte aligned.
+    scale_slot = round_up(tile * scaling.scale_dtype.itemsize, TMA_SMEM_ALIGN)
+    scale_slot //= scaling.scale_dtype.itemsize
 
     def quantize_rowwise(*refs):
         *inputs, data_gmem, scale_gmem, x_smem, data_smem, scale_smem, loaded = refs
@@ -257,6 +331,7 @@ def _rowwise_kernel(num_blocks, dtype, fmt_name, arithmetic, interpret, gather):
                 layout,
                 fmt,
                 arithmetic,
+                scaling,
             )
 
         def store(t, slot):
@@ -273,17 +348,18 @@ def _rowwise_kernel(num_blocks, dtype, fmt_name, arithmetic, interpret, gather):
 
     return plgpu.kernel(
         quantize_rowwise,
-        kernel_name="quantize_rowwise" if gather is None else "dispatch_quantize",
+        kernel_name=("quantize_rowwise" if gather is None else "dispatch_quantize")
+        + ("" if scaling is MXFP8 else "_1x128"),
         out_type=(
-            jax.ShapeDtypeStruct((num_blocks, BLOCK_SIZE), fmt.dtype),
-            jax.ShapeDtypeStruct((num_tiles * tile,), jnp.uint8),
+            jax.ShapeDtypeStruct((num_blocks, b), fmt.dtype),
+            jax.ShapeDtypeStruct((num_tiles * tile,), scaling.scale_dtype),
         ),
         grid=(ctas,),
         grid_names=("cta",),
         scratch_types=[
-            plgpu.SMEM((STAGES, tile, BLOCK_SIZE), dtype),
-            plgpu.SMEM((STAGES, tile, BLOCK_SIZE), fmt.dtype),
-            plgpu.SMEM((STAGES, scale_slot), jnp.uint8),
+            plgpu.SMEM((STAGES, tile, b), dtype),
+            plgpu.SMEM((STAGES, tile, b), fmt.dtype),
+            plgpu.SMEM((STAGES, scale_slot), scaling.scale_dtype),
             plgpu.Barrier(
                 num_arrivals=1 if gather is None else tile // segment, num_barriers=STAGES
             ),

@@ -1,7 +1,8 @@
 """The TMA pipeline shared by the bandwidth-bound Hopper kernels (MXFP8 quantize, the dispatch
 gather, the combine): a persistent grid of CTAs of one warpgroup, each walking its tiles through
 a ring of SMEM slots, and the row gather that loads a tile from token rows picked by an index.
-Arrays are viewed as [N, 32] blocks of 32 consecutive elements; a tile is a run of blocks.
+Arrays are viewed as [N, B] blocks of B consecutive elements (B = 32, the MXFP8 block, unless
+a kernel says otherwise); a tile is a run of blocks.
 docs/kernels.md describes the design."""
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ COMPILER_PARAMS = plgpu.CompilerParams(
 )
 
 
-def tile_elems(dtype) -> int:
-    """Blocks per tile: TILE_BYTES of `dtype` in 32-element blocks."""
-    return TILE_BYTES // (BLOCK_SIZE * jnp.dtype(dtype).itemsize)
+def tile_elems(dtype, block: int = BLOCK_SIZE) -> int:
+    """Blocks per tile: TILE_BYTES of `dtype` in `block`-element blocks."""
+    return TILE_BYTES // (block * jnp.dtype(dtype).itemsize)
 
 
 def num_ctas(num_tiles: int) -> int:
@@ -111,30 +112,28 @@ def copy_pipeline(num_tiles, ctas, loaded, fetch, store):
     plgpu.wait_smem_to_gmem(0)
 
 
-def gather_plan(k, dtype):
+def gather_plan(k, dtype, block: int = BLOCK_SIZE):
     """(tile, segment) for gathering rows of K elements (K * itemsize a multiple of 128): a tile
-    of `tile` 32-element blocks (a multiple of 64 / itemsize, at most tile_elems) is loaded as
-    tile / segment TMAs of `segment` consecutive blocks of one token row. The largest segment
-    wins, then the largest tile: whole rows when they fit (bf16: K = 4096 gives 2 rows of 8 KB
-    per tile, 7168 one row of 14 KB, 2048 four rows of 4 KB). A segment is a multiple of 128
-    bytes: the SMEM alignment of a TMA, and its byte count must split evenly over the 128
-    threads that arrive on the barrier."""
-    row_blocks = k // BLOCK_SIZE
-    unit = 64 // jnp.dtype(dtype).itemsize
+    of `tile` blocks of `block` elements (a multiple of the 2048 bytes one warpgroup holds of a
+    row-per-block layout, at most tile_elems) is loaded as tile / segment TMAs of `segment`
+    consecutive blocks of one token row. The largest segment wins, then the largest tile: whole
+    rows when they fit (bf16: K = 4096 gives 2 rows of 8 KB per tile, 7168 one row of 14 KB,
+    2048 four rows of 4 KB). A segment is a multiple of 128 bytes: the SMEM alignment of a TMA,
+    and its byte count must split evenly over the 128 threads that arrive on the barrier."""
+    itemsize = jnp.dtype(dtype).itemsize
+    row_blocks = k // block
+    unit = max(1, 2048 // (block * itemsize))
     plans = [
-        (math.gcd(tile, row_blocks), tile) for tile in range(unit, tile_elems(dtype) + 1, unit)
+        (math.gcd(tile, row_blocks), tile)
+        for tile in range(unit, tile_elems(dtype, block) + 1, unit)
     ]
-    segment, tile = max(
-        plan
-        for plan in plans
-        if plan[0] * BLOCK_SIZE * jnp.dtype(dtype).itemsize % TMA_SMEM_ALIGN == 0
-    )
+    segment, tile = max(plan for plan in plans if plan[0] * block * itemsize % TMA_SMEM_ALIGN == 0)
     return tile, segment
 
 
 def gather_fetch(token_gmem, x_gmem, x_smem, tile, segment, gather):
     """Gather loads: output blocks [t * tile, (t + 1) * tile) as tile / segment TMAs of
-    `segment` blocks, each inside one output row r, read from row row_token[r] of x ([T * R, 32]
+    `segment` blocks, each inside one output row r, read from row row_token[r] of x ([T * R, B]
     blocks, R per row); gather = (T, M, R). Rows past M and padding rows (token T) read past the
     end of x: the TMA fills them with zeros."""
     num_tokens, num_rows, row_blocks = gather
