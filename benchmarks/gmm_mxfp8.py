@@ -14,7 +14,9 @@ process, GEMMs on already-quantized operands:
                          recipe, 1x128 x 128x128 blocks, on the 128-block fp8 kernel; its fprop
                          transposes the fp8 weights in the call)
   dgrad  dy @ W[g]^T     same seven
-  wgrad  x_g^T @ dy_g    jaxmoe_mxfp8 (dequantize + bf16 tgmm) | jaxmoe_bf16 | torch (both)
+  wgrad  x_g^T @ dy_g    jaxmoe_mxfp8 (dequantize + bf16 tgmm) | jaxmoe_fp8_blockwise
+                         (`ops.tgmm_fp8_blockwise` on group sizes rounded down to 128, the
+                         fp8 data transposed in the call) | jaxmoe_bf16 | torch (both)
   quantize               x rowwise and columnwise, and the fused gather + rowwise quantize
                          (dispatch_quantize), on XLA (the reference) and on the Pallas kernels,
                          MXFP8 and FP8 blockwise 1x128 rowwise (`_1x128`; its scales are as many
@@ -51,6 +53,7 @@ from jaxmoe.ops import (  # noqa: E402
     gmm_mxtensor,
     quantize,
     tgmm,
+    tgmm_fp8_blockwise,
     tgmm_mxtensor,
 )
 from jaxmoe.ops.pallas.quantize_hopper import (  # noqa: E402
@@ -199,7 +202,14 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
     if "wgrad" in ops:
         mx_t = jax.jit(functools.partial(tgmm_mxtensor, impl="pallas", preferred_element_type=BF16))
         bf_t = jax.jit(functools.partial(tgmm, impl="pallas", preferred_element_type=BF16))
+        blockwise_t = jax.jit(
+            functools.partial(tgmm_fp8_blockwise, impl="pallas", preferred_element_type=BF16)
+        )
+        # The blockwise recipe pads each expert's rows to 128: its own group sizes.
+        gs_128 = jnp.asarray(sizes // 128 * 128, jnp.int32)
+        x_bt, dy_bt = quantize_1x128(x, 0), quantize_1x128(dy, 0)
         run("wgrad", "jaxmoe_mxfp8", lambda: mx_t(x_col, dy_col, gs))
+        run("wgrad", "jaxmoe_fp8_blockwise", lambda: blockwise_t(x_bt, dy_bt, gs_128))
         run("wgrad", "jaxmoe_bf16", lambda: bf_t(x, dy, gs))
         # 2d x 2d (ragged K): torch wants one scale per row of each operand *per group*; unit
         # scales on directly cast data time the same kernel (the values are irrelevant here).

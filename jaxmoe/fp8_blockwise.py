@@ -46,6 +46,7 @@ from jaxmoe.mxfp8 import (
     float32_bits,
     scale_multipliers,
 )
+from jaxmoe.ops.checks import check_group_sizes
 
 BLOCK = 128
 _MANT = np.uint32(0x7FFFFF)
@@ -213,27 +214,31 @@ def gmm_reference(lhs: BlockwiseTensor, rhs: BlockwiseTensor, group_sizes, *, tr
 def tgmm_reference(lhs: BlockwiseTensor, rhs: BlockwiseTensor, group_sizes):
     """The blockwise weight gradient's reference: out[g] = sum over g's 128-row blocks b, in
     order, of P_b^T * (lhs.scale_inv[b, k] * rhs.scale_inv[b, n]) in fp32, for lhs [M, K] and
-    rhs [M, N] in 1 x 128 blocks along M (the tokens). Group sizes: concrete (not traced; a
-    reference for tests), multiples of 128 (no block mixes two experts; the plan pads each
-    expert's rows). fp32 [G, K, N]."""
+    rhs [M, N] in 1 x 128 blocks along M (the tokens); P_b the block's fp32 product of the fp8
+    values. Group sizes: multiples of 128 (no block mixes two experts; the plan pads each
+    expert's rows), checked when known on the host; rows past their sum are not read. M a
+    multiple of 128. Jittable (a scan over the row blocks). fp32 [G, K, N]."""
     if lhs.block_axes != (0,) or rhs.block_axes != (0,) or lhs.shape[0] != rhs.shape[0]:
         raise ValueError("tgmm_reference: lhs [M, K] and rhs [M, N] in 1x128 blocks along M")
-    sizes = np.asarray(group_sizes)
-    if np.any(sizes % BLOCK) or sizes.sum() > lhs.shape[0]:
-        raise ValueError(
-            f"tgmm_reference: group sizes must be multiples of {BLOCK} within M, got {sizes}"
-        )
-    a, b = lhs.data.astype(jnp.float32), rhs.data.astype(jnp.float32)
-    out = []
-    start = 0
-    for size in sizes:
-        acc = jnp.zeros((a.shape[1], b.shape[1]), jnp.float32)
-        for row in range(start, start + size, BLOCK):
-            rows = slice(row, row + BLOCK)
-            partial = jnp.einsum("mk,mn->kn", a[rows], b[rows], precision=lax.Precision.HIGHEST)
-            acc = acc + partial * (
-                lhs.scale_inv[row // BLOCK][:, None] * rhs.scale_inv[row // BLOCK]
-            )
-        out.append(acc)
-        start += size
-    return jnp.stack(out)
+    (m, k), n = lhs.shape, rhs.shape[1]
+    if m % BLOCK:
+        raise ValueError(f"tgmm_reference: M={m} must be a multiple of {BLOCK}")
+    check_group_sizes(group_sizes, None, m, "tgmm_reference", multiple=BLOCK)
+    num_groups = group_sizes.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    block_group = jnp.searchsorted(ends, jnp.arange(0, m, BLOCK), side="right")  # G: past
+    a = lhs.data.astype(jnp.float32).reshape(m // BLOCK, BLOCK, k)
+    b = rhs.data.astype(jnp.float32).reshape(m // BLOCK, BLOCK, n)
+
+    def fold(out, block):
+        a_b, b_b, lhs_scale, rhs_scale, group = block
+        partial = jnp.einsum("mk,mn->kn", a_b, b_b, precision=lax.Precision.HIGHEST)
+        scaled = partial * (lhs_scale[:, None] * rhs_scale[None, :])
+        return out.at[group].add(scaled, mode="drop"), None
+
+    out, _ = lax.scan(
+        fold,
+        jnp.zeros((num_groups, k, n), jnp.float32),
+        (a, b, lhs.scale_inv, rhs.scale_inv, block_group),
+    )
+    return out

@@ -3,7 +3,9 @@ the integer-bit scale rule against the float division it replaces on every manti
 exponents; the quantizers bitwise against a numpy port of TE's kernels (float arithmetic, which
 numpy does without flushing subnormals) on the edge cases (zeros, NaN, +-Inf, subnormal inputs,
 amax mantissas at and around 1.75, amax whose quotient overflows, partial blocks); the reference
-GEMMs exact on inputs whose partials are exact, and within the fp32 bound on random data."""
+GEMMs exact on inputs whose partials are exact, and within the fp32 bound on random data; the
+Hopper kernels (fprop/dgrad, wgrad) against them in the interpreter and lowered at real
+shapes."""
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,8 @@ from test_gmm_mxfp8_pallas import SMALL  # the fp8 kernel's interpreter tiling
 
 from jaxmoe import fp8_blockwise as fb
 from jaxmoe.ops import gmm_fp8_blockwise, on_hopper
+from jaxmoe.ops.fp8_blockwise_gmm import tgmm_fp8_blockwise
+from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import BlockwiseTgmmConfig
 
 F32, BF16 = np.float32, ml_dtypes.bfloat16
 FP8 = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
@@ -343,3 +347,105 @@ def test_kernel_lowers_at_real_shapes(transpose_rhs):
             s((g, k // 128, n // 128), jnp.float32),
             s((g,), jnp.int32),
         ).lower(lowering_platforms=("cuda",))
+
+
+# ------------------------------------------------------------------- the Hopper wgrad kernel
+# Interpreter tiling: 64 x 64 outputs a warpgroup, a 2-slot ring that runs across the items of
+# 3 CTAs (each takes several items, so the ring and its barriers carry over between items).
+WGRAD_SMALL = BlockwiseTgmmConfig(tile_k=64, tile_n=64, slots=2, epilogue_n=32, num_sms=3)
+
+
+def exact_token_operands(m, k, n, seed):
+    """x [M, K] and dy [M, N], integers in [-7, 7] times a power of two per 1 x 128 block along
+    the tokens: every quantized value, partial and fold is exact."""
+    rng = np.random.default_rng(seed)
+    scale = lambda cols: 2.0 ** rng.integers(-2, 3, (m // 128, 1, cols)).repeat(128, 1)
+    x = rng.integers(-7, 8, (m, k)) * scale(k).reshape(m, k)
+    dy = rng.integers(-7, 8, (m, n)) * scale(n).reshape(m, n)
+    return x.astype(F32), dy.astype(F32)
+
+
+def test_wgrad_kernel_equals_the_reference_on_exact_operands(interpret):
+    """out[g] = x_g^T dy_g from the 1 x 128-along-tokens copies: the kernel, the reference and
+    the exact product agree bitwise, with an empty group, rows past the groups and M not a
+    multiple of 128; control: the reference with one block's scales moved differs."""
+    x, dy = exact_token_operands(640, 128, 256, seed=3)
+    x, dy = x[:600], dy[:600]  # a partial last block (past the groups)
+    xq, dq = fb.quantize_1x128(jnp.asarray(x), 0), fb.quantize_1x128(jnp.asarray(dy), 0)
+    sizes = jnp.array([256, 0, 128, 128])
+    config = None if on_hopper() else WGRAD_SMALL
+    got = tgmm_fp8_blockwise(xq, dq, sizes, impl="pallas", config=config)
+    want = tgmm_fp8_blockwise(xq, dq, sizes, impl="xla")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    bounds = [0, 256, 256, 384, 512]
+    exact = np.stack(
+        [x[a:b].astype(np.float64).T @ dy[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    )
+    np.testing.assert_array_equal(np.asarray(want), exact)
+    moved = fb.BlockwiseTensor(xq.data, jnp.roll(xq.scale_inv, 1, axis=0), xq.block_axes)
+    assert np.any(np.asarray(tgmm_fp8_blockwise(moved, dq, sizes, impl="xla")) != exact)
+
+
+def test_wgrad_kernel_within_the_error_bound_on_random_data(interpret):
+    """Random bf16 operands: within the fp32 bound of the per-block folds (and, on the H200,
+    the fp8 tensor cores' 2^-12 per k32 product sum, four per block); bf16 output."""
+    rng = np.random.default_rng(10)
+    x = jnp.asarray(rng.normal(size=(384, 128)), jnp.bfloat16)
+    dy = jnp.asarray(rng.normal(size=(384, 128)) * 2.0 ** rng.integers(-3, 3, (1, 128)))
+    xq, dq = fb.quantize_1x128(x, 0), fb.quantize_1x128(dy.astype(jnp.bfloat16), 0)
+    sizes = np.array([128, 256])
+    config = None if on_hopper() else WGRAD_SMALL
+    got = np.asarray(tgmm_fp8_blockwise(xq, dq, jnp.asarray(sizes), impl="pallas", config=config))
+    a, b = np.asarray(fb.dequantize(xq), np.float64), np.asarray(fb.dequantize(dq), np.float64)
+    exact = np.stack([a[:128].T @ b[:128], a[128:].T @ b[128:]])
+    absdot = np.stack([np.abs(a[:128]).T @ np.abs(b[:128]), np.abs(a[128:]).T @ np.abs(b[128:])])
+    per_block_rel = 4 * 2.0**-12 if on_hopper() else 0.0
+    bound = (per_block_rel + 2 * (128 + 3) * 2.0**-24) * absdot + 1e-30
+    assert np.all(np.abs(got - exact) <= bound)
+
+
+def test_wgrad_refuses_bad_operands():
+    xq = fb.quantize_1x128(jnp.ones((256, 128)), 0)
+    with pytest.raises(ValueError, match="blocks along M"):
+        tgmm_fp8_blockwise(fb.quantize_1x128(jnp.ones((256, 128)), 1), xq, jnp.array([256]))
+    with pytest.raises(ValueError, match="multiples of 128"):
+        tgmm_fp8_blockwise(xq, xq, jnp.array([100, 156]))
+    with pytest.raises(ValueError, match="N=96 of 128"):
+        tgmm_fp8_blockwise(
+            xq, fb.quantize_1x128(jnp.ones((256, 96)), 0), jnp.array([256]), impl="pallas"
+        )
+
+
+def test_wgrad_kernel_lowers_at_real_shapes():
+    """Pallas -> Mosaic GPU lowering on CPU at mixtral's and dsv3's fc1 weight gradients."""
+    s = jax.ShapeDtypeStruct
+    for m, k, n, g in [(16384, 4096, 28672, 8), (32768, 7168, 4096, 32)]:
+
+        def run(xd, xs, dd, ds, sizes):
+            return tgmm_fp8_blockwise(
+                fb.BlockwiseTensor(xd, xs, (0,)),
+                fb.BlockwiseTensor(dd, ds, (0,)),
+                sizes,
+                impl="pallas",
+                preferred_element_type=jnp.bfloat16,
+            )
+
+        jax.jit(run).trace(
+            s((m, k), jnp.float8_e4m3fn),
+            s((m // 128, k), jnp.float32),
+            s((m, n), jnp.float8_e4m3fn),
+            s((m // 128, n), jnp.float32),
+            s((g,), jnp.int32),
+        ).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.gpu
+def test_gpu_wgrad_kernel_equals_the_reference_on_exact_operands():
+    """On the H200, at a size with many items per CTA: the kernel equals the exact products."""
+    x, dy = exact_token_operands(4096, 512, 1024, seed=5)
+    xq, dq = fb.quantize_1x128(jnp.asarray(x), 0), fb.quantize_1x128(jnp.asarray(dy), 0)
+    sizes = jnp.array([1024, 0, 2048, 512, 512])
+    got = np.asarray(tgmm_fp8_blockwise(xq, dq, sizes, impl="pallas"))
+    bounds = np.concatenate([[0], np.cumsum(np.asarray(sizes))])
+    exact = np.stack([x[a:b].astype(np.float64).T @ dy[a:b] for a, b in zip(bounds, bounds[1:])])
+    np.testing.assert_array_equal(got, exact)

@@ -15,6 +15,7 @@ from flax import nnx
 from jaxmoe import MoE, MoEConfig
 from jaxmoe import fp8_blockwise as fb
 from jaxmoe.ops import fp8_blockwise_gmm, gmm_fp8_blockwise, tgmm
+from jaxmoe.ops.fp8_blockwise_gmm import tgmm_fp8_blockwise
 from jaxmoe.shapes import SHAPES
 
 from bitwise import assert_bitwise, differs
@@ -55,8 +56,9 @@ def inference(model, x):
 
 def test_gradients_are_the_recipes_gemms_bitwise():
     """dgrad: grad in 1x128 blocks along N times the weights' 128x128 blocks transposed; wgrad:
-    lhs and grad in 1x128 blocks along the rows, dequantized, through tgmm; control: the
-    forward's lhs copy (blocks along K) in wgrad differs."""
+    lhs and grad in 1x128 blocks along the rows, folded per 128-row block
+    (`tgmm_fp8_blockwise`); control: multiplying the dequantized copies in one fp32 chain per
+    group (`tgmm`) differs."""
     rng = np.random.default_rng(0)
     spread = 2.0 ** rng.integers(0, 6, (384, 1)) * 2.0 ** rng.integers(0, 6, (1, 256))
     lhs = jnp.asarray(rng.normal(size=(384, 256)) * spread, BF16)  # the two block directions differ
@@ -77,11 +79,12 @@ def test_gradients_are_the_recipes_gemms_bitwise():
             fb.quantize_1x128(dy), weights, sizes, transpose_rhs=True, preferred_element_type=BF16
         ),
     )
-    wgrad = lambda a: tgmm(
-        a, fb.dequantize(fb.quantize_1x128(dy, 0), BF16), sizes, preferred_element_type=BF16
+    lhs_t, dy_t = fb.quantize_1x128(lhs, 0), fb.quantize_1x128(dy, 0)
+    assert_bitwise(d_rhs, tgmm_fp8_blockwise(lhs_t, dy_t, sizes, preferred_element_type=BF16))
+    one_chain = tgmm(
+        fb.dequantize(lhs_t, BF16), fb.dequantize(dy_t, BF16), sizes, preferred_element_type=BF16
     )
-    assert_bitwise(d_rhs, wgrad(fb.dequantize(fb.quantize_1x128(lhs, 0), BF16)))
-    assert differs(d_rhs, wgrad(fb.dequantize(fb.quantize_1x128(lhs, 1), BF16)))
+    assert differs(d_rhs, one_chain)
 
 
 def test_layer_tracks_bf16_within_fp8_error():

@@ -8,6 +8,7 @@ from jaxmoe.ops.fp8_blockwise_gmm import (
     fp8_blockwise_gmm,
     gmm_fp8_blockwise,
     quantize_blockwise_weights,
+    tgmm_fp8_blockwise,
 )
 from jaxmoe.ops.gmm import gmm, tgmm
 from jaxmoe.ops.mxfp8_gmm import QuantizedWeights, mxfp8_gmm, quantize_weights
@@ -26,6 +27,7 @@ __all__ = [
     "gmm_mxtensor",
     "tgmm_mxtensor",
     "gmm_fp8_blockwise",
+    "tgmm_fp8_blockwise",
     "fp8_blockwise_gmm",
     "BlockwiseWeights",
     "quantize_blockwise_weights",

@@ -9,7 +9,10 @@ dgrad of Transformer Engine's `Float8BlockScaling` recipe for the experts.
                  of 128). Its partials come from the tensor core, so it equals the reference
                  where the partials are exact and is within the fp32 bound elsewhere.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
-`fp8_blockwise_gmm` is the differentiable GEMM of the recipe on high-precision operands.
+`tgmm_fp8_blockwise` is the recipe's weight gradient (operands 1 x 128 along the tokens; XLA:
+`fp8_blockwise.tgmm_reference`, Pallas: `ops/pallas/tgmm_fp8_blockwise_hopper.py`, the same
+per-block folds). `fp8_blockwise_gmm` is the differentiable GEMM of the recipe on
+high-precision operands.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ from flax import struct
 from jaxmoe.fp8_blockwise import (
     BLOCK,
     BlockwiseTensor,
-    dequantize,
     gmm_reference,
     quantize_128x128,
+    tgmm_reference,
 )
 from jaxmoe.ops import registry
 from jaxmoe.ops.checks import check_group_sizes
-from jaxmoe.ops.gmm import kernel_rows, pad_rows, sum_group_partials, tgmm
+from jaxmoe.ops.gmm import kernel_rows, pad_rows, sum_group_partials
+from jaxmoe.ops.pallas import tgmm_fp8_blockwise_hopper
 from jaxmoe.ops.pallas.gmm_common import GmmConfig
 from jaxmoe.ops.pallas.gmm_mxfp8_hopper import gmm_block_scaled_fp8_pallas
 from jaxmoe.ops.quantize import quantize_1x128
@@ -42,6 +46,9 @@ def _problem(k: int, n: int) -> str | None:
 
 
 registry.register("gmm_fp8_blockwise", "pallas", problem=_problem)
+registry.register(
+    "tgmm_fp8_blockwise", "pallas", problem=lambda k, n: tgmm_fp8_blockwise_hopper.problem(k, n)
+)
 
 
 def gmm_fp8_blockwise(
@@ -105,6 +112,56 @@ def gmm_fp8_blockwise(
     return out[:num_rows]
 
 
+def tgmm_fp8_blockwise(
+    lhs: BlockwiseTensor,
+    rhs: BlockwiseTensor,
+    group_sizes: jax.Array,
+    *,
+    impl: str = "auto",
+    preferred_element_type=jnp.float32,
+    config=None,
+) -> jax.Array:
+    """The recipe's weight gradient out[g] = lhs[rows of g]^T @ rhs[rows of g] for lhs [M, K]
+    and rhs [M, N] in 1 x 128 blocks along M (the tokens): each 128-row block's fp32 partial of
+    the fp8 values times the product of its two scales, folded in row order
+    (`fp8_blockwise.tgmm_reference`). group_sizes [G]: multiples of 128 adding up to at most M
+    (checked when known on the host); rows past them are not read. Groups with no rows get
+    zeros. [G, K, N] in preferred_element_type. config: the Pallas kernel's tiling
+    (`BlockwiseTgmmConfig`; None: its default). Not differentiable."""
+    if not (
+        isinstance(lhs, BlockwiseTensor)
+        and isinstance(rhs, BlockwiseTensor)
+        and lhs.ndim == rhs.ndim == 2
+        and lhs.block_axes == rhs.block_axes == (0,)
+        and lhs.shape[0] == rhs.shape[0]
+    ):
+        raise ValueError(
+            "tgmm_fp8_blockwise: lhs [M, K] and rhs [M, N] must be BlockwiseTensors in 1x128 "
+            "blocks along M"
+        )
+    (m, k), n = lhs.shape, rhs.shape[1]
+    check_group_sizes(group_sizes, None, m, "tgmm_fp8_blockwise", multiple=BLOCK)
+    out_dtype = jnp.dtype(preferred_element_type)
+    if m % BLOCK:  # whole blocks; the rows added lie past the groups
+        rows = -(-m // BLOCK) * BLOCK
+        lhs, rhs = (
+            BlockwiseTensor(pad_rows(t.data, rows), t.scale_inv, t.block_axes, t.fmt)
+            for t in (lhs, rhs)
+        )
+    if registry.resolve("tgmm_fp8_blockwise", impl, k, n) == "xla":
+        return tgmm_reference(lhs, rhs, group_sizes).astype(out_dtype)
+    # The kernel reads both operands K-major: the tokens contiguous.
+    return tgmm_fp8_blockwise_hopper.tgmm_fp8_blockwise_pallas(
+        lhs.data.T,
+        lhs.scale_inv,
+        rhs.data.T,
+        rhs.scale_inv,
+        group_sizes,
+        out_dtype=out_dtype,
+        config=config,
+    )
+
+
 @struct.dataclass
 class BlockwiseWeights:
     """The FP8-blockwise copies of expert weights W [G, K, N] (`quantize_blockwise_weights`):
@@ -143,11 +200,10 @@ def fp8_blockwise_gmm(
     TE):
       fprop  lhs in 1x128 blocks along K  x  rhs in 128x128 blocks  (`gmm_fp8_blockwise`)
       dgrad  grad in 1x128 blocks along N  x  the same rhs blocks, transposed
-      wgrad  lhs and grad each in 1x128 blocks along the rows, dequantized (exact) and
-             multiplied by `jaxmoe.ops.tgmm` per group (no blockwise wgrad kernel yet: the same
-             products, summed over all of a group's rows in one fp32 chain instead of per
-             128-row block); groups sharing a matrix add their partials with
-             `jaxmoe.ordered.sum_in_order` in fp32, as `jaxmoe.ops.gmm` does
+      wgrad  lhs and grad each in 1x128 blocks along the rows (`tgmm_fp8_blockwise`: each
+             128-row block's partial times its scales, folded in row order); groups sharing a
+             matrix add their partials with `jaxmoe.ordered.sum_in_order` in fp32, as
+             `jaxmoe.ops.gmm` does
     lhs [M, K] and rhs [G / n, K, N] high precision (n = groups_per_weight: consecutive groups
     sharing a matrix, the expert-parallel (expert, source) blocks; rhs rounded to lhs's dtype
     before it is quantized; its gradient in its own dtype); K, N and every group size multiples
@@ -250,9 +306,9 @@ def _fp8_blockwise_gmm_bwd(out_dtype, impl, dtype, rhs_dtype, n, residuals, grad
         impl=impl,
         preferred_element_type=dtype,
     )
-    partials = tgmm(
-        dequantize(lhs_columnwise, dtype),
-        dequantize(quantize_1x128(grad, 0, impl="xla"), dtype),
+    partials = tgmm_fp8_blockwise(
+        lhs_columnwise,
+        quantize_1x128(grad, 0, impl="xla"),
         group_sizes,
         impl=impl,
         preferred_element_type=dtype,

@@ -159,7 +159,8 @@ def _multiply_scaled_tile(tile: TileContext, scale_block: int):
     """Per K step and scale block: an fp8 wgmma into a fresh accumulator, then
     acc += block product * (row scale * column scale), one fp32 rounding per block, in
     ascending K order (with power-of-two scales the scaling itself is exact). The scales are
-    read from GMEM (L2) straight into registers."""
+    read from GMEM (L2) straight into registers, issued before the block's wgmma so that their
+    latency passes while it runs (the fold waits for both)."""
     lhs_scale_gmem, rhs_scale_gmem = tile.inputs
     row_scales = lhs_scale_gmem.at[:, tile.rows]
     column_scales = rhs_scale_gmem.at[tile.group, :, tile.columns]
@@ -170,13 +171,6 @@ def _multiply_scaled_tile(tile: TileContext, scale_block: int):
         a, b = tile.operands(lhs_smem, rhs_smem)
         for block in range(blocks_per_step):
             ks = pl.ds(block * scale_block, scale_block)
-
-            def block_product(part_ref):
-                plgpu.wgmma(part_ref, a.at[:, ks], b.at[ks, :])
-                plgpu.wgmma_wait(0)
-                return part_ref[...]
-
-            part = pl.run_scoped(block_product, plgpu.ACC(tile.acc_shape))
             kb = step[0] * blocks_per_step + block
             row_scale = plgpu.load(
                 row_scales.at[kb, tile.wg_rows],
@@ -188,6 +182,13 @@ def _multiply_scaled_tile(tile: TileContext, scale_block: int):
                 layout=plgpu.Layout.WGMMA.reduce(0),
                 optimized=False,
             )
+
+            def block_product(part_ref):
+                plgpu.wgmma(part_ref, a.at[:, ks], b.at[ks, :])
+                plgpu.wgmma_wait(0)
+                return part_ref[...]
+
+            part = pl.run_scoped(block_product, plgpu.ACC(tile.acc_shape))
             acc = acc + part * (row_scale[:, None] * col_scale[None, :])
         return acc
 

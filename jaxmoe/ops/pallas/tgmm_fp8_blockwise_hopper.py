@@ -1,0 +1,286 @@
+"""FP8-blockwise weight-gradient kernel for Hopper (Pallas Mosaic GPU): the wgrad of Transformer
+Engine's `Float8BlockScaling` recipe,
+out[g] = sum over g's 128-row blocks b, in order, of P_b * (lhs_scale[b, k] * rhs_scale[b, n]),
+P_b = lhs_t[:, b]  @ rhs_t[:, b]^T the block's fp8 product (one wgmma into a fresh accumulator),
+fp32 accumulation; `jaxmoe.fp8_blockwise.tgmm_reference`'s arithmetic.
+
+Hopper's fp8 wgmma reads both operands K-major, and here K is the tokens: the operands are the
+transposed copies lhs_t [K, M] and rhs_t [N, M] (1 x 128 blocks along M). Every group starts on
+a 128-row block (the plan pads each expert's rows), so a block belongs to one group and is read
+whole.
+
+Persistent and warp specialised: a memory warpgroup walks the CTA's work items (group, K tile,
+N tile) and TMA-loads each item's blocks into a ring that runs across items; two compute
+warpgroups (side by side along N) multiply, fold and store. An empty group's tiles are zeros.
+docs/kernels.md describes the design."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxmoe.fp8_blockwise import BLOCK
+from jaxmoe.ops.device import num_sms
+from jaxmoe.ops.pallas.gmm_common import MEMORY_REGISTERS, NUM_COMPUTE_WGS, swizzled
+from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA, REGISTERS_PER_SM, WARPGROUP_THREADS
+
+_FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+COMPUTE_REGISTERS = (
+    (REGISTERS_PER_SM // WARPGROUP_THREADS - MEMORY_REGISTERS) // NUM_COMPUTE_WGS // 8 * 8
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockwiseTgmmConfig:
+    """Tiling: each compute warpgroup owns tile_k x tile_n outputs, the two side by side along
+    N (CTA tile tile_k x 2 * tile_n); `slots` ring slots of one 128-row block of both operands;
+    the epilogue stores epilogue_n columns at a time."""
+
+    tile_k: int = 64
+    tile_n: int = 128
+    slots: int = 4
+    epilogue_n: int = 64
+    num_sms: int = 132
+
+    @property
+    def cta_n(self) -> int:
+        return NUM_COMPUTE_WGS * self.tile_n
+
+    def smem_bytes(self, out_dtype) -> int:
+        ring = self.slots * (self.tile_k + self.cta_n) * BLOCK  # fp8: a byte an element
+        epilogue = NUM_COMPUTE_WGS * self.tile_k * self.epilogue_n * jnp.dtype(out_dtype).itemsize
+        return ring + epilogue
+
+    def validate(self, k: int, n: int, out_dtype) -> None:
+        if self.tile_k not in (64, 128) or self.tile_n % 64 or not 64 <= self.tile_n <= 256:
+            raise ValueError(f"tgmm fp8 blockwise: unsupported tiles {self}")
+        if k % self.tile_k or n % self.cta_n:
+            raise ValueError(
+                f"tgmm fp8 blockwise: K={k} must be a multiple of tile_k={self.tile_k} and "
+                f"N={n} of the CTA tile {self.cta_n}"
+            )
+        if self.tile_n % self.epilogue_n or self.epilogue_n * jnp.dtype(out_dtype).itemsize % 128:
+            raise ValueError(
+                f"tgmm fp8 blockwise: epilogue_n={self.epilogue_n} must divide tile_n and "
+                "make 128-byte rows"
+            )
+        if self.slots < 2 or self.smem_bytes(out_dtype) > MAX_SMEM_PER_CTA:
+            raise ValueError(f"tgmm fp8 blockwise: {self} does not fit a CTA's shared memory")
+
+
+def default_config(k: int, n: int, out_dtype=jnp.float32) -> BlockwiseTgmmConfig:
+    """64 x 128 outputs per warpgroup (its fp32 accumulator and one block product fit in
+    registers together, as in the forward kernel), N split over the two warpgroups when it
+    allows 256-column CTA tiles, else 64-column ones."""
+    tile_n = 128 if n % 256 == 0 else 64
+    config = BlockwiseTgmmConfig(
+        tile_n=tile_n, epilogue_n=128 // jnp.dtype(out_dtype).itemsize, num_sms=num_sms()
+    )
+    while config.smem_bytes(out_dtype) > MAX_SMEM_PER_CTA:
+        config = dataclasses.replace(config, slots=config.slots - 1)
+    return config
+
+
+def problem(k: int, n: int) -> str | None:
+    """Why the kernel cannot take K x N outputs (None: it can)."""
+    if k % 64 or n % 128:
+        return f"K={k} must be a multiple of 64 and N={n} of 128 for the fp8 blockwise wgrad kernel"
+    return None
+
+
+def tgmm_fp8_blockwise_pallas(
+    lhs_t: jax.Array,
+    lhs_scale: jax.Array,
+    rhs_t: jax.Array,
+    rhs_scale: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    out_dtype=jnp.float32,
+    config: BlockwiseTgmmConfig | None = None,
+    interpret=None,
+) -> jax.Array:
+    """out [G, K, N] (module docstring) of lhs_t [K, M] and rhs_t [N, M] float8 (the transposed
+    1 x 128-along-M copies) with lhs_scale [M/128, K] and rhs_scale [M/128, N] fp32
+    multipliers; group_sizes [G] multiples of 128 (not checked here: traced), their sum <= M;
+    M a multiple of 128."""
+    (k, m), (n, m_rhs) = lhs_t.shape, rhs_t.shape
+    if (
+        jnp.dtype(lhs_t.dtype) not in _FP8_DTYPES
+        or jnp.dtype(rhs_t.dtype) not in _FP8_DTYPES
+        or m != m_rhs
+        or m % BLOCK
+        or lhs_scale.shape != (m // BLOCK, k)
+        or rhs_scale.shape != (m // BLOCK, n)
+        or lhs_scale.dtype != jnp.float32
+        or rhs_scale.dtype != jnp.float32
+    ):
+        raise ValueError(
+            "tgmm fp8 blockwise: lhs_t [K, M] and rhs_t [N, M] float8 with M a multiple of "
+            f"{BLOCK}, scales fp32 [M/{BLOCK}, K] and [M/{BLOCK}, N]; got {lhs_t.shape} "
+            f"{lhs_t.dtype}, {rhs_t.shape} {rhs_t.dtype}, {lhs_scale.shape} {lhs_scale.dtype}, "
+            f"{rhs_scale.shape} {rhs_scale.dtype}"
+        )
+    if problem(k, n):
+        raise ValueError(problem(k, n))
+    out_dtype = jnp.dtype(out_dtype)
+    config = config or default_config(k, n, out_dtype)
+    config.validate(k, n, out_dtype)
+    sizes = group_sizes.astype(jnp.int32)
+    first_block = (jnp.cumsum(sizes) - sizes) // BLOCK
+    walk = jnp.stack([first_block, sizes // BLOCK]).astype(jnp.int32)  # [2, G]
+    kernel = _build_kernel(
+        m, k, n, group_sizes.shape[0], lhs_t.dtype, rhs_t.dtype, out_dtype, config, interpret
+    )
+    return kernel(walk, lhs_t, rhs_t, lhs_scale, rhs_scale)
+
+
+@functools.cache
+def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, interpret):
+    tile_k, tile_n, cta_n, slots = config.tile_k, config.tile_n, config.cta_n, config.slots
+    epi_n, sms = config.epilogue_n, config.num_sms
+    grid_k, grid_n = k // tile_k, n // cta_n
+    per_group = grid_k * grid_n
+    num_items = num_groups * per_group
+
+    def weight_gradient(walk_gmem, lhs_gmem, rhs_gmem, lhs_scale_gmem, rhs_scale_gmem, out_gmem):
+        sm = lax.axis_index("sm")
+        num_mine = jnp.maximum(num_items - sm + sms - 1, 0) // sms
+
+        def item(j):
+            """(group, first block, blocks, ki, ni) of the CTA's j-th work item."""
+            idx = sm + j * sms
+            group, tile = lax.div(idx, per_group), lax.rem(idx, per_group)
+            return group, walk_gmem[0, group], walk_gmem[1, group], tile // grid_n, tile % grid_n
+
+        @functools.partial(
+            pl.run_scoped,
+            lhs_ring=plgpu.SMEM(
+                (slots, tile_k, BLOCK), lhs_dtype, transforms=swizzled(lhs_dtype, BLOCK)
+            ),
+            rhs_ring=plgpu.SMEM(
+                (slots, cta_n, BLOCK), rhs_dtype, transforms=swizzled(rhs_dtype, BLOCK)
+            ),
+            out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, tile_k, epi_n), out_dtype),
+            produced=plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # both operands' TMA
+            consumed=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
+            collective_axes="wg",
+        )
+        def _scope(lhs_ring, rhs_ring, out_smem, produced, consumed):
+            wg = lax.axis_index("wg")
+
+            def memory_warpgroup():
+                plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+                def load_item(j, step):
+                    _, first, blocks, ki, ni = item(j)
+
+                    @pl.loop(0, blocks)
+                    def _block(b):
+                        t = step + b
+                        slot = lax.rem(t, slots)
+
+                        @pl.when(t >= slots)
+                        def _wait_free():  # both compute warpgroups are done with t - slots
+                            plgpu.barrier_wait(consumed.at[slot])
+
+                        tokens = pl.ds((first + b) * BLOCK, BLOCK)
+                        plgpu.copy_gmem_to_smem(
+                            lhs_gmem.at[pl.ds(ki * tile_k, tile_k), tokens],
+                            lhs_ring.at[slot],
+                            produced.at[slot],
+                        )
+                        plgpu.copy_gmem_to_smem(
+                            rhs_gmem.at[pl.ds(ni * cta_n, cta_n), tokens],
+                            rhs_ring.at[slot],
+                            produced.at[slot],
+                        )
+
+                    return step + blocks
+
+                num_steps = lax.fori_loop(0, num_mine, load_item, jnp.int32(0))
+
+                # Observe the last slots' releases too, so that every warpgroup leaves the
+                # barriers in the same phase.
+                @pl.loop(jnp.maximum(num_steps - slots, 0), num_steps)
+                def _quiesce(t):
+                    plgpu.barrier_wait(consumed.at[lax.rem(t, slots)])
+
+            def compute_warpgroup():
+                plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+                wg_columns = pl.ds(wg * tile_n, tile_n)
+
+                def matmul_item(j, step):
+                    group, first, blocks, ki, ni = item(j)
+                    rows = pl.ds(ki * tile_k, tile_k)
+                    columns = pl.ds(ni * cta_n + wg * tile_n, tile_n)
+
+                    def fold(b, acc):
+                        t = step + b
+                        slot = lax.rem(t, slots)
+                        block = first + b
+                        # The scales' loads are issued before the wgmma: their latency passes
+                        # while it runs.
+                        row_scale = plgpu.load(
+                            lhs_scale_gmem.at[block, rows],
+                            layout=plgpu.Layout.WGMMA.reduce(1),
+                            optimized=False,
+                        )
+                        col_scale = plgpu.load(
+                            rhs_scale_gmem.at[block, columns],
+                            layout=plgpu.Layout.WGMMA.reduce(0),
+                            optimized=False,
+                        )
+                        plgpu.barrier_wait(produced.at[slot])
+
+                        def block_product(part_ref):
+                            plgpu.wgmma(
+                                part_ref,
+                                lhs_ring.at[slot],
+                                rhs_ring.at[slot].at[wg_columns, :].transpose((1, 0)),
+                            )
+                            plgpu.wgmma_wait(0)
+                            return part_ref[...]
+
+                        part = pl.run_scoped(block_product, plgpu.ACC((tile_k, tile_n)))
+                        plgpu.barrier_arrive(consumed.at[slot])
+                        return acc + part * (row_scale[:, None] * col_scale[None, :])
+
+                    zeros = plgpu.layout_cast(
+                        jnp.zeros((tile_k, tile_n), jnp.float32), plgpu.Layout.WGMMA
+                    )
+                    acc = lax.fori_loop(0, blocks, fold, zeros)
+                    for c in range(tile_n // epi_n):
+                        slot = out_smem.at[wg]
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        slot[...] = acc[:, c * epi_n : (c + 1) * epi_n].astype(out_dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            slot,
+                            out_gmem.at[
+                                group, rows, pl.ds(ni * cta_n + wg * tile_n + c * epi_n, epi_n)
+                            ],
+                        )
+                    return step + blocks
+
+                lax.fori_loop(0, num_mine, matmul_item, jnp.int32(0))
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            lax.cond(wg == NUM_COMPUTE_WGS, memory_warpgroup, compute_warpgroup)
+
+    return plgpu.kernel(
+        weight_gradient,
+        kernel_name="tgmm_fp8_blockwise",
+        out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
+        grid=(sms,),
+        grid_names=("sm",),
+        num_threads=NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret,
+    )
