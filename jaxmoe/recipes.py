@@ -131,7 +131,6 @@ class Bf16Recipe(ExpertRecipe):
     """The GEMMs in the compute dtype with fp32 accumulation (`jaxmoe.ops.gmm`)."""
 
     name = "bf16"
-    fprop_format: type | None = None  # the quantized rows fc1 takes as its operand as they are
 
     def check_copies(self, weights) -> None:
         """Raise unless `weights` (expert_weights=) are None or this recipe's copies."""
@@ -142,8 +141,9 @@ class Bf16Recipe(ExpertRecipe):
 
     def gemm(self, lhs, kernel, route, out_dtype, impl, copies=None, lhs_quantized=None):
         """lhs [M, K] @ kernel[expert] over the route's groups, fp32 accumulation, in out_dtype
-        (copies: this recipe's quantized copies of kernel, or None; lhs_quantized: a copy of lhs
-        in `fprop_format`, or None)."""
+        (copies: this recipe's quantized copies of kernel, or None; lhs_quantized: the
+        dispatched quantized copy of lhs, `jaxmoe.wire`, or None: a recipe of its format
+        multiplies it as it is, the bf16 recipe never reads it)."""
         return gmm(
             lhs,
             kernel,
@@ -155,16 +155,8 @@ class Bf16Recipe(ExpertRecipe):
 
     def fc1(self, rows, kernel, route, *, rows_quantized, weights, out_dtype, impl):
         self.check_copies(weights)
-        own_format = self.fprop_format is not None and isinstance(rows_quantized, self.fprop_format)
-        return self.gemm(
-            rows,
-            kernel,
-            route,
-            out_dtype,
-            impl,
-            None if weights is None else weights.fc1,
-            rows_quantized if own_format else None,
-        )
+        copies = None if weights is None else weights.fc1
+        return self.gemm(rows, kernel, route, out_dtype, impl, copies, rows_quantized)
 
     def fc2_and_combine(self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl):
         self.check_copies(weights)
@@ -226,7 +218,6 @@ class Fp8BlockwiseRecipe(Bf16Recipe):
     are the dequantized wire rows, quantized again in 1x128 blocks."""
 
     name = "fp8_blockwise"
-    fprop_format = BlockwiseTensor
 
     def check_copies(self, weights) -> None:
         if weights is not None and not isinstance(weights, ExpertWeightsBlockwise):
@@ -245,7 +236,7 @@ class Fp8BlockwiseRecipe(Bf16Recipe):
             lhs,
             kernel,
             route.group_sizes,
-            lhs_quantized=lhs_quantized,
+            lhs_quantized=lhs_quantized if isinstance(lhs_quantized, BlockwiseTensor) else None,
             rhs_quantized=copies,
             impl=impl,
             preferred_element_type=out_dtype,

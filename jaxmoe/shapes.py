@@ -22,7 +22,12 @@ MXFP8_OPTIONS = dict(
     combine_bwd_dtype="mxfp8",
     expert_row_alignment=32,
 )
-FP8_BLOCKWISE_OPTIONS = dict(expert_precision="fp8_blockwise", expert_row_alignment=128)
+FP8_BLOCKWISE_OPTIONS = dict(
+    expert_precision="fp8_blockwise",
+    dispatch_dtype="fp8_blockwise",
+    combine_bwd_dtype="fp8_blockwise",
+    expert_row_alignment=128,
+)
 PRECISION_OPTIONS = {"bf16": {}, "mxfp8": MXFP8_OPTIONS, "fp8_blockwise": FP8_BLOCKWISE_OPTIONS}
 
 
@@ -42,8 +47,8 @@ class LayerShape:
 
     def with_precision(self, precision: str) -> LayerShape:
         """This shape in "bf16" (as defined), "mxfp8" (experts, dispatch and combine gradient
-        in MXFP8, 32-row expert alignment) or "fp8_blockwise" (experts in FP8 blockwise,
-        128-row alignment; bf16 dispatch and combine)."""
+        in MXFP8, 32-row expert alignment) or "fp8_blockwise" (the same in FP8 blockwise,
+        128-row alignment)."""
         if precision not in PRECISION_OPTIONS:
             raise ValueError(
                 f"precision must be one of {tuple(PRECISION_OPTIONS)}, got {precision!r}"

@@ -18,11 +18,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA, NUM_SMS, SWIZZLE_ROWS, TMA_SMEM_ALIGN
+from jaxmoe.ops.pallas.hopper import (
+    MAX_SMEM_PER_CTA,
+    NUM_SMS,
+    REGISTERS_PER_SM,
+    SWIZZLE_ROWS,
+    TMA_SMEM_ALIGN,
+    WARPGROUP_THREADS,
+)
 from jaxmoe.ops.pallas.tiles import row_tiles, work_list
 
 NUM_COMPUTE_WGS = 2  # compute warpgroups per CTA; one more warpgroup issues the TMA loads
 MEMORY_REGISTERS = 40  # registers per thread of the TMA warpgroup (setmaxnreg)
+# What is left of the register file, split between the compute warpgroups (a multiple of 8),
+# for kernels that set the registers of their warpgroups themselves (the weight gradients).
+COMPUTE_REGISTERS = (
+    (REGISTERS_PER_SM // WARPGROUP_THREADS - MEMORY_REGISTERS) // NUM_COMPUTE_WGS // 8 * 8
+)
 ROW_ALIGN = SWIZZLE_ROWS  # row offsets of lhs tile loads
 
 

@@ -27,13 +27,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.fp8_blockwise import BLOCK
 from jaxmoe.ops.device import num_sms
-from jaxmoe.ops.pallas.gmm_common import MEMORY_REGISTERS, NUM_COMPUTE_WGS, swizzled
-from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA, REGISTERS_PER_SM, WARPGROUP_THREADS
+from jaxmoe.ops.pallas.gmm_common import (
+    COMPUTE_REGISTERS,
+    MEMORY_REGISTERS,
+    NUM_COMPUTE_WGS,
+    swizzled,
+)
+from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
 
 _FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-COMPUTE_REGISTERS = (
-    (REGISTERS_PER_SM // WARPGROUP_THREADS - MEMORY_REGISTERS) // NUM_COMPUTE_WGS // 8 * 8
-)
 
 
 @dataclasses.dataclass(frozen=True)

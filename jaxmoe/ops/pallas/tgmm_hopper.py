@@ -20,13 +20,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.ints import cdiv
 from jaxmoe.ops.device import num_sms
-from jaxmoe.ops.pallas.gmm_common import MEMORY_REGISTERS, NUM_COMPUTE_WGS, ROW_ALIGN, swizzled
-from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA, NUM_SMS, REGISTERS_PER_SM, WARPGROUP_THREADS
-
-# What is left of the register file, split between the compute warpgroups (a multiple of 8).
-COMPUTE_REGISTERS = (
-    (REGISTERS_PER_SM // WARPGROUP_THREADS - MEMORY_REGISTERS) // NUM_COMPUTE_WGS // 8 * 8
+from jaxmoe.ops.pallas.gmm_common import (
+    COMPUTE_REGISTERS,
+    MEMORY_REGISTERS,
+    NUM_COMPUTE_WGS,
+    ROW_ALIGN,
+    swizzled,
 )
+from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA, NUM_SMS
+
 MIN_EPILOGUE_BYTES = 32  # narrowest epilogue row (bytes): one 32-byte swizzle span
 
 
