@@ -1,7 +1,7 @@
-"""The Hopper FP8-blockwise quantize kernels (1 x 128 blocks along the rows, and fused with the
-dispatch gather) against the TE-exact reference `jaxmoe.fp8_blockwise.quantize_1x128`, bit for
-bit: on CPU in Mosaic GPU interpret mode with the race detector, on the H200 when marked `gpu`;
-lowering at the real shapes."""
+"""The Hopper FP8-blockwise quantize kernels (1 x 128 blocks along K, also fused with the
+dispatch gather, and along the tokens) against the TE-exact reference
+`jaxmoe.fp8_blockwise.quantize_1x128`, bit for bit: on CPU in Mosaic GPU interpret mode with the
+race detector, on the H200 when marked `gpu`; lowering at the real shapes."""
 
 import functools
 
@@ -15,9 +15,11 @@ from jaxmoe import fp8_blockwise
 from jaxmoe.ops import dispatch_quantize, quantize_1x128
 from jaxmoe.ops.device import num_sms
 from jaxmoe.ops.pallas import quantize_hopper, row_pipeline
+from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
 from jaxmoe.ops.pallas.quantize_hopper import (
     FP8_BLOCKWISE,
     gather_quantize_1x128_pallas,
+    quantize_1x128_columnwise_pallas,
     quantize_1x128_pallas,
 )
 
@@ -37,26 +39,29 @@ def check_kernel(kind, x, fmt, arithmetic, num_rows=None):
         host_x = gathered(host_x, np.asarray(row_token))
         padding = np.asarray(row_token) == x.shape[0]
         assert padding.any() and np.all(np.asarray(scale_inv)[padding] == 1)  # zero rows
+    elif kind == "columnwise":
+        data, scale_inv = quantize_1x128_columnwise_pallas(x, fmt, arithmetic=arithmetic)
     else:
         data, scale_inv = quantize_1x128_pallas(x, fmt, arithmetic=arithmetic)
     with jax.default_device(jax.devices("cpu")[0]):
-        ref = fp8_blockwise.quantize_1x128(host_x, 1, fmt)
+        ref = fp8_blockwise.quantize_1x128(host_x, 0 if kind == "columnwise" else 1, fmt)
     assert_bitwise(np.asarray(data), np.asarray(ref.data))
     assert_bitwise(np.asarray(scale_inv), np.asarray(ref.scale_inv))
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("kind", ["rowwise", "gather"])
+@pytest.mark.parametrize("kind", ["rowwise", "gather", "columnwise"])
 def test_kernels_equal_the_reference_bitwise(interpret, kind, dtype, fmt):
     """Specials (NaN, Inf, denormals, 448/449, an all-zero and an all-denormal block), with the
     reference's integer encoding."""
-    check_kernel(kind, tensor((96, 512), dtype), fmt, "exact", num_rows=150)
+    check_kernel(kind, tensor((256, 512), dtype), fmt, "exact", num_rows=150)
 
 
-@pytest.mark.parametrize("kind", ["rowwise", "gather"])
+@pytest.mark.parametrize("kind", ["rowwise", "gather", "columnwise"])
 def test_float_arithmetic_equals_the_reference_on_normal_values(interpret, kind):
-    check_kernel(kind, normal_range((96, 512), jnp.bfloat16, seed=7), "e4m3", "float", 150)
+    shape = (256, 512) if kind == "columnwise" else (96, 512)
+    check_kernel(kind, normal_range(shape, jnp.bfloat16, seed=7), "e4m3", "float", 150)
 
 
 # (kind, x shape, dispatch rows): a partial last tile and K of one or several blocks; gathers
@@ -68,6 +73,8 @@ PARTIAL_CASES = [
     ("gather", (50, 256), 37),
     ("gather", (30, 896), 45),
     ("gather", (6, 8704), 9),
+    ("columnwise", (128, 48), None),  # K below one column tile
+    ("columnwise", (256, 400), None),  # K between column tiles
 ]
 
 
@@ -77,18 +84,21 @@ def test_partial_tiles(interpret, kind, shape, num_rows, dtype):
     check_kernel(kind, tensor(shape, dtype, seed=11), "e4m3", "exact", num_rows)
 
 
-@pytest.mark.parametrize("kind", ["rowwise", "gather"])
+@pytest.mark.parametrize("kind", ["rowwise", "gather", "columnwise"])
 def test_long_pipelines_reuse_every_slot(interpret, kind):
     """A partial last tile and 3 tiles more than the interpreter's CTAs hold in their rings,
     so that every CTA reuses its SMEM slots."""
     dtype, k = jnp.bfloat16, 1024
     tiles = row_pipeline.STAGES * row_pipeline.CTAS_PER_SM * num_sms() + 3
-    if kind == "rowwise":
-        tile = row_pipeline.tile_elems(dtype, BLOCK)
+    if kind == "columnwise":  # 4 column tiles a block row
+        shape, num_rows = (BLOCK * (tiles // 4 + 1), k), None
     else:
-        tile = row_pipeline.gather_plan(k, dtype, BLOCK)[0]
-    rows = tiles * tile * BLOCK // k - 1
-    shape, num_rows = ((64, k), rows) if kind == "gather" else ((rows, k), None)
+        if kind == "rowwise":
+            tile = row_pipeline.tile_elems(dtype, BLOCK)
+        else:
+            tile = row_pipeline.gather_plan(k, dtype, BLOCK)[0]
+        rows = tiles * tile * BLOCK // k - 1
+        shape, num_rows = ((64, k), rows) if kind == "gather" else ((rows, k), None)
     check_kernel(kind, tensor(shape, dtype, seed=12), "e5m2", "exact", num_rows)
 
 
@@ -123,6 +133,11 @@ def test_op_takes_leading_dims_and_dispatch_quantize_takes_the_recipe(interpret)
     assert_bitwise(np.asarray(out.scale_inv), np.asarray(want.scale_inv))
     xla = dispatch_quantize(tokens, row_token, recipe="fp8_blockwise", impl="xla")
     assert_bitwise(np.asarray(xla.scale_inv), np.asarray(want.scale_inv))
+    rows = tensor((300, 256), jnp.bfloat16, seed=6)  # along the tokens: a partial last block
+    ours, ref = quantize_1x128(rows, 0, impl="pallas"), fp8_blockwise.quantize_1x128(rows, 0)
+    assert ours.block_axes == (0,) and ours.scale_inv.shape == (3, 256)
+    assert_bitwise(np.asarray(ours.data), np.asarray(ref.data))
+    assert_bitwise(np.asarray(ours.scale_inv), np.asarray(ref.scale_inv))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -150,8 +165,10 @@ def test_auto_falls_back_and_pallas_refuses_clearly():
         quantize_1x128(x, impl="pallas")
     with pytest.raises(ValueError, match="K % 128"):
         quantize_1x128(x.astype(jnp.bfloat16), impl="pallas")
-    with pytest.raises(ValueError, match="takes the last"):
-        quantize_1x128(x[:, :128].astype(jnp.bfloat16), axis=0, impl="pallas")
+    with pytest.raises(ValueError, match="the first of a 2-D array"):
+        quantize_1x128(x[None, :, :128].astype(jnp.bfloat16), axis=1, impl="pallas")
+    with pytest.raises(ValueError, match="K % 16"):
+        quantize_1x128(x[:, :40].astype(jnp.bfloat16), axis=0, impl="pallas")
     with pytest.raises(ValueError, match="K % 128"):
         dispatch_quantize(
             x.astype(jnp.bfloat16), jnp.zeros(4, jnp.int32), recipe="fp8_blockwise", impl="pallas"
@@ -162,23 +179,34 @@ def test_auto_falls_back_and_pallas_refuses_clearly():
 
 @pytest.mark.parametrize("arithmetic", ["float", "exact"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("kind", ["rowwise", "gather"])
+@pytest.mark.parametrize("kind", ["rowwise", "gather", "columnwise"])
 def test_lowering_at_real_shapes(kind, dtype, arithmetic):
-    """Mosaic GPU lowering at the benchmark shapes, within the shared memory that lets
-    CTAS_PER_SM CTAs share an SM (the persistent grid assumes they do)."""
+    """Mosaic GPU lowering at the benchmark shapes, within the shared memory that lets the
+    kernel's CTAs share an SM (the persistent grid assumes they do: CTAS_PER_SM, one for the
+    columnwise kernel)."""
     s = jax.ShapeDtypeStruct
+    limit = MAX_SMEM_PER_CTA if kind == "columnwise" else row_pipeline.SMEM_PER_CTA
     for m, k in [(16384, 4096), (65536, 2048), (32768, 7168), (65536, 768)]:
         if kind == "gather":
             fn = functools.partial(gather_quantize_1x128_pallas, arithmetic=arithmetic)
             args = (s((m // 2, k), dtype), s((m,), jnp.int32))
         else:
-            fn = functools.partial(quantize_1x128_pallas, arithmetic=arithmetic)
+            kernel = {
+                "rowwise": quantize_1x128_pallas,
+                "columnwise": quantize_1x128_columnwise_pallas,
+            }
+            fn = functools.partial(kernel[kind], arithmetic=arithmetic)
             args = (s((m, k), dtype),)
-        with artificial_shared_memory_limit(row_pipeline.SMEM_PER_CTA):
+        with artificial_shared_memory_limit(limit):
             jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
-GPU_CASES = [("rowwise", (8192, 4096), None), ("gather", (2048, 7168), 4096), *PARTIAL_CASES]
+GPU_CASES = [
+    ("rowwise", (8192, 4096), None),
+    ("gather", (2048, 7168), 4096),
+    ("columnwise", (8192, 4096), None),
+    *PARTIAL_CASES,
+]
 
 
 @pytest.mark.gpu

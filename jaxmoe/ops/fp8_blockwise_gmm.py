@@ -291,8 +291,7 @@ def _fp8_blockwise_gmm_fwd(
         impl=impl,
         preferred_element_type=out_dtype,
     )
-    # No kernel quantizes along the tokens yet: the wgrad copies are XLA's on every impl.
-    return out, (quantize_1x128(lhs, 0, impl="xla"), copies.weights, group_sizes)
+    return out, (quantize_1x128(lhs, 0, impl=impl), copies.weights, group_sizes)
 
 
 def _fp8_blockwise_gmm_bwd(out_dtype, impl, dtype, rhs_dtype, n, residuals, grad):
@@ -308,7 +307,7 @@ def _fp8_blockwise_gmm_bwd(out_dtype, impl, dtype, rhs_dtype, n, residuals, grad
     )
     partials = tgmm_fp8_blockwise(
         lhs_columnwise,
-        quantize_1x128(grad, 0, impl="xla"),
+        quantize_1x128(grad, 0, impl=impl),
         group_sizes,
         impl=impl,
         preferred_element_type=dtype,

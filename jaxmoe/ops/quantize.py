@@ -6,11 +6,12 @@ buffer's rows and quantize them in one pass, either recipe).
                  `jaxmoe.fp8_blockwise.quantize_1x128`.
   impl "pallas"  the Hopper kernels (ops/pallas/quantize_hopper.py), bitwise equal to them:
                  blocks along the last axis (any leading shape, viewed as 2-D; FP8 blockwise:
-                 its length a multiple of 128), MXFP8 blocks along the next-to-last axis with
-                 the last a multiple of 16 (leading axes merged into it: [G, K, N] is
-                 [G * K, N]), and the dispatch gather with H a multiple of 64 (bf16) / 32
-                 (fp32) (FP8 blockwise: 128); bf16 or fp32 input, not empty. Other problems
-                 raise ValueError.
+                 its length a multiple of 128), blocks along the next-to-last axis with the
+                 last a multiple of 16 (leading axes merged into it: [G, K, N] is [G * K, N];
+                 FP8 blockwise: 2-D, any number of rows, a partial last block being zero-padded
+                 as the reference counts it), and the dispatch gather with H a multiple of 64
+                 (bf16) / 32 (fp32) (FP8 blockwise: 128); bf16 or fp32 input, not empty.
+                 Other problems raise ValueError.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
 
 Gradients: a quantized tensor carries none (its data is fp8, its scales are integers or powers
@@ -35,10 +36,12 @@ from jaxmoe.ops import registry
 from jaxmoe.ops.pallas.quantize_hopper import (
     FP8_BLOCKWISE,
     MXFP8,
+    columnwise_1x128_problem,
     columnwise_problem,
     gather_problem,
     gather_quantize_1x128_pallas,
     gather_quantize_rowwise_pallas,
+    quantize_1x128_columnwise_pallas,
     quantize_1x128_pallas,
     quantize_columnwise_pallas,
     quantize_rowwise_pallas,
@@ -71,12 +74,21 @@ def _kernel_problem(x, axis) -> str | None:
 
 
 def _1x128_kernel_problem(x, axis) -> str | None:
-    """Why the FP8-blockwise kernel cannot quantize x along axis (None when it can)."""
+    """Why the FP8-blockwise kernels cannot quantize x along axis (None when they can)."""
     if _dtype_problem(x):
         return _dtype_problem(x)
-    if axis != x.ndim - 1:
-        return f"1x128 blocks along axis {axis} of shape {x.shape}: the kernel takes the last"
-    return rowwise_problem((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype, FP8_BLOCKWISE)
+    if axis == x.ndim - 1:
+        return rowwise_problem((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype, FP8_BLOCKWISE)
+    if axis == 0 and x.ndim == 2:
+        return columnwise_1x128_problem((_whole_blocks(x.shape[0]), x.shape[1]), x.dtype)
+    return (
+        f"1x128 blocks along axis {axis} of shape {x.shape}: the kernels take the last axis, "
+        "or the first of a 2-D array"
+    )
+
+
+def _whole_blocks(rows: int) -> int:
+    return -(-rows // fp8_blockwise.BLOCK) * fp8_blockwise.BLOCK
 
 
 def _gather_kernel_problem(x, num_rows, recipe) -> str | None:
@@ -129,6 +141,11 @@ def quantize_1x128(
     axis %= x.ndim
     if registry.resolve("quantize_1x128", impl, x, axis) == "xla":
         return fp8_blockwise.quantize_1x128(x, axis, fmt)
+    if axis == 0:  # 2-D, blocks along the rows: zero rows complete the last block
+        rows = x.shape[0]
+        padded = jnp.pad(x, ((0, _whole_blocks(rows) - rows), (0, 0)))
+        data, scale_inv = quantize_1x128_columnwise_pallas(padded, fmt)
+        return BlockwiseTensor(data[:rows], scale_inv, (0,), fmt)
     data, scale_inv = quantize_1x128_pallas(x.reshape(-1, x.shape[-1]), fmt)
     blocks = x.shape[-1] // fp8_blockwise.BLOCK
     return BlockwiseTensor(

@@ -1,8 +1,8 @@
 """Quantize kernels for Hopper (Pallas Mosaic GPU): MXFP8, bitwise equal to
 `jaxmoe.mxfp8.quantize` (rowwise, columnwise, and the dispatch gather fused with a rowwise
-quantize), and FP8 blockwise 1 x 128 along the rows, bitwise equal to
-`jaxmoe.fp8_blockwise.quantize_1x128(x, axis=-1)` (rowwise and fused with the gather): the same
-kernels with another `Scaling`.
+quantize), and FP8 blockwise 1 x 128, bitwise equal to `jaxmoe.fp8_blockwise.quantize_1x128`
+(along the rows, also fused with the gather: the same kernels with another `Scaling`; and along
+the tokens, 128 rows a block).
 
 The scale uses the reference's integer rule (`jaxmoe.mxfp8.e8m0_from_amax_bits`, an E8M0 byte;
 `jaxmoe.fp8_blockwise.scale_exponent_from_amax_bits`, an fp32 power of two). The elements are
@@ -12,7 +12,8 @@ encoded with `arithmetic=`:
   "float"  TE's own arithmetic: RN_fp32(x * 2^(127-e)), clipped to +-max, then the hardware
            fp32 -> fp8 convert. Fewer instructions; exact on the GPU, which keeps denormals.
 Bandwidth-bound: tiles stream through `row_pipeline`. Scales come out compact ([M, K/32] or
-[M/32, K]; FP8 blockwise [M, K/128]); `jaxmoe.mxfp8.swizzle_scales` makes the MXFP8 GEMM layout.
+[M/32, K]; FP8 blockwise [M, K/128] or [M/128, K]); `jaxmoe.mxfp8.swizzle_scales` makes the
+MXFP8 GEMM layout.
 docs/kernels.md describes the design."""
 
 from __future__ import annotations
@@ -193,6 +194,21 @@ def columnwise_problem(shape, dtype) -> str | None:
             (f"M % {BLOCK_SIZE} == 0", lambda m, k: m % BLOCK_SIZE == 0),
             ("K % 16 == 0", lambda m, k: k % 16 == 0),
         ],
+    )
+
+
+def columnwise_1x128_problem(shape, dtype) -> str | None:
+    """Why `quantize_1x128_columnwise_pallas` cannot take an input of this shape/dtype (None:
+    it can). K % 16: the fp8 rows must be whole 16-byte chunks (TMA strides, clipped stores)."""
+    return _problem(
+        "columnwise",
+        shape,
+        dtype,
+        [
+            (f"M % {FP8_BLOCKWISE.block} == 0", lambda m, k: m % FP8_BLOCKWISE.block == 0),
+            ("K % 16 == 0", lambda m, k: k % 16 == 0),
+        ],
+        "FP8 blockwise",
     )
 
 
@@ -441,6 +457,97 @@ def _columnwise_kernel(m, k, dtype, fmt_name, arithmetic, interpret):
             plgpu.SMEM((STAGES, BLOCK_SIZE, width), fmt.dtype),
             plgpu.SMEM((STAGES, 1, width), jnp.uint8),
             plgpu.Barrier(num_barriers=STAGES),
+        ],
+        compiler_params=COMPILER_PARAMS,
+        interpret=interpret,
+    )
+
+
+# 1 x 128 blocks along M: a tile is 128 rows by the columnwise layout's width, four times the
+# MXFP8 tile, so the ring has 2 slots and one CTA a SM.
+_COLUMNWISE_1X128_STAGES = 2
+_COLUMNWISE_1X128_CTAS_PER_SM = 1
+
+
+def quantize_1x128_columnwise_pallas(
+    x: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None
+):
+    """(data [M, K], scale_inv [M/128, K] fp32) of x [M, K] (bf16/fp32) in FP8-blockwise
+    1 x 128 blocks along M (`jaxmoe.fp8_blockwise.quantize_1x128(x, 0)`'s bits: the weight
+    gradient's copies along the tokens); M % 128 == 0 and K % 16 == 0."""
+    arithmetic = arithmetic or default_arithmetic()
+    _check(columnwise_1x128_problem(x.shape, x.dtype), fmt, arithmetic)
+    m, k = x.shape
+    kernel = _columnwise_1x128_kernel(m, k, jnp.dtype(x.dtype), fmt, arithmetic, interpret)
+    data, scale_inv = kernel(x)
+    return data, scale_inv[:, :k]
+
+
+@functools.cache
+def _columnwise_1x128_kernel(m, k, dtype, fmt_name, arithmetic, interpret):
+    """Kernel for 1 x 128 blocks along the rows of x [m, k]: tile t is the [128, width] window
+    at block row t // col_tiles, column tile t % col_tiles. The MXFP8 columnwise layout holds 32
+    rows, so a tile is taken as four 32-row parts: their amaxes first (each thread's columns,
+    no shuffle), then each part encoded with the block's scale. The scales [m / 128,
+    col_tiles * width] are whole tiles wide (the caller slices), as for MXFP8."""
+    fmt = FORMATS[fmt_name]
+    block, part = FP8_BLOCKWISE.block, BLOCK_SIZE
+    width = tile_elems(dtype)  # the MXFP8 columnwise tile's width: the layout's span
+    col_tiles = cdiv(k, width)
+    num_tiles = m // block * col_tiles
+    stages = _COLUMNWISE_1X128_STAGES
+    ctas = num_ctas(num_tiles, _COLUMNWISE_1X128_CTAS_PER_SM)
+    layout = _columnwise_layout(dtype)
+
+    def window(t):
+        row, col = t // col_tiles, t % col_tiles
+        return row, pl.ds(row * block, block), pl.ds(col * width, width)
+
+    def quantize(x_gmem, data_gmem, scale_gmem, x_smem, data_smem, scale_smem, loaded):
+        def fetch(t):
+            _, rows, cols = window(t)
+
+            def issue(slot, barrier):
+                plgpu.copy_gmem_to_smem(x_gmem.at[rows, cols], x_smem.at[slot], barrier)
+
+            return issue
+
+        def compute(slot):
+            parts = [x_smem.at[slot, pl.ds(p * part, part)] for p in range(block // part)]
+            load = lambda ref: float32_bits(plgpu.load(ref, layout=layout))
+            amax = functools.reduce(jnp.maximum, [_block_amax_bits(load(r), 0) for r in parts])
+            e = FP8_BLOCKWISE.exponent(amax, fmt)
+            scale_smem.at[slot, 0][...] = FP8_BLOCKWISE.stored(e)
+            for p, ref in enumerate(parts):
+                data_smem.at[slot, pl.ds(p * part, part)][...] = _encode(
+                    load(ref), e, 0, layout, fmt, arithmetic
+                )
+
+        def store(t, slot):
+            row, rows, cols = window(t)
+            plgpu.copy_smem_to_gmem(
+                data_smem.at[slot], data_gmem.at[rows, cols], commit_group=False
+            )
+            plgpu.copy_smem_to_gmem(
+                scale_smem.at[slot], scale_gmem.at[pl.ds(row, 1), cols], commit_group=False
+            )
+
+        pipeline(num_tiles, ctas, loaded, fetch, compute, store, stages)
+
+    return plgpu.kernel(
+        quantize,
+        kernel_name="quantize_columnwise_1x128",
+        out_type=(
+            jax.ShapeDtypeStruct((m, k), fmt.dtype),
+            jax.ShapeDtypeStruct((m // block, col_tiles * width), jnp.float32),
+        ),
+        grid=(ctas,),
+        grid_names=("cta",),
+        scratch_types=[
+            plgpu.SMEM((stages, block, width), dtype),
+            plgpu.SMEM((stages, block, width), fmt.dtype),
+            plgpu.SMEM((stages, 1, width), jnp.float32),
+            plgpu.Barrier(num_barriers=stages),
         ],
         compiler_params=COMPILER_PARAMS,
         interpret=interpret,

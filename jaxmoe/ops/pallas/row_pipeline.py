@@ -40,50 +40,51 @@ def tile_elems(dtype, block: int = BLOCK_SIZE) -> int:
     return TILE_BYTES // (block * jnp.dtype(dtype).itemsize)
 
 
-def num_ctas(num_tiles: int) -> int:
-    """Size of the persistent grid: CTAS_PER_SM per SM, at most one per tile."""
-    return min(num_tiles, CTAS_PER_SM * num_sms())
+def num_ctas(num_tiles: int, per_sm: int = CTAS_PER_SM) -> int:
+    """Size of the persistent grid: `per_sm` CTAs per SM, at most one per tile."""
+    return min(num_tiles, per_sm * num_sms())
 
 
-def _start(num_tiles, ctas, loaded, fetch):
-    """This CTA's (tile of a step, step count), with the loads of its first STAGES tiles
-    issued into slots 0..STAGES-1."""
+def _start(num_tiles, ctas, loaded, fetch, stages=STAGES):
+    """This CTA's (tile of a step, step count), with the loads of its first `stages` tiles
+    issued into slots 0..stages-1."""
     cta = lax.axis_index("cta")
     steps = (num_tiles - 1 - cta) // ctas + 1
 
     def tile(step):
         return cta + step * ctas
 
-    for step in range(STAGES):
+    for step in range(stages):
         issue = fetch(tile(step))
         pl.when(step < steps)(functools.partial(issue, step, loaded.at[step]))
     return tile, steps
 
 
-def pipeline(num_tiles, ctas, loaded, fetch, compute, store):
-    """Run this CTA's tiles (c, c + ctas, ...) through a ring of STAGES SMEM slots, computing
-    each loaded tile into a separate output slot.
+def pipeline(num_tiles, ctas, loaded, fetch, compute, store, stages=STAGES):
+    """Run this CTA's tiles (c, c + ctas, ...) through a ring of `stages` SMEM slots (STAGES
+    unless a kernel's tiles are too large for that many), computing each loaded tile into a
+    separate output slot.
 
     fetch(tile) returns issue(slot, barrier), which starts the tile's TMA loads into `slot`,
     arriving on `barrier`; fetch runs at the start of the step that ends with issue, so that
     GMEM reads it makes (the gather's row tokens) are in flight during the compute. compute(slot)
     turns a loaded slot into the slot's output buffers and store(tile, slot) starts their TMA
-    stores. Step i waits for its loads and for the stores of step i - STAGES (same output slot),
-    computes, stores, then reuses the input slot for tile i + STAGES.
-    `loaded`: STAGES barriers. No thread reads SMEM that another writes within a step, so the
+    stores. Step i waits for its loads and for the stores of step i - stages (same output slot),
+    computes, stores, then reuses the input slot for tile i + stages.
+    `loaded`: stages barriers. No thread reads SMEM that another writes within a step, so the
     only warpgroup barriers needed are those of the waits and of commit_smem."""
-    tile, steps = _start(num_tiles, ctas, loaded, fetch)
+    tile, steps = _start(num_tiles, ctas, loaded, fetch, stages)
 
     def run_step(step, carry):
-        slot = lax.rem(step, STAGES)
-        issue_next = fetch(tile(step + STAGES))
+        slot = lax.rem(step, stages)
+        issue_next = fetch(tile(step + stages))
         plgpu.barrier_wait(loaded.at[slot])
-        plgpu.wait_smem_to_gmem(STAGES - 1, wait_read_only=True)
+        plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
         compute(slot)
         plgpu.commit_smem()
         store(tile(step), slot)
         plgpu.commit_smem_to_gmem_group()
-        pl.when(step + STAGES < steps)(functools.partial(issue_next, slot, loaded.at[slot]))
+        pl.when(step + stages < steps)(functools.partial(issue_next, slot, loaded.at[slot]))
         return carry
 
     lax.fori_loop(0, steps, run_step, None)
