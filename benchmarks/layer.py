@@ -522,7 +522,8 @@ def summarize(result: dict) -> list[dict]:
 LABELS = dict(
     zip(
         [*JAXMOE, *COMPETITORS],
-        ("bf16", "xla_dense", "mxfp8", "torch", "torch.compile", "jax_ragged"),
+        ("bf16", "xla_dense", "mxfp8", "fp8_block", "torch", "torch.compile", "jax_ragged"),
+        strict=True,
     )
 )
 SHORT_STAGES = {

@@ -7,20 +7,20 @@ instruction's op_name metadata carries the layer's named scopes (`jaxmoe.moe`: r
 dispatch, fc1, activation, fc2, combine, shared_expert, aux_losses): the innermost one is the
 stage ("other": outside the layer, e.g. the benchmark's loss), and `transpose(` marks the
 backward pass (custom VJP rules included). The kind of work:
-  gemm      the grouped-matmul Pallas kernels (gmm, tgmm, gmm_mxfp8: jaxmoe/ops/pallas/
-            gmm_hopper.py and tgmm_hopper.py, also behind the router and the shared expert),
+  gemm      the grouped-matmul Pallas kernels (gmm, tgmm, gmm_mxfp8, the FP8-blockwise and
+            MXFP8-decode ones: jaxmoe/ops/pallas/, the bf16 ones also behind the router and
+            the shared expert),
             unnamed Pallas kernels that write no 8-bit data, cuBLAS / Triton GEMM calls,
             fusions holding a dot;
-  quantize  MXFP8 (de)quantization: the quantize kernels, Pallas kernels writing fp8 / uint8
-            data, XLA ops under a jaxmoe quantize / dequantize function (op_name
-            "jit(_quantize_impl)", ...);
+  quantize  MXFP8 and FP8-blockwise (de)quantization: the quantize kernels, Pallas kernels
+            writing fp8 / uint8 data, XLA ops under a jaxmoe quantize / dequantize function
+            (op_name "jit(_quantize_impl)", ...);
   other     everything else (routing, sorting, the dispatch and combine kernels, gathers,
             elementwise, copies, the grouped matmuls' work lists).
 Kernels that XLA runs inside a command buffer (a CUDA graph) carry the buffer's name as their
 `hlo_op` (a computation that the compiled module's text may not show): an XLA kernel is found
-by its name, a Pallas kernel (jaxmoe names its kernels: gmm, gmm_mxfp8, tgmm, dispatch,
-combine, quantize_rowwise, quantize_columnwise, dispatch_quantize) by its place in the
-scheduled order of the module's Mosaic GPU custom calls (`MosaicSchedule`).
+by its name, a Pallas kernel (jaxmoe names its kernels, `PALLAS_KERNEL_KINDS`) by its place
+in the scheduled order of the module's Mosaic GPU custom calls (`MosaicSchedule`).
 Records that cannot be traced back are "unattributed" and classified by kernel name alone.
 """
 
@@ -53,9 +53,16 @@ PALLAS_KERNEL_KINDS = {
     "gmm": "gemm",
     "tgmm": "gemm",
     "gmm_mxfp8": "gemm",
+    "gmm_fp8_blockwise": "gemm",
+    "tgmm_fp8_blockwise": "gemm",
+    "gmm_decode": "gemm",
+    "gmm_dequantize": "gemm",
     "quantize_rowwise": "quantize",
     "quantize_columnwise": "quantize",
     "dispatch_quantize": "quantize",
+    "quantize_rowwise_1x128": "quantize",
+    "quantize_columnwise_1x128": "quantize",
+    "dispatch_quantize_1x128": "quantize",
     "dispatch": "other",
     "combine": "other",
 }
