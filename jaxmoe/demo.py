@@ -5,9 +5,11 @@ of the same shape (a learnable target), with optax Adam. Prints the relative los
 (mean squared error / mean squared target), the load-balancing loss, expert load balance and
 tokens/s. Runs on the default JAX backend (the GPU when there is one).
 
-`--precision`: "bf16" (fp32 params, bf16 compute), "fp32", or "mxfp8" (fp32 params, bf16
-compute, MXFP8 expert GEMMs, dispatch and combine gradient, 32-row expert alignment). The teacher
-keeps bf16 experts, so every precision learns the same target from the same initialisation.
+`--precision`: "bf16" (fp32 params, bf16 compute), "fp32", "mxfp8" (fp32 params, bf16 compute,
+MXFP8 expert GEMMs, dispatch and combine gradient, 32-row expert alignment) or "fp8_blockwise"
+(the same in Transformer Engine's FP8 blockwise recipe, 128-row alignment; --hidden and the
+preset's expert size multiples of 128). The teacher keeps bf16 experts, so every precision
+learns the same target from the same initialisation.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import optax
 from flax import nnx
 
 from jaxmoe import MoE, MoEConfig, update_expert_bias
+from jaxmoe.shapes import FP8_BLOCKWISE_OPTIONS, MXFP8_OPTIONS
 
 PRESETS = {
     "mixtral": MoEConfig(
@@ -56,17 +59,12 @@ PRESETS = {
         load_balancing_type="none",
     ),
 }
-MXFP8_OPTIONS = dict(
-    expert_precision="mxfp8",
-    dispatch_dtype="mxfp8",
-    combine_bwd_dtype="mxfp8",
-    expert_row_alignment=32,
-)
 # precision: (param dtype, compute dtype, MoEConfig changes for the trained block)
 PRECISIONS = {
     "bf16": (jnp.float32, jnp.bfloat16, {}),
     "fp32": (jnp.float32, jnp.float32, {}),
     "mxfp8": (jnp.float32, jnp.bfloat16, MXFP8_OPTIONS),
+    "fp8_blockwise": (jnp.float32, jnp.bfloat16, FP8_BLOCKWISE_OPTIONS),
 }
 
 
