@@ -43,6 +43,7 @@ from jaxmoe.ops.device import on_gpu
 from jaxmoe.ops.pallas.hopper import TMA_SMEM_ALIGN
 from jaxmoe.ops.pallas.row_pipeline import (
     COMPILER_PARAMS,
+    CTAS_PER_SM,
     STAGES,
     gather_fetch,
     gather_plan,
@@ -395,22 +396,45 @@ def quantize_columnwise_pallas(x: jax.Array, fmt: str = "e4m3", *, arithmetic=No
     return data, scale[:, :k]
 
 
+def quantize_1x128_columnwise_pallas(
+    x: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None
+):
+    """(data [M, K], scale_inv [M/128, K] fp32) of x [M, K] (bf16/fp32) in FP8-blockwise
+    1 x 128 blocks along M (`jaxmoe.fp8_blockwise.quantize_1x128(x, 0)`'s bits: the weight
+    gradient's copies along the tokens); M % 128 == 0 and K % 16 == 0."""
+    arithmetic = arithmetic or default_arithmetic()
+    _check(columnwise_1x128_problem(x.shape, x.dtype), fmt, arithmetic)
+    m, k = x.shape
+    kernel = _columnwise_kernel(m, k, jnp.dtype(x.dtype), fmt, arithmetic, interpret, FP8_BLOCKWISE)
+    data, scale_inv = kernel(x)
+    return data, scale_inv[:, :k]
+
+
+# (ring slots, CTAs a SM) of the columnwise kernel: a 1 x 128 tile is four MXFP8 tiles.
+_COLUMNWISE_RING = {"mxfp8": (STAGES, CTAS_PER_SM), "fp8_blockwise": (2, 1)}
+
+
 @functools.cache
-def _columnwise_kernel(m, k, dtype, fmt_name, arithmetic, interpret):
-    """Kernel for columnwise blocks of x [m, k]: tile t is the [32, width] window at block row
-    t // col_tiles, column tile t % col_tiles. The scales [m / 32, col_tiles * width] are whole
-    tiles wide (the caller slices): a one-row uint8 TMA store clipped at the end of a row wrote
-    its clipped bytes into the next row on the H200 (2026-11-29)."""
+def _columnwise_kernel(m, k, dtype, fmt_name, arithmetic, interpret, scaling=MXFP8):
+    """Kernel for blocks of B = scaling.block rows of x [m, k]: tile t is the [B, width] window
+    at block row t // col_tiles, column tile t % col_tiles. The layout holds 32 rows, so a
+    1 x 128 tile is taken as four 32-row parts: their amaxes first (each thread's own columns,
+    no shuffle), then each part encoded with the block's scale. The scales
+    [m / B, col_tiles * width] are whole tiles wide (the caller slices): a one-row uint8 TMA
+    store clipped at the end of a row wrote its clipped bytes into the next row on the H200
+    (2026-11-29)."""
     fmt = FORMATS[fmt_name]
+    block = scaling.block
     width = tile_elems(dtype)
     col_tiles = cdiv(k, width)
-    num_tiles = m // BLOCK_SIZE * col_tiles
-    ctas = num_ctas(num_tiles)
+    num_tiles = m // block * col_tiles
+    stages, per_sm = _COLUMNWISE_RING[scaling.name]
+    ctas = num_ctas(num_tiles, per_sm)
     layout = _columnwise_layout(dtype)
 
     def window(t):
         row, col = t // col_tiles, t % col_tiles
-        return row, pl.ds(row * BLOCK_SIZE, BLOCK_SIZE), pl.ds(col * width, width)
+        return row, pl.ds(row * block, block), pl.ds(col * width, width)
 
     def quantize_columnwise(x_gmem, data_gmem, scale_gmem, x_smem, data_smem, scale_smem, loaded):
         def fetch(t):
@@ -422,106 +446,17 @@ def _columnwise_kernel(m, k, dtype, fmt_name, arithmetic, interpret):
             return issue
 
         def compute(slot):
-            _quantize_tile(
-                x_smem.at[slot],
-                data_smem.at[slot],
-                scale_smem.at[slot, 0],
-                0,
-                layout,
-                fmt,
-                arithmetic,
-            )
-
-        def store(t, slot):
-            row, rows, cols = window(t)
-            plgpu.copy_smem_to_gmem(
-                data_smem.at[slot], data_gmem.at[rows, cols], commit_group=False
-            )
-            plgpu.copy_smem_to_gmem(
-                scale_smem.at[slot], scale_gmem.at[pl.ds(row, 1), cols], commit_group=False
-            )
-
-        pipeline(num_tiles, ctas, loaded, fetch, compute, store)
-
-    return plgpu.kernel(
-        quantize_columnwise,
-        kernel_name="quantize_columnwise",
-        out_type=(
-            jax.ShapeDtypeStruct((m, k), fmt.dtype),
-            jax.ShapeDtypeStruct((m // BLOCK_SIZE, col_tiles * width), jnp.uint8),
-        ),
-        grid=(ctas,),
-        grid_names=("cta",),
-        scratch_types=[
-            plgpu.SMEM((STAGES, BLOCK_SIZE, width), dtype),
-            plgpu.SMEM((STAGES, BLOCK_SIZE, width), fmt.dtype),
-            plgpu.SMEM((STAGES, 1, width), jnp.uint8),
-            plgpu.Barrier(num_barriers=STAGES),
-        ],
-        compiler_params=COMPILER_PARAMS,
-        interpret=interpret,
-    )
-
-
-# 1 x 128 blocks along M: a tile is 128 rows by the columnwise layout's width, four times the
-# MXFP8 tile, so the ring has 2 slots and one CTA a SM.
-_COLUMNWISE_1X128_STAGES = 2
-_COLUMNWISE_1X128_CTAS_PER_SM = 1
-
-
-def quantize_1x128_columnwise_pallas(
-    x: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None
-):
-    """(data [M, K], scale_inv [M/128, K] fp32) of x [M, K] (bf16/fp32) in FP8-blockwise
-    1 x 128 blocks along M (`jaxmoe.fp8_blockwise.quantize_1x128(x, 0)`'s bits: the weight
-    gradient's copies along the tokens); M % 128 == 0 and K % 16 == 0."""
-    arithmetic = arithmetic or default_arithmetic()
-    _check(columnwise_1x128_problem(x.shape, x.dtype), fmt, arithmetic)
-    m, k = x.shape
-    kernel = _columnwise_1x128_kernel(m, k, jnp.dtype(x.dtype), fmt, arithmetic, interpret)
-    data, scale_inv = kernel(x)
-    return data, scale_inv[:, :k]
-
-
-@functools.cache
-def _columnwise_1x128_kernel(m, k, dtype, fmt_name, arithmetic, interpret):
-    """Kernel for 1 x 128 blocks along the rows of x [m, k]: tile t is the [128, width] window
-    at block row t // col_tiles, column tile t % col_tiles. The MXFP8 columnwise layout holds 32
-    rows, so a tile is taken as four 32-row parts: their amaxes first (each thread's columns,
-    no shuffle), then each part encoded with the block's scale. The scales [m / 128,
-    col_tiles * width] are whole tiles wide (the caller slices), as for MXFP8."""
-    fmt = FORMATS[fmt_name]
-    block, part = FP8_BLOCKWISE.block, BLOCK_SIZE
-    width = tile_elems(dtype)  # the MXFP8 columnwise tile's width: the layout's span
-    col_tiles = cdiv(k, width)
-    num_tiles = m // block * col_tiles
-    stages = _COLUMNWISE_1X128_STAGES
-    ctas = num_ctas(num_tiles, _COLUMNWISE_1X128_CTAS_PER_SM)
-    layout = _columnwise_layout(dtype)
-
-    def window(t):
-        row, col = t // col_tiles, t % col_tiles
-        return row, pl.ds(row * block, block), pl.ds(col * width, width)
-
-    def quantize(x_gmem, data_gmem, scale_gmem, x_smem, data_smem, scale_smem, loaded):
-        def fetch(t):
-            _, rows, cols = window(t)
-
-            def issue(slot, barrier):
-                plgpu.copy_gmem_to_smem(x_gmem.at[rows, cols], x_smem.at[slot], barrier)
-
-            return issue
-
-        def compute(slot):
-            parts = [x_smem.at[slot, pl.ds(p * part, part)] for p in range(block // part)]
-            load = lambda ref: float32_bits(plgpu.load(ref, layout=layout))
-            amax = functools.reduce(jnp.maximum, [_block_amax_bits(load(r), 0) for r in parts])
-            e = FP8_BLOCKWISE.exponent(amax, fmt)
-            scale_smem.at[slot, 0][...] = FP8_BLOCKWISE.stored(e)
-            for p, ref in enumerate(parts):
-                data_smem.at[slot, pl.ds(p * part, part)][...] = _encode(
-                    load(ref), e, 0, layout, fmt, arithmetic
-                )
+            if block == BLOCK_SIZE:
+                tile = (x_smem.at[slot], data_smem.at[slot], scale_smem.at[slot, 0])
+                _quantize_tile(*tile, 0, layout, fmt, arithmetic, scaling)
+                return
+            parts = [pl.ds(p * BLOCK_SIZE, BLOCK_SIZE) for p in range(block // BLOCK_SIZE)]
+            bits = lambda part: float32_bits(plgpu.load(x_smem.at[slot, part], layout=layout))
+            amax = functools.reduce(jnp.maximum, [_block_amax_bits(bits(p), 0) for p in parts])
+            e = scaling.exponent(amax, fmt)
+            scale_smem.at[slot, 0][...] = scaling.stored(e)
+            for part in parts:
+                data_smem.at[slot, part][...] = _encode(bits(part), e, 0, layout, fmt, arithmetic)
 
         def store(t, slot):
             row, rows, cols = window(t)
@@ -535,18 +470,18 @@ def _columnwise_1x128_kernel(m, k, dtype, fmt_name, arithmetic, interpret):
         pipeline(num_tiles, ctas, loaded, fetch, compute, store, stages)
 
     return plgpu.kernel(
-        quantize,
-        kernel_name="quantize_columnwise_1x128",
+        quantize_columnwise,
+        kernel_name="quantize_columnwise" + ("" if scaling is MXFP8 else "_1x128"),
         out_type=(
             jax.ShapeDtypeStruct((m, k), fmt.dtype),
-            jax.ShapeDtypeStruct((m // block, col_tiles * width), jnp.float32),
+            jax.ShapeDtypeStruct((m // block, col_tiles * width), scaling.scale_dtype),
         ),
         grid=(ctas,),
         grid_names=("cta",),
         scratch_types=[
             plgpu.SMEM((stages, block, width), dtype),
             plgpu.SMEM((stages, block, width), fmt.dtype),
-            plgpu.SMEM((stages, 1, width), jnp.float32),
+            plgpu.SMEM((stages, 1, width), scaling.scale_dtype),
             plgpu.Barrier(num_barriers=stages),
         ],
         compiler_params=COMPILER_PARAMS,
