@@ -49,13 +49,16 @@ def check_kernel(kind, x, fmt, arithmetic, num_rows=None):
     assert_bitwise(np.asarray(scale_inv), np.asarray(ref.scale_inv))
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize(
+    "dtype, fmt",
+    [(jnp.bfloat16, "e4m3"), (jnp.bfloat16, "e5m2"), (jnp.float32, "e4m3")],
+    ids=["bf16-e4m3", "bf16-e5m2", "fp32-e4m3"],
+)
 @pytest.mark.parametrize("kind", ["rowwise", "gather", "columnwise"])
 def test_kernels_equal_the_reference_bitwise(interpret, kind, dtype, fmt):
     """Specials (NaN, Inf, denormals, 448/449, an all-zero and an all-denormal block), with the
     reference's integer encoding."""
-    check_kernel(kind, tensor((256, 512), dtype), fmt, "exact", num_rows=150)
+    check_kernel(kind, tensor((128, 512), dtype), fmt, "exact", num_rows=150)
 
 
 @pytest.mark.parametrize("kind", ["rowwise", "gather", "columnwise"])
@@ -124,8 +127,8 @@ def test_op_takes_leading_dims_and_dispatch_quantize_takes_the_recipe(interpret)
     assert ours.block_axes == ref.block_axes == (2,) and ours.scale_inv.shape == (3, 40, 2)
     assert_bitwise(np.asarray(ours.data), np.asarray(ref.data))
     assert_bitwise(np.asarray(ours.scale_inv), np.asarray(ref.scale_inv))
-    tokens = x[0]
-    row_token = row_tokens(40, 70)
+    tokens = x[0, :, :128]
+    row_token = row_tokens(40, 24)
     out = dispatch_quantize(tokens, row_token, recipe="fp8_blockwise", impl="pallas")
     want = fp8_blockwise.quantize_1x128(gathered(tokens, row_token), 1)
     assert isinstance(out, fp8_blockwise.BlockwiseTensor) and out.block_axes == (1,)
@@ -133,9 +136,9 @@ def test_op_takes_leading_dims_and_dispatch_quantize_takes_the_recipe(interpret)
     assert_bitwise(np.asarray(out.scale_inv), np.asarray(want.scale_inv))
     xla = dispatch_quantize(tokens, row_token, recipe="fp8_blockwise", impl="xla")
     assert_bitwise(np.asarray(xla.scale_inv), np.asarray(want.scale_inv))
-    rows = tensor((300, 256), jnp.bfloat16, seed=6)  # along the tokens: a partial last block
+    rows = tensor((300, 48), jnp.bfloat16, seed=6)  # along the tokens: a partial last block
     ours, ref = quantize_1x128(rows, 0, impl="pallas"), fp8_blockwise.quantize_1x128(rows, 0)
-    assert ours.block_axes == (0,) and ours.scale_inv.shape == (3, 256)
+    assert ours.block_axes == (0,) and ours.scale_inv.shape == (3, 48)
     assert_bitwise(np.asarray(ours.data), np.asarray(ref.data))
     assert_bitwise(np.asarray(ours.scale_inv), np.asarray(ref.scale_inv))
 
