@@ -462,7 +462,8 @@ class ShapeBench:
         )
         log(
             f"{self.shape.name} {mode}: profiled {candidate.impl}: "
-            f"{breakdown['device_ms']:.3f} device ms/step, non-GEMM "
+            f"{breakdown['device_ms']:.3f} device ms/step ({breakdown['span_ms']:.3f} ms from "
+            f"first kernel to last), non-GEMM "
             f"{100 * (breakdown['non_gemm_share'] or 0):.1f}%, matched {breakdown['matched_by']}"
         )
 

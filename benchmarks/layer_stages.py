@@ -363,7 +363,9 @@ def stage_breakdown(
 ) -> tuple[dict, list[Attribution]]:
     """Device milliseconds per step by stage (forward / backward, GEMM / quantize / other) from
     the profile records of `steps` runs of the compiled module `hlo_text`, and the attributed
-    records of the last step (for inspection)."""
+    records of the last step (for inspection). `span_ms` is the time per step from the first
+    record's start to the last one's end; `idle_ms` is the part of it with no kernel running
+    (launch gaps inside a step and gaps between the back-to-back steps)."""
     module = parse_hlo(hlo_text)
     by_kernel_name = {
         _kernel_style(name): instruction for name, instruction in module.instructions.items()
@@ -395,10 +397,13 @@ def stage_breakdown(
         kind: sum(r.dur_us for r in rows if r.kind == kind) * per_step
         for kind in ("gemm", "quantize", "other")
     }
+    span = (max(r.start_us + r.dur_us for r in rows) - rows[0].start_us) * per_step if rows else 0.0
     summary = dict(
         steps=steps,
         kernels_per_step=len(rows) / steps,
         device_ms=total,
+        span_ms=span,
+        idle_ms=span - total,
         fwd_ms=sum(r.dur_us for r in rows if not r.backward) * per_step,
         bwd_ms=sum(r.dur_us for r in rows if r.backward) * per_step,
         gemm_ms=kinds["gemm"],
