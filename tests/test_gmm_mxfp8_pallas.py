@@ -309,12 +309,13 @@ def test_gpu_mxfp8_forward_and_invariance_on_hardware():
 
 
 def test_scale_multipliers_decode_every_byte_like_dequantize():
-    """The kernels' fp32 scale operands decode all 256 E8M0 bytes as `dequantize` does."""
+    """The kernels' fp32 scale operands decode all 256 E8M0 bytes as `dequantize` does (the
+    same bits; byte 255 NaN on both sides, whose payload the GPU's multiply may change)."""
     scale = jnp.arange(256, dtype=jnp.uint8)[:, None]
     ones = MXTensor(data=jnp.ones((256, 32), jnp.float8_e4m3fn), scale=scale, axis=1, fmt="e4m3")
-    np.testing.assert_array_equal(
-        bits(scale_multipliers(scale)[:, 0]), bits(dequantize(ones)[:, 0])
-    )
+    got, want = np.asarray(scale_multipliers(scale)[:, 0]), np.asarray(dequantize(ones)[:, 0])
+    assert np.isnan(got[255]) and np.isnan(want[255])
+    np.testing.assert_array_equal(bits(got[:255]), bits(want[:255]))
 
 
 @pytest.mark.gpu
