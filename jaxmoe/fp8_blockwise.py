@@ -25,7 +25,7 @@ than half an ulp below 1), so scale = 2^k with k = min(S - E - [mantissa field >
 (`tests/test_fp8_blockwise.py` checks this against the division on every mantissa at many
 exponents). x_i * 2^k is then the MXFP8 element encoding with the same power of two
 (`jaxmoe.mxfp8.encode_elements`), exact but for fp32 subnormal products, which round to 0 in
-e4m3 either way. docs/numerics.md, "FP8 blockwise", has the recipe around it.
+e4m3 either way; on a GPU the element scaling is TE's own float multiply (`jaxmoe.mxfp8.encode`). docs/numerics.md, "FP8 blockwise", has the recipe around it.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from jaxmoe.mxfp8 import (
     FORMATS,
     FP32_ABS_MASK,
     FP32_INF_BITS,
-    encode_elements,
+    encode,
     float32_bits,
     scale_multipliers,
 )
@@ -124,7 +124,7 @@ def _quantize_impl(x, block_axes, fmt):
     # |x| bits are monotone in |x|; NaNs count as 0.
     amax = jnp.max(jnp.where(mag > FP32_INF_BITS, jnp.uint32(0), mag), axis=within, keepdims=True)
     k = scale_exponent_from_amax_bits(amax, fmt)
-    data = encode_elements(bits, 127 - k, FORMATS[fmt]).reshape(padded)
+    data = encode(bits, 127 - k, FORMATS[fmt]).reshape(padded)
     data = data[tuple(slice(0, n) for n in shape)]
     scale_inv = scale_multipliers((127 - k).astype(jnp.uint8))  # 2^-k from the bits
     return data, jnp.squeeze(scale_inv, within)

@@ -351,6 +351,55 @@ def test_dequantize_by_multiplying_where_no_value_is_subnormal(fmt):
     _assert_same_float_bits(np.asarray(got)[normal_rows], want[normal_rows])
 
 
+def _every_bf16_with_exponents():
+    """fp32 bits of every bf16 value, each with every scale exponent e of `exponents`."""
+    x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(BF16).astype(F32)
+    exponents = np.array([0, 1, 60, 120, 127, 128, 134, 142, 200, 247, 253, 254], np.int32)
+    bits = np.tile(x.view(np.uint32), (exponents.size, 1))
+    return bits, np.broadcast_to(exponents[:, None], bits.shape)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_encode_by_multiplying_where_no_value_is_subnormal(fmt):
+    """TE's float arithmetic (what XLA runs on the GPU) gives the integer emulation's bytes
+    wherever no input, multiplier or product is an fp32 subnormal (all that XLA:CPU, which
+    flushes them, can check); NaN, +-Inf, +-0 and saturation included."""
+    bits, e = _every_bf16_with_exponents()
+    fmt_entry = mxfp8.FORMATS[fmt]
+    want = np.asarray(mxfp8.encode_elements(jnp.asarray(bits), jnp.asarray(e), fmt_entry))
+    got = np.asarray(
+        jax.jit(mxfp8.encode_by_multiplying, static_argnums=2)(
+            jnp.asarray(bits), jnp.asarray(e), fmt_entry
+        )
+    )
+    x = bits.view(F32).astype(np.float64)
+    product = np.abs(x * np.exp2(127.0 - e))
+    tiny = np.finfo(F32).tiny
+    normal = (
+        ((np.abs(x) >= tiny) | (x == 0) | np.isnan(x))
+        & ((product >= tiny) | (product == 0))
+        & (e < 254)  # e = 254: the multiplier 2^-127 is itself subnormal
+    )
+    assert 0.75 < normal.mean() < 1
+    np.testing.assert_array_equal(got.view(np.uint8)[normal], want.view(np.uint8)[normal])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_gpu_encode_by_multiplying_equals_the_integer_bits(fmt):
+    """On the GPU (subnormals kept) the float arithmetic that XLA's quantize runs there gives the
+    integer emulation's bytes for every bf16 input and scale exponent, subnormals included."""
+    bits, e = _every_bf16_with_exponents()
+    fmt_entry = mxfp8.FORMATS[fmt]
+    args = jnp.asarray(bits), jnp.asarray(e)
+    want = jax.jit(mxfp8.encode_elements, static_argnums=2)(*args, fmt_entry)
+    encode = jax.jit(mxfp8.encode, static_argnums=2)
+    got = encode(*args, fmt_entry)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    off_by_one = encode(args[0], jnp.minimum(args[1] + 1, 254), fmt_entry)  # negative control
+    assert (np.asarray(off_by_one).view(np.uint8) != np.asarray(want).view(np.uint8)).any()
+
+
 def test_zero_block_dequantizes_to_zeros():
     x = np.zeros((4, 64), F32)
     x[1] = -0.0

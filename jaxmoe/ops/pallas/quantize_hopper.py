@@ -37,6 +37,7 @@ from jaxmoe.mxfp8 import (
     e8m0_from_amax_bits,
     encode_elements,
     float32_bits,
+    reciprocal_scale_bits,
     scale_multipliers,
 )
 from jaxmoe.ops.device import on_gpu
@@ -135,8 +136,7 @@ def _encode(bits, e, axis, layout, fmt, arithmetic):
 
     if arithmetic == "exact":
         return encode_elements(bits, spread(e), fmt)
-    # 2^(127 - e): exponent field 254 - e, or the subnormal 2^-127 for e = 254.
-    scale = jnp.where(e == 254, jnp.int32(0x00400000), (254 - e) << 23)
+    scale = reciprocal_scale_bits(e)  # per block, then spread
     y = lax.bitcast_convert_type(bits, jnp.float32) * spread(
         lax.bitcast_convert_type(scale, jnp.float32)
     )
