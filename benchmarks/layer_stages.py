@@ -335,7 +335,8 @@ def _innermost(events: list[TraceEvent]) -> list[TraceEvent]:
 
 def describe_profile(events: list[TraceEvent], samples: int = 12) -> dict:
     """What the profile's records look like, for fixing the attribution offline: records per
-    process / thread, the argument names of the GPU stream records (else of the XLA:CPU op
+    process / thread, the host records with the most time (name, count, total µs: where the
+    host spends a step), the argument names of the GPU stream records (else of the XLA:CPU op
     records), and the full arguments of the first record of `samples` distinct kernels (long
     values cut)."""
     device = gpu_stream_events(events) or [e for e in events if "hlo_op" in e.args]
@@ -343,8 +344,17 @@ def describe_profile(events: list[TraceEvent], samples: int = 12) -> dict:
     first_of_kernel = {}
     for e in device:
         first_of_kernel.setdefault(e.name, e)
+    host = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.process.startswith("/host"):
+            host[e.name][0] += 1
+            host[e.name][1] += e.dur_us
     return dict(
         records_per_thread=dict(threads.most_common(30)),
+        host_records=[
+            dict(name=name[:120], count=count, total_us=round(total, 1))
+            for name, (count, total) in sorted(host.items(), key=lambda kv: -kv[1][1])[:40]
+        ],
         record_arg_names=sorted({key for e in device for key in e.args}),
         sample_records=[
             dict(
