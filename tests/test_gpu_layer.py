@@ -24,6 +24,7 @@ import concurrent.futures
 import contextlib
 import functools
 import re
+import threading
 import time
 
 import jax
@@ -98,8 +99,10 @@ class Layer:
       small_train, small_train_xla   the step on XLA_COMPARISON_TOKENS tokens, on the kernels
                             and on gmm_impl="xla" (same weights)."""
 
-    def __init__(self, shape: LayerShape, precision: str, impl: str, context, seed: int = 0):
-        self.shape, self.precision, self.impl = shape, precision, impl
+    def __init__(
+        self, shape: LayerShape, precision: str, impl: str, context, seed: int = 0, progress=print
+    ):
+        self.shape, self.precision, self.impl, self.progress = shape, precision, impl, progress
         self.config = shape.with_precision(precision).config
         self.model = self.build(impl, seed)
         self.graphdef, self.params, self.rest = nnx.split(self.model, nnx.Param, ...)
@@ -111,24 +114,36 @@ class Layer:
         self.small_dy = self.dy[:1, :XLA_COMPARISON_TOKENS]
         xla_graphdef, self.xla_params, xla_rest = nnx.split(self.build("xla", seed), nnx.Param, ...)
         half = (shape.batch, shape.seq_len // 2)
-        lowered = {
-            "train": self.lower_train(self.params, self.x, self.dy),
-            "train_again": self.lower_train(self.params, self.x, self.dy),
-            "small_train": self.lower_train(self.params, self.small_x, self.small_dy),
-            "small_train_xla": self.lower_train(
+        lowering = {
+            "train": lambda: self.lower_train(self.params, self.x, self.dy),
+            "train_again": lambda: self.lower_train(self.params, self.x, self.dy),
+            "small_train": lambda: self.lower_train(self.params, self.small_x, self.small_dy),
+            "small_train_xla": lambda: self.lower_train(
                 self.xla_params, self.small_x, self.small_dy, xla_graphdef, xla_rest
             ),
-            **{("forward", batch): self.lower_forward(batch) for batch in (dims[:2], (1, 1), half)},
+            **{
+                ("forward", batch): functools.partial(self.lower_forward, batch)
+                for batch in (dims[:2], (1, 1), half)
+            },
         }
+        lowered = {}
+        for key, lower in lowering.items():
+            start = time.perf_counter()
+            lowered[key] = lower()
+            self.progress(f"lowered {key} in {time.perf_counter() - start:.1f} s")
 
-        def compile_timed(program):
+        def compile_timed(item):
+            key, program = item
             with context():
                 start = time.perf_counter()
-                return program.compile(), time.perf_counter() - start
+                compiled = program.compile()
+            seconds = time.perf_counter() - start
+            self.progress(f"compiled {key} in {seconds:.1f} s")
+            return compiled, seconds
 
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(lowered)) as pool:
-            done = dict(zip(lowered, pool.map(compile_timed, lowered.values())))
+            done = dict(zip(lowered, pool.map(compile_timed, lowered.items())))
         self.compile_wall_seconds = time.perf_counter() - start
         self.compile_seconds = {str(k): round(v[1], 2) for k, v in done.items()}
         self.programs = {k: v[0] for k, v in done.items()}
@@ -192,10 +207,17 @@ class Layer:
 
 
 @pytest.fixture(scope="module")
-def layer(case, kernels_here):
+def layer(case, kernels_here, pytestconfig):
     name, precision = case
     shape = TINY if name == "tiny" else SHAPES[name]
-    built = Layer(shape, precision, *kernels_here)
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    lock = threading.Lock()  # the compiling threads report too
+
+    def progress(message):  # past pytest's capture: where a slow case is
+        with lock, capture.global_and_fixture_disabled():
+            print(f"[{time.strftime('%H:%M:%S')}] {name}-{precision}: {message}", flush=True)
+
+    built = Layer(shape, precision, *kernels_here, progress=progress)
     yield built
     del built
     jax.clear_caches()
