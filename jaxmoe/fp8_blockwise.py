@@ -25,7 +25,8 @@ than half an ulp below 1), so scale = 2^k with k = min(S - E - [mantissa field >
 (`tests/test_fp8_blockwise.py` checks this against the division on every mantissa at many
 exponents). x_i * 2^k is then the MXFP8 element encoding with the same power of two
 (`jaxmoe.mxfp8.encode_elements`), exact but for fp32 subnormal products, which round to 0 in
-e4m3 either way; on a GPU the element scaling is TE's own float multiply (`jaxmoe.mxfp8.encode`). docs/numerics.md, "FP8 blockwise", has the recipe around it.
+e4m3 either way; on a GPU the element scaling is TE's own float multiply
+(`jaxmoe.mxfp8.encode`). docs/numerics.md, "FP8 blockwise", has the recipe around it.
 """
 
 from __future__ import annotations

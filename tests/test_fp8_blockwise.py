@@ -7,6 +7,8 @@ GEMMs exact on inputs whose partials are exact, and within the fp32 bound on ran
 Hopper kernels (fprop/dgrad, wgrad) against them in the interpreter and lowered at real
 shapes."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -263,17 +265,27 @@ def test_tgmm_reference_is_exact_on_exact_operands():
 # ------------------------------------------------------------------------- the Hopper kernel
 
 
-@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fprop", "dgrad"])
-def test_kernel_equals_the_reference_on_exact_operands(interpret, transpose_rhs):
+@pytest.mark.parametrize(
+    "transpose_rhs,wg_split",
+    [(False, "m"), (True, "m"), (True, "n")],
+    ids=["fprop", "dgrad", "dgrad-wg_n"],
+)
+def test_kernel_equals_the_reference_on_exact_operands(interpret, transpose_rhs, wg_split):
     """The 128-wide scale blocks' kernel (one fp8 wgmma per block, folded with the product of
-    its scales) against the reference: equal where every partial is exact, zeros past the
-    groups, empty groups; control: the reference with one lhs block's scale moved differs."""
+    its scales; a warpgroup's columns share one weight block's scale, whichever way the
+    warpgroups split the tile) against the reference: equal where every partial is exact (the
+    weight blocks' scales differ), zeros past the groups, empty groups; control: the reference
+    with one lhs block's scale moved differs."""
     lhs, rhs = exact_operands(200, 256, 384, 3, seed=8)
     if transpose_rhs:
         lhs = np.tile(lhs, (1, 2))[:, :384]
     lq, rq = fb.quantize_1x128(jnp.asarray(lhs)), fb.quantize_128x128(jnp.asarray(rhs))
+    assert len(np.unique(np.asarray(rq.scale_inv))) > 2
     sizes = jnp.array([70, 0, 100])
-    config = None if on_hopper() else SMALL
+    # wg_split "n": 128 output columns a warpgroup (dgrad's 256), so the two warpgroups read
+    # different weight blocks' scales
+    tile_n = 128 if wg_split == "n" else SMALL.tile_n
+    config = None if on_hopper() else dataclasses.replace(SMALL, wg_split=wg_split, tile_n=tile_n)
     got = gmm_fp8_blockwise(
         lq, rq, sizes, transpose_rhs=transpose_rhs, impl="pallas", config=config
     )

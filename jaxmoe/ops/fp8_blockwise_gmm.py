@@ -91,19 +91,19 @@ def gmm_fp8_blockwise(
     if registry.resolve("gmm_fp8_blockwise", impl, contraction, out_n) == "xla":
         out = gmm_reference(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
         return out.astype(out_dtype)
-    # The kernel reads both operands K-major: rhs [G, out_n, contraction], and its scales per
-    # output column (a 128 x 128 block's scale repeated over the block's columns).
+    # The kernel reads both operands K-major: rhs [G, out_n, contraction], and the weight
+    # scales [G, C/128, out_n/128].
     data, scale = rhs.data, rhs.scale_inv
     if not transpose_rhs:
         data, scale = jnp.swapaxes(data, 1, 2), jnp.swapaxes(scale, 1, 2)
-    column_scale = jnp.swapaxes(jnp.repeat(scale, BLOCK, axis=1), 1, 2)  # [G, C/128, out_n]
+    block_scale = jnp.swapaxes(scale, 1, 2)  # [G, C/128, out_n/128]
     num_rows = lhs.shape[0]
     rows = kernel_rows(num_rows)
     out = gmm_block_scaled_fp8_pallas(
         pad_rows(lhs.data, rows),
         jnp.swapaxes(pad_rows(lhs.scale_inv, rows), 0, 1),
         data,
-        column_scale,
+        block_scale,
         group_sizes.astype(jnp.int32),
         scale_block=BLOCK,
         out_dtype=out_dtype,

@@ -56,22 +56,32 @@ def check_fp8_operands(
     lhs, lhs_scale, rhs, rhs_scale, what: str, scale_block: int = BLOCK_SIZE
 ) -> None:
     """Raise ValueError unless lhs [M, K] and rhs [G, N, K] are float8 and lhs_scale
-    [K/B, M] and rhs_scale [G, K/B, N] fp32, B = scale_block (the operands of the kernels
-    reading fp8)."""
+    [K/B, M] and rhs_scale [G, K/B, N / C] fp32, B = scale_block and C its weight blocks'
+    width in columns (`column_block`: 1 for MXFP8, 128 for FP8 blockwise's square blocks)
+    (the operands of the kernels reading fp8)."""
     num_rows, k = lhs.shape
     num_groups, n, _ = rhs.shape
     if lhs.dtype not in _FP8_DTYPES or rhs.dtype not in _FP8_DTYPES:
         raise ValueError(f"{what}: operands must be float8, got {lhs.dtype}, {rhs.dtype}")
+    columns = column_block(scale_block)
     if (
         lhs_scale.shape != (k // scale_block, num_rows)
-        or rhs_scale.shape != (num_groups, k // scale_block, n)
+        or rhs_scale.shape != (num_groups, k // scale_block, n // columns)
         or lhs_scale.dtype != jnp.float32
         or rhs_scale.dtype != jnp.float32
     ):
+        n_blocks = "N" if columns == 1 else f"N/{columns}"
         raise ValueError(
-            f"{what}: scales must be fp32 [K/{scale_block}, M] and [G, K/{scale_block}, N], got "
-            f"{lhs_scale.shape} {lhs_scale.dtype} and {rhs_scale.shape} {rhs_scale.dtype}"
+            f"{what}: scales must be fp32 [K/{scale_block}, M] and [G, K/{scale_block}, "
+            f"{n_blocks}], got {lhs_scale.shape} {lhs_scale.dtype} and {rhs_scale.shape} "
+            f"{rhs_scale.dtype}"
         )
+
+
+def column_block(scale_block: int) -> int:
+    """Columns that share a weight scale: 1 for MXFP8 (1 x 32 blocks along K), the block
+    width for FP8 blockwise (square 128 x 128 blocks)."""
+    return 1 if scale_block == BLOCK_SIZE else scale_block
 
 
 def gmm_mxfp8_pallas(
@@ -123,10 +133,12 @@ def gmm_block_scaled_fp8_pallas(
 ) -> jax.Array:
     """Block-scaled fp8 grouped matmul on Hopper (module docstring): lhs [M, K] and rhs
     [G, N, K] float8 (both K-major, as Hopper's fp8 wgmma reads them); lhs_scale [K/B, M] and
-    rhs_scale [G, K/B, N] fp32 multipliers, B = scale_block (32 or 128), transposed so that a
-    K block's scales for a row tile are contiguous (FP8 blockwise: a 128 x 128 weight block's
-    scale repeated over its 128 columns). Rows past sum(group_sizes) are zeros. config: None
-    for `default_mxfp8_config`. groups_per_weight as in `gmm_mxfp8_pallas`."""
+    rhs_scale fp32 multipliers, B = scale_block (32 or 128), lhs's transposed so that a K
+    block's scales for a row tile are contiguous; rhs_scale [G, K/32, N] for MXFP8 (a scale per
+    column), [G, K/128, N/128] for FP8 blockwise (a scale per 128 x 128 block: a warpgroup's
+    columns share one, so its fold is one multiply-add per element). Rows past sum(group_sizes)
+    are zeros. config: None for `default_mxfp8_config`. groups_per_weight as in
+    `gmm_mxfp8_pallas`."""
     if scale_block not in _TILE_MATMULS:
         raise ValueError(f"gmm pallas fp8: scale_block must be one of {sorted(_TILE_MATMULS)}")
     check_fp8_operands(lhs, lhs_scale, rhs, rhs_scale, "gmm pallas fp8", scale_block)
@@ -136,6 +148,12 @@ def gmm_block_scaled_fp8_pallas(
     config.validate(num_rows, k, n, lhs.dtype, out_dtype, transpose_rhs=True)
     if config.tile_k % scale_block:
         raise ValueError(f"gmm pallas fp8: tile_k={config.tile_k} must hold whole scale blocks")
+    columns = column_block(scale_block)
+    if columns > 1 and columns % config.tile_n:
+        raise ValueError(
+            f"gmm pallas fp8: a warpgroup's tile_n={config.tile_n} must divide the {columns} "
+            "columns of a weight block (its columns share the block's scale)"
+        )
     # The operand tiles are sliced into scale_block-wide K blocks, so they are swizzled at that width.
     return gmm_kernel_call(
         _TILE_MATMULS[scale_block],
@@ -160,10 +178,16 @@ def _multiply_scaled_tile(tile: TileContext, scale_block: int):
     acc += block product * (row scale * column scale), one fp32 rounding per block, in
     ascending K order (with power-of-two scales the scaling itself is exact). The scales are
     read from GMEM (L2) straight into registers, issued before the block's wgmma so that their
-    latency passes while it runs (the fold waits for both)."""
+    latency passes while it runs (the fold waits for both). FP8 blockwise: the warpgroup's
+    columns share one weight scale, so the two scales' product is per row."""
     lhs_scale_gmem, rhs_scale_gmem = tile.inputs
     row_scales = lhs_scale_gmem.at[:, tile.rows]
-    column_scales = rhs_scale_gmem.at[tile.group, :, tile.columns]
+    columns = column_block(scale_block)
+    if columns == 1:
+        column_scales = rhs_scale_gmem.at[tile.group, :, tile.columns]
+    else:  # one weight block, so one scale, spans this warpgroup's columns
+        weight_block = (tile.columns.start + tile.wg_columns.start) // columns
+        weight_scales = rhs_scale_gmem.at[tile.group, :, weight_block]
 
     blocks_per_step = tile.config.tile_k // scale_block
 
@@ -177,11 +201,14 @@ def _multiply_scaled_tile(tile: TileContext, scale_block: int):
                 layout=plgpu.Layout.WGMMA.reduce(1),
                 optimized=False,
             )
-            col_scale = plgpu.load(
-                column_scales.at[kb, tile.wg_columns],
-                layout=plgpu.Layout.WGMMA.reduce(0),
-                optimized=False,
-            )
+            if columns == 1:
+                col_scale = plgpu.load(
+                    column_scales.at[kb, tile.wg_columns],
+                    layout=plgpu.Layout.WGMMA.reduce(0),
+                    optimized=False,
+                )
+            else:
+                row_scale = row_scale * weight_scales[kb]  # the same products, per row
 
             def block_product(part_ref):
                 plgpu.wgmma(part_ref, a.at[:, ks], b.at[ks, :])
@@ -189,7 +216,10 @@ def _multiply_scaled_tile(tile: TileContext, scale_block: int):
                 return part_ref[...]
 
             part = pl.run_scoped(block_product, plgpu.ACC(tile.acc_shape))
-            acc = acc + part * (row_scale[:, None] * col_scale[None, :])
+            if columns == 1:
+                acc = acc + part * (row_scale[:, None] * col_scale[None, :])
+            else:
+                acc = acc + part * row_scale[:, None]
         return acc
 
     tile.run_pipeline(
