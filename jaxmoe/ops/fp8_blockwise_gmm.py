@@ -92,11 +92,12 @@ def gmm_fp8_blockwise(
         out = gmm_reference(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
         return out.astype(out_dtype)
     # The kernel reads both operands K-major: rhs [G, out_n, contraction], and the weight
-    # scales [G, C/128, out_n/128].
-    data, scale = rhs.data, rhs.scale_inv
-    if not transpose_rhs:
-        data, scale = jnp.swapaxes(data, 1, 2), jnp.swapaxes(scale, 1, 2)
-    block_scale = jnp.swapaxes(scale, 1, 2)  # [G, C/128, out_n/128]
+    # scales as [G, C/128, out_n/128] (scale_inv is [G, K/128, N/128]).
+    data, block_scale = rhs.data, rhs.scale_inv
+    if transpose_rhs:
+        block_scale = jnp.swapaxes(block_scale, 1, 2)
+    else:
+        data = jnp.swapaxes(data, 1, 2)
     num_rows = lhs.shape[0]
     rows = kernel_rows(num_rows)
     out = gmm_block_scaled_fp8_pallas(

@@ -207,8 +207,10 @@ def _multiply_scaled_tile(tile: TileContext, scale_block: int):
                     layout=plgpu.Layout.WGMMA.reduce(0),
                     optimized=False,
                 )
+                scales = lambda: row_scale[:, None] * col_scale[None, :]
             else:
                 row_scale = row_scale * weight_scales[kb]  # the same products, per row
+                scales = lambda: row_scale[:, None]
 
             def block_product(part_ref):
                 plgpu.wgmma(part_ref, a.at[:, ks], b.at[ks, :])
@@ -216,10 +218,7 @@ def _multiply_scaled_tile(tile: TileContext, scale_block: int):
                 return part_ref[...]
 
             part = pl.run_scoped(block_product, plgpu.ACC(tile.acc_shape))
-            if columns == 1:
-                acc = acc + part * (row_scale[:, None] * col_scale[None, :])
-            else:
-                acc = acc + part * row_scale[:, None]
+            acc = acc + part * scales()  # formed after the wgmma: fewer live registers
         return acc
 
     tile.run_pipeline(
