@@ -336,9 +336,9 @@ def _innermost(events: list[TraceEvent]) -> list[TraceEvent]:
 def describe_profile(events: list[TraceEvent], samples: int = 12) -> dict:
     """What the profile's records look like, for fixing the attribution offline: records per
     process / thread, the host records with the most time (name, count, total µs: where the
-    host spends a step), the argument names of the GPU stream records (else of the XLA:CPU op
-    records), and the full arguments of the first record of `samples` distinct kernels (long
-    values cut)."""
+    host spends a step), the GPU's longest idle gaps (`idle_gaps`), the argument names of the
+    GPU stream records (else of the XLA:CPU op records), and the full arguments of the first
+    record of `samples` distinct kernels (long values cut)."""
     device = gpu_stream_events(events) or [e for e in events if "hlo_op" in e.args]
     threads = collections.Counter(f"{e.process} | {e.thread}" for e in events)
     first_of_kernel = {}
@@ -355,6 +355,7 @@ def describe_profile(events: list[TraceEvent], samples: int = 12) -> dict:
             dict(name=name[:120], count=count, total_us=round(total, 1))
             for name, (count, total) in sorted(host.items(), key=lambda kv: -kv[1][1])[:40]
         ],
+        idle_gaps=idle_gaps(events, device),
         record_arg_names=sorted({key for e in device for key in e.args}),
         sample_records=[
             dict(
@@ -366,6 +367,38 @@ def describe_profile(events: list[TraceEvent], samples: int = 12) -> dict:
             for e in list(first_of_kernel.values())[:samples]
         ],
     )
+
+
+def idle_gaps(events: list[TraceEvent], device: list[TraceEvent], count: int = 8) -> list:
+    """The `count` longest gaps between one device record's end and the next one's start: the
+    records on either side, and the host records that end inside the gap (what the host did
+    while the GPU waited: a launch, a host callback, a synchronisation), at most 12 of each."""
+    device = sorted(device, key=lambda e: e.start_us)
+    gaps, end, before = [], None, None
+    for e in device:
+        if end is not None and e.start_us > end:
+            gaps.append((e.start_us - end, end, before, e))
+        if end is None or e.start_us + e.dur_us >= end:
+            end, before = e.start_us + e.dur_us, e
+    host = [e for e in events if e.process.startswith("/host")]
+    report = []
+    for gap, start, before, after in sorted(gaps, key=lambda g: -g[0])[:count]:
+        inside = sorted(
+            (e for e in host if start < e.start_us + e.dur_us <= after.start_us),
+            key=lambda e: e.start_us,
+        )
+        report.append(
+            dict(
+                gap_us=round(gap, 2),
+                after_kernel=before.name[:80],
+                before_kernel=after.name[:80],
+                host_records_ending_inside=[
+                    dict(name=e.name[:80], thread=e.thread, dur_us=round(e.dur_us, 1))
+                    for e in inside[:12]
+                ],
+            )
+        )
+    return report
 
 
 def stage_breakdown(

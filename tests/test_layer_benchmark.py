@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import layer  # noqa: E402
 from benchmarks.layer_competitors import jax_moe, torch_moe  # noqa: E402
-from benchmarks.layer_stages import stage_breakdown  # noqa: E402
+from benchmarks.layer_stages import idle_gaps, stage_breakdown  # noqa: E402
 from benchmarks.timing import TraceEvent  # noqa: E402
 
 # bf16 outputs and gradients summed in other orders (fp32 accumulation, one bf16 rounding per
@@ -200,6 +200,22 @@ def test_stage_attribution_of_gpu_style_records():
     assert summary["non_gemm_ms"] == pytest.approx(0.020)
     assert summary["matched_by"] == {"hlo_op": 3, "kernel_name": 1, "record_op_name": 1}
     assert [r.kernel for r in rows][:2] == ["body_mosaic_gpu_kernel"] * 2
+
+
+def test_idle_gaps_name_the_kernels_around_them_and_the_host_work_inside():
+    """Gaps between device records, longest first; an overlapping record does not open one;
+    host records ending inside a gap are listed, others not."""
+    gpu = lambda name, start, dur: TraceEvent("/device:GPU:0", "Stream #14", name, start, dur, {})
+    host = lambda name, start, dur: TraceEvent("/host:CPU", "t", name, start, dur, {})
+    device = [gpu("a", 0.0, 10.0), gpu("b", 5.0, 2.0), gpu("c", 12.0, 3.0), gpu("d", 40.0, 1.0)]
+    events = device + [host("launch", 20.0, 15.0), host("early", 0.0, 5.0), host("late", 39.0, 5.0)]
+    gaps = idle_gaps(events, device)
+    assert [(g["gap_us"], g["after_kernel"], g["before_kernel"]) for g in gaps] == [
+        (25.0, "c", "d"),
+        (2.0, "a", "c"),
+    ]
+    assert [h["name"] for h in gaps[0]["host_records_ending_inside"]] == ["launch"]
+    assert gaps[1]["host_records_ending_inside"] == []
 
 
 COMMAND_BUFFER_HLO = """HloModule jit_train, is_scheduled=true
