@@ -15,13 +15,12 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ep_worker import flat, load
+from ep_worker import RUNS, flat, load
 from test_expert_parallel import BATCH, CONFIGS, make, mesh_for, step
 
 from bitwise import assert_bitwise, differs
 
 PROCESSES, DEVICES_EACH, TIMEOUT_S = 2, 4, 240
-MESHES = ("1x8", "2x4", "4x2", "4x2_placed")  # ep_worker's runs
 
 
 def free_port() -> int:
@@ -92,9 +91,10 @@ def test_two_processes_give_the_bits_of_one(tmp_path):
     """One test (one launch of the workers, also under pytest-xdist)."""
     run_workers(tmp_path / "results.npz", tmp_path)
     results = load(str(tmp_path / "results.npz"))
-    for precision in CONFIGS:
+    assert set(RUNS) == set(CONFIGS)
+    for precision, meshes in RUNS.items():
         want = one_process(precision)
-        for mesh in MESHES:
+        for mesh in meshes:
             got = of(results, precision, mesh)
             assert sorted(got) == sorted(want), (precision, mesh)
             for key in want:
@@ -104,7 +104,7 @@ def test_two_processes_give_the_bits_of_one(tmp_path):
     # differ.
     _, x, _ = make(CONFIGS["bf16"])
     want = one_process("bf16", x.at[-1, 0, 0].add(jnp.bfloat16(1.0)))
-    for mesh in MESHES:
+    for mesh in RUNS["bf16"]:
         got = of(results, "bf16", mesh)
         assert_bitwise(got["[0]"][: BATCH - 1], want["[0]"][: BATCH - 1])
         assert differs(got["[0]"][-1], want["[0]"][-1])
