@@ -13,6 +13,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.ints import cdiv
 from jaxmoe.mxfp8 import BLOCK_SIZE
+from jaxmoe.ops.pallas.compiled import compiled_kernel
 from jaxmoe.ops.pallas.hopper import TMA_SMEM_ALIGN
 from jaxmoe.ops.pallas.row_pipeline import (
     COMPILER_PARAMS,
@@ -76,7 +77,7 @@ def _dispatch_kernel(num_tokens, num_rows, row_blocks, dtype, interpret):
 
         copy_pipeline(num_tiles, ctas, loaded, fetch, store)
 
-    return plgpu.kernel(
+    return compiled_kernel(
         dispatch,
         kernel_name="dispatch",
         out_type=jax.ShapeDtypeStruct((num_blocks, BLOCK_SIZE), dtype),
