@@ -3,13 +3,15 @@
 #   make test   install jaxmoe with the test and PyTorch-bridge extras into .venv, lint (ruff),
 #               run the tests (two workers)
 #   make test-quick   lint and the tests that do not interpret Pallas kernels (the inner loop)
+#   make test-all   lint and every CPU test, the `exhaustive` ones too (run it when a kernel or
+#                   the layer changes; `make test` leaves them out to stay within CI's time)
 # On a machine with an NVIDIA Hopper GPU (H100/H200):
 #   make test-gpu   the GPU test suite (pytest -m gpu, real layer sizes); writes its record to
 #                   benchmarks/results/gpu_suite_<date>.json
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test test-quick lint test-gpu clean
+.PHONY: run test test-quick test-all lint test-gpu clean
 
 $(PY):
 	@PY=$$(tools/find_python.sh) && echo "using $$PY" && "$$PY" -m venv $(VENV)
@@ -37,6 +39,9 @@ lint: $(VENV)/.installed-test
 # Two pytest workers (the CI machine has 2 cores; about half the time of one). GPU memory is not
 # preallocated, so that on a GPU machine the two processes can share the device.
 test: lint
+	XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -q -n 2 -m "not exhaustive" $(ARGS)
+
+test-all: lint
 	XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -q -n 2 $(ARGS)
 
 test-quick: lint

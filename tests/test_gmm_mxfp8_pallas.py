@@ -137,7 +137,14 @@ def row_bits_configs(strategy: str) -> list:
     ]
 
 
-@pytest.mark.parametrize("strategy", ["fp8_wgmma", "fused_dequantize", "decode"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "fp8_wgmma",
+        pytest.param("fused_dequantize", marks=pytest.mark.exhaustive),
+        pytest.param("decode", marks=pytest.mark.exhaustive),
+    ],
+)
 def test_row_bits_do_not_depend_on_other_groups_or_config(interpret, strategy):
     """Batch invariance as for the bf16 kernel: a row's bits stay when the groups around it
     change and under other tilings (tile_k fixed in the interpreter, see test_gmm_pallas; the
@@ -177,6 +184,7 @@ def test_wgrad_matches_reference(interpret):
     assert np.all(np.asarray(out)[1] == 0)
 
 
+@pytest.mark.exhaustive
 def test_moe_layer_mxfp8_pallas_matches_xla(interpret):
     """jax.grad of an MXFP8 layer with fprop/dgrad on the fp8 kernel and wgrad on the bf16
     tgmm kernel, against the same layer on XLA. The GEMMs differ only in accumulation order,

@@ -412,6 +412,7 @@ def test_negative_control_split_k_changes_bits(interpret):
     assert np.any(bits(whole) != bits(halves))
 
 
+@pytest.mark.exhaustive
 def test_moe_layer_gradients_pallas_equal_xla(interpret):
     """jax.grad of the whole layer with every grouped matmul on the Pallas kernels."""
     config = MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=64, aux_loss_coeff=1e-2)

@@ -43,9 +43,18 @@ def product(kind, impl):
     )
 
 
-@pytest.mark.parametrize("rhs_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16_rhs", "fp32_rhs"])
-@pytest.mark.parametrize("kind", ["bf16", "mxfp8"])
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def _shared_matrix_cases():
+    """Every impl x kind x rhs dtype; on the kernels the bf16 case is in `make test`, the others
+    are exhaustive."""
+    for impl in ("xla", "pallas"):
+        for kind in ("bf16", "mxfp8"):
+            for rhs_dtype, name in ((jnp.bfloat16, "bf16_rhs"), (jnp.float32, "fp32_rhs")):
+                further = impl == "pallas" and (kind, name) != ("bf16", "bf16_rhs")
+                marks = [pytest.mark.exhaustive] if further else []
+                yield pytest.param(impl, kind, rhs_dtype, id=f"{impl}-{kind}-{name}", marks=marks)
+
+
+@pytest.mark.parametrize("impl,kind,rhs_dtype", list(_shared_matrix_cases()))
 def test_shared_matrices_equal_repeated_ones(interpret, impl, kind, rhs_dtype):
     lhs, rhs, cotangent = operands(rhs_dtype)
     sizes = jnp.asarray(SIZES, jnp.int32)

@@ -112,6 +112,7 @@ def test_refusals():
         mxfp8_gmm(rows, None, jnp.array([32], jnp.int32))
 
 
+@pytest.mark.exhaustive
 def test_gemm_strategies_run_the_stored_copies_on_their_kernels(interpret):
     """The kernels of every bit-preserving strategy on the stored copies (K and N multiples of
     128), against "dequantize": bitwise on the H200; in the CPU interpreter, whose wgmma sums
