@@ -17,7 +17,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.ints import cdiv
 from jaxmoe.mxfp8 import BLOCK_SIZE
-from jaxmoe.ops.pallas.compiled import compiled_kernel
 from jaxmoe.ops.pallas.hopper import MAX_TMA_BOX, TMA_SMEM_ALIGN, WARPGROUP_THREADS
 from jaxmoe.ops.pallas.row_pipeline import (
     COMPILER_PARAMS,
@@ -162,7 +161,7 @@ def _combine_kernel(num_rows, num_tokens, k, row_blocks, dtype, out_dtype, inter
 
         pipeline(num_tiles, ctas, loaded, fetch, compute, store)
 
-    return compiled_kernel(
+    return plgpu.kernel(
         combine,
         kernel_name="combine",
         out_type=jax.ShapeDtypeStruct((num_tokens * row_blocks, BLOCK_SIZE), out_dtype),

@@ -13,7 +13,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.ints import cdiv
 from jaxmoe.mxfp8 import BLOCK_SIZE
-from jaxmoe.ops.pallas.compiled import compiled_kernel
 from jaxmoe.ops.pallas.hopper import TMA_SMEM_ALIGN
 from jaxmoe.ops.pallas.row_pipeline import (
     COMPILER_PARAMS,
@@ -77,7 +76,7 @@ def _dispatch_kernel(num_tokens, num_rows, row_blocks, dtype, interpret):
 
         copy_pipeline(num_tiles, ctas, loaded, fetch, store)
 
-    return compiled_kernel(
+    return plgpu.kernel(
         dispatch,
         kernel_name="dispatch",
         out_type=jax.ShapeDtypeStruct((num_blocks, BLOCK_SIZE), dtype),

@@ -18,7 +18,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxmoe.ops.pallas.compiled import compiled_kernel
 from jaxmoe.ops.pallas.hopper import (
     MAX_SMEM_PER_CTA,
     NUM_SMS,
@@ -534,7 +533,7 @@ def _build_kernel(
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    return compiled_kernel(
+    return plgpu.kernel(
         grouped_matmul,
         kernel_name=kernel_name,
         out_type=jax.ShapeDtypeStruct((num_rows, n), out_dtype),

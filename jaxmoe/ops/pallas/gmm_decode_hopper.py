@@ -36,7 +36,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxmoe.ints import cdiv
 from jaxmoe.mxfp8 import BLOCK_SIZE, scale_multipliers
 from jaxmoe.ops.device import num_sms
-from jaxmoe.ops.pallas.compiled import compiled_kernel
 from jaxmoe.ops.pallas.gmm_common import MEMORY_REGISTERS, NUM_COMPUTE_WGS, ROW_ALIGN, swizzled
 from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
 from jaxmoe.ops.pallas.tiles import row_tiles, work_list
@@ -303,7 +302,7 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    return compiled_kernel(
+    return plgpu.kernel(
         decode_matmul,
         kernel_name="gmm_decode",
         out_type=jax.ShapeDtypeStruct((num_tiles, n, tile_rows), out_dtype),

@@ -41,7 +41,6 @@ from jaxmoe.mxfp8 import (
     scale_multipliers,
 )
 from jaxmoe.ops.device import on_gpu
-from jaxmoe.ops.pallas.compiled import compiled_kernel
 from jaxmoe.ops.pallas.hopper import TMA_SMEM_ALIGN
 from jaxmoe.ops.pallas.row_pipeline import (
     COMPILER_PARAMS,
@@ -364,7 +363,7 @@ def _rowwise_kernel(num_blocks, dtype, fmt_name, arithmetic, interpret, gather, 
 
         pipeline(num_tiles, ctas, loaded, fetch, compute, store)
 
-    return compiled_kernel(
+    return plgpu.kernel(
         quantize_rowwise,
         kernel_name=("quantize_rowwise" if gather is None else "dispatch_quantize")
         + ("" if scaling is MXFP8 else "_1x128"),
@@ -470,7 +469,7 @@ def _columnwise_kernel(m, k, dtype, fmt_name, arithmetic, interpret, scaling=MXF
 
         pipeline(num_tiles, ctas, loaded, fetch, compute, store, stages)
 
-    return compiled_kernel(
+    return plgpu.kernel(
         quantize_columnwise,
         kernel_name="quantize_columnwise" + ("" if scaling is MXFP8 else "_1x128"),
         out_type=(

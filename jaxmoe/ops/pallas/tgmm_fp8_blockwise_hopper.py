@@ -27,7 +27,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.fp8_blockwise import BLOCK
 from jaxmoe.ops.device import num_sms
-from jaxmoe.ops.pallas.compiled import compiled_kernel
 from jaxmoe.ops.pallas.gmm_common import (
     COMPUTE_REGISTERS,
     MEMORY_REGISTERS,
@@ -276,7 +275,7 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
 
             lax.cond(wg == NUM_COMPUTE_WGS, memory_warpgroup, compute_warpgroup)
 
-    return compiled_kernel(
+    return plgpu.kernel(
         weight_gradient,
         kernel_name="tgmm_fp8_blockwise",
         out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),

@@ -20,7 +20,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.ints import cdiv
 from jaxmoe.ops.device import num_sms
-from jaxmoe.ops.pallas.compiled import compiled_kernel
 from jaxmoe.ops.pallas.gmm_common import (
     COMPUTE_REGISTERS,
     MEMORY_REGISTERS,
@@ -608,7 +607,7 @@ def _build_kernel(num_rows, k, n, num_groups, dtype, out_dtype, config: TgmmConf
 
             lax.cond(wg == NUM_COMPUTE_WGS, memory_warpgroup, compute_warpgroup)
 
-    return compiled_kernel(
+    return plgpu.kernel(
         weight_gradient,
         kernel_name="tgmm",
         out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
