@@ -22,21 +22,35 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def sum_in_order(x: jax.Array, axis: int = 0, *, keepdims: bool = False) -> jax.Array:
+def sum_in_order(
+    x: jax.Array, axis: int = 0, *, keepdims: bool = False, levels_per_pass: int | None = None
+) -> jax.Array:
     """The sum of x along `axis` as a pairwise tree fixed by the axis length n: each level adds
     neighbours, element 2i to element 2i + 1, and an odd n carries its last element to the next
     level unchanged. n = 0 gives zeros. For n a power of two, summing consecutive blocks of a
     power-of-two length first and then the block sums gives the same tree (what lets a sum over
     ranks be split into a sum inside each rank and one across them).
 
+    levels_per_pass: materialise the partial sums after every that many levels while at least
+    as many remain (the same tree and bits; each GPU thread then adds at most 2^levels_per_pass
+    elements instead of walking the whole axis).
+
     Bitwise the same in every compilation and on every backend that rounds each fp add
     (XLA does not reassociate float adds); its error bound is a pairwise sum's, log2(n) ulps."""
     x = jnp.asarray(x)
     axis = axis % x.ndim if x.ndim else 0
-    n = x.shape[axis]
-    if n == 0:
+    if x.shape[axis] == 0:
         out = jnp.zeros(x.shape[:axis] + x.shape[axis + 1 :], x.dtype)
         return jnp.expand_dims(out, axis) if keepdims else out
+    out = _tree_sum(x, axis, levels_per_pass)
+    return out if keepdims else jnp.squeeze(out, axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _tree_sum(x, axis, levels_per_pass):
+    """The tree of `sum_in_order` along a non-empty axis, kept (size 1)."""
+    n = x.shape[axis]
+    level = 0
     while n > 1:
         half = n // 2
         even = lax.slice_in_dim(x, 0, 2 * half, stride=2, axis=axis)
@@ -44,12 +58,28 @@ def sum_in_order(x: jax.Array, axis: int = 0, *, keepdims: bool = False) -> jax.
         pairs = even + odd
         if n % 2:
             pairs = jnp.concatenate([pairs, lax.slice_in_dim(x, n - 1, n, axis=axis)], axis)
-        x, n = pairs, half + n % 2
-    x = lax.optimization_barrier(x)
-    return x if keepdims else jnp.squeeze(x, axis)
+        x, n, level = pairs, half + n % 2, level + 1
+        if levels_per_pass and level % levels_per_pass == 0 and n >= 2**levels_per_pass:
+            x = lax.optimization_barrier(x)
+    return lax.optimization_barrier(x)
+
+
+def _tree_sum_fwd(x, axis, levels_per_pass):
+    return _tree_sum(x, axis, levels_per_pass), jnp.zeros((x.shape[axis], 0), x.dtype)
+
+
+def _tree_sum_bwd(axis, levels_per_pass, length, g):
+    """Every element's derivative is exactly 1: the gradient is g spread over the axis (not the
+    transposed tree, pads and adds that XLA evaluates for every element)."""
+    shape = g.shape[:axis] + (length.shape[0],) + g.shape[axis + 1 :]
+    return (jnp.broadcast_to(g, shape),)
+
+
+_tree_sum.defvjp(_tree_sum_fwd, _tree_sum_bwd)
 
 
 LANES = 32  # a warp's width: lane j of every row is read by neighbouring threads
+LEVELS_PER_PASS = 4  # a lane adds at most 16 elements of a row per pass over memory
 
 
 def row_sums_in_order(x: jax.Array, *, keepdims: bool = False) -> jax.Array:
@@ -63,7 +93,9 @@ def row_sums_in_order(x: jax.Array, *, keepdims: bool = False) -> jax.Array:
     n = x.shape[-1]
     if n <= LANES or n % LANES:
         return sum_in_order(x, axis=-1, keepdims=keepdims)
-    lanes = sum_in_order(x.reshape(x.shape[:-1] + (n // LANES, LANES)), axis=-2)
+    lanes = sum_in_order(
+        x.reshape(x.shape[:-1] + (n // LANES, LANES)), axis=-2, levels_per_pass=LEVELS_PER_PASS
+    )
     return sum_in_order(lanes, axis=-1, keepdims=keepdims)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxmoe import MoEConfig, routing
-from jaxmoe.ordered import sum_in_order
+from jaxmoe.ordered import LANES, row_sums_in_order, sum_in_order
 from jaxmoe.shapes import SHAPES
 
 from bitwise import assert_bitwise, differs
@@ -51,6 +51,40 @@ def test_any_axis_and_keepdims():
             == np.sum(x, axis=axis, keepdims=True).shape
         )
     assert sum_in_order(np.zeros((0, 3), F32), axis=0).shape == (3,)
+
+
+@pytest.mark.parametrize("n", [1000, 4 * LANES * 17, LANES * 448])
+def test_passes_over_memory_keep_the_tree(n):
+    """Materialising the partial sums every few levels (fewer elements per GPU thread) leaves
+    the tree, so the bits, unchanged."""
+    magnitudes = (10.0 ** (np.arange(n) % 7 - 3)).astype(F32)
+    x = np.random.default_rng(n).standard_normal(n).astype(F32) * magnitudes
+    want = np.asarray(pairwise_numpy(x))
+    for levels in (None, 1, 2, 4):
+        assert_bitwise(
+            np.asarray(
+                jax.jit(sum_in_order, static_argnames="levels_per_pass")(x, levels_per_pass=levels)
+            ),
+            want,
+        )
+
+
+@pytest.mark.parametrize("n", [24, LANES * 24, LANES * 448])
+def test_row_sums_add_interleaved_lanes(n):
+    """row_sums_in_order: lane j sums elements j, j + 32, ... by the tree, then the 32 lane sums
+    by the tree (n a multiple of 32), else the tree over the row; negative control: the plain
+    tree over the row gives other bits on these rows."""
+    rows = 3
+    magnitudes = (10.0 ** (np.arange(n) % 7 - 3)).astype(F32)
+    x = np.random.default_rng(n).standard_normal((rows, n)).astype(F32) * magnitudes
+    if n % LANES:
+        want = np.array([pairwise_numpy(r) for r in x])
+    else:
+        lanes = [[pairwise_numpy(r[j::LANES]) for j in range(LANES)] for r in x]
+        want = np.array([pairwise_numpy(np.array(lane, F32)) for lane in lanes])
+        assert differs(want, np.array([pairwise_numpy(r) for r in x]))
+    assert_bitwise(np.asarray(jax.jit(row_sums_in_order)(x)), want)
+    assert row_sums_in_order(x, keepdims=True).shape == (rows, 1)
 
 
 def test_order_is_the_tree_not_left_to_right():
