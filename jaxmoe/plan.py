@@ -79,6 +79,31 @@ def buffer_rows(num_tokens: int, config: MoEConfig, row_alignment: int | None = 
     return _round_up(max(rows, MIN_BUFFER_ROWS), align)
 
 
+RANK_BLOCK = 128  # slots per block when counting each slot's earlier slots of its expert
+
+
+def _rank_in_expert(slot_expert: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """For slot_expert [S] (values 0..E, E = dropped): each slot's number of earlier slots with
+    the same value [S], and the slots per expert [E]. Slots are counted in blocks of RANK_BLOCK:
+    the blocks' per-expert counts summed over earlier blocks, plus the earlier slots of the
+    slot's own block (a RANK_BLOCK x RANK_BLOCK comparison), all in int32."""
+    num_slots = slot_expert.shape[0]
+    num_blocks = -(-num_slots // RANK_BLOCK)
+    keys = jnp.pad(
+        slot_expert, (0, num_blocks * RANK_BLOCK - num_slots), constant_values=num_experts
+    )
+    keys = keys.reshape(num_blocks, RANK_BLOCK)
+    per_block = jnp.sum(
+        keys[:, :, None] == jnp.arange(num_experts + 1, dtype=keys.dtype), axis=1, dtype=jnp.int32
+    )  # [blocks, E + 1]
+    before_block = jnp.cumsum(per_block, axis=0, dtype=jnp.int32) - per_block
+    earlier = jnp.arange(RANK_BLOCK)[None, :] < jnp.arange(RANK_BLOCK)[:, None]  # [i, j]: j < i
+    in_block = jnp.sum((keys[:, :, None] == keys[:, None, :]) & earlier, axis=2, dtype=jnp.int32)
+    rank = jnp.take_along_axis(before_block, keys, axis=1) + in_block
+    tokens_per_group = jnp.sum(per_block[:, :num_experts], axis=0, dtype=jnp.int32)
+    return rank.reshape(-1)[:num_slots], tokens_per_group
+
+
 def make_plan(routing: Routing, config: MoEConfig, row_alignment: int | None = None) -> Plan:
     """Build the plan from a routing decision (see the module docstring for the layout), the
     experts' blocks padded to multiples of row_alignment (None: config.expert_row_alignment)."""
@@ -89,13 +114,9 @@ def make_plan(routing: Routing, config: MoEConfig, row_alignment: int | None = N
     num_rows = buffer_rows(num_tokens, config, align)
 
     slot_expert = jnp.where(routing.kept, routing.indices, num_experts).reshape(-1)
-    order = jnp.argsort(slot_expert, stable=True)  # expert-major, tokens ascending
-    sorted_expert = slot_expert[order]
-    # Per-expert counts (integer adds: exact in any order) and where each expert's run starts.
-    tokens_per_group = jnp.bincount(slot_expert, length=num_experts + 1)[:num_experts]
-    sorted_start = jnp.concatenate(
-        [jnp.zeros(1, jnp.int32), jnp.cumsum(tokens_per_group)[:-1].astype(jnp.int32)]
-    )
+    # Buffer order is a stable sort by expert; each slot's place in it is the number of earlier
+    # slots with its expert, counted in integers (exact in any order) with no sort on the GPU.
+    rank, tokens_per_group = _rank_in_expert(slot_expert, num_experts)
 
     if config.pad_expert_input_to_capacity:
         padded = jnp.full((num_experts,), _round_up(config.capacity(num_tokens), align))
@@ -104,30 +125,25 @@ def make_plan(routing: Routing, config: MoEConfig, row_alignment: int | None = N
     padded = padded.astype(jnp.int32)
     block_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(padded)])
 
-    # Slot -> row: position inside its expert's sorted run, shifted to the padded block start.
-    sorted_pos = jnp.arange(num_slots, dtype=jnp.int32)
-    sorted_row = jnp.where(
-        sorted_expert < num_experts,
-        block_start[jnp.minimum(sorted_expert, num_experts - 1)]
-        + sorted_pos
-        - sorted_start[jnp.minimum(sorted_expert, num_experts - 1)],
-        num_rows,
+    # Slot -> row: its rank among its expert's slots, shifted to the expert's padded block.
+    kept = slot_expert < num_experts
+    slot_row = jnp.where(
+        kept, block_start[jnp.minimum(slot_expert, num_experts - 1)] + rank, num_rows
+    ).astype(jnp.int32)
+    # Row -> slot: the inverse map (distinct rows; dropped slots and padding rows stay T * k).
+    row_slot = (
+        jnp.full((num_rows,), num_slots, jnp.int32)
+        .at[slot_row]
+        .set(jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
     )
-    inverse_order = jnp.argsort(order)
-    slot_row = sorted_row[inverse_order].reshape(num_tokens, top_k).astype(jnp.int32)
+    slot_row = slot_row.reshape(num_tokens, top_k)
 
-    # Row -> slot: find the row's expert block, then its rank inside the block.
+    # Each row's expert block: E block boundaries against every row at once (no sequential
+    # binary-search loop).
     rows = jnp.arange(num_rows, dtype=jnp.int32)
-    # E block boundaries against every row at once: no sequential binary-search loop.
     row_expert = jnp.searchsorted(block_start[1:], rows, side="right", method="compare_all").astype(
         jnp.int32
     )
-    clipped = jnp.minimum(row_expert, num_experts - 1)
-    rank = rows - block_start[clipped]
-    is_real = (row_expert < num_experts) & (rank < tokens_per_group[clipped])
-    row_slot = jnp.where(
-        is_real, order[jnp.minimum(sorted_start[clipped] + rank, num_slots - 1)], num_slots
-    ).astype(jnp.int32)
 
     combine_key = jnp.where(routing.kept, routing.indices, num_experts)
     combine_slot = jnp.argsort(combine_key, axis=1, stable=True).astype(jnp.int32)
