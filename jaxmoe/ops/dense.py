@@ -134,7 +134,10 @@ def _dense_pallas_bwd(out_dtype, residuals, grad):
     w_padded = _pad_to_kernel(_pad_to_kernel(w, 0), 1)[None]
     chunks = _row_chunks(x.shape[0], x_padded.shape[1], w_padded.shape[2])
     d_x = d_w = None
-    for piece in bf16_pieces(grad, x.dtype):
+    pieces = bf16_pieces(grad, x.dtype)
+    # One piece: the kernel rounds its fp32 sums to x.dtype itself (what astype would do).
+    d_x_dtype = x.dtype if len(pieces) == 1 else F32
+    for piece in pieces:
         piece = _pad_to_kernel(piece, 1)
         part_x = gmm(
             piece,
@@ -142,7 +145,7 @@ def _dense_pallas_bwd(out_dtype, residuals, grad):
             _one_group(x),
             transpose_rhs=True,
             impl="pallas",
-            preferred_element_type=F32,
+            preferred_element_type=d_x_dtype,
         )
         part_w = sum_in_order(
             tgmm(x_padded, piece, chunks, impl="pallas", preferred_element_type=F32)
