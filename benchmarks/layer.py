@@ -18,6 +18,9 @@ by every implementation), in one process:
              (`layer_competitors.jax_moe`); bf16. Each is checked against jaxmoe_bf16: relative
              norm errors of the outputs / gradients and the share of tokens routed differently
              (near-tied router logits may pick other experts when the logits' rounding differs).
+  ceiling    dense_gemms (`layer_competitors.torch_dense_gemms`): the expert GEMMs' FLOPs alone
+             as dense cuBLAS matmuls, unchecked; torch's ms over its ms is the most any layer
+             whose GEMMs run at cuBLAS's dense speed can gain over torch_grouped_mm
 Times: `benchmarks.timing.timed_runs` (implementations in turns, warm-up first, median of the
 repeats, device synchronised). Expert-GEMM TFLOP/s count fc1 + fc2 of the M = tokens * top_k
 real rows (forward 2*M*H*(F1 + F), F1 = 2F with a GLU; train 3x the forward).
@@ -53,7 +56,12 @@ from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import report  # noqa: E402
-from benchmarks.layer_competitors import check_supported, jax_moe, torch_moe  # noqa: E402
+from benchmarks.layer_competitors import (  # noqa: E402
+    check_supported,
+    jax_moe,
+    torch_dense_gemms,
+    torch_moe,
+)
 from benchmarks.layer_stages import STAGES, describe_profile, stage_breakdown  # noqa: E402
 from benchmarks.report import error_text, log  # noqa: E402
 from benchmarks.timing import profile_events, sync, timed_runs  # noqa: E402
@@ -69,7 +77,8 @@ JAXMOE = {
     "jaxmoe_mxfp8": ("mxfp8", None),
     "jaxmoe_fp8_blockwise": ("fp8_blockwise", None),
 }
-COMPETITORS = ("torch_grouped_mm", "torch_compile", "jax_ragged_dot")
+COMPETITORS = ("torch_grouped_mm", "torch_compile", "jax_ragged_dot", "dense_gemms")
+UNCHECKED = ("dense_gemms",)  # no MoE outputs to compare
 REFERENCE = "jaxmoe_bf16"
 PROFILE_STEPS = 3
 
@@ -325,9 +334,23 @@ class ShapeBench:
 
     def _torch_candidates(self) -> dict:
         """mode -> torch Candidates, warmed up (torch.compile's compilation happens here)."""
+        candidates = {}
+        if "dense_gemms" in self.args.impls:
+            calls = torch_dense_gemms(
+                self.shape.config,
+                self.tokens,
+                self.shape.hidden_size,
+                torch.from_dlpack(self.x).device,
+            )
+            for mode, call in zip(MODES, calls, strict=True):
+                if mode in self.args.modes:
+                    _, seconds = _timed(lambda c=call: sync(c()))
+                    candidates.setdefault(mode, []).append(
+                        Candidate("dense_gemms", call, seconds, None)
+                    )
         wanted = [c for c in ("torch_grouped_mm", "torch_compile") if c in self.args.impls]
         if not wanted:
-            return {}
+            return candidates
         if "torch_compile" in wanted:  # no graphs of earlier shapes (dynamo's
             torch._dynamo.reset()  # cache is keyed by code, not by shape)
         config, seq_len = self.shape.config, self.shape.seq_len
@@ -337,7 +360,7 @@ class ShapeBench:
             for mode in self.args.modes:
                 for impl in wanted:
                     self._record(mode, impl, error=error_text(e))
-            return {}
+            return candidates
         # torch views of the JAX arrays (DLPack, no copies)
         weights = {
             name: torch.from_dlpack(a).requires_grad_(True)
@@ -350,7 +373,6 @@ class ShapeBench:
         def forward(w, tokens):
             return torch_moe(w, tokens, config, seq_len)
 
-        candidates = {}
         for impl in wanted:
             impl_forward = (
                 torch.compile(forward, dynamic=False) if impl == "torch_compile" else forward
@@ -380,6 +402,9 @@ class ShapeBench:
                 self._record(
                     mode, candidate.impl, error=error_text(out), compile_s=candidate.compile_s
                 )
+                continue
+            if candidate.impl in UNCHECKED:
+                runnable.append(candidate)
                 continue
             outputs = comparable(out, mode, self.tokens)
             if candidate.impl == REFERENCE:
@@ -480,8 +505,9 @@ class ShapeBench:
 def summarize(result: dict) -> list[dict]:
     """Per (shape, mode): jaxmoe_bf16's speedup over every other implementation
     (their ms / its ms), the cost of batch invariance (bf16 / bf16 with XLA dense - 1,
-    target <= 5% in train), MXFP8 / bf16 and the non-GEMM share of jaxmoe_bf16's device time
-    (target <= 10%)."""
+    target <= 5% in train), MXFP8 / bf16, the non-GEMM share of jaxmoe_bf16's device time
+    (target <= 10%) and torch_grouped_mm's ms over dense_gemms' (the most a layer with
+    cuBLAS-speed GEMMs can gain over it)."""
     summary = []
     for shape in dict.fromkeys(r["shape"] for r in result["records"]):
         for mode in MODES:
@@ -514,6 +540,11 @@ def summarize(result: dict) -> list[dict]:
                     },
                     invariance_cost=ours / xla_dense - 1 if ours and xla_dense else None,
                     mxfp8_over_bf16=mxfp8 / ours if ours and mxfp8 else None,
+                    dense_gemms_over_torch=(
+                        ms["torch_grouped_mm"] / ms["dense_gemms"]
+                        if ms.get("torch_grouped_mm") and ms.get("dense_gemms")
+                        else None
+                    ),
                     non_gemm_share=stages.get("non_gemm_share"),
                 )
             )
@@ -523,7 +554,16 @@ def summarize(result: dict) -> list[dict]:
 LABELS = dict(
     zip(
         [*JAXMOE, *COMPETITORS],
-        ("bf16", "xla_dense", "mxfp8", "fp8_block", "torch", "torch.compile", "jax_ragged"),
+        (
+            "bf16",
+            "xla_dense",
+            "mxfp8",
+            "fp8_block",
+            "torch",
+            "torch.compile",
+            "jax_ragged",
+            "dense_gemms",
+        ),
         strict=True,
     )
 )
@@ -609,6 +649,13 @@ def print_summary(result: dict) -> None:
             + (f"{100 * inv:+8.1f}%" if inv is not None else f"{'-':>9s}")
             + (f"{100 * non_gemm:7.1f}%" if non_gemm is not None else f"{'-':>8s}")
         )
+    for row in result["summary"]:
+        if row.get("dense_gemms_over_torch"):
+            print(
+                f"{row['shape']:17s} {row['mode']:9s} torch_grouped_mm / dense_gemms = "
+                f"{row['dense_gemms_over_torch']:.2f} (the speedup over torch of a layer that "
+                "were its expert GEMMs alone at cuBLAS's dense speed)"
+            )
     print("targets: invariance cost <= 5% of the train step; non-GEMM <= 10% of the layer")
 
 

@@ -14,6 +14,8 @@ Weights are named as in jaxmoe's parameter state ("router.kernel", "experts.fc1_
 "shared_experts.gate_kernel", ..., and "router.expert_bias", which takes no gradient).
 `torch._grouped_mm(x [M, K], w [E, K, N], offs=int32 cumulative row ends)` multiplies each row
 block by its expert's matrix; bf16 only, row strides of 16 bytes (K, N multiples of 8).
+`torch_dense_gemms` is not an MoE: the expert GEMMs' FLOPs alone as dense cuBLAS matmuls, the
+ceiling of any layer whose GEMMs run at cuBLAS's dense speed.
 """
 
 from __future__ import annotations
@@ -209,3 +211,26 @@ def _jax_aux_loss(logits, config: MoEConfig, seq_len: int):
     top = jax.lax.top_k(scores, config.top_k)[1]
     routed = jnp.any(top[..., None] == jnp.arange(config.num_experts), axis=1)
     return _switch_loss(scores, routed.astype(F32), config, seq_len)
+
+
+def torch_dense_gemms(config: MoEConfig, num_tokens: int, hidden: int, device):
+    """(train, inference) callables of the layer's expert GEMMs alone, as dense bf16 matmuls of
+    all M = T * k rows against one matrix (no routing, dispatch, activation or combine):
+    inference fc1 [M, H] x [H, F1] and fc2 [M, F] x [F, H]; train adds both dgrads and wgrads
+    (the FLOPs of `benchmarks.layer.expert_gemm_flops`). Inputs are random, made once."""
+    rows, f1, f = num_tokens * config.top_k, config.fc1_output_size, config.ffn_hidden_size
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16)
+
+    x, act, dy, dh = rand(rows, hidden), rand(rows, f), rand(rows, hidden), rand(rows, f1)
+    w1, w2 = rand(hidden, f1) * hidden**-0.5, rand(f, hidden) * f**-0.5
+
+    def inference():
+        return x @ w1, act @ w2
+
+    def train():
+        return (*inference(), dy @ w2.T, act.T @ dy, dh @ w1.T, x.T @ dh)
+
+    return train, inference
