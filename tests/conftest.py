@@ -6,6 +6,8 @@
 * The `interpret` fixture runs Pallas Mosaic GPU kernels on CPU, each call race-checked; tests
   that use it are marked `slow` (`make test-quick` leaves them out).
 * Eight host devices (`--xla_force_host_platform_device_count=8`) for meshes on CPU.
+* On CPU, compiled programs are cached in .pytest_cache/jax and shared by the workers.
+* `FURTHER_CASES`: further cases of tested properties, marked `exhaustive` (`make test-all`).
 * `--results-json PATH` writes every test's outcome, duration and recorded properties
   (`record_property`) with the device and versions to PATH: the GPU suite's record
   (`make test-gpu`).
@@ -30,6 +32,16 @@ import pytest  # noqa: E402
 from jaxmoe.ops import on_hopper  # noqa: E402
 
 from interpreter import race_checked_interpreter  # noqa: E402
+
+# On CPU, XLA's compilations (5-30 s for a kernel in the interpreter) are cached on disk and shared
+# by the test processes: a kernel or layer program that several tests build compiles once a run.
+# Not on a GPU, where the suite checks that separately compiled executables agree.
+if not on_hopper():
+    jax.config.update(
+        "jax_compilation_cache_dir",
+        os.path.join(os.path.dirname(os.path.dirname(__file__)), ".pytest_cache", "jax"),
+    )
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def pytest_addoption(parser):
@@ -62,10 +74,85 @@ def interpret():
         yield
 
 
+# Further cases of properties that `make test` checks on other cases (more dtypes, shapes, kernel
+# configurations of the same kernel in the interpreter): marked `exhaustive`, so that only
+# `make test-all` runs them and CI stays within its time (each interpreted kernel instance
+# costs 5-30 s of XLA:CPU compilation there). Node ids relative to tests/.
+FURTHER_CASES = frozenset(
+    {
+        "test_quantize_pallas.py::test_partial_tiles[gather-shape4-37-bfloat16]",
+        "test_quantize_pallas.py::test_partial_tiles[gather-shape4-37-float32]",
+        "test_quantize_pallas.py::test_partial_tiles[gather-shape5-45-bfloat16]",
+        "test_quantize_pallas.py::test_partial_tiles[gather-shape5-45-float32]",
+        "test_quantize_pallas.py::test_partial_tiles[gather-shape6-45-bfloat16]",
+        "test_quantize_pallas.py::test_partial_tiles[gather-shape6-45-float32]",
+        "test_quantize_pallas.py::test_float_arithmetic_equals_the_reference_on_normal_values"
+        "[gather-e5m2]",
+        "test_quantize_pallas.py::test_dispatch_quantize_equals_quantize_of_the_gathered_rows"
+        "[e5m2]",
+        "test_quantize_pallas.py::test_long_pipelines_reuse_every_slot[columnwise-float32]",
+        "test_quantize_pallas.py::test_long_pipelines_reuse_every_slot[rowwise-float32]",
+        "test_quantize_pallas.py::test_long_pipelines_reuse_every_slot[gather-float32]",
+        "test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape2-37-bfloat16]",
+        "test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape2-37-float32]",
+        "test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape3-45-float32]",
+        "test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape4-9-bfloat16]",
+        "test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape4-9-float32]",
+        "test_quantize_1x128_pallas.py::test_kernels_equal_the_reference_bitwise[gather-bf16-e5m2]",
+        "test_gmm_pallas.py::test_lowering_for_hopper_is_as_fast_for_256_experts_as_for_8",
+        "test_gmm_pallas.py::test_cluster_pairs_match_xla[dgrad_layout]",
+        "test_gmm_pallas.py::test_wgrad_structure_ring_reuse_boundaries_and_nan_isolation"
+        "[split_n_overlap_epilogue_epi2]",
+        "test_gmm_pallas.py::test_wgrad_structure_ring_reuse_boundaries_and_nan_isolation"
+        "[split_k_ring2_epi2]",
+        "test_gmm_pallas.py::test_wgrad_structure_ring_reuse_boundaries_and_nan_isolation"
+        "[split_n_32wide]",
+        "test_gmm_pallas.py::test_wgrad_structure_ring_reuse_boundaries_and_nan_isolation"
+        "[split_k_128wide_ring4]",
+        "test_gmm_pallas.py::test_forward_matches_xla[dgrad_layout-tiny_groups]",
+        "test_gmm_pallas.py::test_forward_matches_xla[dgrad_layout-all_in_one]",
+        "test_gmm_mxfp8_pallas.py::test_lowering_at_real_shapes[mixtral_decode-fused_dequantize]",
+        "test_gmm_mxfp8_pallas.py::test_lowering_at_real_shapes[mixtral-fused_dequantize]",
+        "test_gmm_mxfp8_pallas.py::test_lowering_at_real_shapes[dsv3-fused_dequantize]",
+        "test_gmm_mxfp8_pallas.py::test_forward_matches_dequantized_reference"
+        "[tiny_groups-fused_dequantize]",
+        "test_gmm_mxfp8_pallas.py::test_forward_matches_dequantized_reference"
+        "[ragged_tail_and_empty-fused_dequantize]",
+        "test_gmm_mxfp8_pallas.py::test_forward_matches_dequantized_reference"
+        "[tiny_groups-fp8_wgmma]",
+        "test_gmm_mxfp8_pallas.py::test_forward_matches_dequantized_reference"
+        "[tiny_groups-dequantize]",
+        "test_gmm_mxfp8_pallas.py::test_forward_matches_dequantized_reference"
+        "[ragged_tail_and_empty-dequantize]",
+        "test_permute.py::test_layer_dispatch_and_combine_are_each_others_transpose",
+        "test_permute.py::test_dispatch_kernel_equals_the_reference[float32-16-64-40]",
+        "test_permute.py::test_dispatch_kernel_equals_the_reference[float16-24-256-173]",
+        "test_permute.py::test_combine_kernel_equals_the_reference[bfloat16-float32-24-4-1024-100]",
+        "test_permute.py::test_combine_kernel_equals_the_reference[float32-bfloat16-9-8-512-300]",
+        "test_permute.py::test_combine_kernel_equals_the_reference[float32-float32-9-3-32-20]",
+        "test_dense.py::test_kernel_matches_xla[37-128-16-float32]",
+        "test_dense.py::test_kernel_matches_xla[200-96-64-bfloat16]",
+        "test_groups_per_weight.py::test_shared_matrices_equal_repeated_ones[pallas-bf16-bf16_rhs]",
+        "test_expert_parallel.py::test_parameter_gradients_are_the_ranks_single_device_gradients"
+        "_summed_in_order[mxfp8]",
+        "test_expert_parallel.py::test_parameter_gradients_are_the_ranks_single_device_gradients"
+        "_summed_in_order[mxfp8_experts]",
+        "test_expert_parallel.py::test_blockwise_experts_same_bits_at_every_degree",
+        "test_mxfp8_layer.py::test_training_forward_equals_inference_forward[squared_relu-False]",
+        "test_fp8_blockwise_layer.py::test_blockwise_experts_with_a_blockwise_wire"
+        "[combine_bwd_dtype]",
+        "test_mxfp8_inference.py::test_inference_forward_is_the_training_forward_at_any_batch"
+        "[bf16]",
+    }
+)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "interpret" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+        if item.nodeid.removeprefix("tests/") in FURTHER_CASES:
+            item.add_marker(pytest.mark.exhaustive)
     if on_hopper():
         return
     tiny_layer_suite = config.getoption("--layer-shapes") == "tiny"
