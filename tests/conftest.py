@@ -147,7 +147,14 @@ FURTHER_CASES = frozenset(
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m / -k deselect anything
 def pytest_collection_modifyitems(config, items):
+    collected = {item.nodeid.removeprefix("tests/") for item in items}
+    if not any("::" in arg for arg in config.args):  # whole files collected
+        files = {node_id.split("::")[0] for node_id in collected}
+        stale = {c for c in FURTHER_CASES if c.split("::")[0] in files} - collected
+        if stale:
+            raise pytest.UsageError(f"FURTHER_CASES names tests that do not exist: {sorted(stale)}")
     for item in items:
         if "interpret" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
