@@ -138,6 +138,7 @@ FURTHER_CASES = frozenset(
         "test_expert_parallel.py::test_parameter_gradients_are_the_ranks_single_device_gradients"
         "_summed_in_order[mxfp8_experts]",
         "test_expert_parallel.py::test_blockwise_experts_same_bits_at_every_degree",
+        "test_expert_parallel.py::test_parameter_gradients_agree_with_one_device_within_rounding",
         "test_mxfp8_layer.py::test_training_forward_equals_inference_forward[squared_relu-False]",
         "test_fp8_blockwise_layer.py::test_blockwise_experts_with_a_blockwise_wire"
         "[combine_bwd_dtype]",
