@@ -105,7 +105,8 @@ def default_decode_config(
     power of two, so most groups take one tile and read their weights once); 128 weight rows
     per warpgroup when N allows and the groups that the rows can reach give at least half the
     SMs a 256-column work item (else 64, twice the items; on the H200 64 won at qwen3_30b T=1,
-    128 at mixtral T=64 with 128 items); as many stages (up to 6) as shared memory holds."""
+    128 at mixtral T=64 with 128 items); as many ring slots (up to 6) as shared memory holds
+    that divide the K steps, so that a CTA's items chain through one pipeline."""
     if tile_rows is None:
         mean_rows = max(1, num_rows // max(num_groups, 1))
         tile_rows = min(128, max(8, 1 << (2 * mean_rows - 1).bit_length()))
@@ -119,10 +120,11 @@ def default_decode_config(
         max_concurrent_steps=6,
         num_sms=sms,
     )
-    steps = min(config.max_concurrent_steps, k // config.tile_k)
-    while (
-        steps > 1
-        and dataclasses.replace(config, max_concurrent_steps=steps).smem_bytes(out_dtype)
+    k_steps = k // config.tile_k
+    steps = min(config.max_concurrent_steps, k_steps)
+    while steps > 1 and (
+        k_steps % steps
+        or dataclasses.replace(config, max_concurrent_steps=steps).smem_bytes(out_dtype)
         > MAX_SMEM_PER_CTA
     ):
         steps -= 1
@@ -192,7 +194,12 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
     blocks_per_step = tile_k // BLOCK_SIZE
     scale_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per weight row of a block
 
-    def pipeline(body, compute_context):
+    num_slots = config.max_concurrent_steps
+    # Consecutive items of one CTA share one pipeline when the K steps divide evenly: the
+    # memory warpgroup fetches the next item's first steps while this item's last ones run.
+    chained = k_steps % num_slots == 0
+
+    def pipeline(body, compute_context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k_steps,),
@@ -216,8 +223,10 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
             ],
             wg_axis="wg",
             num_compute_wgs=NUM_COMPUTE_WGS,
-            max_concurrent_steps=config.max_concurrent_steps,
+            max_concurrent_steps=num_slots,
             compute_context=compute_context,
+            pipeline_state=state,
+            manual_consumed_barriers=True,
         )
 
     def decode_matmul(
@@ -250,34 +259,29 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
             num_items = counts_gmem[0]
             mine = jnp.maximum(num_items - sm + config.num_sms - 1, 0) // config.num_sms
 
-            @pl.loop(0, mine)
-            def _item(j):
-                item = sm + j * config.num_sms
+            def mma(step, lhs_smem, rhs_smem, scale_smem, *consumed_and_acc):
+                # A block's dequantized weights go to its wgmma from registers; the step's
+                # wgmmas retire before its TMA slot (their B rows) is released.
+                acc_ref = consumed_and_acc[-1]
+                for block in range(blocks_per_step):
+                    ks = pl.ds(block * BLOCK_SIZE, BLOCK_SIZE)
+                    scale_bytes = plgpu.load(
+                        scale_smem.at[block, wg_cols], layout=scale_layout, optimized=False
+                    )
+                    scale = scale_multipliers(scale_bytes)
+                    w = rhs_smem.at[wg_cols, ks][...].astype(jnp.float32)
+                    w = (w * scale[:, None]).astype(_BF16)
+                    plgpu.wgmma(acc_ref, w, lhs_smem.at[:, ks].transpose((1, 0)))
+                plgpu.wgmma_wait(0)
+                plgpu.commit_smem()
+                for barrier in allocations["flat_consumed_barrier_refs"]:
+                    plgpu.barrier_arrive(barrier.at[lax.rem(step[0], num_slots)])
+                return acc_ref
+
+            def decode_item(item, state):
                 tile = work_tile_gmem[item]
                 weight = tile_weight_gmem[tile]
                 column = work_column_gmem[item] * cta_n
-
-                def mma(_, lhs_smem, rhs_smem, scale_smem, acc_ref):
-                    # A block's dequantized weights go to its wgmma from registers; the
-                    # step's wgmmas retire before the TMA slot (their B rows) is released.
-                    for block in range(blocks_per_step):
-                        ks = pl.ds(block * BLOCK_SIZE, BLOCK_SIZE)
-                        scale = scale_multipliers(
-                            plgpu.load(
-                                scale_smem.at[block, wg_cols],
-                                layout=scale_layout,
-                                optimized=False,
-                            )
-                        )
-                        w = rhs_smem.at[wg_cols, ks][...].astype(jnp.float32)
-                        plgpu.wgmma(
-                            acc_ref,
-                            (w * scale[:, None]).astype(_BF16),
-                            lhs_smem.at[:, ks].transpose((1, 0)),
-                        )
-                    plgpu.wgmma_wait(0)
-                    plgpu.commit_smem()
-                    return acc_ref
 
                 def compute_context(eval_pipeline):
                     def scoped(acc_ref):
@@ -293,12 +297,35 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
                     pl.run_scoped(scoped, plgpu.ACC((wg_n, tile_rows)))
 
                 rows = pl.ds(pl.multiple_of(tile_load_row_gmem[tile], ROW_ALIGN), tile_rows)
-                pipeline(mma, compute_context)(
+                pipeline(mma, compute_context, state)(
                     lhs_gmem.at[rows, :],
                     rhs_gmem.at[weight, pl.ds(column, cta_n), :],
                     rhs_scale_gmem.at[weight, :, pl.ds(column, cta_n)],
                     allocations=allocations,
                 )
+
+            item_of = lambda j: sm + j * config.num_sms
+            states = plgpu.PipelinePipeline
+            if chained:
+
+                @pl.when(mine == 1)
+                def _single():
+                    decode_item(item_of(0), None)
+
+                @pl.when(mine > 1)
+                def _chain():
+                    decode_item(item_of(0), states.START)
+
+                    @pl.loop(1, mine - 1)
+                    def _steady(j):
+                        decode_item(item_of(j), states.STEADY)
+
+                    decode_item(item_of(mine - 1), states.STOP)
+            else:
+
+                @pl.loop(0, mine)
+                def _each(j):
+                    decode_item(item_of(j), None)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
