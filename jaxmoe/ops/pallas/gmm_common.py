@@ -500,28 +500,7 @@ def _build_kernel(
             num_matmul, num_zero = counts_gmem[0], counts_gmem[1]
             mine = jnp.maximum(num_matmul - cluster + num_clusters - 1, 0) // num_clusters
             item_of = lambda j: cluster + j * num_clusters
-            states = plgpu.PipelinePipeline
-
-            if chained:
-
-                @pl.when(mine == 1)
-                def _single():
-                    matmul_item(item_of(0), None)
-
-                @pl.when(mine > 1)
-                def _chain():
-                    matmul_item(item_of(0), states.START)
-
-                    @pl.loop(1, mine - 1)
-                    def _steady(j):
-                        matmul_item(item_of(j), states.STEADY)
-
-                    matmul_item(item_of(mine - 1), states.STOP)
-            else:
-
-                @pl.loop(0, mine)
-                def _each(j):
-                    matmul_item(item_of(j), None)
+            run_items(mine, lambda j, state: matmul_item(item_of(j), state), chained)
 
             mine_zero = jnp.maximum(num_zero - cluster + num_clusters - 1, 0) // num_clusters
 
@@ -546,6 +525,35 @@ def _build_kernel(
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret,
     )
+
+
+def run_items(count, run_item: Callable, chained: bool) -> None:
+    """run_item(j, state) for j in [0, count): one warp-specialized pipeline per item, or, when
+    `chained`, one pipeline through all of them (`plgpu.PipelinePipeline` states START, STEADY
+    ..., STOP; a single item runs alone), so that the memory warpgroup loads the next item's
+    first steps while the current item's last ones run."""
+    states = plgpu.PipelinePipeline
+    if not chained:
+
+        @pl.loop(0, count)
+        def _each(j):
+            run_item(j, None)
+
+        return
+
+    @pl.when(count == 1)
+    def _single():
+        run_item(0, None)
+
+    @pl.when(count > 1)
+    def _chain():
+        run_item(0, states.START)
+
+        @pl.loop(1, count - 1)
+        def _steady(j):
+            run_item(j, states.STEADY)
+
+        run_item(count - 1, states.STOP)
 
 
 def zero_accumulator(tile_m: int, tile_n: int) -> jax.Array:

@@ -36,7 +36,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxmoe.ints import cdiv
 from jaxmoe.mxfp8 import BLOCK_SIZE, scale_multipliers
 from jaxmoe.ops.device import num_sms
-from jaxmoe.ops.pallas.gmm_common import MEMORY_REGISTERS, NUM_COMPUTE_WGS, ROW_ALIGN, swizzled
+from jaxmoe.ops.pallas.gmm_common import (
+    MEMORY_REGISTERS,
+    NUM_COMPUTE_WGS,
+    ROW_ALIGN,
+    run_items,
+    swizzled,
+)
 from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
 from jaxmoe.ops.pallas.tiles import row_tiles, work_list
 
@@ -304,28 +310,7 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
                     allocations=allocations,
                 )
 
-            item_of = lambda j: sm + j * config.num_sms
-            states = plgpu.PipelinePipeline
-            if chained:
-
-                @pl.when(mine == 1)
-                def _single():
-                    decode_item(item_of(0), None)
-
-                @pl.when(mine > 1)
-                def _chain():
-                    decode_item(item_of(0), states.START)
-
-                    @pl.loop(1, mine - 1)
-                    def _steady(j):
-                        decode_item(item_of(j), states.STEADY)
-
-                    decode_item(item_of(mine - 1), states.STOP)
-            else:
-
-                @pl.loop(0, mine)
-                def _each(j):
-                    decode_item(item_of(j), None)
+            run_items(mine, lambda j, state: decode_item(sm + j * config.num_sms, state), chained)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
