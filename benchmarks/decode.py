@@ -54,7 +54,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import report  # noqa: E402
 from benchmarks.layer_competitors import torch_moe  # noqa: E402
 from benchmarks.report import error_text, log  # noqa: E402
-from benchmarks.timing import gpu_stream_events, profile_events, sync, timed_runs  # noqa: E402
+from benchmarks.timing import (  # noqa: E402
+    gpu_stream_events,
+    memory_bandwidths,
+    profile_events,
+    sync,
+    timed_runs,
+)
 from jaxmoe import MoE, mxfp8_inference  # noqa: E402
 from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor  # noqa: E402
 from jaxmoe.ops import gmm, gmm_mxtensor, quantize  # noqa: E402
@@ -65,8 +71,9 @@ from jaxmoe.shapes import SHAPES, TINY_SHAPES, LayerShape  # noqa: E402
 BF16, F32 = jnp.bfloat16, jnp.float32
 DEFAULT_SHAPES = ("qwen3_30b", "mixtral", "dsv3_ep8")
 PARTS = ("layer", "gmm")
+# The bandwidth measurement's buffer: 1 GiB on a GPU (well past its L2), 16 MiB on a CPU.
+BANDWIDTH_BYTES = {True: 1 << 30, False: 1 << 24}
 BYTES_PER_WEIGHT = {"bf16": 2.0, "mxfp8": 1.0 + 1.0 / BLOCK_SIZE}
-COPY_BYTES = 1 << 30  # the buffer of the bandwidth measurement
 
 
 def expert_weights_per_expert(shape: LayerShape) -> int:
@@ -79,22 +86,6 @@ def floor_us(shape: LayerShape, active_experts: float, precision: str, bandwidth
     """Microseconds to read the active experts' weights once at `bandwidth` bytes/s."""
     weight_bytes = active_experts * expert_weights_per_expert(shape) * BYTES_PER_WEIGHT[precision]
     return weight_bytes / bandwidth * 1e6
-
-
-def memory_bandwidths(repeats: int, min_window: float) -> dict[str, float]:
-    """Bytes/s of a device copy of COPY_BYTES ("copy": read + written bytes / seconds) and of
-    reading them once ("read": an fp32 sum, one scalar written)."""
-    source = jnp.ones((COPY_BYTES // 2,), BF16)
-    copy = jax.jit(lambda a: a * 2)  # one read and one write of every element
-    read = jax.jit(lambda a: jnp.sum(a, dtype=F32))
-    times = timed_runs(
-        [lambda: copy(source), lambda: read(source)],
-        iters=3,
-        repeats=repeats,
-        min_window=min_window,
-    )
-    copy_s, read_s = (statistics.median(t) for t in times)
-    return dict(copy=2 * COPY_BYTES / copy_s, read=COPY_BYTES / read_s)
 
 
 def stacked(tree, copies: int):
@@ -396,7 +387,8 @@ def main(argv=None) -> dict:
     os.makedirs(args.out, exist_ok=True)
     stem = f"decode_{datetime.date.today().isoformat()}" + (f"_{args.tag}" if args.tag else "")
     path = os.path.join(args.out, stem + ".json")
-    bandwidths = memory_bandwidths(args.repeats, args.min_window)
+    on_gpu = jax.devices()[0].platform == "gpu"
+    bandwidths = memory_bandwidths(args.repeats, args.min_window, BANDWIDTH_BYTES[on_gpu])
     bandwidth = max(bandwidths.values())
     log(", ".join(f"{k} bandwidth {v / 1e12:.2f} TB/s" for k, v in bandwidths.items()))
     result = report.environment(

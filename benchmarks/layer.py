@@ -21,6 +21,12 @@ by every implementation), in one process:
   ceiling    dense_gemms (`layer_competitors.torch_dense_gemms`): the expert GEMMs' FLOPs alone
              as dense cuBLAS matmuls, unchecked; torch's ms over its ms is the most any layer
              whose GEMMs run at cuBLAS's dense speed can gain over torch_grouped_mm
+  floor      the least time of jaxmoe's dispatch, activation and combine as the separate passes
+             they are (`unfused_stage_bytes` over the higher of the copy and read bandwidths
+             measured at the start of the run, `benchmarks.timing.memory_bandwidths`), and the
+             share of the step that would leave beside the measured GEMM time
+             (`non_gemm_floor_share`): below it, the non-GEMM share needs those passes fused
+             into the GEMMs
 Times: `benchmarks.timing.timed_runs` (implementations in turns, warm-up first, median of the
 repeats, device synchronised). Expert-GEMM TFLOP/s count fc1 + fc2 of the M = tokens * top_k
 real rows (forward 2*M*H*(F1 + F), F1 = 2F with a GLU; train 3x the forward).
@@ -64,7 +70,7 @@ from benchmarks.layer_competitors import (  # noqa: E402
 )
 from benchmarks.layer_stages import STAGES, describe_profile, stage_breakdown  # noqa: E402
 from benchmarks.report import error_text, log  # noqa: E402
-from benchmarks.timing import profile_events, sync, timed_runs  # noqa: E402
+from benchmarks.timing import memory_bandwidths, profile_events, sync, timed_runs  # noqa: E402
 from jaxmoe import MoE  # noqa: E402
 from jaxmoe.shapes import SHAPES, TINY_SHAPES, LayerShape  # noqa: E402
 
@@ -81,6 +87,8 @@ COMPETITORS = ("torch_grouped_mm", "torch_compile", "jax_ragged_dot", "dense_gem
 UNCHECKED = ("dense_gemms",)  # no MoE outputs to compare
 REFERENCE = "jaxmoe_bf16"
 PROFILE_STEPS = 3
+# The bandwidth measurement's buffer: 1 GiB on a GPU (well past its L2), 16 MiB on a CPU.
+BANDWIDTH_BYTES = {True: 1 << 30, False: 1 << 24}
 
 
 # ------------------------------------------------------------------------------- programs
@@ -224,6 +232,30 @@ def expert_gemm_flops(shape: LayerShape, mode: str) -> float:
     rows = shape.num_tokens * config.top_k
     forward = 2.0 * rows * shape.hidden_size * (config.fc1_output_size + config.ffn_hidden_size)
     return forward * (3 if mode == "train" else 1)
+
+
+def unfused_stage_bytes(shape: LayerShape, mode: str) -> dict[str, int]:
+    """HBM bytes of jaxmoe's dispatch, activation and combine as separate passes, each bf16
+    value read once and written once: the least traffic of those stages unless the GEMMs take
+    them in. T tokens, M = T * top_k rows (dropless, no padding), H, F, F1 = 2F with a GLU:
+      dispatch    forward reads x [T, H], writes rows [M, H]; backward the reverse
+      activation  forward reads h [M, F1], writes a [M, F]; backward reads h and d a,
+                  writes d h [M, F1]
+      combine     forward reads [M, H], writes y [T, H]; backward the reverse
+    Train counts both passes, inference the forward. The router, plan, aux losses and shared
+    expert move bytes too, so the floor is low."""
+    config = shape.config
+    t, h, f, f1 = (
+        shape.num_tokens,
+        shape.hidden_size,
+        config.ffn_hidden_size,
+        config.fc1_output_size,
+    )
+    m, size = t * config.top_k, 2
+    forward = dict(dispatch=t * h + m * h, activation=m * f1 + m * f, combine=m * h + t * h)
+    backward = dict(dispatch=m * h + t * h, activation=2 * m * f1 + m * f, combine=t * h + m * h)
+    train = mode == "train"
+    return {k: size * (forward[k] + (backward[k] if train else 0)) for k in forward}
 
 
 # -------------------------------------------------------------------------------- one shape
@@ -506,8 +538,11 @@ def summarize(result: dict) -> list[dict]:
     """Per (shape, mode): jaxmoe_bf16's speedup over every other implementation
     (their ms / its ms), the cost of batch invariance (bf16 / bf16 with XLA dense - 1,
     target <= 5% in train), MXFP8 / bf16, the non-GEMM share of jaxmoe_bf16's device time
-    (target <= 10%) and torch_grouped_mm's ms over dense_gemms' (the most a layer with
-    cuBLAS-speed GEMMs can gain over it)."""
+    (target <= 10%), torch_grouped_mm's ms over dense_gemms' (the most a layer with
+    cuBLAS-speed GEMMs can gain over it) and the non-GEMM floor: `unfused_stage_bytes` at the
+    run's higher bandwidth (`non_gemm_floor_ms`) and its share beside jaxmoe_bf16's measured
+    GEMM time (`non_gemm_floor_share`, the least non-GEMM share without fusion)."""
+    bandwidth = max(result.get("bandwidth_bytes_per_s", {}).values(), default=None)
     summary = []
     for shape in dict.fromkeys(r["shape"] for r in result["records"]):
         for mode in MODES:
@@ -528,6 +563,12 @@ def summarize(result: dict) -> list[dict]:
                 {},
             )
             xla_dense, mxfp8 = ms.get("jaxmoe_bf16_xla_dense"), ms.get("jaxmoe_mxfp8")
+            floor_ms = floor_share = None
+            if bandwidth and shape in result["shapes"]:
+                stage_bytes = result["shapes"][shape]["unfused_stage_bytes"][mode]
+                floor_ms = sum(stage_bytes.values()) / bandwidth * 1e3
+                if stages.get("gemm_ms"):
+                    floor_share = floor_ms / (stages["gemm_ms"] + floor_ms)
             summary.append(
                 dict(
                     shape=shape,
@@ -546,6 +587,8 @@ def summarize(result: dict) -> list[dict]:
                         else None
                     ),
                     non_gemm_share=stages.get("non_gemm_share"),
+                    non_gemm_floor_ms=floor_ms,
+                    non_gemm_floor_share=floor_share,
                 )
             )
     return summary
@@ -655,6 +698,13 @@ def print_summary(result: dict) -> None:
                 f"{row['shape']:17s} {row['mode']:9s} torch_grouped_mm / dense_gemms = "
                 f"{row['dense_gemms_over_torch']:.2f} (the speedup over torch of a layer that "
                 "were its expert GEMMs alone at cuBLAS's dense speed)"
+            )
+    for row in result["summary"]:
+        if row.get("non_gemm_floor_share") is not None:
+            print(
+                f"{row['shape']:17s} {row['mode']:9s} dispatch + activation + combine as "
+                f"separate passes take >= {row['non_gemm_floor_ms']:.3f} ms: >= "
+                f"{100 * row['non_gemm_floor_share']:.1f}% of the step beside its GEMMs"
             )
     print("targets: invariance cost <= 5% of the train step; non-GEMM <= 10% of the layer")
 
@@ -805,6 +855,10 @@ def main(argv=None):
         f"a JAX profile of {PROFILE_STEPS} steps",
     )
     kernels: dict = {}
+    on_gpu = jax.devices()[0].platform == "gpu"
+    result["bandwidth_bytes_per_s"] = memory_bandwidths(
+        args.repeats, args.min_window, BANDWIDTH_BYTES[on_gpu]
+    )
     log(
         f"layer benchmark on {result['device']}: shapes {names}, modes {args.modes}, "
         f"implementations {args.impls}, profile {args.profile}"
@@ -822,6 +876,7 @@ def main(argv=None):
                 if isinstance(v, (int, float, str, type(None)))
             },
             expert_gemm_gflop={m: expert_gemm_flops(shape, m) / 1e9 for m in MODES},
+            unfused_stage_bytes={m: unfused_stage_bytes(shape, m) for m in MODES},
         )
         log(f"{name}: start")
         try:

@@ -1,6 +1,7 @@
 """Timing on one device, shared by the benchmarks: medians of back-to-back calls with the
 implementations taking turns (`timed_runs`), device time from the JAX profiler's GPU stream
-records (`device_seconds`), and those records themselves (`profile_events`).
+records (`device_seconds`), those records themselves (`profile_events`), and the device's
+memory bandwidth (`memory_bandwidths`).
 
 A timed fn returns JAX arrays, torch tensors or a pytree of them; `sync` waits for all of them.
 """
@@ -18,6 +19,7 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 
 
 def time_it(fn, *, iters: int, repeats: int = 5) -> float:
@@ -164,3 +166,19 @@ def sync(out):
 
 def _is_torch_tensor(x) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "is_cuda")
+
+
+def memory_bandwidths(repeats: int, min_window: float, num_bytes: int = 1 << 30) -> dict:
+    """Bytes/s of a device copy of `num_bytes` ("copy": read + written bytes / seconds) and of
+    reading them once ("read": an fp32 sum, one scalar written), timed as `timed_runs`."""
+    source = jnp.ones((num_bytes // 2,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a * 2)  # one read and one write of every element
+    read = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    times = timed_runs(
+        [lambda: copy(source), lambda: read(source)],
+        iters=3,
+        repeats=repeats,
+        min_window=min_window,
+    )
+    copy_s, read_s = (statistics.median(t) for t in times)
+    return dict(copy=2 * num_bytes / copy_s, read=num_bytes / read_s)

@@ -69,6 +69,29 @@ def test_every_implementation_is_timed(run):
     assert set(summary["speedup"]) == set(IMPLS) - {layer.REFERENCE}
     ratio = records[("train", "torch_grouped_mm")]["ms"] / records[("train", "dense_gemms")]["ms"]
     assert summary["dense_gemms_over_torch"] == pytest.approx(ratio)
+    # The non-GEMM floor: the stage bytes at the run's higher measured bandwidth, and its share
+    # beside the profiled GEMM time.
+    bandwidth = max(result["bandwidth_bytes_per_s"].values())
+    stage_bytes = result["shapes"]["tiny_deepseek"]["unfused_stage_bytes"]["train"]
+    floor_ms = sum(stage_bytes.values()) / bandwidth * 1e3
+    assert summary["non_gemm_floor_ms"] == pytest.approx(floor_ms)
+    [breakdown] = result["stages"]
+    share = floor_ms / (breakdown["gemm_ms"] + floor_ms)
+    assert summary["non_gemm_floor_share"] == pytest.approx(share) and 0 < share < 1
+
+
+def test_unfused_stage_bytes_count_each_pass_once():
+    """qwen3_30b: T = 8192 tokens, H = 2048, F = 768 (GLU: F1 = 1536), top-8: M = 65536 rows."""
+    t, h, f, f1, m = 8192, 2048, 768, 1536, 65536
+    shape = layer.SHAPES["qwen3_30b"]
+    assert (shape.num_tokens, shape.hidden_size, shape.config.top_k) == (t, h, 8)
+    assert (shape.config.ffn_hidden_size, shape.config.fc1_output_size) == (f, f1)
+    forward = dict(dispatch=2 * (t * h + m * h), activation=2 * (m * f1 + m * f))
+    forward["combine"] = forward["dispatch"]
+    assert layer.unfused_stage_bytes(shape, "inference") == forward
+    train = layer.unfused_stage_bytes(shape, "train")
+    assert train["dispatch"] == train["combine"] == 2 * forward["dispatch"]
+    assert train["activation"] == forward["activation"] + 2 * (2 * m * f1 + m * f)
 
 
 def test_competitors_match_jaxmoe(run):
