@@ -1,0 +1,134 @@
+"""The experts' weighted activation on one GPU: its backward pass (d h and the probability
+gradient, the row sums of `jaxmoe.ordered`) with the row sums laid out in several ways, next to
+its forward and a copy of h, at the real layer sizes.
+
+    PYTHONPATH=. python benchmarks/activation.py [--shapes qwen3_30b,...] [--tag TAG] [--out DIR]
+
+For each `jaxmoe.shapes` layer (M = tokens x top_k rows, F = ffn_hidden_size; random h [M, 2F]
+bf16, incoming gradient [M, F] bf16, probabilities [M] fp32):
+  lanesL_levelsV  the backward of `jaxmoe.experts.weighted_activation` with
+                  `row_sums_in_order` summing L interleaved lanes and materialising its partial
+                  sums after every V tree levels (`ordered.LANES`, `ordered.LEVELS_PER_PASS`;
+                  lanes 32 keeps the layer's bits whatever V is, other lane counts change the
+                  probability gradient's order, recorded as `same_bits` against the first)
+  forward         the forward (act(gate) * up * p, rounded once)
+  copy_h          h * 2: the memory bandwidth on the same bytes
+Device time per call from the JAX profiler (`benchmarks.timing.device_seconds`; on a CPU the
+wall time of one call, a smoke test only). Writes activation_<date>[_tag].json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import report  # noqa: E402
+from benchmarks.report import log  # noqa: E402
+from benchmarks.timing import device_seconds  # noqa: E402
+from jaxmoe import ordered  # noqa: E402
+from jaxmoe.experts import weighted_activation  # noqa: E402
+from jaxmoe.shapes import SHAPES  # noqa: E402
+
+LAYOUTS = [(32, 3), (32, 4), (32, 5), (32, 6), (16, 4), (64, 3), (64, 4), (128, 3)]
+CPU_ROWS, CPU_MAX_FFN = 256, 512  # smoke sizes on a CPU
+
+
+@contextlib.contextmanager
+def row_sum_layout(lanes: int, levels: int):
+    """`row_sums_in_order` with `lanes` lanes and `levels` levels a pass while tracing."""
+    saved = ordered.LANES, ordered.LEVELS_PER_PASS
+    ordered.LANES, ordered.LEVELS_PER_PASS = lanes, levels
+    try:
+        yield
+    finally:
+        ordered.LANES, ordered.LEVELS_PER_PASS = saved
+
+
+def programs(config) -> dict:
+    """name -> jitted fn(h, p, g) of every variant."""
+
+    def backward(lanes, levels):
+        def fn(h, p, g):
+            with row_sum_layout(lanes, levels):
+                _, pull = jax.vjp(lambda h, p: weighted_activation(h, p, config), h, p)
+                return pull(g)
+
+        return jax.jit(fn)
+
+    fns = {f"lanes{lanes}_levels{levels}": backward(lanes, levels) for lanes, levels in LAYOUTS}
+    fns["forward"] = jax.jit(lambda h, p, g: weighted_activation(h, p, config))
+    fns["copy_h"] = jax.jit(lambda h, p, g: h * 2)
+    return fns
+
+
+def seconds(fn, args) -> float:
+    """Device seconds per call on a GPU; one call's wall seconds elsewhere."""
+    if jax.devices()[0].platform == "gpu":
+        return device_seconds(lambda: fn(*args), iters=10)
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
+
+
+def bench_shape(name: str) -> dict:
+    """The record of one layer shape."""
+    config = SHAPES[name].config
+    rows, ffn = SHAPES[name].num_tokens * config.top_k, config.ffn_hidden_size
+    if jax.devices()[0].platform != "gpu":
+        rows, ffn = CPU_ROWS, min(ffn, CPU_MAX_FFN)
+    key_h, key_g, key_p = jax.random.split(jax.random.key(0), 3)
+    args = (
+        jax.random.normal(key_h, (rows, 2 * ffn), jnp.bfloat16),
+        jax.random.uniform(key_p, (rows,), jnp.float32),
+        jax.random.normal(key_g, (rows, ffn), jnp.bfloat16),
+    )
+    record = {"rows": rows, "ffn": ffn, "variants": {}}
+    reference = None
+    for variant, fn in programs(config).items():
+        out = jax.block_until_ready(fn(*args))
+        entry = {"us": seconds(fn, args) * 1e6}
+        if variant.startswith("lanes"):
+            reference = out if reference is None else reference
+            entry["same_bits"] = all(
+                bool(jnp.array_equal(a, b)) for a, b in zip(out, reference, strict=True)
+            )
+        record["variants"][variant] = entry
+        log(f"{name} {variant}: {entry}")
+    # One pass for the backward: read h and the gradient, write d h (bf16).
+    record["one_pass_bytes"] = rows * 5 * ffn * 2
+    return record
+
+
+def main(argv=None):
+    """Parse the command line (`argv`: None for sys.argv) and benchmark every shape in turn,
+    writing the JSON after each."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args(argv)
+    result = report.environment("activation", layouts=LAYOUTS, shapes={})
+    suffix = f"_{args.tag}" if args.tag else ""
+    path = os.path.join(args.out, f"activation_{datetime.date.today()}{suffix}.json")
+    os.makedirs(args.out, exist_ok=True)
+    for name in [s for s in args.shapes.split(",") if s]:
+        result["shapes"][name] = bench_shape(name)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    log(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
