@@ -144,6 +144,10 @@ FURTHER_CASES = frozenset(
         "[combine_bwd_dtype]",
         "test_mxfp8_inference.py::test_inference_forward_is_the_training_forward_at_any_batch"
         "[bf16]",
+        "test_mxfp8_layer.py::test_gradients_equal_the_dequantize_then_bf16_reference_bitwise"
+        "[False]",
+        "test_fp8_blockwise_layer.py::test_weights_quantized_once_per_step_give_the_same_bits",
+        "test_bridge_reference.py::test_whole_layer_stages_within_bounds[fp32]",
     }
 )
 
