@@ -1,0 +1,70 @@
+"""The one-pass weighted SwiGLU backward kernel (ops/pallas/activation_hopper.py, interpreted on
+CPU with the race detector) against the reference (`weighted_activation_backward(impl="xla")`):
+d h within a bf16 rounding, the probability gradient within the sigmoid's rounding, and the
+probability gradient's tree bitwise where the products are exact on both sides."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmoe import ordered
+from jaxmoe.ops import registry, weighted_activation_backward
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def operands(m, f, seed=0, saturated=False):
+    kh, kg, kp = jax.random.split(jax.random.key(seed), 3)
+    h = jax.random.normal(kh, (m, 2 * f), BF16)
+    if saturated:  # sigmoid(gate) == 1 exactly: every product the same bits on both sides
+        h = h.at[:, :f].set(jnp.abs(h[:, :f]) + 20)
+    return h, jax.random.uniform(kp, (m,), F32), jax.random.normal(kg, (m, f), BF16)
+
+
+def both(h, p, g):
+    run = lambda impl: weighted_activation_backward(h, p, g, "silu", True, impl=impl)
+    return run("pallas"), run("xla")
+
+
+@pytest.mark.parametrize("m,f", [(40, 512), (70, 768)], ids=["two_chunk_tiles", "three_ragged"])
+def test_kernel_matches_the_reference(interpret, m, f):
+    (d_h, d_p), (ref_h, ref_p) = both(*operands(m, f))
+    assert d_h.dtype == BF16 and d_h.shape == (m, 2 * f) and d_p.shape == (m,)
+    np.testing.assert_allclose(np.asarray(d_h, F32), np.asarray(ref_h, F32), rtol=2**-8, atol=0)
+    np.testing.assert_allclose(np.asarray(d_p), np.asarray(ref_p), rtol=1e-5, atol=0)
+
+
+def test_row_sums_take_the_reference_tree(interpret):
+    """With exact products the kernel's probability gradient is the reference's bits: its
+    registers and the tiles' partials add in `row_sums_in_order`'s tree. Control: the reference
+    with 64 lanes (another tree) differs."""
+    h, p, g = operands(70, 768, seed=1, saturated=True)
+    (d_h, d_p), (ref_h, ref_p) = both(h, p, g)
+    np.testing.assert_array_equal(np.asarray(d_p), np.asarray(ref_p))
+    np.testing.assert_array_equal(np.asarray(d_h, F32), np.asarray(ref_h, F32))
+    lanes = ordered.LANES
+    try:
+        ordered.LANES = 64
+        _, other_p = weighted_activation_backward(h, p, g, "silu", True, impl="xla")
+    finally:
+        ordered.LANES = lanes
+    assert not np.array_equal(np.asarray(other_p), np.asarray(ref_p))
+
+
+def test_what_the_kernel_takes():
+    h, p, g = operands(8, 256)
+    call = (h.shape, h.dtype, g.shape, g.dtype)
+    [kernel] = registry.kernels("weighted_activation_backward")
+    assert kernel.problem(*call, "silu", True) is None
+    assert "SwiGLU" in kernel.problem(*call, "gelu", True)
+    assert "SwiGLU" in kernel.problem(*call, "silu", False)
+    with pytest.raises(ValueError, match="SwiGLU"):
+        weighted_activation_backward(h, p, g, "gelu", True, impl="pallas")
+    h2, p2, g2 = operands(8, 96)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        weighted_activation_backward(h2, p2, g2, "silu", True, impl="pallas")
+    with pytest.raises(ValueError, match="one dtype"):
+        weighted_activation_backward(h, p, g.astype(F32), "silu", True, impl="pallas")
+    with pytest.raises(ValueError, match="probs"):
+        weighted_activation_backward(h, p[:4], g, "silu", True, impl="xla")
