@@ -68,3 +68,17 @@ def test_what_the_kernel_takes():
         weighted_activation_backward(h, p, g.astype(F32), "silu", True, impl="pallas")
     with pytest.raises(ValueError, match="probs"):
         weighted_activation_backward(h, p[:4], g, "silu", True, impl="xla")
+
+
+@pytest.mark.parametrize("shape", ["qwen3_30b", "mixtral", "dsv3_ep8"])
+def test_lowering_at_real_shapes(shape):
+    """Pallas -> Mosaic GPU lowering on CPU at the layer sizes (TMA boxes, SMEM, layouts)."""
+    from jaxmoe.shapes import SHAPES
+
+    config = SHAPES[shape].config
+    m, f = SHAPES[shape].num_tokens * config.top_k, config.ffn_hidden_size
+    s = jax.ShapeDtypeStruct
+    fn = lambda h, p, g: weighted_activation_backward(h, p, g, "silu", True, impl="pallas")
+    jax.jit(fn).trace(s((m, 2 * f), BF16), s((m,), F32), s((m, f), BF16)).lower(
+        lowering_platforms=("cuda",)
+    )
