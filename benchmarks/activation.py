@@ -6,7 +6,7 @@ its forward and a copy of h, at the real layer sizes.
 
 For each `jaxmoe.shapes` layer (M = tokens x top_k rows, F = ffn_hidden_size; random h [M, 2F]
 bf16, incoming gradient [M, F] bf16, probabilities [M] fp32):
-  lanesL_levelsV  the backward of `jaxmoe.experts.weighted_activation` with
+  lanesL_levelsV  the backward of `jaxmoe.experts.weighted_activation` (impl "xla") with
                   `row_sums_in_order` summing L interleaved lanes and materialising its partial
                   sums after every V tree levels (`ordered.LANES`, `ordered.LEVELS_PER_PASS`;
                   lanes 32 keeps the layer's bits whatever V is, other lane counts change the
@@ -65,7 +65,7 @@ def programs(config) -> dict:
     def backward(lanes, levels):
         def fn(h, p, g):
             with row_sum_layout(lanes, levels):
-                _, pull = jax.vjp(lambda h, p: weighted_activation(h, p, config), h, p)
+                _, pull = jax.vjp(lambda h, p: weighted_activation(h, p, config, "xla"), h, p)
                 return pull(g)
 
         return jax.jit(fn)

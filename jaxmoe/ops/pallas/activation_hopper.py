@@ -29,9 +29,11 @@ from jaxmoe.mxfp8 import BLOCK_SIZE
 from jaxmoe.ops.pallas.row_pipeline import COMPILER_PARAMS, num_ctas, pipeline
 
 F32 = jnp.float32
+# Tiling (read when a kernel is built; clear `_kernel`'s cache after changing them).
 ROWS = 32  # rows a tile: a [32, 32] chunk is one 8-element vector a thread
 CHUNKS = 8  # 32-column chunks a tile: the row sums' first 3 tree levels in registers
 STAGES = 2  # a slot holds ~88 KB: two slots, one CTA a SM
+CTAS_PER_SM = 1
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -75,8 +77,8 @@ def _push(stack, value):
 def _kernel(m, f, dtype, interpret):
     chunk_tiles = f // (BLOCK_SIZE * CHUNKS)
     num_tiles = cdiv(m, ROWS) * chunk_tiles
-    ctas = num_ctas(num_tiles, per_sm=1)
-    layout = plgpu.Layout.WG_STRIDED((ROWS, BLOCK_SIZE), vec_size=8)
+    ctas = num_ctas(num_tiles, per_sm=CTAS_PER_SM)
+    layout = plgpu.Layout.WG_STRIDED((ROWS, BLOCK_SIZE), vec_size=ROWS * BLOCK_SIZE // 128)
 
     def place(t):
         """(rows, first column of F, chunk tile) of tile t; tiles walk a row band's chunks."""
