@@ -22,6 +22,16 @@ def operands(m, f, seed=0, saturated=False):
     return h, jax.random.uniform(kp, (m,), F32), jax.random.normal(kg, (m, f), BF16)
 
 
+def assert_close_to_reference(h, p, g, d_h, d_p, ref_h, ref_p):
+    """d h within one bf16 rounding of the reference's; d p within 2^-18 of the row's sum of
+    |g act(h)| (the sigmoid's few fp32 ulps in each product, and both trees' roundings)."""
+    np.testing.assert_allclose(np.asarray(d_h, F32), np.asarray(ref_h, F32), rtol=2**-7, atol=0)
+    gate, up = np.split(np.asarray(h, np.float64), 2, axis=1)
+    magnitude = np.abs(np.asarray(g, np.float64) * gate / (1 + np.exp(-gate)) * up).sum(1)
+    error = np.abs(np.asarray(d_p, np.float64) - np.asarray(ref_p, np.float64))
+    assert np.all(error <= 2**-18 * magnitude), f"worst {np.max(error / magnitude):.3g}"
+
+
 def both(h, p, g):
     run = lambda impl: weighted_activation_backward(h, p, g, "silu", True, impl=impl)
     return run("pallas"), run("xla")
@@ -29,10 +39,10 @@ def both(h, p, g):
 
 @pytest.mark.parametrize("m,f", [(40, 512), (70, 768)], ids=["two_chunk_tiles", "three_ragged"])
 def test_kernel_matches_the_reference(interpret, m, f):
-    (d_h, d_p), (ref_h, ref_p) = both(*operands(m, f))
+    h, p, g = operands(m, f)
+    (d_h, d_p), (ref_h, ref_p) = both(h, p, g)
     assert d_h.dtype == BF16 and d_h.shape == (m, 2 * f) and d_p.shape == (m,)
-    np.testing.assert_allclose(np.asarray(d_h, F32), np.asarray(ref_h, F32), rtol=2**-8, atol=0)
-    np.testing.assert_allclose(np.asarray(d_p), np.asarray(ref_p), rtol=1e-5, atol=0)
+    assert_close_to_reference(h, p, g, d_h, d_p, ref_h, ref_p)
 
 
 def assert_reference_tree(m, f):
@@ -76,12 +86,12 @@ def test_what_the_kernel_takes():
 
 @pytest.mark.gpu
 def test_gpu_kernel_on_hardware():
-    """On an H100/H200 at a layer's size (dsv3_ep8's F, ragged rows): d h within a bf16 rounding
-    and d p within the sigmoid's rounding of the reference; with exact products both bitwise
-    the reference's, and the reference with 64 lanes (control) differs."""
-    (d_h, d_p), (ref_h, ref_p) = both(*operands(4100, 2048, seed=2))
-    np.testing.assert_allclose(np.asarray(d_h, F32), np.asarray(ref_h, F32), rtol=2**-8, atol=0)
-    np.testing.assert_allclose(np.asarray(d_p), np.asarray(ref_p), rtol=1e-5, atol=0)
+    """On an H100/H200 at a layer's size (dsv3_ep8's F, ragged rows): close to the reference
+    (`assert_close_to_reference`); with exact products bitwise the reference's, and the
+    reference with 64 lanes (control) differs."""
+    h, p, g = operands(4100, 2048, seed=2)
+    (d_h, d_p), (ref_h, ref_p) = both(h, p, g)
+    assert_close_to_reference(h, p, g, d_h, d_p, ref_h, ref_p)
     assert_reference_tree(4100, 2048)
 
 
