@@ -49,8 +49,13 @@ def swiglu_backward_problem(h_shape, h_dtype, g_shape, g_dtype) -> str | None:
         return f"needs bf16 or fp16 h and g of one dtype, got {h_dtype} and {g_dtype}"
     if tuple(g_shape) != (m, two_f // 2) or two_f % 2:
         return f"needs h [M, 2F] and g [M, F], got {tuple(h_shape)} and {tuple(g_shape)}"
-    if m == 0 or (two_f // 2) % (BLOCK_SIZE * CHUNKS):
-        return f"needs M > 0 and F a multiple of {BLOCK_SIZE * CHUNKS}, got M={m}, F={two_f // 2}"
+    if m == 0 or m % ROWS or (two_f // 2) % (BLOCK_SIZE * CHUNKS):
+        # A ragged last row tile: its TMA store of partials into [F / 256, M, 32] ran past M
+        # into the next partial's first rows on the H200 (the interpreter clips it).
+        return (
+            f"needs M a positive multiple of {ROWS} and F a multiple of {BLOCK_SIZE * CHUNKS}, "
+            f"got M={m}, F={two_f // 2}"
+        )
     return None
 
 
