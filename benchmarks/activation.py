@@ -6,11 +6,14 @@ its forward and a copy of h, at the real layer sizes.
 
 For each `jaxmoe.shapes` layer (M = tokens x top_k rows, F = ffn_hidden_size; random h [M, 2F]
 bf16, incoming gradient [M, F] bf16, probabilities [M] fp32):
-  lanesL_levelsV  the backward of `jaxmoe.experts.weighted_activation` with
+  lanesL_levelsV  the backward of `jaxmoe.experts.weighted_activation` (impl "xla") with
                   `row_sums_in_order` summing L interleaved lanes and materialising its partial
                   sums after every V tree levels (`ordered.LANES`, `ordered.LEVELS_PER_PASS`;
                   lanes 32 keeps the layer's bits whatever V is, other lane counts change the
                   probability gradient's order, recorded as `same_bits` against the first)
+  kernel          `jaxmoe.ops.weighted_activation_backward(impl="pallas")`: the one-pass
+                  Hopper kernel (silu GLU shapes; the CPU runs it interpreted), recorded with
+                  how far it is from the first layout (`d_h_equal_fraction`, `d_p_max_rel`)
   forward         the forward (act(gate) * up * p, rounded once)
   copy_h          h * 2: the memory bandwidth on the same bytes
 Device time per call from the JAX profiler (`benchmarks.timing.device_seconds`; on a CPU the
@@ -38,6 +41,7 @@ from benchmarks.report import log  # noqa: E402
 from benchmarks.timing import device_seconds  # noqa: E402
 from jaxmoe import ordered  # noqa: E402
 from jaxmoe.experts import weighted_activation  # noqa: E402
+from jaxmoe.ops import weighted_activation_backward  # noqa: E402
 from jaxmoe.shapes import SHAPES  # noqa: E402
 
 LAYOUTS = [(32, 3), (32, 4), (32, 5), (32, 6), (16, 4), (64, 3), (64, 4), (128, 3)]
@@ -61,12 +65,16 @@ def programs(config) -> dict:
     def backward(lanes, levels):
         def fn(h, p, g):
             with row_sum_layout(lanes, levels):
-                _, pull = jax.vjp(lambda h, p: weighted_activation(h, p, config), h, p)
+                _, pull = jax.vjp(lambda h, p: weighted_activation(h, p, config, "xla"), h, p)
                 return pull(g)
 
         return jax.jit(fn)
 
     fns = {f"lanes{lanes}_levels{levels}": backward(lanes, levels) for lanes, levels in LAYOUTS}
+    if config.activation == "silu" and config.gated_linear_unit:
+        fns["kernel"] = jax.jit(
+            lambda h, p, g: weighted_activation_backward(h, p, g, "silu", True, impl="pallas")
+        )
     fns["forward"] = jax.jit(lambda h, p, g: weighted_activation(h, p, config))
     fns["copy_h"] = jax.jit(lambda h, p, g: h * 2)
     return fns
@@ -103,6 +111,10 @@ def bench_shape(name: str) -> dict:
             entry["same_bits"] = all(
                 bool(jnp.array_equal(a, b)) for a, b in zip(out, reference, strict=True)
             )
+        if variant == "kernel":
+            entry["d_h_equal_fraction"] = float(jnp.mean(out[0] == reference[0]))
+            relative = jnp.abs(out[1] - reference[1]) / jnp.maximum(jnp.abs(reference[1]), 1e-30)
+            entry["d_p_max_rel"] = float(jnp.max(relative))
         record["variants"][variant] = entry
         log(f"{name} {variant}: {entry}")
     # One pass for the backward: read h and the gradient, write d h (bf16).

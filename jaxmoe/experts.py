@@ -25,60 +25,45 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
+from jaxmoe.ops.activation import gated_activation, weighted_activation_backward
 from jaxmoe.ops.dense import bf16_pieces, dense
 from jaxmoe.ops.gmm import KERNEL_MULTIPLE, tgmm
-from jaxmoe.ordered import broadcast_in_order, row_sums_in_order
+from jaxmoe.ordered import broadcast_in_order
 from jaxmoe.recipes import recipe_for
 from jaxmoe.wire import QuantizedRows
 
 F32 = jnp.float32
 
 
-def activation(z: jax.Array, name: str) -> jax.Array:
-    """The (non-gated) activation in fp32: silu, exact-erf gelu, or squared ReLU."""
-    if name == "silu":
-        return jax.nn.silu(z)
-    if name == "gelu":
-        return jax.nn.gelu(z, approximate=False)
-    if name == "squared_relu":
-        return jnp.square(jax.nn.relu(z))
-    raise ValueError(f"unknown activation {name!r}")
-
-
-def weighted_activation(h: jax.Array, probs: jax.Array | None, config: MoEConfig) -> jax.Array:
+def weighted_activation(
+    h: jax.Array, probs: jax.Array | None, config: MoEConfig, impl: str = "auto"
+) -> jax.Array:
     """act(h) (times the per-row probability when given) computed in fp32, rounded once to h.dtype.
 
-    h: [M, 2F] ([gate; up]) with a GLU, else [M, F]; probs: [M] or None. The probabilities'
-    gradient is each row's sum of d out * act(h) in a fixed order (`row_sums_in_order`), with
-    act(h) recomputed from h rather than kept in fp32 between the passes."""
+    h: [M, 2F] ([gate; up]) with a GLU, else [M, F]; probs: [M] or None. Its backward pass is
+    `jaxmoe.ops.weighted_activation_backward` (`impl`): the probabilities' gradient is each
+    row's sum of d out * act(h) in a fixed order, with act(h) recomputed from h rather than kept
+    in fp32 between the passes."""
     if probs is None:
-        return _unweighted(h, config).astype(h.dtype)
-    return _weighted(h, probs.astype(F32), config)
+        return gated_activation(h, config.activation, config.gated_linear_unit).astype(h.dtype)
+    return _weighted(h, probs.astype(F32), config, impl)
 
 
-def _unweighted(h: jax.Array, config: MoEConfig) -> jax.Array:
-    z = h.astype(F32)
-    if config.gated_linear_unit:
-        gate, up = jnp.split(z, 2, axis=-1)
-        return activation(gate, config.activation) * up
-    return activation(z, config.activation)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _weighted(h, probs, config, impl):
+    act = gated_activation(h, config.activation, config.gated_linear_unit)
+    return (act * probs[:, None]).astype(h.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _weighted(h, probs, config):
-    return (_unweighted(h, config) * probs[:, None]).astype(h.dtype)
+def _weighted_fwd(h, probs, config, impl):
+    return _weighted(h, probs, config, impl), (h, probs)
 
 
-def _weighted_fwd(h, probs, config):
-    return _weighted(h, probs, config), (h, probs)
-
-
-def _weighted_bwd(config, residuals, g):
+def _weighted_bwd(config, impl, residuals, g):
     h, probs = residuals
-    out, pull = jax.vjp(lambda h: _unweighted(h, config), h)
-    g = g.astype(F32)
-    (d_h,) = pull(g * probs[:, None])
-    return d_h, row_sums_in_order(g * out)
+    return weighted_activation_backward(
+        h, probs, g, config.activation, config.gated_linear_unit, impl=impl
+    )
 
 
 _weighted.defvjp(_weighted_fwd, _weighted_bwd)
@@ -197,7 +182,9 @@ def grouped_mlp(
             h = h + bias_per_row(fc1_bias, route, gmm_impl)
         h = h.astype(dtype)
     with jax.named_scope("activation"):
-        a = weighted_activation(h, row_probs, config)
+        # The activation's kernel takes SwiGLU alone: the layer's "pallas" lets it run where
+        # it can ("auto"), XLA elsewhere.
+        a = weighted_activation(h, row_probs, config, "auto" if gmm_impl == "pallas" else gmm_impl)
     row_bias = None
     if fc2_bias is not None:
         row_bias = bias_per_row(fc2_bias, route, gmm_impl)

@@ -10,16 +10,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import activation  # noqa: E402
 
 
-def test_activation_benchmark_runs_and_records_every_layout(tmp_path):
+def test_activation_benchmark_runs_and_records_every_layout(tmp_path, interpret):
     result = activation.main(["--shapes", "dsv3_ep8", "--tag", "t", "--out", str(tmp_path)])
     [path] = tmp_path.iterdir()
     assert json.loads(path.read_text()) == json.loads(json.dumps(result))
     variants = result["shapes"]["dsv3_ep8"]["variants"]
     expected = {f"lanes{lanes}_levels{levels}" for lanes, levels in activation.LAYOUTS}
-    assert set(variants) == expected | {"forward", "copy_h"}
+    assert set(variants) == expected | {"kernel", "forward", "copy_h"}
     assert all(v["us"] > 0 for v in variants.values())
     for lanes, levels in activation.LAYOUTS:
         if lanes == 32:
             assert variants[f"lanes{lanes}_levels{levels}"]["same_bits"]
+    # The one-pass kernel (interpreted here): d h as the layout's bits nearly everywhere, d p
+    # within the sigmoid's rounding.
+    assert variants["kernel"]["d_h_equal_fraction"] > 0.99
+    assert variants["kernel"]["d_p_max_rel"] < 1e-4
     # Negative control: another lane count sums in another order, which changes some bits.
     assert not all(v["same_bits"] for k, v in variants.items() if k.startswith("lanes"))

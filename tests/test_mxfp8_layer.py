@@ -356,7 +356,7 @@ def _manual_expert_output(model, stages, variant):
     w2 = qdq(model.experts.fc2_kernel[...], 1)
     if variant == "fp32_activation_quantized":  # skips the bf16 rounding before the quantize
         gate, up = jnp.split(h.astype(F32), 2, axis=-1) if config.gated_linear_unit else (h, 1)
-        act = jaxmoe.experts.activation(gate.astype(F32), config.activation) * up * row_probs
+        act = jaxmoe.ops.activation.activation(gate.astype(F32), config.activation) * up * row_probs
         a = mxfp8.dequantize(mxfp8.quantize(act, axis=1), BF16)
     else:
         a = qdq(

@@ -1,0 +1,78 @@
+"""The experts' activation in fp32 (`activation`, `gated_activation`) and the backward pass of its
+probability-weighted form with a choice of implementation (`weighted_activation_backward`).
+
+For a = round(act(h) * p) (`jaxmoe.experts.weighted_activation`) and its incoming gradient g:
+  d h = round(d/dh (act(h)) * g * p),   d p = each row's sum of g * act(h), in fp32
+  impl "xla"     autodiff of `gated_activation` for d h, and `jaxmoe.ordered.row_sums_in_order`
+                 for d p (the reference): two passes over h and g, the activation computed in
+                 each.
+  impl "pallas"  SwiGLU (silu, gated) in one pass on Hopper (ops/pallas/activation_hopper.py):
+                 d p in the same tree (bitwise the reference's sums of the kernel's products),
+                 its elementwise arithmetic (sigmoid) the kernel's own; F a multiple of 256.
+  impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxmoe.ops import registry
+from jaxmoe.ops.pallas.activation_hopper import (
+    swiglu_backward_problem,
+    weighted_swiglu_backward_pallas,
+)
+from jaxmoe.ordered import LEVELS_PER_PASS, row_sums_in_order, sum_in_order
+
+F32 = jnp.float32
+
+
+def _problem(h_shape, h_dtype, g_shape, g_dtype, name, gated) -> str | None:
+    if name != "silu" or not gated:
+        return f"the kernel is SwiGLU's (silu, gated), got {name!r} gated={gated}"
+    return swiglu_backward_problem(h_shape, h_dtype, g_shape, g_dtype)
+
+
+registry.register("weighted_activation_backward", "pallas", problem=_problem)
+
+
+def activation(z: jax.Array, name: str) -> jax.Array:
+    """The (non-gated) activation in fp32: silu, exact-erf gelu, or squared ReLU."""
+    if name == "silu":
+        return jax.nn.silu(z)
+    if name == "gelu":
+        return jax.nn.gelu(z, approximate=False)
+    if name == "squared_relu":
+        return jnp.square(jax.nn.relu(z))
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def gated_activation(h: jax.Array, name: str, gated: bool) -> jax.Array:
+    """act(gate) * up in fp32 for h [M, 2F] ([gate; up]) when gated, else act(h) [M, F]."""
+    z = h.astype(F32)
+    if gated:
+        gate, up = jnp.split(z, 2, axis=-1)
+        return activation(gate, name) * up
+    return activation(z, name)
+
+
+def weighted_activation_backward(
+    h: jax.Array, probs: jax.Array, g: jax.Array, name: str, gated: bool, *, impl: str = "auto"
+) -> tuple[jax.Array, jax.Array]:
+    """(d h [M, 2F|F] in h.dtype, d probs [M] fp32) of a = round(act(h) * probs) for its
+    gradient g [M, F] (module docstring). probs: [M] fp32."""
+    if h.ndim != 2 or g.ndim != 2 or probs.shape != h.shape[:1]:
+        raise ValueError(
+            f"weighted_activation_backward: needs h [M, 2F|F], probs [M], g [M, F], got "
+            f"{h.shape}, {probs.shape}, {g.shape}"
+        )
+    call = (h.shape, h.dtype, g.shape, g.dtype, name, gated)
+    if registry.resolve("weighted_activation_backward", impl, *call) == "pallas":
+        d_h, partials = weighted_swiglu_backward_pallas(h, probs, g)
+        # The tree's later levels over the tiles, then over the 32 lanes.
+        lanes = sum_in_order(jnp.moveaxis(partials, 0, 1), axis=1, levels_per_pass=LEVELS_PER_PASS)
+        return d_h, sum_in_order(lanes, axis=-1)
+    out, pull = jax.vjp(lambda h: gated_activation(h, name, gated), h)
+    g = g.astype(F32)
+    (d_h,) = pull(g * probs.astype(F32)[:, None])
+    return d_h, row_sums_in_order(g * out)

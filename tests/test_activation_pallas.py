@@ -1,0 +1,111 @@
+"""The one-pass weighted SwiGLU backward kernel (ops/pallas/activation_hopper.py, interpreted on
+CPU with the race detector) against the reference (`weighted_activation_backward(impl="xla")`):
+d h within a bf16 rounding, the probability gradient within the sigmoid's rounding, and the
+probability gradient's tree bitwise where the products are exact on both sides."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmoe import ordered
+from jaxmoe.ops import registry, weighted_activation_backward
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def operands(m, f, seed=0, saturated=False):
+    kh, kg, kp = jax.random.split(jax.random.key(seed), 3)
+    h = jax.random.normal(kh, (m, 2 * f), BF16)
+    if saturated:  # sigmoid(gate) == 1 exactly: every product the same bits on both sides
+        h = h.at[:, :f].set(jnp.abs(h[:, :f]) + 20)
+    return h, jax.random.uniform(kp, (m,), F32), jax.random.normal(kg, (m, f), BF16)
+
+
+def assert_close_to_reference(h, p, g, d_h, d_p, ref_h, ref_p):
+    """d h within one bf16 rounding of the reference's; d p within 2^-18 of the row's sum of
+    |g act(h)| (the sigmoid's few fp32 ulps in each product, and both trees' roundings)."""
+    np.testing.assert_allclose(np.asarray(d_h, F32), np.asarray(ref_h, F32), rtol=2**-7, atol=0)
+    gate, up = np.split(np.asarray(h, np.float64), 2, axis=1)
+    magnitude = np.abs(np.asarray(g, np.float64) * gate / (1 + np.exp(-gate)) * up).sum(1)
+    error = np.abs(np.asarray(d_p, np.float64) - np.asarray(ref_p, np.float64))
+    assert np.all(error <= 2**-18 * magnitude), f"worst {np.max(error / magnitude):.3g}"
+
+
+def both(h, p, g):
+    run = lambda impl: weighted_activation_backward(h, p, g, "silu", True, impl=impl)
+    return run("pallas"), run("xla")
+
+
+@pytest.mark.parametrize("m,f", [(48, 512), (80, 768)], ids=["two_chunk_tiles", "three"])
+def test_kernel_matches_the_reference(interpret, m, f):
+    h, p, g = operands(m, f)
+    (d_h, d_p), (ref_h, ref_p) = both(h, p, g)
+    assert d_h.dtype == BF16 and d_h.shape == (m, 2 * f) and d_p.shape == (m,)
+    assert_close_to_reference(h, p, g, d_h, d_p, ref_h, ref_p)
+
+
+def assert_reference_tree(m, f):
+    """With exact products the kernel's probability gradient is the reference's bits: its
+    registers and the tiles' partials add in `row_sums_in_order`'s tree. Control: the reference
+    with 64 lanes (another tree) differs."""
+    h, p, g = operands(m, f, seed=1, saturated=True)
+    (d_h, d_p), (ref_h, ref_p) = both(h, p, g)
+    np.testing.assert_array_equal(np.asarray(d_p), np.asarray(ref_p))
+    np.testing.assert_array_equal(np.asarray(d_h, F32), np.asarray(ref_h, F32))
+    lanes = ordered.LANES
+    try:
+        ordered.LANES = 64
+        _, other_p = weighted_activation_backward(h, p, g, "silu", True, impl="xla")
+    finally:
+        ordered.LANES = lanes
+    assert not np.array_equal(np.asarray(other_p), np.asarray(ref_p))
+
+
+def test_row_sums_take_the_reference_tree(interpret):
+    assert_reference_tree(80, 768)
+
+
+def test_what_the_kernel_takes():
+    h, p, g = operands(16, 256)
+    call = (h.shape, h.dtype, g.shape, g.dtype)
+    [kernel] = registry.kernels("weighted_activation_backward")
+    assert kernel.problem(*call, "silu", True) is None
+    assert "SwiGLU" in kernel.problem(*call, "gelu", True)
+    assert "SwiGLU" in kernel.problem(*call, "silu", False)
+    with pytest.raises(ValueError, match="SwiGLU"):
+        weighted_activation_backward(h, p, g, "gelu", True, impl="pallas")
+    h2, p2, g2 = operands(16, 96)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        weighted_activation_backward(h2, p2, g2, "silu", True, impl="pallas")
+    with pytest.raises(ValueError, match="M a positive multiple of 16"):
+        weighted_activation_backward(*operands(20, 256), "silu", True, impl="pallas")
+    with pytest.raises(ValueError, match="one dtype"):
+        weighted_activation_backward(h, p, g.astype(F32), "silu", True, impl="pallas")
+    with pytest.raises(ValueError, match="probs"):
+        weighted_activation_backward(h, p[:4], g, "silu", True, impl="xla")
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_on_hardware():
+    """On an H100/H200 at a layer's size (dsv3_ep8's F): close to the reference
+    (`assert_close_to_reference`); with exact products bitwise the reference's, and the
+    reference with 64 lanes (control) differs."""
+    h, p, g = operands(4096, 2048, seed=2)
+    (d_h, d_p), (ref_h, ref_p) = both(h, p, g)
+    assert_close_to_reference(h, p, g, d_h, d_p, ref_h, ref_p)
+    assert_reference_tree(4096, 2048)
+
+
+@pytest.mark.parametrize("shape", ["qwen3_30b", "mixtral", "dsv3_ep8"])
+def test_lowering_at_real_shapes(shape):
+    """Pallas -> Mosaic GPU lowering on CPU at the layer sizes (TMA boxes, SMEM, layouts)."""
+    from jaxmoe.shapes import SHAPES
+
+    config = SHAPES[shape].config
+    m, f = SHAPES[shape].num_tokens * config.top_k, config.ffn_hidden_size
+    s = jax.ShapeDtypeStruct
+    fn = lambda h, p, g: weighted_activation_backward(h, p, g, "silu", True, impl="pallas")
+    jax.jit(fn).trace(s((m, 2 * f), BF16), s((m,), F32), s((m, f), BF16)).lower(
+        lowering_platforms=("cuda",)
+    )
