@@ -15,8 +15,8 @@ backward pass (custom VJP rules included). The kind of work:
   quantize  MXFP8 and FP8-blockwise (de)quantization: the quantize kernels, Pallas kernels
             writing fp8 / uint8 data, XLA ops under a jaxmoe quantize / dequantize function
             (op_name "jit(_quantize_impl)", ...);
-  other     everything else (routing, sorting, the dispatch and combine kernels, gathers,
-            elementwise, copies, the grouped matmuls' work lists).
+  other     everything else (routing, sorting, the dispatch, combine and activation-backward
+            kernels, gathers, elementwise, copies, the grouped matmuls' work lists).
 Kernels that XLA runs inside a command buffer (a CUDA graph) carry the buffer's name as their
 `hlo_op` (a computation that the compiled module's text may not show): an XLA kernel is found
 by its name, a Pallas kernel (jaxmoe names its kernels, `PALLAS_KERNEL_KINDS`) by its place
@@ -65,6 +65,7 @@ PALLAS_KERNEL_KINDS = {
     "dispatch_quantize_1x128": "quantize",
     "dispatch": "other",
     "combine": "other",
+    "weighted_swiglu_backward": "other",
 }
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->.*\{\s*$")

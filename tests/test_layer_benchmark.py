@@ -8,6 +8,7 @@ profile records."""
 import glob
 import json
 import os
+import re
 import sys
 
 import jax
@@ -343,3 +344,17 @@ def test_kernels_of_buffers_missing_from_the_text_follow_the_schedule():
         ("fc2", True, "gemm"),
     ]
     assert summary["matched_by"] == {"schedule_order": 6, "hlo_op": 2, "kernel_name": 2}
+
+
+def test_every_named_pallas_kernel_has_a_kind():
+    """A jaxmoe kernel missing from PALLAS_KERNEL_KINDS is classed by its output type (a
+    bf16-writing one as a GEMM), which misstates the non-GEMM share."""
+    from benchmarks.layer_stages import PALLAS_KERNEL_KINDS
+
+    root = os.path.join(os.path.dirname(os.path.dirname(__file__)), "jaxmoe", "ops", "pallas")
+    names = set()
+    for path in glob.glob(os.path.join(root, "*.py")):
+        with open(path) as f:
+            names.update(re.findall(r'kernel_name=\(?"(\w+)"', f.read()))
+    assert "weighted_swiglu_backward" in names and "dispatch" in names  # the scan finds them
+    assert names <= set(PALLAS_KERNEL_KINDS), names - set(PALLAS_KERNEL_KINDS)

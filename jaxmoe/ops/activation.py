@@ -8,7 +8,8 @@ For a = round(act(h) * p) (`jaxmoe.experts.weighted_activation`) and its incomin
                  each.
   impl "pallas"  SwiGLU (silu, gated) in one pass on Hopper (ops/pallas/activation_hopper.py):
                  d p in the same tree (bitwise the reference's sums of the kernel's products),
-                 its elementwise arithmetic (sigmoid) the kernel's own; F a multiple of 256.
+                 its elementwise arithmetic (sigmoid) the kernel's own; F a multiple of 256,
+                 M of 16.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
 """
 
