@@ -6,7 +6,13 @@ keeps every call's state and fails if any of them found a race.
 
 The interpreter's wgmma takes its A operand from SMEM only; on the GPU `plgpu.wgmma` also takes
 A from registers (the decode kernel's dequantized weights). `race_checked_interpreter` adds that
-case (`_wgmma_taking_a_from_registers`)."""
+case (`_wgmma_taking_a_from_registers`).
+
+The interpreter clips a TMA window that runs past the end of any GMEM dimension; on the H200 a
+store whose window ran past the end of a dimension other than the outermost (rows M of a
+[C, M, 32] array indexed at [c, rows]) wrote into the next index of the dimensions before it
+(the activation-backward kernel's partials, 2026-12-02). `race_checked_interpreter` fails such
+a copy, in either direction (`_tma_clipped_at_the_outermost_dimension_only`)."""
 
 import contextlib
 import functools
@@ -45,6 +51,39 @@ def _wgmma_taking_a_from_registers(smem_wgmma):
     return wgmma
 
 
+def _tma_clipped_at_the_outermost_dimension_only(copy, gmem):
+    """The interpreter's TMA copy callback, raising IndexError when the GMEM window (`gmem`:
+    "src" or "dst") runs past the end of a dimension other than the array's first."""
+
+    @functools.wraps(copy)
+    def checked(**kwargs):
+        shared = gpu_callbacks._get_shared_memory()
+        key = memory.HostAllocationKey.from_array(kwargs[f"{gmem}_allocation_key_as_array"])
+        transforms = gpu_callbacks._remove_noop_transforms(kwargs[f"{gmem}_transforms"])
+        window = shared.access(key, jax.tree.map(int, transforms)).range
+        shape = tuple(shared.buffer_shape_and_dtype(key).shape)
+        for axis, (span, size) in enumerate(zip(window, shape, strict=True)):
+            if axis and isinstance(span, slice) and span.stop > size:
+                raise IndexError(
+                    f"TMA window {window} runs past the end of axis {axis} of a GMEM array "
+                    f"{shape}: only the first axis is clipped on the GPU (tests/interpreter.py)"
+                )
+        return copy(**kwargs)
+
+    return checked
+
+
+_PATCHED = {  # gpu_callbacks attribute -> wrapper
+    "wgmma": _wgmma_taking_a_from_registers,
+    "copy_smem_to_gmem": functools.partial(
+        _tma_clipped_at_the_outermost_dimension_only, gmem="dst"
+    ),
+    "copy_gmem_to_smem": functools.partial(
+        _tma_clipped_at_the_outermost_dimension_only, gmem="src"
+    ),
+}
+
+
 @contextlib.contextmanager
 def race_checked_interpreter():
     """Interpret Mosaic GPU kernels with the race detector; on exit, assert that no kernel
@@ -58,13 +97,15 @@ def race_checked_interpreter():
         return state
 
     gpu_callbacks.GPURaceDetectionState = recording
-    smem_wgmma = gpu_callbacks.wgmma
-    gpu_callbacks.wgmma = _wgmma_taking_a_from_registers(smem_wgmma)
+    originals = {name: getattr(gpu_callbacks, name) for name in _PATCHED}
+    for name, wrap in _PATCHED.items():
+        setattr(gpu_callbacks, name, wrap(originals[name]))
     try:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
             yield states
     finally:
         gpu_callbacks.GPURaceDetectionState = original
-        gpu_callbacks.wgmma = smem_wgmma
+        for name, function in originals.items():
+            setattr(gpu_callbacks, name, function)
     raced = sum(bool(state.races_found) for state in states)
     assert not raced, f"race detected in {raced} of {len(states)} interpreted kernel calls"

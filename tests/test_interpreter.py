@@ -36,3 +36,38 @@ def test_race_free_calls_pass():
         for _ in range(2):
             np.testing.assert_array_equal(_copy_plus_one(x, ctas=1), x + 1)
     assert len(states) == 2
+
+
+def _store_rows(out_shape, leading, start):
+    """A kernel storing an [8, 32] tile of ones by TMA to out.at[leading..., rows] with rows
+    start .. start + 7 (a dynamic start, as a kernel's tile index makes it)."""
+    from jax import lax
+    from jax.experimental import pallas as pl
+
+    def body(o_ref, tile):
+        tile[...] = jnp.ones(tile.shape, jnp.float32)
+        plgpu.commit_smem()
+        rows = pl.ds(start + lax.axis_index("cta"), 8)
+        plgpu.copy_smem_to_gmem(tile, o_ref.at[(*leading, rows)])
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        grid=(1,),
+        grid_names=("cta",),
+        scratch_types=[plgpu.SMEM((8, 32), jnp.float32)],
+    )()
+
+
+def test_a_tma_window_past_an_inner_dimension_fails():
+    """Rows 4..11 of a [2, 12, 32] array at index 0 stay inside; rows 8..15 run past axis 1,
+    which the GPU does not clip (the next index's rows are written); past the end of the first
+    axis the GPU clips, so that passes."""
+    with race_checked_interpreter():
+        _store_rows((2, 12, 32), (0,), 4).block_until_ready()
+        out = _store_rows((12, 32), (), 8)
+        assert float(out[8:].sum()) == 4 * 32
+    with pytest.raises(Exception, match="runs past the end of axis 1"):
+        with race_checked_interpreter():
+            _store_rows((2, 12, 32), (0,), 8).block_until_ready()
