@@ -8,11 +8,12 @@ The interpreter's wgmma takes its A operand from SMEM only; on the GPU `plgpu.wg
 A from registers (the decode kernel's dequantized weights). `race_checked_interpreter` adds that
 case (`_wgmma_taking_a_from_registers`).
 
-The interpreter clips a TMA window that runs past the end of any GMEM dimension; on the H200 a
-store whose window ran past the end of a dimension other than the outermost (rows M of a
-[C, M, 32] array indexed at [c, rows]) wrote into the next index of the dimensions before it
-(the activation-backward kernel's partials, 2026-12-02). `race_checked_interpreter` fails such
-a copy, in either direction (`_tma_clipped_at_the_outermost_dimension_only`)."""
+The interpreter clips a TMA window that runs past the end of any GMEM axis, as the GPU does for
+an array's own axes (the quantize kernels' partial tiles, bitwise on the H200). But on the H200
+a store to a [C, M, 32] array at [c, rows], rows running past M, wrote into the first rows at
+c + 1 (the activation-backward kernel's partials, 2026-12-02): after an integer index the
+window was not clipped at its axis. `race_checked_interpreter` fails such a copy, in either
+direction (`_tma_clipped_only_on_unindexed_arrays`)."""
 
 import contextlib
 import functools
@@ -51,23 +52,29 @@ def _wgmma_taking_a_from_registers(smem_wgmma):
     return wgmma
 
 
-def _tma_clipped_at_the_outermost_dimension_only(copy, gmem):
+def _tma_clipped_only_on_unindexed_arrays(copy, gmem):
     """The interpreter's TMA copy callback, raising IndexError when the GMEM window (`gmem`:
-    "src" or "dst") runs past the end of a dimension other than the array's first."""
+    "src" or "dst") runs past the end of an axis that follows an integer-indexed one."""
 
-    @functools.wraps(copy)
-    def checked(**kwargs):
+    @gpu_callbacks.fail_on_exception  # the interpreter's clean-up after a failed kernel
+    def check(*, token, thread, **kwargs):
         shared = gpu_callbacks._get_shared_memory()
         key = memory.HostAllocationKey.from_array(kwargs[f"{gmem}_allocation_key_as_array"])
         transforms = gpu_callbacks._remove_noop_transforms(kwargs[f"{gmem}_transforms"])
         window = shared.access(key, jax.tree.map(int, transforms)).range
         shape = tuple(shared.buffer_shape_and_dtype(key).shape)
         for axis, (span, size) in enumerate(zip(window, shape, strict=True)):
-            if axis and isinstance(span, slice) and span.stop > size:
+            indexed = [i for i in range(axis) if isinstance(window[i], int)]
+            if indexed and isinstance(span, slice) and span.stop > size:
                 raise IndexError(
                     f"TMA window {window} runs past the end of axis {axis} of a GMEM array "
-                    f"{shape}: only the first axis is clipped on the GPU (tests/interpreter.py)"
+                    f"{shape} after an integer index on axis {indexed[-1]}: the GPU does not "
+                    "clip it there (tests/interpreter.py)"
                 )
+
+    @functools.wraps(copy)
+    def checked(**kwargs):
+        check(**kwargs)
         return copy(**kwargs)
 
     return checked
@@ -75,12 +82,8 @@ def _tma_clipped_at_the_outermost_dimension_only(copy, gmem):
 
 _PATCHED = {  # gpu_callbacks attribute -> wrapper
     "wgmma": _wgmma_taking_a_from_registers,
-    "copy_smem_to_gmem": functools.partial(
-        _tma_clipped_at_the_outermost_dimension_only, gmem="dst"
-    ),
-    "copy_gmem_to_smem": functools.partial(
-        _tma_clipped_at_the_outermost_dimension_only, gmem="src"
-    ),
+    "copy_smem_to_gmem": functools.partial(_tma_clipped_only_on_unindexed_arrays, gmem="dst"),
+    "copy_gmem_to_smem": functools.partial(_tma_clipped_only_on_unindexed_arrays, gmem="src"),
 }
 
 

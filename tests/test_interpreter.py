@@ -60,10 +60,10 @@ def _store_rows(out_shape, leading, start):
     )()
 
 
-def test_a_tma_window_past_an_inner_dimension_fails():
-    """Rows 4..11 of a [2, 12, 32] array at index 0 stay inside; rows 8..15 run past axis 1,
-    which the GPU does not clip (the next index's rows are written); past the end of the first
-    axis the GPU clips, so that passes."""
+def test_a_tma_window_past_an_axis_after_an_integer_index_fails():
+    """Rows 4..11 of a [2, 12, 32] array at index 0 stay inside; rows 8..15 run past axis 1
+    after the index, which the GPU does not clip (the next index's rows are written). Past the
+    end of a [12, 32] array's rows, with no index, the GPU clips, so that passes."""
     with race_checked_interpreter():
         _store_rows((2, 12, 32), (0,), 4).block_until_ready()
         out = _store_rows((12, 32), (), 8)
