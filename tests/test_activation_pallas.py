@@ -37,7 +37,7 @@ def both(h, p, g):
     return run("pallas"), run("xla")
 
 
-@pytest.mark.parametrize("m,f", [(48, 512), (80, 768)], ids=["two_chunk_tiles", "three"])
+@pytest.mark.parametrize("m,f", [(48, 512), (70, 768)], ids=["two_chunk_tiles", "three_ragged"])
 def test_kernel_matches_the_reference(interpret, m, f):
     h, p, g = operands(m, f)
     (d_h, d_p), (ref_h, ref_p) = both(h, p, g)
@@ -63,7 +63,7 @@ def assert_reference_tree(m, f):
 
 
 def test_row_sums_take_the_reference_tree(interpret):
-    assert_reference_tree(80, 768)
+    assert_reference_tree(70, 768)
 
 
 def test_what_the_kernel_takes():
@@ -78,8 +78,6 @@ def test_what_the_kernel_takes():
     h2, p2, g2 = operands(16, 96)
     with pytest.raises(ValueError, match="multiple of 256"):
         weighted_activation_backward(h2, p2, g2, "silu", True, impl="pallas")
-    with pytest.raises(ValueError, match="M a positive multiple of 16"):
-        weighted_activation_backward(*operands(20, 256), "silu", True, impl="pallas")
     with pytest.raises(ValueError, match="one dtype"):
         weighted_activation_backward(h, p, g.astype(F32), "silu", True, impl="pallas")
     with pytest.raises(ValueError, match="probs"):
@@ -88,13 +86,13 @@ def test_what_the_kernel_takes():
 
 @pytest.mark.gpu
 def test_gpu_kernel_on_hardware():
-    """On an H100/H200 at a layer's size (dsv3_ep8's F): close to the reference
-    (`assert_close_to_reference`); with exact products bitwise the reference's, and the
+    """On an H100/H200 at a layer's size (dsv3_ep8's F, a ragged last row tile): close to the
+    reference (`assert_close_to_reference`); with exact products bitwise the reference's, and the
     reference with 64 lanes (control) differs."""
-    h, p, g = operands(4096, 2048, seed=2)
+    h, p, g = operands(4100, 2048, seed=2)
     (d_h, d_p), (ref_h, ref_p) = both(h, p, g)
     assert_close_to_reference(h, p, g, d_h, d_p, ref_h, ref_p)
-    assert_reference_tree(4096, 2048)
+    assert_reference_tree(4100, 2048)
 
 
 @pytest.mark.parametrize("shape", ["qwen3_30b", "mixtral", "dsv3_ep8"])

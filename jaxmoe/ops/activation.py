@@ -8,8 +8,7 @@ For a = round(act(h) * p) (`jaxmoe.experts.weighted_activation`) and its incomin
                  each.
   impl "pallas"  SwiGLU (silu, gated) in one pass on Hopper (ops/pallas/activation_hopper.py):
                  d p in the same tree (bitwise the reference's sums of the kernel's products),
-                 its elementwise arithmetic (sigmoid) the kernel's own; F a multiple of 256,
-                 M of 16.
+                 its elementwise arithmetic (sigmoid) the kernel's own; F a multiple of 256.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
 """
 
@@ -18,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.mxfp8 import BLOCK_SIZE
 from jaxmoe.ops import registry
 from jaxmoe.ops.pallas.activation_hopper import (
     swiglu_backward_problem,
@@ -71,7 +71,8 @@ def weighted_activation_backward(
     if registry.resolve("weighted_activation_backward", impl, *call) == "pallas":
         d_h, partials = weighted_swiglu_backward_pallas(h, probs, g)
         # The tree's later levels over the tiles, then over the 32 lanes.
-        lanes = sum_in_order(jnp.moveaxis(partials, 0, 1), axis=1, levels_per_pass=LEVELS_PER_PASS)
+        tiles = partials.reshape(h.shape[0], -1, BLOCK_SIZE)
+        lanes = sum_in_order(tiles, axis=1, levels_per_pass=LEVELS_PER_PASS)
         return d_h, sum_in_order(lanes, axis=-1)
     out, pull = jax.vjp(lambda h: gated_activation(h, name, gated), h)
     g = g.astype(F32)

@@ -10,7 +10,10 @@ Bandwidth-bound: tiles of ROWS rows by CHUNKS chunks of 32 columns of F stream t
 `row_pipeline`, a chunk of each input one TMA; every array of a tile is a [ROWS, 32] chunk in
 one register layout, so a thread holds the same row and lanes of every chunk. The tile's chunk
 products are added in registers with the first log2(CHUNKS) levels of the row sums' tree
-(adjacent chunks paired, as the tree pairs them) and stored as partials [F / (32 CHUNKS), M, 32];
+(adjacent chunks paired, as the tree pairs them) and stored as partials [M, F / CHUNKS] (each
+row's [F / (32 CHUNKS), 32]; rows outermost, so that a TMA store of a ragged last row tile is
+clipped at M: on the H200 a store into [F / (32 CHUNKS), M, 32] ran past M into the next
+partial's first rows);
 `jaxmoe.ops.activation` adds their remaining levels with `sum_in_order`: the same tree.
 docs/kernels.md describes the design."""
 
@@ -49,18 +52,13 @@ def swiglu_backward_problem(h_shape, h_dtype, g_shape, g_dtype) -> str | None:
         return f"needs bf16 or fp16 h and g of one dtype, got {h_dtype} and {g_dtype}"
     if tuple(g_shape) != (m, two_f // 2) or two_f % 2:
         return f"needs h [M, 2F] and g [M, F], got {tuple(h_shape)} and {tuple(g_shape)}"
-    if m == 0 or m % ROWS or (two_f // 2) % (BLOCK_SIZE * CHUNKS):
-        # A ragged last row tile: its TMA store of partials into [F / 256, M, 32] ran past M
-        # into the next partial's first rows on the H200 (the interpreter clips it).
-        return (
-            f"needs M a positive multiple of {ROWS} and F a multiple of {BLOCK_SIZE * CHUNKS}, "
-            f"got M={m}, F={two_f // 2}"
-        )
+    if m == 0 or (two_f // 2) % (BLOCK_SIZE * CHUNKS):
+        return f"needs M > 0 and F a multiple of {BLOCK_SIZE * CHUNKS}, got M={m}, F={two_f // 2}"
     return None
 
 
 def weighted_swiglu_backward_pallas(h, probs, g, *, interpret=None):
-    """(d_h [M, 2F] in h.dtype, partial row sums [F / (32 CHUNKS), M, 32] fp32) of the weighted
+    """(d_h [M, 2F] in h.dtype, partial row sums [M, F / CHUNKS] fp32) of the weighted
     SwiGLU (module docstring); `swiglu_backward_problem` says what it takes."""
     problem = swiglu_backward_problem(h.shape, h.dtype, g.shape, g.dtype)
     if problem or probs.shape != h.shape[:1]:
@@ -139,7 +137,9 @@ def _kernel(m, f, dtype, interpret):
                         out_smem.at[slot, a, q], dh_gmem.at[rows, column], commit_group=False
                     )
             plgpu.copy_smem_to_gmem(
-                part_smem.at[slot], part_gmem.at[chunk_tile, rows], commit_group=False
+                part_smem.at[slot],
+                part_gmem.at[rows, pl.ds(chunk_tile * BLOCK_SIZE, BLOCK_SIZE)],
+                commit_group=False,
             )
 
         pipeline(num_tiles, ctas, loaded, fetch, compute, store, stages=STAGES)
@@ -149,7 +149,7 @@ def _kernel(m, f, dtype, interpret):
         kernel_name="weighted_swiglu_backward",
         out_type=(
             jax.ShapeDtypeStruct((m, 2 * f), dtype),
-            jax.ShapeDtypeStruct((chunk_tiles, m, BLOCK_SIZE), F32),
+            jax.ShapeDtypeStruct((m, chunk_tiles * BLOCK_SIZE), F32),
         ),
         grid=(ctas,),
         grid_names=("cta",),
