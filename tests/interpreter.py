@@ -28,7 +28,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 def _wgmma_taking_a_from_registers(smem_wgmma):
     """The interpreter's wgmma callback, extended: an A operand that arrives as a value (a
-    register array) rather than an SMEM allocation key multiplies as it is."""
+    register array) rather than an SMEM allocation key multiplies as it is, each output's
+    products summed in K order whatever the operands' widths."""
 
     @functools.wraps(smem_wgmma)
     def wgmma(*, a_allocation_key_as_array, **kwargs):
@@ -46,7 +47,10 @@ def _wgmma_taking_a_from_registers(smem_wgmma):
 
         b = access("b")[2]
         acc_key, acc_where, acc = access("acc")
-        total = acc + np.matmul(a, b, dtype=acc.dtype)
+        # Each output summed over K alone, in K order: a matmul's BLAS kernel would change a
+        # column's sum with the operand widths (the GPU's wgmma does not).
+        exact = acc.dtype
+        total = acc + np.einsum("mk,kn->mn", a.astype(exact), b.astype(exact), optimize=False)
         shared.store_buffer_content(acc_key, acc_where, total, thread, logging_info=info)
         return kwargs["token"]
 

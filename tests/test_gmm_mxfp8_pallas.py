@@ -85,21 +85,22 @@ def test_forward_matches_dequantized_reference(interpret, sizes, strategy):
     assert np.all(np.asarray(out)[sum(sizes) :] == 0)
 
 
-def test_decode_items_run_alike_chained_or_not(interpret):
+def test_decode_items_run_alike_chained_or_not_and_in_narrow_tiles(interpret):
     """The decode kernel chains a CTA's items through one pipeline when its ring slots divide
     the K steps (DECODE_SMALL: 2 steps, 2 slots) and runs each item's own pipeline otherwise
-    (4 steps, 3 slots): the same bits either way."""
+    (4 steps, 3 slots): the same bits either way, and with narrower row tiles (8 rows)."""
     lhs_q, rhs_q = operands(200, 256, 128, 5)
     sizes = jnp.asarray(SIZES["ragged_tail_and_empty"], jnp.int32)
     unchained = DecodeConfig(tile_rows=16, wg_n=64, tile_k=64, max_concurrent_steps=3, num_sms=3)
-    configs = [DECODE_SMALL, unchained]
+    configs = [DECODE_SMALL, unchained, dataclasses.replace(DECODE_SMALL, tile_rows=8)]
     if ON_HOPPER:
         configs = [dataclasses.replace(c, num_sms=132) for c in configs]
-    chained, single = (
+    chained, single, narrow = (
         gmm_mxtensor(lhs_q, rhs_q, sizes, impl="pallas", config=c, strategy="decode")
         for c in configs
     )
     np.testing.assert_array_equal(bits(single), bits(chained))
+    np.testing.assert_array_equal(bits(narrow), bits(chained))
     assert 256 // unchained.tile_k % unchained.max_concurrent_steps  # really unchained
     # Negative control: the same products summed in XLA's order differ somewhere.
     assert differs(bits(gmm_mxtensor(lhs_q, rhs_q, sizes, impl="xla")), bits(chained))
