@@ -106,10 +106,15 @@ def train(
     seed: int = 0,
     log_every: int = 25,
     quiet: bool = False,
+    row_alignment: int | None = None,
 ) -> dict:
-    """Run the demo; returns the final metrics (also used by the tests)."""
+    """Run the demo; returns the final metrics (also used by the tests). row_alignment: the
+    trained block's expert_row_alignment (None: the precision's); it changes no value, only
+    the padding, so it perturbs training at the level of the last bits."""
     config = PRESETS[preset]
     param_dtype, dtype, precision_options = PRECISIONS[precision]
+    if row_alignment is not None:
+        precision_options = dict(precision_options, expert_row_alignment=row_alignment)
     model = Block(
         config.replace(**precision_options),
         hidden,
