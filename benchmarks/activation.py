@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
 import os
 import sys
 import time
@@ -131,13 +129,10 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
     result = report.environment("activation", layouts=LAYOUTS, shapes={})
-    suffix = f"_{args.tag}" if args.tag else ""
-    path = os.path.join(args.out, f"activation_{datetime.date.today()}{suffix}.json")
-    os.makedirs(args.out, exist_ok=True)
+    path = report.result_path(args.out, "activation", args.tag)
     for name in [s for s in args.shapes.split(",") if s]:
         result["shapes"][name] = bench_shape(name)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        report.write_result(result, path)
     log(f"wrote {path}")
     return result
 

@@ -12,8 +12,6 @@ same numerics as the GPU's within rounding). Writes benchmarks/results/demo_prec
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -93,13 +91,8 @@ def main(argv=None) -> dict:
             "{precision:14s} loss / bf16: mean {mean_ratio_to_bf16:.4f} sd {sd_ratio:.4f} "
             "range {min_ratio:.4f}..{max_ratio:.4f} over {seeds} seeds".format(**row)
         )
-    os.makedirs(args.out, exist_ok=True)
-    stem = f"demo_precisions_{datetime.date.today().isoformat()}" + (
-        f"_{args.tag}" if args.tag else ""
-    )
-    path = os.path.join(args.out, stem + ".json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    path = report.result_path(args.out, "demo_precisions", args.tag)
+    report.write_result(result, path)
     log(f"wrote {path}")
     return result
 

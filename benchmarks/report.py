@@ -4,6 +4,8 @@ descriptions (`error_text`) and the environment block of their JSON (`environmen
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import platform
 import time
 
@@ -40,3 +42,16 @@ def environment(benchmark: str, **extra) -> dict:
         python=platform.python_version(),
         **extra,
     )
+
+
+def result_path(out_dir: str, benchmark: str, tag: str = "") -> str:
+    """out_dir/<benchmark>_<date>[_<tag>].json (out_dir created)."""
+    os.makedirs(out_dir, exist_ok=True)
+    suffix = f"_{tag}" if tag else ""
+    return os.path.join(out_dir, f"{benchmark}_{datetime.date.today().isoformat()}{suffix}.json")
+
+
+def write_result(result: dict, path: str) -> None:
+    """The result as indented JSON at path."""
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
