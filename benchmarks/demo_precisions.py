@@ -1,12 +1,13 @@
 """The demo's final loss by precision over several seeds, against bf16 and against bf16 with a
 perturbation of the last bits only: `python benchmarks/demo_precisions.py [--seeds 0-5]`.
 
-Training the demo is chaotic: a change in the last bits of one gradient (bf16 with 128-row
-instead of 8-row expert padding, `bf16_pad128`: same values, other reduction blocking) moves the
-loss after 300 steps by a few percent. So a precision's loss is compared with bf16's seed by
-seed, and the spread of that ratio with the spread of `bf16_pad128`'s: a precision that trains
-as well as bf16 has ratios like the control's. Runs on the default backend (CPU is fine: the
-same numerics as the GPU's within rounding). Writes benchmarks/results/demo_precisions_<date>.json.
+Training the demo is chaotic: a change in the last bits of a few gradient elements (bf16 with
+each expert's rows padded to 128, `bf16_pad128`; the preset pads none: the same values, another
+blocking of the weight gradient's row sums) moves the loss after 300 steps by a few percent.
+So a precision's loss is compared with bf16's seed by seed, and the spread of that ratio with
+the spread of `bf16_pad128`'s: a precision that trains as well as bf16 has ratios like the
+control's. Runs on the default backend (CPU is fine: the same numerics as the GPU's up to
+rounding). Writes benchmarks/results/demo_precisions_<date>.json.
 """
 
 from __future__ import annotations
