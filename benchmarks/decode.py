@@ -15,8 +15,10 @@ For each `jaxmoe.shapes` layer and token count T (one sequence of T tokens):
          R = T * top_k rows, each token's k experts drawn at random: gmm_bf16 (`ops.gmm`) and
          MXFP8 on its fprop weight copies (`ops.gmm_mxtensor`), strategies "dequantize",
          "fused_dequantize" and "decode" (`gmm_mxfp8_dequantize`, `gmm_mxfp8_fused`,
-         `gmm_mxfp8_decode`); --decode-sweep R,... adds the decode kernel with tile_rows R
-         (`gmm_mxfp8_decode_rR`; the same bits)
+         `gmm_mxfp8_decode`); --decode-sweep "f=v,f=v;..." adds the decode kernel once per
+         ";"-separated variant, its `DecodeConfig` fields f set to v on the default config, and
+         layout=tiled for the weights in `tile_weights`' layout (tiled before the timing, as
+         stored), `gmm_mxfp8_decode[f=v,...]`: the same bits (on a CPU the XLA reference)
   floor  the bytes of the active experts' weights (bf16: 2 bytes a weight; MXFP8: 1 + 1/32)
          over the memory bandwidth measured in the same run: the higher of a device copy's
          ((read + written bytes) / time) and a read-only pass's (bytes / time of a sum), both
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime
 import functools
 import json
@@ -62,10 +65,15 @@ from benchmarks.timing import (  # noqa: E402
     timed_runs,
 )
 from jaxmoe import MoE, mxfp8_inference  # noqa: E402
-from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor  # noqa: E402
+from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor, dequantize  # noqa: E402
 from jaxmoe.ops import gmm, gmm_mxtensor, quantize  # noqa: E402
 from jaxmoe.ops.mxfp8_gmm import quantize_weights  # noqa: E402
-from jaxmoe.ops.pallas.gmm_decode_hopper import default_decode_config  # noqa: E402
+from jaxmoe.ops.pallas.gmm_decode_hopper import (  # noqa: E402
+    default_decode_config,
+    gmm_decode_pallas,
+    tile_weights,
+    untile_weights,
+)
 from jaxmoe.shapes import SHAPES, TINY_SHAPES, LayerShape  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -207,15 +215,32 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
     def bf16(w, a, b, sizes):
         return gmm(a, w[0], sizes, impl=impl), gmm(b, w[1], sizes, impl=impl)
 
-    def mxfp8(strategy, w, a, b, sizes, tile_rows=None):
+    def mxfp8(strategy, w, a, b, sizes):
         def run(x, stored):
             data, block_major_scale = stored
             w = MXTensor(data, jnp.swapaxes(block_major_scale, 1, 2), axis=2, fmt="e4m3")
-            config = None
-            if tile_rows is not None:  # the decode kernel's row tiles
-                num_weights, n, k = w.shape
-                config = default_decode_config(x.shape[0], k, n, num_weights, tile_rows=tile_rows)
-            return gmm_mxtensor(x, w, sizes, impl=impl, strategy=strategy, config=config)
+            return gmm_mxtensor(x, w, sizes, impl=impl, strategy=strategy)
+
+        return run(a, w[0]), run(b, w[1])
+
+    def decode_variant(fields, w, a, b, sizes):
+        """gmm_mxtensor's "decode" strategy with the variant's config and weights' layout."""
+
+        def run(x, stored):
+            data, block_major_scale = stored
+            if not on_gpu:  # the kernel needs a Hopper GPU: the XLA reference's bits
+                rows = untile_weights(data) if data.ndim == 5 else data
+                w = MXTensor(rows, jnp.swapaxes(block_major_scale, 1, 2), axis=2, fmt="e4m3")
+                return gmm_mxtensor(x, w, sizes, impl="xla")
+            num_weights, n = block_major_scale.shape[0], block_major_scale.shape[2]
+            k = x.data.shape[1]
+            config = dataclasses.replace(
+                default_decode_config(x.shape[0], k, n, num_weights),
+                **{f: v for f, v in fields.items() if f != "layout"},
+            )
+            return gmm_decode_pallas(
+                dequantize(x, BF16), data, block_major_scale, sizes, out_dtype=F32, config=config
+            )
 
         return run(a, w[0]), run(b, w[1])
 
@@ -227,12 +252,30 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
     ):
         run = scanned(functools.partial(mxfp8, strategy))
         candidates[name] = functools.partial(run, copies_q, *x_q, group_sizes)
-    for tile_rows in sweep:
-        run = scanned(functools.partial(mxfp8, "decode", tile_rows=tile_rows))
-        candidates[f"gmm_mxfp8_decode_r{tile_rows}"] = functools.partial(
-            run, copies_q, *x_q, group_sizes
+    tiled_q, on_gpu = None, jax.devices()[0].platform == "gpu"
+    for fields in sweep:
+        weights_q = copies_q
+        if fields.get("layout") == "tiled":
+            if tiled_q is None:
+                tile = jax.jit(jax.vmap(tile_weights if on_gpu else lambda d: d))
+                tiled_q = tuple((tile(d), s) for d, s in copies_q)
+            weights_q = tiled_q
+        run = scanned(functools.partial(decode_variant, fields))
+        name = ",".join(f"{f}={v}" for f, v in fields.items())
+        candidates[f"gmm_mxfp8_decode[{name}]"] = functools.partial(
+            run, weights_q, *x_q, group_sizes
         )
     return candidates, float(np.mean(np.sum(sizes > 0, axis=-1)))
+
+
+def parse_variant(text: str) -> dict:
+    """ "tile_rows=16,layout=tiled" -> {"tile_rows": 16, "layout": "tiled"} (ints where they
+    parse)."""
+    fields = {}
+    for item in text.split(","):
+        field, value = item.split("=")
+        fields[field.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value
+    return fields
 
 
 # ------------------------------------------------------------------------------ the run
@@ -367,7 +410,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--impl", default="auto", help="gmm impl of the gmm part")
     parser.add_argument(
-        "--decode-sweep", default="", help="R,... decode-kernel row tiles (tile_rows)"
+        "--decode-sweep",
+        default="",
+        help='decode-kernel variants "field=v,...;...": DecodeConfig fields, layout=tiled',
     )
     parser.add_argument(
         "--profile", action="store_true", help="add each impl's device time by kernel (GPU)"
@@ -383,7 +428,7 @@ def main(argv=None) -> dict:
     if set(shapes) - set(known) or set(parts) - set(PARTS):
         parser.error(f"unknown shapes or parts; shapes: {sorted(known)}, parts: {PARTS}")
     token_counts = [int(t) for t in args.tokens.split(",")]
-    args.decode_sweep = [int(v) for v in args.decode_sweep.split(",") if v]
+    args.decode_sweep = [parse_variant(v) for v in args.decode_sweep.split(";") if v]
     os.makedirs(args.out, exist_ok=True)
     stem = f"decode_{datetime.date.today().isoformat()}" + (f"_{args.tag}" if args.tag else "")
     path = os.path.join(args.out, stem + ".json")

@@ -24,8 +24,8 @@ GMM_IMPLS = {
     "gmm_mxfp8_dequantize",
     "gmm_mxfp8_fused",
     "gmm_mxfp8_decode",
-    "gmm_mxfp8_decode_r8",
-    "gmm_mxfp8_decode_r16",
+    "gmm_mxfp8_decode[tile_rows=8]",
+    "gmm_mxfp8_decode[tile_rows=16,layout=tiled]",
 }
 
 
@@ -45,7 +45,7 @@ def result(tmp_path_factory):
             "--min-window",
             "0.001",
             "--decode-sweep",
-            "8,16",
+            "tile_rows=8;tile_rows=16,layout=tiled",
             "--out",
             str(out),
         ]

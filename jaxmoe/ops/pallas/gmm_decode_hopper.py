@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,24 @@ from jaxmoe.ops.pallas.tiles import row_tiles, work_list
 
 _FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 _BF16 = jnp.bfloat16
+WEIGHT_TILE = 128  # rows and columns of a weight tile in the tiled layout
+
+
+def tile_weights(rhs: jax.Array) -> jax.Array:
+    """The decode kernel's tiled layout of fp8 weights [G, N, K]: [G, N/128, K/128, 128, 128],
+    each 128 x 128 tile contiguous (16 KB), so that a K step's TMA load reads whole DRAM
+    pages instead of 128-byte pieces of rows K bytes apart. `untile_weights` inverts it."""
+    g, n, k = rhs.shape
+    if n % WEIGHT_TILE or k % WEIGHT_TILE:
+        raise ValueError(f"tile_weights: N={n} and K={k} must be multiples of {WEIGHT_TILE}")
+    t = WEIGHT_TILE
+    return rhs.reshape(g, n // t, t, k // t, t).transpose(0, 1, 3, 2, 4)
+
+
+def untile_weights(tiled: jax.Array) -> jax.Array:
+    """[G, N/128, K/128, 128, 128] -> [G, N, K]: the inverse of `tile_weights`."""
+    g, n_tiles, k_tiles, t, _ = tiled.shape
+    return tiled.transpose(0, 1, 3, 2, 4).reshape(g, n_tiles * t, k_tiles * t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +94,11 @@ class DecodeConfig:
         epilogue = NUM_COMPUTE_WGS * self.wg_n * self.tile_rows * jnp.dtype(out_dtype).itemsize
         return self.max_concurrent_steps * ring + epilogue
 
-    def validate(self, num_rows: int, k: int, n: int, out_dtype) -> None:
-        """Raise ValueError when this config cannot run on the given problem."""
+    def validate(self, num_rows: int, k: int, n: int, out_dtype, tiled: bool = False) -> None:
+        """Raise ValueError when this config cannot run on the given problem (tiled: the
+        weights in `tile_weights`' layout)."""
+        if tiled and self.tile_k != WEIGHT_TILE:
+            raise ValueError(f"gmm decode: tiled weights need tile_k={WEIGHT_TILE}")
         if self.tile_rows % 8 or not 8 <= self.tile_rows <= 256:
             raise ValueError(
                 f"gmm decode: tile_rows={self.tile_rows} must be 8..256, a multiple of 8"
@@ -99,6 +121,19 @@ class DecodeConfig:
             )
 
 
+def default_tile_rows(num_rows: int, num_groups: int) -> int:
+    """Row tiles in which most groups fit whole, so that they read their weights once: a group
+    of the usual size (the mean rows per group plus two standard deviations of a Poisson count)
+    starting anywhere in its first 8-row cell (tiles are anchored at the group's start rounded
+    down to 8 rows: up to 7 rows more); a power of two, 8 to 128. 8 when groups average at most
+    one row (most are empty or single rows)."""
+    mean = num_rows / max(num_groups, 1)
+    if mean <= 1:
+        return 8
+    usual = math.ceil(mean + 2 * math.sqrt(mean)) + ROW_ALIGN - 1
+    return min(128, max(8, 1 << (usual - 1).bit_length()))
+
+
 def default_decode_config(
     num_rows: int,
     k: int,
@@ -107,15 +142,13 @@ def default_decode_config(
     out_dtype=_BF16,
     tile_rows: int | None = None,
 ) -> DecodeConfig:
-    """Heuristic: row tiles (None: twice the mean rows per group, at least 8, at most 128, a
-    power of two, so most groups take one tile and read their weights once); 128 weight rows
+    """Heuristic: row tiles (None: `default_tile_rows`); 128 weight rows
     per warpgroup when N allows and the groups that the rows can reach give at least half the
     SMs a 256-column work item (else 64, twice the items; on the H200 64 won at qwen3_30b T=1,
     128 at mixtral T=64 with 128 items); as many ring slots (up to 6) as shared memory holds
     that divide the K steps, so that a CTA's items chain through one pipeline."""
     if tile_rows is None:
-        mean_rows = max(1, num_rows // max(num_groups, 1))
-        tile_rows = min(128, max(8, 1 << (2 * mean_rows - 1).bit_length()))
+        tile_rows = default_tile_rows(num_rows, num_groups)
     sms = num_sms()
     wide_items = min(num_rows, num_groups) * (n // (2 * 128))
     wg_n = 128 if n % 256 == 0 and 2 * wide_items >= sms else 64
@@ -148,13 +181,20 @@ def gmm_decode_pallas(
     interpret=None,
     groups_per_weight: int = 1,
 ) -> jax.Array:
-    """out[m] = lhs[m] @ deq(rhs)[g(m)]^T for bf16 lhs [M, K], float8 rhs [G, N, K] and its
-    E8M0 block scale bytes rhs_scale [G, K/32, N] (uint8, decoded in the kernel by
-    `jaxmoe.mxfp8.scale_multipliers`); rows past sum(group_sizes) are zeros.
-    config: None for `default_decode_config`. With groups_per_weight n, rhs holds G / n
-    matrices and group g multiplies rhs[g // n]."""
+    """out[m] = lhs[m] @ deq(rhs)[g(m)]^T for bf16 lhs [M, K], float8 rhs [G, N, K] (or the
+    same in `tile_weights`' layout, [G, N/128, K/128, 128, 128]) and its E8M0 block scale bytes
+    rhs_scale [G, K/32, N] (uint8, decoded in the kernel by `jaxmoe.mxfp8.scale_multipliers`);
+    rows past sum(group_sizes) are zeros. config: None for `default_decode_config`. With
+    groups_per_weight n, rhs holds G / n matrices and group g multiplies rhs[g // n]."""
     num_rows, k = lhs.shape
-    num_weights, n, _ = rhs.shape
+    tiled = rhs.ndim == 5
+    if tiled and rhs.shape[2:] != (k // WEIGHT_TILE, WEIGHT_TILE, WEIGHT_TILE):
+        raise ValueError(
+            f"gmm decode: tiled rhs must be [G, N/128, K/128, 128, 128] with K={k}, got {rhs.shape}"
+        )
+    if not tiled and rhs.ndim != 3:
+        raise ValueError(f"gmm decode: rhs must be [G, N, K] or tiled, got {rhs.shape}")
+    num_weights, n = rhs.shape[0], rhs.shape[1] * (WEIGHT_TILE if tiled else 1)
     if lhs.dtype != _BF16 or rhs.dtype not in _FP8_DTYPES:
         raise ValueError(
             f"gmm decode: lhs must be bf16 and rhs float8, got {lhs.dtype}, {rhs.dtype}"
@@ -168,11 +208,13 @@ def gmm_decode_pallas(
     config = config or default_decode_config(num_rows, k, n, num_groups, out_dtype)
     rows = max(config.tile_rows, cdiv(num_rows, ROW_ALIGN) * ROW_ALIGN)
     padded = jnp.pad(lhs, ((0, rows - num_rows), (0, 0)))
-    config.validate(rows, k, n, out_dtype)
+    config.validate(rows, k, n, out_dtype, tiled)
     tiles = row_tiles(group_sizes, rows, config.tile_rows, ROW_ALIGN)
     work = work_list(tiles, n // config.cta_n, config.grid_tile_width)
     load_row = jnp.minimum(tiles.start - tiles.start % ROW_ALIGN, rows - config.tile_rows)
-    kernel = _build_kernel(rows, k, n, tiles.num_tiles, jnp.dtype(out_dtype), config, interpret)
+    kernel = _build_kernel(
+        rows, k, n, tiles.num_tiles, jnp.dtype(out_dtype), config, tiled, interpret
+    )
     buffer = kernel(
         work.counts,
         work.tile,
@@ -194,7 +236,7 @@ def gmm_decode_pallas(
 
 
 @functools.cache
-def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, interpret):
+def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, tiled, interpret):
     tile_rows, wg_n, tile_k, cta_n = config.tile_rows, config.wg_n, config.tile_k, config.cta_n
     k_steps = k // tile_k
     blocks_per_step = tile_k // BLOCK_SIZE
@@ -204,6 +246,27 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
     # Consecutive items of one CTA share one pipeline when the K steps divide evenly: the
     # memory warpgroup fetches the next item's first steps while this item's last ones run.
     chained = k_steps % num_slots == 0
+
+    if tiled:  # a step loads the CTA's cta_n / 128 tiles of its 128-wide K block
+        weights_spec = plgpu.BlockSpec(
+            (cta_n // WEIGHT_TILE, None, WEIGHT_TILE, tile_k),
+            lambda ki: (0, ki, 0, 0),
+            transforms=swizzled(jnp.float8_e4m3fn, tile_k),
+            memory_space=plgpu.SMEM,
+        )
+    else:
+        weights_spec = plgpu.BlockSpec(
+            (cta_n, tile_k),
+            lambda ki: (0, ki),
+            transforms=swizzled(jnp.float8_e4m3fn, tile_k),
+            memory_space=plgpu.SMEM,
+        )
+
+    def cta_weights(rhs_gmem, weight, column):
+        """The CTA's cta_n weight rows of rhs_gmem."""
+        if tiled:
+            return rhs_gmem.at[weight, pl.ds(column // WEIGHT_TILE, cta_n // WEIGHT_TILE)]
+        return rhs_gmem.at[weight, pl.ds(column, cta_n), :]
 
     def pipeline(body, compute_context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
@@ -217,12 +280,7 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
                     transforms=swizzled(_BF16, BLOCK_SIZE),
                     memory_space=plgpu.SMEM,
                 ),
-                plgpu.BlockSpec(
-                    (cta_n, tile_k),
-                    lambda ki: (0, ki),
-                    transforms=swizzled(jnp.float8_e4m3fn, BLOCK_SIZE),
-                    memory_space=plgpu.SMEM,
-                ),
+                weights_spec,
                 plgpu.BlockSpec(
                     (blocks_per_step, cta_n), lambda ki: (ki, 0), memory_space=plgpu.SMEM
                 ),
@@ -253,7 +311,7 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
             pl.run_scoped,
             allocations=pipeline(ignore, ignore).get_allocations(
                 lhs_gmem.at[pl.ds(0, tile_rows), :],
-                rhs_gmem.at[0, pl.ds(0, cta_n), :],
+                cta_weights(rhs_gmem, 0, 0),
                 rhs_scale_gmem.at[0, :, pl.ds(0, cta_n)],
             ),
             collective_axes="wg",
@@ -269,14 +327,22 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
                 # A block's dequantized weights go to its wgmma from registers; the step's
                 # wgmmas retire before its TMA slot (their B rows) is released.
                 acc_ref = consumed_and_acc[-1]
+                # The whole step's tile in one load: a 32-wide block cannot be sliced out of
+                # the tile's 128-byte swizzle in SMEM, and a narrower swizzle splits the TMA.
+                if not tiled:
+                    weights = rhs_smem.at[wg_cols][...]
+                elif wg_n == WEIGHT_TILE:
+                    weights = rhs_smem.at[wg][...]
+                else:
+                    weights = rhs_smem.at[0, wg_cols][...]
                 for block in range(blocks_per_step):
                     ks = pl.ds(block * BLOCK_SIZE, BLOCK_SIZE)
                     scale_bytes = plgpu.load(
                         scale_smem.at[block, wg_cols], layout=scale_layout, optimized=False
                     )
                     scale = scale_multipliers(scale_bytes)
-                    w = rhs_smem.at[wg_cols, ks][...].astype(jnp.float32)
-                    w = (w * scale[:, None]).astype(_BF16)
+                    w = weights[:, block * BLOCK_SIZE : (block + 1) * BLOCK_SIZE]
+                    w = (w.astype(jnp.float32) * scale[:, None]).astype(_BF16)
                     plgpu.wgmma(acc_ref, w, lhs_smem.at[:, ks].transpose((1, 0)))
                 plgpu.wgmma_wait(0)
                 plgpu.commit_smem()
@@ -305,7 +371,7 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
                 rows = pl.ds(pl.multiple_of(tile_load_row_gmem[tile], ROW_ALIGN), tile_rows)
                 pipeline(mma, compute_context, state)(
                     lhs_gmem.at[rows, :],
-                    rhs_gmem.at[weight, pl.ds(column, cta_n), :],
+                    cta_weights(rhs_gmem, weight, column),
                     rhs_scale_gmem.at[weight, :, pl.ds(column, cta_n)],
                     allocations=allocations,
                 )
