@@ -16,9 +16,8 @@ For each `jaxmoe.shapes` layer and token count T (one sequence of T tokens):
          MXFP8 on its fprop weight copies (`ops.gmm_mxtensor`), strategies "dequantize",
          "fused_dequantize" and "decode" (`gmm_mxfp8_dequantize`, `gmm_mxfp8_fused`,
          `gmm_mxfp8_decode`); --decode-sweep "f=v,f=v;..." adds the decode kernel once per
-         ";"-separated variant, its `DecodeConfig` fields f set to v on the default config, and
-         layout=tiled for the weights in `tile_weights`' layout (tiled before the timing, as
-         stored), `gmm_mxfp8_decode[f=v,...]`: the same bits (on a CPU the XLA reference)
+         ";"-separated variant, its `DecodeConfig` fields f set to v on the default config
+         (`gmm_mxfp8_decode[f=v,...]`: the same bits; on a CPU the XLA reference)
   floor  the bytes of the active experts' weights (bf16: 2 bytes a weight; MXFP8: 1 + 1/32)
          over the memory bandwidth measured in the same run: the higher of a device copy's
          ((read + written bytes) / time) and a read-only pass's (bytes / time of a sum), both
@@ -71,8 +70,6 @@ from jaxmoe.ops.mxfp8_gmm import quantize_weights  # noqa: E402
 from jaxmoe.ops.pallas.gmm_decode_hopper import (  # noqa: E402
     default_decode_config,
     gmm_decode_pallas,
-    tile_weights,
-    untile_weights,
 )
 from jaxmoe.shapes import SHAPES, TINY_SHAPES, LayerShape  # noqa: E402
 
@@ -224,19 +221,18 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
         return run(a, w[0]), run(b, w[1])
 
     def decode_variant(fields, w, a, b, sizes):
-        """gmm_mxtensor's "decode" strategy with the variant's config and weights' layout."""
+        """gmm_mxtensor's "decode" strategy with the variant's config."""
 
         def run(x, stored):
             data, block_major_scale = stored
             if not on_gpu:  # the kernel needs a Hopper GPU: the XLA reference's bits
-                rows = untile_weights(data) if data.ndim == 5 else data
-                w = MXTensor(rows, jnp.swapaxes(block_major_scale, 1, 2), axis=2, fmt="e4m3")
+                w = MXTensor(data, jnp.swapaxes(block_major_scale, 1, 2), axis=2, fmt="e4m3")
                 return gmm_mxtensor(x, w, sizes, impl="xla")
             num_weights, n = block_major_scale.shape[0], block_major_scale.shape[2]
             k = x.data.shape[1]
             config = dataclasses.replace(
                 default_decode_config(x.shape[0], k, n, num_weights),
-                **{f: v for f, v in fields.items() if f != "layout"},
+                **fields,
             )
             return gmm_decode_pallas(
                 dequantize(x, BF16), data, block_major_scale, sizes, out_dtype=F32, config=config
@@ -252,29 +248,23 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
     ):
         run = scanned(functools.partial(mxfp8, strategy))
         candidates[name] = functools.partial(run, copies_q, *x_q, group_sizes)
-    tiled_q, on_gpu = None, jax.devices()[0].platform == "gpu"
+    on_gpu = jax.devices()[0].platform == "gpu"
     for fields in sweep:
-        weights_q = copies_q
-        if fields.get("layout") == "tiled":
-            if tiled_q is None:
-                tile = jax.jit(jax.vmap(tile_weights if on_gpu else lambda d: d))
-                tiled_q = tuple((tile(d), s) for d, s in copies_q)
-            weights_q = tiled_q
         run = scanned(functools.partial(decode_variant, fields))
         name = ",".join(f"{f}={v}" for f, v in fields.items())
         candidates[f"gmm_mxfp8_decode[{name}]"] = functools.partial(
-            run, weights_q, *x_q, group_sizes
+            run, copies_q, *x_q, group_sizes
         )
     return candidates, float(np.mean(np.sum(sizes > 0, axis=-1)))
 
 
 def parse_variant(text: str) -> dict:
-    """ "tile_rows=16,layout=tiled" -> {"tile_rows": 16, "layout": "tiled"} (ints where they
-    parse)."""
+    """The DecodeConfig fields of a --decode-sweep variant: "tile_rows=16,wg_n=64" ->
+    {"tile_rows": 16, "wg_n": 64}."""
     fields = {}
     for item in text.split(","):
         field, value = item.split("=")
-        fields[field.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value
+        fields[field.strip()] = int(value)
     return fields
 
 
@@ -412,7 +402,7 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--decode-sweep",
         default="",
-        help='decode-kernel variants "field=v,...;...": DecodeConfig fields, layout=tiled',
+        help='decode-kernel variants "field=v,...;...": DecodeConfig fields',
     )
     parser.add_argument(
         "--profile", action="store_true", help="add each impl's device time by kernel (GPU)"

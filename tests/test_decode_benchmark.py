@@ -25,7 +25,7 @@ GMM_IMPLS = {
     "gmm_mxfp8_fused",
     "gmm_mxfp8_decode",
     "gmm_mxfp8_decode[tile_rows=8]",
-    "gmm_mxfp8_decode[tile_rows=16,layout=tiled]",
+    "gmm_mxfp8_decode[tile_rows=16,wg_n=64]",
 }
 
 
@@ -45,7 +45,7 @@ def result(tmp_path_factory):
             "--min-window",
             "0.001",
             "--decode-sweep",
-            "tile_rows=8;tile_rows=16,layout=tiled",
+            "tile_rows=8;tile_rows=16,wg_n=64",
             "--out",
             str(out),
         ]

@@ -24,13 +24,7 @@ from layer_grads import output_and_grads
 from jaxmoe import MoEConfig
 from jaxmoe.mxfp8 import MXTensor, dequantize, quantize, scale_multipliers
 from jaxmoe.ops import DecodeConfig, GmmConfig, gmm_mxtensor, on_hopper, tgmm_mxtensor
-from jaxmoe.ops.pallas.gmm_decode_hopper import (
-    default_decode_config,
-    default_tile_rows,
-    gmm_decode_pallas,
-    tile_weights,
-    untile_weights,
-)
+from jaxmoe.ops.pallas.gmm_decode_hopper import default_decode_config, default_tile_rows
 from jaxmoe.ops.pallas.gmm_dequantize_hopper import default_dequantize_config
 from jaxmoe.ops.pallas.gmm_mxfp8_hopper import default_mxfp8_config
 
@@ -110,39 +104,6 @@ def test_decode_items_run_alike_chained_or_not_and_in_narrow_tiles(interpret):
     assert 256 // unchained.tile_k % unchained.max_concurrent_steps  # really unchained
     # Negative control: the same products summed in XLA's order differ somewhere.
     assert differs(bits(gmm_mxtensor(lhs_q, rhs_q, sizes, impl="xla")), bits(chained))
-
-
-@pytest.mark.parametrize("wg_n", [64, 128])
-def test_decode_tiled_weights_give_the_same_bits(interpret, wg_n):
-    """Weights in `tile_weights`' layout (128 x 128 tiles contiguous) give the bits of the
-    row-major weights, with each warpgroup on half a tile (wg_n 64) or a whole one (128)."""
-    lhs_q, rhs_q = operands(200, 256, 256, 5, seed=3)
-    sizes = jnp.asarray(SIZES["ragged_tail_and_empty"], jnp.int32)
-    config = dataclasses.replace(DECODE_SMALL, wg_n=wg_n, num_sms=132 if ON_HOPPER else 3)
-    lhs, scale = dequantize(lhs_q, jnp.bfloat16), jnp.swapaxes(rhs_q.scale, 1, 2)
-    run = functools.partial(
-        gmm_decode_pallas,
-        lhs,
-        rhs_scale=scale,
-        group_sizes=sizes,
-        out_dtype=jnp.float32,
-        config=config,
-    )
-    rows, tiled = run(rhs_q.data), run(tile_weights(rhs_q.data))
-    np.testing.assert_array_equal(bits(tiled), bits(rows))
-    # Negative control: the tiles read as if they were rows give other results.
-    scrambled = run(tile_weights(rhs_q.data).reshape(rhs_q.data.shape))
-    assert differs(bits(scrambled), bits(rows))
-
-
-def test_tile_weights_round_trips_and_refuses_partial_tiles():
-    data = jax.random.normal(jax.random.key(0), (3, 256, 384)).astype(jnp.float8_e4m3fn)
-    tiled = tile_weights(data)
-    assert tiled.shape == (3, 2, 3, 128, 128)
-    np.testing.assert_array_equal(tiled[1, 1, 2], data[1, 128:, 256:])
-    np.testing.assert_array_equal(untile_weights(tiled), data)
-    with pytest.raises(ValueError, match="multiples of 128"):
-        tile_weights(data[:, :, :320])
 
 
 @pytest.mark.parametrize("strategy", ["fp8_wgmma", "fused_dequantize"])

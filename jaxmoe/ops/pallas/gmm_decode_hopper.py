@@ -49,24 +49,6 @@ from jaxmoe.ops.pallas.tiles import row_tiles, work_list
 
 _FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 _BF16 = jnp.bfloat16
-WEIGHT_TILE = 128  # rows and columns of a weight tile in the tiled layout
-
-
-def tile_weights(rhs: jax.Array) -> jax.Array:
-    """The decode kernel's tiled layout of fp8 weights [G, N, K]: [G, N/128, K/128, 128, 128],
-    each 128 x 128 tile contiguous (16 KB), so that a K step's TMA load reads whole DRAM
-    pages instead of 128-byte pieces of rows K bytes apart. `untile_weights` inverts it."""
-    g, n, k = rhs.shape
-    if n % WEIGHT_TILE or k % WEIGHT_TILE:
-        raise ValueError(f"tile_weights: N={n} and K={k} must be multiples of {WEIGHT_TILE}")
-    t = WEIGHT_TILE
-    return rhs.reshape(g, n // t, t, k // t, t).transpose(0, 1, 3, 2, 4)
-
-
-def untile_weights(tiled: jax.Array) -> jax.Array:
-    """[G, N/128, K/128, 128, 128] -> [G, N, K]: the inverse of `tile_weights`."""
-    g, n_tiles, k_tiles, t, _ = tiled.shape
-    return tiled.transpose(0, 1, 3, 2, 4).reshape(g, n_tiles * t, k_tiles * t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +76,8 @@ class DecodeConfig:
         epilogue = NUM_COMPUTE_WGS * self.wg_n * self.tile_rows * jnp.dtype(out_dtype).itemsize
         return self.max_concurrent_steps * ring + epilogue
 
-    def validate(self, num_rows: int, k: int, n: int, out_dtype, tiled: bool = False) -> None:
-        """Raise ValueError when this config cannot run on the given problem (tiled: the
-        weights in `tile_weights`' layout)."""
-        if tiled and self.tile_k != WEIGHT_TILE:
-            raise ValueError(f"gmm decode: tiled weights need tile_k={WEIGHT_TILE}")
+    def validate(self, num_rows: int, k: int, n: int, out_dtype) -> None:
+        """Raise ValueError when this config cannot run on the given problem."""
         if self.tile_rows % 8 or not 8 <= self.tile_rows <= 256:
             raise ValueError(
                 f"gmm decode: tile_rows={self.tile_rows} must be 8..256, a multiple of 8"
@@ -181,20 +160,13 @@ def gmm_decode_pallas(
     interpret=None,
     groups_per_weight: int = 1,
 ) -> jax.Array:
-    """out[m] = lhs[m] @ deq(rhs)[g(m)]^T for bf16 lhs [M, K], float8 rhs [G, N, K] (or the
-    same in `tile_weights`' layout, [G, N/128, K/128, 128, 128]) and its E8M0 block scale bytes
-    rhs_scale [G, K/32, N] (uint8, decoded in the kernel by `jaxmoe.mxfp8.scale_multipliers`);
-    rows past sum(group_sizes) are zeros. config: None for `default_decode_config`. With
-    groups_per_weight n, rhs holds G / n matrices and group g multiplies rhs[g // n]."""
+    """out[m] = lhs[m] @ deq(rhs)[g(m)]^T for bf16 lhs [M, K], float8 rhs [G, N, K] and its
+    E8M0 block scale bytes rhs_scale [G, K/32, N] (uint8, decoded in the kernel by
+    `jaxmoe.mxfp8.scale_multipliers`); rows past sum(group_sizes) are zeros.
+    config: None for `default_decode_config`. With groups_per_weight n, rhs holds G / n
+    matrices and group g multiplies rhs[g // n]."""
     num_rows, k = lhs.shape
-    tiled = rhs.ndim == 5
-    if tiled and rhs.shape[2:] != (k // WEIGHT_TILE, WEIGHT_TILE, WEIGHT_TILE):
-        raise ValueError(
-            f"gmm decode: tiled rhs must be [G, N/128, K/128, 128, 128] with K={k}, got {rhs.shape}"
-        )
-    if not tiled and rhs.ndim != 3:
-        raise ValueError(f"gmm decode: rhs must be [G, N, K] or tiled, got {rhs.shape}")
-    num_weights, n = rhs.shape[0], rhs.shape[1] * (WEIGHT_TILE if tiled else 1)
+    num_weights, n, _ = rhs.shape
     if lhs.dtype != _BF16 or rhs.dtype not in _FP8_DTYPES:
         raise ValueError(
             f"gmm decode: lhs must be bf16 and rhs float8, got {lhs.dtype}, {rhs.dtype}"
@@ -208,13 +180,11 @@ def gmm_decode_pallas(
     config = config or default_decode_config(num_rows, k, n, num_groups, out_dtype)
     rows = max(config.tile_rows, cdiv(num_rows, ROW_ALIGN) * ROW_ALIGN)
     padded = jnp.pad(lhs, ((0, rows - num_rows), (0, 0)))
-    config.validate(rows, k, n, out_dtype, tiled)
+    config.validate(rows, k, n, out_dtype)
     tiles = row_tiles(group_sizes, rows, config.tile_rows, ROW_ALIGN)
     work = work_list(tiles, n // config.cta_n, config.grid_tile_width)
     load_row = jnp.minimum(tiles.start - tiles.start % ROW_ALIGN, rows - config.tile_rows)
-    kernel = _build_kernel(
-        rows, k, n, tiles.num_tiles, jnp.dtype(out_dtype), config, tiled, interpret
-    )
+    kernel = _build_kernel(rows, k, n, tiles.num_tiles, jnp.dtype(out_dtype), config, interpret)
     buffer = kernel(
         work.counts,
         work.tile,
@@ -236,7 +206,7 @@ def gmm_decode_pallas(
 
 
 @functools.cache
-def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, tiled, interpret):
+def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, interpret):
     tile_rows, wg_n, tile_k, cta_n = config.tile_rows, config.wg_n, config.tile_k, config.cta_n
     k_steps = k // tile_k
     blocks_per_step = tile_k // BLOCK_SIZE
@@ -246,27 +216,6 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, ti
     # Consecutive items of one CTA share one pipeline when the K steps divide evenly: the
     # memory warpgroup fetches the next item's first steps while this item's last ones run.
     chained = k_steps % num_slots == 0
-
-    if tiled:  # a step loads the CTA's cta_n / 128 tiles of its 128-wide K block
-        weights_spec = plgpu.BlockSpec(
-            (cta_n // WEIGHT_TILE, None, WEIGHT_TILE, tile_k),
-            lambda ki: (0, ki, 0, 0),
-            transforms=swizzled(jnp.float8_e4m3fn, tile_k),
-            memory_space=plgpu.SMEM,
-        )
-    else:
-        weights_spec = plgpu.BlockSpec(
-            (cta_n, tile_k),
-            lambda ki: (0, ki),
-            transforms=swizzled(jnp.float8_e4m3fn, tile_k),
-            memory_space=plgpu.SMEM,
-        )
-
-    def cta_weights(rhs_gmem, weight, column):
-        """The CTA's cta_n weight rows of rhs_gmem."""
-        if tiled:
-            return rhs_gmem.at[weight, pl.ds(column // WEIGHT_TILE, cta_n // WEIGHT_TILE)]
-        return rhs_gmem.at[weight, pl.ds(column, cta_n), :]
 
     def pipeline(body, compute_context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
@@ -280,7 +229,12 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, ti
                     transforms=swizzled(_BF16, BLOCK_SIZE),
                     memory_space=plgpu.SMEM,
                 ),
-                weights_spec,
+                plgpu.BlockSpec(
+                    (cta_n, tile_k),
+                    lambda ki: (0, ki),
+                    transforms=swizzled(jnp.float8_e4m3fn, tile_k),
+                    memory_space=plgpu.SMEM,
+                ),
                 plgpu.BlockSpec(
                     (blocks_per_step, cta_n), lambda ki: (ki, 0), memory_space=plgpu.SMEM
                 ),
@@ -311,7 +265,7 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, ti
             pl.run_scoped,
             allocations=pipeline(ignore, ignore).get_allocations(
                 lhs_gmem.at[pl.ds(0, tile_rows), :],
-                cta_weights(rhs_gmem, 0, 0),
+                rhs_gmem.at[0, pl.ds(0, cta_n), :],
                 rhs_scale_gmem.at[0, :, pl.ds(0, cta_n)],
             ),
             collective_axes="wg",
@@ -328,13 +282,9 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, ti
                 # wgmmas retire before its TMA slot (their B rows) is released.
                 acc_ref = consumed_and_acc[-1]
                 # The whole step's tile in one load: a 32-wide block cannot be sliced out of
-                # the tile's 128-byte swizzle in SMEM, and a narrower swizzle splits the TMA.
-                if not tiled:
-                    weights = rhs_smem.at[wg_cols][...]
-                elif wg_n == WEIGHT_TILE:
-                    weights = rhs_smem.at[wg][...]
-                else:
-                    weights = rhs_smem.at[0, wg_cols][...]
+                # the tile's 128-byte swizzle in SMEM, and a narrower swizzle splits the TMA
+                # load into boxes of 32-byte rows (18% slower on the H200).
+                weights = rhs_smem.at[wg_cols][...]
                 for block in range(blocks_per_step):
                     ks = pl.ds(block * BLOCK_SIZE, BLOCK_SIZE)
                     scale_bytes = plgpu.load(
@@ -371,7 +321,7 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, ti
                 rows = pl.ds(pl.multiple_of(tile_load_row_gmem[tile], ROW_ALIGN), tile_rows)
                 pipeline(mma, compute_context, state)(
                     lhs_gmem.at[rows, :],
-                    cta_weights(rhs_gmem, weight, column),
+                    rhs_gmem.at[weight, pl.ds(column, cta_n), :],
                     rhs_scale_gmem.at[weight, :, pl.ds(column, cta_n)],
                     allocations=allocations,
                 )
