@@ -17,7 +17,7 @@ For each `jaxmoe.shapes` layer and token count T (one sequence of T tokens):
          "fused_dequantize" and "decode" (`gmm_mxfp8_dequantize`, `gmm_mxfp8_fused`,
          `gmm_mxfp8_decode`); --decode-sweep "f=v,f=v;..." adds the decode kernel once per
          ";"-separated variant, its `DecodeConfig` fields f set to v on the default config
-         (`gmm_mxfp8_decode[f=v,...]`: the same bits; on a CPU the XLA reference)
+         (`gmm_mxfp8_decode[f=v,...]`: the same bits)
   floor  the bytes of the active experts' weights (bf16: 2 bytes a weight; MXFP8: 1 + 1/32)
          over the memory bandwidth measured in the same run: the higher of a device copy's
          ((read + written bytes) / time) and a read-only pass's (bytes / time of a sum), both
@@ -64,13 +64,10 @@ from benchmarks.timing import (  # noqa: E402
     timed_runs,
 )
 from jaxmoe import MoE, mxfp8_inference  # noqa: E402
-from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor, dequantize  # noqa: E402
+from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor  # noqa: E402
 from jaxmoe.ops import gmm, gmm_mxtensor, quantize  # noqa: E402
 from jaxmoe.ops.mxfp8_gmm import quantize_weights  # noqa: E402
-from jaxmoe.ops.pallas.gmm_decode_hopper import (  # noqa: E402
-    default_decode_config,
-    gmm_decode_pallas,
-)
+from jaxmoe.ops.pallas.gmm_decode_hopper import default_decode_config  # noqa: E402
 from jaxmoe.shapes import SHAPES, TINY_SHAPES, LayerShape  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -212,31 +209,17 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
     def bf16(w, a, b, sizes):
         return gmm(a, w[0], sizes, impl=impl), gmm(b, w[1], sizes, impl=impl)
 
-    def mxfp8(strategy, w, a, b, sizes):
+    def mxfp8(strategy, w, a, b, sizes, fields=None):
         def run(x, stored):
             data, block_major_scale = stored
             w = MXTensor(data, jnp.swapaxes(block_major_scale, 1, 2), axis=2, fmt="e4m3")
-            return gmm_mxtensor(x, w, sizes, impl=impl, strategy=strategy)
-
-        return run(a, w[0]), run(b, w[1])
-
-    def decode_variant(fields, w, a, b, sizes):
-        """gmm_mxtensor's "decode" strategy with the variant's config."""
-
-        def run(x, stored):
-            data, block_major_scale = stored
-            if not on_gpu:  # the kernel needs a Hopper GPU: the XLA reference's bits
-                w = MXTensor(data, jnp.swapaxes(block_major_scale, 1, 2), axis=2, fmt="e4m3")
-                return gmm_mxtensor(x, w, sizes, impl="xla")
-            num_weights, n = block_major_scale.shape[0], block_major_scale.shape[2]
-            k = x.data.shape[1]
-            config = dataclasses.replace(
-                default_decode_config(x.shape[0], k, n, num_weights),
-                **fields,
-            )
-            return gmm_decode_pallas(
-                dequantize(x, BF16), data, block_major_scale, sizes, out_dtype=F32, config=config
-            )
+            config = None
+            if fields is not None:  # a --decode-sweep variant of the decode kernel's config
+                num_weights, n, k = w.shape
+                config = dataclasses.replace(
+                    default_decode_config(x.shape[0], k, n, num_weights), **fields
+                )
+            return gmm_mxtensor(x, w, sizes, impl=impl, strategy=strategy, config=config)
 
         return run(a, w[0]), run(b, w[1])
 
@@ -248,9 +231,8 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
     ):
         run = scanned(functools.partial(mxfp8, strategy))
         candidates[name] = functools.partial(run, copies_q, *x_q, group_sizes)
-    on_gpu = jax.devices()[0].platform == "gpu"
     for fields in sweep:
-        run = scanned(functools.partial(decode_variant, fields))
+        run = scanned(functools.partial(mxfp8, "decode", fields=fields))
         name = ",".join(f"{f}={v}" for f, v in fields.items())
         candidates[f"gmm_mxfp8_decode[{name}]"] = functools.partial(
             run, copies_q, *x_q, group_sizes
