@@ -3,7 +3,7 @@ the active experts' weights bounds the time, next to that bound.
 
     PYTHONPATH=. python benchmarks/decode.py [--shapes qwen3_30b,mixtral,dsv3_ep8]
         [--tokens 1,8,64,256] [--copies 8] [--parts layer,gmm] [--repeats 3]
-        [--min-window 0.1] [--profile] [--tag TAG] [--out DIR]
+        [--min-window 0.1] [--impls NAME,...] [--profile] [--tag TAG] [--out DIR]
 
 For each `jaxmoe.shapes` layer and token count T (one sequence of T tokens):
   layer  the inference forward: jaxmoe_bf16 (the bf16 layer), jaxmoe_mxfp8
@@ -28,8 +28,9 @@ No host dispatch is timed: each timed call runs `copies` forwards inside one exe
 copy is served from L2) and its own tokens; times are per forward. --profile adds each
 implementation's device time per forward by kernel name (`kernels_us`, from a JAX profile; GPU
 only), which shows what besides the GEMM kernels a forward runs. Implementations take turns
-(`benchmarks.timing.timed_runs`), median of the repeats. Writes decode_<date>[_tag].json (after
-every shape) and, with matplotlib, decode_<date>[_tag].png to --out.
+(`benchmarks.timing.timed_runs`), median of the repeats; --impls runs only the named ones.
+Writes decode_<date>[_tag].json (after every shape) and, with matplotlib, decode_<date>[_tag].png
+to --out.
 """
 
 from __future__ import annotations
@@ -266,6 +267,8 @@ def bench(shape: LayerShape, tokens: int, part: str, args, bandwidth: float, rec
         records.append(dict(base, error=error_text(e)))
         log(f"{shape.name} T={tokens} {part}: FAILED {error_text(e)}")
         return
+    if args.impls:
+        candidates = {k: v for k, v in candidates.items() if k in args.impls}
     runnable = {}
     for impl, call in candidates.items():
         try:
@@ -387,6 +390,9 @@ def main(argv=None) -> dict:
         help='decode-kernel variants "field=v,...;...": DecodeConfig fields',
     )
     parser.add_argument(
+        "--impls", default="", help="run only these implementations (comma-separated names)"
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="add each impl's device time by kernel (GPU)"
     )
     parser.add_argument("--repeats", type=int, default=3)
@@ -400,6 +406,7 @@ def main(argv=None) -> dict:
     if set(shapes) - set(known) or set(parts) - set(PARTS):
         parser.error(f"unknown shapes or parts; shapes: {sorted(known)}, parts: {PARTS}")
     token_counts = [int(t) for t in args.tokens.split(",")]
+    args.impls = {i for i in args.impls.split(",") if i}
     args.decode_sweep = [parse_variant(v) for v in args.decode_sweep.split(";") if v]
     os.makedirs(args.out, exist_ok=True)
     stem = f"decode_{datetime.date.today().isoformat()}" + (f"_{args.tag}" if args.tag else "")
