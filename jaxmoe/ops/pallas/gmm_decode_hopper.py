@@ -42,7 +42,9 @@ from jaxmoe.ops.pallas.gmm_common import (
     NUM_COMPUTE_WGS,
     ROW_ALIGN,
     run_items,
+    store_rows,
     swizzled,
+    zero_accumulator,
 )
 from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
 from jaxmoe.ops.pallas.tiles import row_tiles, work_list
@@ -183,30 +185,23 @@ def gmm_decode_pallas(
     config.validate(rows, k, n, out_dtype)
     tiles = row_tiles(group_sizes, rows, config.tile_rows, ROW_ALIGN)
     work = work_list(tiles, n // config.cta_n, config.grid_tile_width)
-    load_row = jnp.minimum(tiles.start - tiles.start % ROW_ALIGN, rows - config.tile_rows)
-    kernel = _build_kernel(rows, k, n, tiles.num_tiles, jnp.dtype(out_dtype), config, interpret)
-    buffer = kernel(
+    kernel = _build_kernel(rows, k, n, jnp.dtype(out_dtype), config, interpret)
+    out = kernel(
         work.counts,
         work.tile,
         work.column,
         tiles.group // groups_per_weight,
-        load_row.astype(jnp.int32),
+        tiles.start,
+        tiles.count,
         padded,
         rhs,
         rhs_scale,
     )
-    # Row m of out is column (m - load_row) of its tile's out^T; rows past the groups are 0.
-    m = jnp.arange(num_rows, dtype=jnp.int32)
-    used = jnp.arange(tiles.num_tiles) < tiles.counts[0]
-    starts = jnp.where(used, tiles.start, rows)
-    tile = jnp.searchsorted(starts, m, side="right").astype(jnp.int32) - 1
-    tile = jnp.clip(tile, 0, tiles.num_tiles - 1)
-    out = buffer[tile, :, m - load_row[tile]]
-    return jnp.where((m < jnp.sum(group_sizes))[:, None], out, 0).astype(out_dtype)
+    return out[:num_rows]
 
 
 @functools.cache
-def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, interpret):
+def _build_kernel(num_rows, k, n, out_dtype, config: DecodeConfig, interpret):
     tile_rows, wg_n, tile_k, cta_n = config.tile_rows, config.wg_n, config.tile_k, config.cta_n
     k_steps = k // tile_k
     blocks_per_step = tile_k // BLOCK_SIZE
@@ -252,7 +247,8 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
         work_tile_gmem,
         work_column_gmem,
         tile_weight_gmem,
-        tile_load_row_gmem,
+        tile_start_gmem,
+        tile_count_gmem,
         lhs_gmem,
         rhs_gmem,
         rhs_scale_gmem,
@@ -300,6 +296,33 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
                     plgpu.barrier_arrive(barrier.at[lax.rem(step[0], num_slots)])
                 return acc_ref
 
+            def load_row(tile):
+                """The 8-aligned first row of the tile's lhs window (which holds its rows),
+                shifted back near the end of lhs so that the window stays in bounds."""
+                first_row = tile_start_gmem[tile]
+                row = jnp.minimum(first_row - first_row % ROW_ALIGN, num_rows - tile_rows)
+                return pl.multiple_of(row, ROW_ALIGN)
+
+            def store(out_t, tile, column):
+                """Write out^T [wg_n, tile_rows] of this warpgroup's columns to the tile's rows
+                of out: transposed into SMEM, then TMA stores of the tile's rows only, so no
+                store reaches another group's rows."""
+                tile_out = out_smem.at[wg]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                tile_out.transpose((1, 0))[...] = out_t.astype(out_dtype)
+                plgpu.commit_smem()
+                first_row = tile_start_gmem[tile]
+                store_rows(
+                    tile_out,
+                    out_gmem,
+                    first_row,
+                    first_row - load_row(tile),
+                    tile_count_gmem[tile],
+                    column + wg * wg_n,
+                    tile_rows,
+                    wg_n,
+                )
+
             def decode_item(item, state):
                 tile = work_tile_gmem[item]
                 weight = tile_weight_gmem[tile]
@@ -308,17 +331,11 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
                 def compute_context(eval_pipeline):
                     def scoped(acc_ref):
                         eval_pipeline(acc_ref)
-                        tile_out = out_smem.at[wg]
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        tile_out[...] = acc_ref[...].astype(out_dtype)
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            tile_out, out_gmem.at[tile, pl.ds(column + wg * wg_n, wg_n), :]
-                        )
+                        store(acc_ref[...], tile, column)
 
                     pl.run_scoped(scoped, plgpu.ACC((wg_n, tile_rows)))
 
-                rows = pl.ds(pl.multiple_of(tile_load_row_gmem[tile], ROW_ALIGN), tile_rows)
+                rows = pl.ds(load_row(tile), tile_rows)
                 pipeline(mma, compute_context, state)(
                     lhs_gmem.at[rows, :],
                     rhs_gmem.at[weight, pl.ds(column, cta_n), :],
@@ -328,19 +345,31 @@ def _build_kernel(num_rows, k, n, num_tiles, out_dtype, config: DecodeConfig, in
 
             run_items(mine, lambda j, state: decode_item(sm + j * config.num_sms, state), chained)
 
+            # The rows past the groups: zeros, written by the compute warpgroups.
+            num_zero = counts_gmem[1]
+            mine_zero = jnp.maximum(num_zero - sm + config.num_sms - 1, 0) // config.num_sms
+
+            @pl.when(wg < NUM_COMPUTE_WGS)
+            def _zero_region():
+                @pl.loop(0, mine_zero)
+                def _each_zero(j):
+                    item = num_items + sm + j * config.num_sms
+                    zeros = zero_accumulator(wg_n, tile_rows)
+                    store(zeros, work_tile_gmem[item], work_column_gmem[item] * cta_n)
+
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     return plgpu.kernel(
         decode_matmul,
         kernel_name="gmm_decode",
-        out_type=jax.ShapeDtypeStruct((num_tiles, n, tile_rows), out_dtype),
+        out_type=jax.ShapeDtypeStruct((num_rows, n), out_dtype),
         grid=(config.num_sms,),
         grid_names=("sm",),
         num_threads=NUM_COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(
-            out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, wg_n, tile_rows), out_dtype),
+            out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, tile_rows, wg_n), out_dtype),
         ),
         interpret=interpret,
     )
