@@ -252,15 +252,27 @@ def test_moe_layer_mxfp8_pallas_matches_xla(interpret):
     ids=["mixtral", "qwen3", "dsv3", "narrow_n", "mixtral_decode", "qwen3_fc2_decode"],
 )
 def test_lowering_at_real_shapes(shape, strategy, default_config):
-    """Pallas -> Mosaic GPU lowering on CPU for the fp8-reading kernels at the benchmark
-    shapes and at decode sizes (narrow_n: warpgroups stacked along M)."""
+    """Pallas -> Mosaic GPU lowering on CPU (its layout inference included) for the
+    fp8-reading kernels at the benchmark shapes and at decode sizes (narrow_n: warpgroups
+    stacked along M)."""
+    lower_for_hopper(shape, strategy, default_config, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(128, 4096, 28672, 8), (512, 768, 2048, 128)])
+def test_decode_kernel_lowers_with_fp32_output(shape):
+    """The decode kernel's epilogue transposes the output tile in SMEM; fp32 needs another
+    register layout for that than bf16 (Mosaic's layout inference failed on it once)."""
+    lower_for_hopper(shape, "decode", default_decode_config, jnp.float32)
+
+
+def lower_for_hopper(shape, strategy, default_config, out_dtype):
     m, k, n, g = shape
     s = jax.ShapeDtypeStruct
     fn = functools.partial(
         gmm_mxtensor,
         impl="pallas",
-        preferred_element_type=jnp.bfloat16,
-        config=default_config(m, k, n, g),
+        preferred_element_type=out_dtype,
+        config=default_config(m, k, n, g, out_dtype),
         strategy=strategy,
     )
     jax.jit(lambda ld, ls, rd, rs, sizes: fn(mx(ld, ls, 1), mx(rd, rs, 2), sizes)).trace(

@@ -18,8 +18,10 @@ which operand is A, and it does not on the H200
 The weights' fp8 tiles and their E8M0 scale bytes come through the same TMA ring, so no
 warpgroup waits on a global load.
 
-Output tiles go to a per-tile buffer [tiles, N, tile_rows] (out^T of each row tile, so that no
-store crosses into another group's rows); XLA gathers out [M, N] from it (M is small here).
+The epilogue transposes each warpgroup's out^T tile in SMEM and TMA-stores only the tile's
+own rows of out [M, N] (the rows of a group, never another's); the compute warpgroups write
+zeros to the rows past the groups.
+
 docs/kernels.md describes the design."""
 
 from __future__ import annotations
@@ -309,7 +311,9 @@ def _build_kernel(num_rows, k, n, out_dtype, config: DecodeConfig, interpret):
                 store reaches another group's rows."""
                 tile_out = out_smem.at[wg]
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                tile_out.transpose((1, 0))[...] = out_t.astype(out_dtype)
+                tile_out.transpose((1, 0))[...] = plgpu.layout_cast(
+                    out_t.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED
+                )
                 plgpu.commit_smem()
                 first_row = tile_start_gmem[tile]
                 store_rows(
