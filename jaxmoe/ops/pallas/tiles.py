@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxmoe.ints import cdiv
+from jaxmoe.ints import cdiv, exclusive_cumsum
 from jaxmoe.ops.pallas.hopper import SWIZZLE_ROWS
 
 
@@ -56,11 +56,11 @@ def row_tiles(
     sizes = jnp.concatenate(
         [group_sizes.astype(jnp.int32), (num_rows - jnp.sum(group_sizes)).astype(jnp.int32)[None]]
     )
-    starts = jnp.cumsum(sizes) - sizes
+    starts = exclusive_cumsum(sizes)
     ends = starts + sizes
     anchors = starts - starts % row_align
     tiles_per_group = jnp.where(sizes > 0, cdiv(ends - anchors, tile_m), 0)
-    first_tile = jnp.cumsum(tiles_per_group) - tiles_per_group
+    first_tile = exclusive_cumsum(tiles_per_group)
     total_tiles = jnp.sum(tiles_per_group)
 
     num_tiles = max_row_tiles(num_rows, num_groups, tile_m, row_align)
