@@ -304,7 +304,7 @@ def bench(shape: LayerShape, tokens: int, part: str, args, bandwidth: float, rec
         )
 
 
-def kernel_breakdown(call, copies: int, runs: int = 2, top: int = 12) -> dict:
+def kernel_breakdown(call, copies: int, runs: int = 2, top: int = 40) -> dict:
     """Device us per forward of the GPU work a call launches, by kernel name (the `top`
     longest, the rest summed as "other"), from a profile of `runs` calls of `copies` forwards."""
     per_kernel = collections.Counter()

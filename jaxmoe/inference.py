@@ -3,7 +3,10 @@ forward GEMMs read (e4m3 data and E8M0 scales, 1.03 bytes a weight), no high-pre
 
     inference = jaxmoe.mxfp8_inference(model)   # model: MoEConfig(expert_precision="mxfp8")
     y, aux = inference(x)                       # the training forward's bits (D3), any batch
-    decode = jaxmoe.mxfp8_inference(model, gemm_strategy="decode")  # few tokens per step
+
+At a few tokens per expert (decode) the expert GEMMs run on the decode kernel, which reads each
+active expert's fp8 weights once; at larger batches on the dequantizing kernels (the "auto"
+GEMM strategy; the same bits either way).
 
 The copies are `quantize_expert_weights`'s fprop copies of the trained weights, so a token's
 output is bitwise the training forward's at any batch size; the router and the shared expert
@@ -38,7 +41,7 @@ class Mxfp8GroupedMLP(nnx.Module):
     into the MXTensor and the kernel's wrapper transposes that again, and XLA removes the pair,
     so no call touches every expert's scales before the kernel."""
 
-    def __init__(self, model: MoE, gemm_strategy: str = "dequantize"):
+    def __init__(self, model: MoE, gemm_strategy: str = "auto"):
         config, experts = model.config, model.experts
         if config.expert_precision != "mxfp8":
             raise ValueError(
@@ -84,14 +87,16 @@ class Mxfp8GroupedMLP(nnx.Module):
         )
 
 
-def mxfp8_inference(model: MoE, *, gemm_strategy: str = "dequantize") -> MoE:
+def mxfp8_inference(model: MoE, *, gemm_strategy: str = "auto") -> MoE:
     """A copy of `model` for inference whose routed experts hold only their MXFP8 fprop copies
     (`Mxfp8GroupedMLP`); `model` is left as it is (drop it to free its high-precision expert
     weights). Needs expert_precision "mxfp8". Its forward gives the training forward's bits.
-    gemm_strategy: how the expert GEMMs run on the Pallas kernels (`gmm_mxtensor`):
-    "dequantize" (bf16 copies of the operands, then the bf16 kernel), "fused_dequantize" and
-    "decode" (the fp8 weights read once and dequantized in the kernel; "decode" for a few
-    tokens per expert) give the same bits on the GPU; "fp8_wgmma" does not."""
+    gemm_strategy: how the expert GEMMs run on the Pallas kernels (`gmm_mxtensor`): "auto"
+    (default: "decode" at up to `DECODE_MAX_ROWS_PER_GROUP` rows per expert on average, else
+    "dequantize"), "dequantize" (bf16 copies of the operands, then the bf16 kernel),
+    "fused_dequantize" and "decode" (the fp8 weights read once and dequantized in the kernel;
+    "decode" for a few tokens per expert) give the same bits on the GPU; "fp8_wgmma" does
+    not."""
     inference = nnx.clone(model)
     inference.experts = Mxfp8GroupedMLP(model, gemm_strategy)
     # No padding rows: MXFP8's 32-row blocks serve the backward's columnwise copies, and at

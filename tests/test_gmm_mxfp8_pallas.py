@@ -24,6 +24,7 @@ from layer_grads import output_and_grads
 from jaxmoe import MoEConfig
 from jaxmoe.mxfp8 import MXTensor, dequantize, quantize, scale_multipliers
 from jaxmoe.ops import DecodeConfig, GmmConfig, gmm_mxtensor, on_hopper, tgmm_mxtensor
+from jaxmoe.ops.mxtensor_gmm import DECODE_MAX_ROWS_PER_GROUP, resolve_strategy
 from jaxmoe.ops.pallas.gmm_decode_hopper import default_decode_config, default_tile_rows
 from jaxmoe.ops.pallas.gmm_dequantize_hopper import default_dequantize_config
 from jaxmoe.ops.pallas.gmm_mxfp8_hopper import default_mxfp8_config
@@ -95,12 +96,12 @@ def test_decode_items_run_alike_chained_or_not_and_in_narrow_tiles(interpret):
     configs = [DECODE_SMALL, unchained, dataclasses.replace(DECODE_SMALL, tile_rows=8)]
     if ON_HOPPER:
         configs = [dataclasses.replace(c, num_sms=132) for c in configs]
-    chained, single, narrow = (
+    chained, *others = (
         gmm_mxtensor(lhs_q, rhs_q, sizes, impl="pallas", config=c, strategy="decode")
         for c in configs
     )
-    np.testing.assert_array_equal(bits(single), bits(chained))
-    np.testing.assert_array_equal(bits(narrow), bits(chained))
+    for other in others:
+        np.testing.assert_array_equal(bits(other), bits(chained))
     assert 256 // unchained.tile_k % unchained.max_concurrent_steps  # really unchained
     # Negative control: the same products summed in XLA's order differ somewhere.
     assert differs(bits(gmm_mxtensor(lhs_q, rhs_q, sizes, impl="xla")), bits(chained))
@@ -376,6 +377,19 @@ def test_gpu_in_kernel_dequantization_equals_dequantizing_first_bitwise():
         np.testing.assert_array_equal(out["fused_dequantize"], out["dequantize"])
         np.testing.assert_array_equal(out["decode"], out["dequantize"])
         assert differs(out["fp8_wgmma"], out["dequantize"])
+
+
+def test_auto_strategy_takes_the_decode_kernel_at_few_rows_per_group():
+    per_group = DECODE_MAX_ROWS_PER_GROUP
+    assert resolve_strategy("auto", 128 * per_group, 128, 2048, 1536) == "decode"
+    assert resolve_strategy("auto", 128 * per_group + 8, 128, 2048, 1536) == "dequantize"
+    assert resolve_strategy("auto", 64, 8, 4096, 192) == "dequantize"  # N not a multiple of 128
+    assert resolve_strategy("auto", 64, 8, 4096, 256, k_major=False) == "dequantize"
+    assert resolve_strategy("fused_dequantize", 64, 8, 4096, 256) == "fused_dequantize"
+    lhs_q, rhs_q = operands(32, 256, 128, 4)
+    sizes = jnp.array([8, 8, 8, 8], jnp.int32)
+    with pytest.raises(ValueError, match="name the strategy"):
+        gmm_mxtensor(lhs_q, rhs_q, sizes, impl="pallas", strategy="auto", config=DECODE_SMALL)
 
 
 def test_decode_config_refuses_what_the_kernel_cannot_run():

@@ -360,7 +360,8 @@ def test_d3_training_forward_equals_inference_forward(layer):
 
 def test_d3_mxfp8_inference_layer_equals_the_training_forward(layer):
     """MXFP8 cases: the layer with its experts stored as MXFP8 alone (`jaxmoe.mxfp8_inference`)
-    gives the training step's y bitwise, with the default GEMMs and with the decode kernel
+    gives the training step's y bitwise, with the default GEMMs ("auto": the dequantizing
+    kernels for the batch, the decode kernel for a token) and with the decode kernel
     (`gemm_strategy="decode"`), for the batch and (D2) for a token alone; its expert state is
     fp8 data and uint8 scales only."""
     model = nnx.merge(layer.graphdef, layer.params, layer.rest)
@@ -373,6 +374,7 @@ def test_d3_mxfp8_inference_layer_equals_the_training_forward(layer):
     forward = nnx.jit(lambda m, x: m(x)[0])
     inference = mxfp8_inference(model)
     assert_bitwise(y_train, np.asarray(forward(inference, layer.x)))
+    assert_bitwise(y_train[:1, :1], np.asarray(forward(inference, layer.x[:1, :1])))
     dtypes = {str(a.dtype) for a in jax.tree.leaves(nnx.state(inference.experts))}
     assert dtypes == {"float8_e4m3fn", "uint8"}
     decode = mxfp8_inference(model, gemm_strategy="decode")

@@ -17,6 +17,9 @@ Each computes sum_k deq(a) * deq(b) with fp32 accumulation:
                                 in SMEM, the wgmma's roles swapped so that a group's few rows
                                 are its narrow side (`ops/pallas/gmm_decode_hopper.py`; K and N
                                 multiples of 128); the dequantize-first bits;
+                   "auto"       "decode" when the rows average at most
+                                `DECODE_MAX_ROWS_PER_GROUP` per group and its kernel can
+                                run the problem, else "dequantize" (the same bits);
                    "fp8_wgmma"  the Hopper fp8 kernel (`ops/pallas/gmm_mxfp8_hopper.py`: one
                                 fp8 wgmma per 32-wide K block, scales folded into the fp32
                                 accumulator; K and N multiples of 128).
@@ -43,9 +46,24 @@ from jaxmoe.ops.pallas.gmm_decode_hopper import DecodeConfig, gmm_decode_pallas
 from jaxmoe.ops.pallas.gmm_dequantize_hopper import gmm_dequantize_pallas
 from jaxmoe.ops.pallas.gmm_mxfp8_hopper import gmm_mxfp8_pallas
 
-STRATEGIES = ("dequantize", "fused_dequantize", "decode", "fp8_wgmma")
+STRATEGIES = ("auto", "dequantize", "fused_dequantize", "decode", "fp8_wgmma")
+# "auto" takes the decode kernel up to this mean number of rows per group (64 tokens of every
+# benchmark shape on the H200: benchmarks/results/README.md, decode rows).
+DECODE_MAX_ROWS_PER_GROUP = 64
 FP8_KERNEL_MULTIPLE = 128  # K and N of the kernels reading fp8: one 128-byte swizzled row
 _BF16 = jnp.dtype(jnp.bfloat16)  # what both Pallas paths multiply in
+
+
+def resolve_strategy(
+    strategy: str, num_rows: int, num_groups: int, k: int, n: int, k_major: bool = True
+) -> str:
+    """The strategy that "auto" stands for on M rows times G matrices [N, K] (k_major) or
+    [K, N]; any other strategy stands for itself."""
+    if strategy != "auto":
+        return strategy
+    fits = k_major and not (k % FP8_KERNEL_MULTIPLE or n % FP8_KERNEL_MULTIPLE)
+    few_rows = num_rows <= DECODE_MAX_ROWS_PER_GROUP * num_groups
+    return "decode" if fits and few_rows else "dequantize"
 
 
 def _gmm_problem(k: int, n: int, strategy: str) -> str | None:
@@ -104,14 +122,18 @@ def gmm_mxtensor(
         )
     if strategy not in STRATEGIES:
         raise ValueError(f"gmm_mxtensor: strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy == "auto" and config is not None:
+        raise ValueError("gmm_mxtensor: a config tiles one strategy's kernel; name the strategy")
     k_major = rhs.axis == 2
+    num_weights, n, k = rhs.shape if k_major else (rhs.shape[0], rhs.shape[2], rhs.shape[1])
+    check_group_sizes(group_sizes, num_weights * groups_per_weight, lhs.shape[0], "gmm_mxtensor")
+    num_groups = num_weights * groups_per_weight
+    strategy = resolve_strategy(strategy, lhs.shape[0], num_groups, k, n, k_major)
     if not k_major and strategy != "dequantize":
         raise ValueError(
             f"gmm_mxtensor: the {strategy} strategy reads rhs as [G, N, K] (blocks along the "
             "last axis); got [G, K, N]"
         )
-    num_weights, n, k = rhs.shape if k_major else (rhs.shape[0], rhs.shape[2], rhs.shape[1])
-    check_group_sizes(group_sizes, num_weights * groups_per_weight, lhs.shape[0], "gmm_mxtensor")
     group_sizes = group_sizes.astype(jnp.int32)
     out_dtype = jnp.dtype(preferred_element_type)
     if registry.resolve("gmm_mxtensor", impl, k, n, strategy) == "xla":

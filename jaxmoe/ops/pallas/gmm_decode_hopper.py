@@ -188,13 +188,14 @@ def gmm_decode_pallas(
     tiles = row_tiles(group_sizes, rows, config.tile_rows, ROW_ALIGN)
     work = work_list(tiles, n // config.cta_n, config.grid_tile_width)
     kernel = _build_kernel(rows, k, n, jnp.dtype(out_dtype), config, interpret)
+    # Each item's own metadata, so that the kernel reads it with independent loads (not a
+    # tile index first, then the tile's fields).
     out = kernel(
         work.counts,
-        work.tile,
-        work.column,
-        tiles.group // groups_per_weight,
-        tiles.start,
-        tiles.count,
+        jnp.minimum(tiles.group[work.tile] // groups_per_weight, num_weights - 1),
+        work.column * config.cta_n,
+        tiles.start[work.tile],
+        tiles.count[work.tile],
         padded,
         rhs,
         rhs_scale,
@@ -246,11 +247,10 @@ def _build_kernel(num_rows, k, n, out_dtype, config: DecodeConfig, interpret):
 
     def decode_matmul(
         counts_gmem,
-        work_tile_gmem,
-        work_column_gmem,
-        tile_weight_gmem,
-        tile_start_gmem,
-        tile_count_gmem,
+        item_weight_gmem,
+        item_column_gmem,
+        item_start_gmem,
+        item_count_gmem,
         lhs_gmem,
         rhs_gmem,
         rhs_scale_gmem,
@@ -298,52 +298,57 @@ def _build_kernel(num_rows, k, n, out_dtype, config: DecodeConfig, interpret):
                     plgpu.barrier_arrive(barrier.at[lax.rem(step[0], num_slots)])
                 return acc_ref
 
-            def load_row(tile):
-                """The 8-aligned first row of the tile's lhs window (which holds its rows),
-                shifted back near the end of lhs so that the window stays in bounds."""
-                first_row = tile_start_gmem[tile]
+            def load_row(first_row):
+                """The 8-aligned first row of the lhs window that holds the rows from
+                first_row, shifted back near the end of lhs so that it stays in bounds."""
                 row = jnp.minimum(first_row - first_row % ROW_ALIGN, num_rows - tile_rows)
                 return pl.multiple_of(row, ROW_ALIGN)
 
-            def store(out_t, tile, column):
-                """Write out^T [wg_n, tile_rows] of this warpgroup's columns to the tile's rows
-                of out: transposed into SMEM, then TMA stores of the tile's rows only, so no
+            def item_fields(item):
+                """(first row, row count, first column) of a work item, read at its start so
+                that the epilogue does not wait for global loads."""
+                first_column = pl.multiple_of(item_column_gmem[item], cta_n)
+                return item_start_gmem[item], item_count_gmem[item], first_column
+
+            def store(out_t, fields):
+                """Write out^T [wg_n, tile_rows] of this warpgroup's columns to the item's rows
+                of out: transposed into SMEM, then TMA stores of the item's rows only, so no
                 store reaches another group's rows."""
+                first_row, count, first_column = fields
                 tile_out = out_smem.at[wg]
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 tile_out.transpose((1, 0))[...] = plgpu.layout_cast(
                     out_t.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED
                 )
                 plgpu.commit_smem()
-                first_row = tile_start_gmem[tile]
                 store_rows(
                     tile_out,
                     out_gmem,
                     first_row,
-                    first_row - load_row(tile),
-                    tile_count_gmem[tile],
-                    column + wg * wg_n,
+                    first_row - load_row(first_row),
+                    count,
+                    first_column + wg * wg_n,
                     tile_rows,
                     wg_n,
                 )
 
             def decode_item(item, state):
-                tile = work_tile_gmem[item]
-                weight = tile_weight_gmem[tile]
-                column = work_column_gmem[item] * cta_n
+                weight = item_weight_gmem[item]
+                fields = item_fields(item)
+                first_row, _, first_column = fields
 
                 def compute_context(eval_pipeline):
                     def scoped(acc_ref):
                         eval_pipeline(acc_ref)
-                        store(acc_ref[...], tile, column)
+                        store(acc_ref[...], fields)
 
                     pl.run_scoped(scoped, plgpu.ACC((wg_n, tile_rows)))
 
-                rows = pl.ds(load_row(tile), tile_rows)
+                rows = pl.ds(load_row(first_row), tile_rows)
                 pipeline(mma, compute_context, state)(
                     lhs_gmem.at[rows, :],
-                    rhs_gmem.at[weight, pl.ds(column, cta_n), :],
-                    rhs_scale_gmem.at[weight, :, pl.ds(column, cta_n)],
+                    rhs_gmem.at[weight, pl.ds(first_column, cta_n), :],
+                    rhs_scale_gmem.at[weight, :, pl.ds(first_column, cta_n)],
                     allocations=allocations,
                 )
 
@@ -358,8 +363,7 @@ def _build_kernel(num_rows, k, n, out_dtype, config: DecodeConfig, interpret):
                 @pl.loop(0, mine_zero)
                 def _each_zero(j):
                     item = num_items + sm + j * config.num_sms
-                    zeros = zero_accumulator(wg_n, tile_rows)
-                    store(zeros, work_tile_gmem[item], work_column_gmem[item] * cta_n)
+                    store(zero_accumulator(wg_n, tile_rows), item_fields(item))
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxmoe.ints import cdiv
 from jaxmoe.ops.device import num_sms
 from jaxmoe.ops.pallas.gmm_common import (
     GmmConfig,
@@ -30,10 +31,16 @@ def default_config(
     """Shape-based heuristic (benchmarks/results/gmm_*_sweep.json has the sweep behind it): a
     128 x 256 CTA tile of two 64 x 256 warpgroup tiles stacked along M with a double-buffered
     epilogue when N is a multiple of 256, else warpgroups along M with the widest column tile
-    dividing N; as many pipeline stages (up to 4) as shared memory holds."""
+    dividing N; as many pipeline stages (up to 4) as shared memory holds. A dense product
+    (one group) with too few tiles to fill half the SMs, such as the router at decode sizes,
+    takes 64-column tiles (more CTAs) and 128-wide K steps (half the steps in each CTA's
+    chain): on the H200, 2x faster for the qwen3_30b router at 256 tokens
+    (benchmarks/results/router_*.json)."""
     if k % 64 or n % 64:
         raise ValueError(f"gmm pallas: K={k} and N={n} must be multiples of 64")
-    if n % 256 == 0:
+    if num_groups == 1 and cdiv(num_rows, 128) * (n // 64) <= num_sms() // 2:
+        config = GmmConfig(tile_m=64, tile_n=64, tile_k=128 if k % 128 == 0 else 64, wg_split="m")
+    elif n % 256 == 0:
         # Wider bands pay off when many groups share each column band (sweep: +3%).
         config = GmmConfig(
             tile_m=64,

@@ -1,0 +1,133 @@
+"""Router matmul benchmark on one GPU: x [T, H] @ w [H, E] at decode and small batch sizes, as
+the layer computes it (`jaxmoe.ops.dense`, the batch-invariant grouped-matmul kernel with one
+group), its kernel configs around the default heuristic, and XLA's dot (cuBLAS; not
+batch-invariant) in the same run.
+
+    PYTHONPATH=. python benchmarks/router.py [--shapes qwen3_30b,mixtral,dsv3_ep8]
+        [--tokens 64,256] [--iters 20] [--tag TAG] [--out DIR]
+
+Per shape and token count: `dense` (the default config), `kernel[tile_k=..,tile_n=..]` (the
+same kernel with those `GmmConfig` fields; `same_bits` checks each against `dense`: a config
+never changes the reduction order) and `xla_dot`. Device time per call from a JAX profile
+(`benchmarks.timing.device_seconds`; host time off the GPU, for the CPU smoke test), median of
+three turns. Writes router_<date>[_tag].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.report import environment, error_text, log, result_path, write_result  # noqa: E402
+from benchmarks.timing import device_seconds, time_it  # noqa: E402
+from jaxmoe.ops.dense import dense  # noqa: E402
+from jaxmoe.ops.gmm import KERNEL_MULTIPLE, kernel_rows  # noqa: E402
+from jaxmoe.ops.pallas.gmm_hopper import default_config, gmm_pallas  # noqa: E402
+from jaxmoe.shapes import SHAPES, TINY_SHAPES  # noqa: E402
+
+BF16 = jnp.bfloat16
+DEFAULT_SHAPES = ("qwen3_30b", "mixtral", "dsv3_ep8")
+
+
+def candidates(tokens: int, hidden: int, experts: int):
+    """name -> call, on one x and w: the layer's dense, kernel configs, XLA's dot."""
+    kx, kw = jax.random.split(jax.random.key(tokens))
+    x = jax.random.normal(kx, (tokens, hidden), BF16)
+    w = jax.random.normal(kw, (hidden, experts), BF16)
+    calls = {
+        "dense": jax.jit(lambda x, w: dense(x, w, impl="pallas")),
+        "xla_dot": jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)),
+    }
+    # The kernel on the operands as `dense` pads them: rows to the kernel's, E to its multiple.
+    rows, n = kernel_rows(tokens), -(-experts // KERNEL_MULTIPLE) * KERNEL_MULTIPLE
+    base = default_config(rows, hidden, n, 1)
+    for tile_k in (64, 128, 256):
+        for tile_n in sorted({64, n}):
+            fields = dict(tile_k=tile_k, tile_n=tile_n)
+            config = dataclasses.replace(
+                base,
+                **fields,
+                tile_m=64,
+                wg_split="m",
+                epilogue_slots=1,
+                epilogue_tile_n=min(base.epilogue_tile_n, tile_n),
+                max_concurrent_steps=min(4, hidden // tile_k),
+            ).with_fitting_stages(BF16, BF16)
+            try:
+                config.validate(rows, hidden, n)
+            except ValueError:
+                continue
+
+            def kernel(x, w, config=config):
+                padded_x = jnp.pad(x, ((0, rows - tokens), (0, 0)))
+                padded_w = jnp.pad(w, ((0, 0), (0, n - experts)))[None]
+                sizes = jnp.full((1,), tokens, jnp.int32)
+                out = gmm_pallas(
+                    padded_x, padded_w, sizes, transpose_rhs=False, out_dtype=BF16, config=config
+                )
+                return out[:tokens, :experts]
+
+            name = ",".join(f"{f}={v}" for f, v in fields.items())
+            calls[f"kernel[{name}]"] = jax.jit(kernel)
+    return calls, (x, w)
+
+
+def main(argv=None) -> dict:
+    """Parse the command line (`argv`: None for sys.argv), time every shape and token count,
+    writing the JSON after each; returns the result (with `path`)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
+    parser.add_argument("--tokens", default="64,256")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args(argv)
+    path = result_path(args.out, "router", args.tag)
+    result = environment("router", command=" ".join(sys.argv), records=[])
+    on_gpu = jax.devices()[0].platform == "gpu"
+    for shape_name in args.shapes.split(","):
+        shape = (SHAPES | TINY_SHAPES)[shape_name]
+        for tokens in map(int, args.tokens.split(",")):
+            calls, operands = candidates(tokens, shape.hidden_size, shape.config.num_experts)
+            reference = calls["dense"](*operands)
+            times = {name: [] for name in calls}
+            bits = {}
+            for name, call in calls.items():
+                try:
+                    out = call(*operands)
+                    bits[name] = bool(jnp.array_equal(out.astype(BF16), reference))
+                except Exception as e:  # recorded, the others go on
+                    log(f"{shape_name} T={tokens} {name}: {error_text(e)}")
+                    times.pop(name)
+            for _ in range(3):
+                for name in times:
+                    call = calls[name]
+                    run = lambda call=call: call(*operands)
+                    seconds = (device_seconds if on_gpu else time_it)(run, iters=args.iters)
+                    us = seconds * 1e6
+                    times[name].append(us)
+            for name, samples in times.items():
+                us = statistics.median(samples)
+                result["records"].append(
+                    dict(
+                        shape=shape_name,
+                        tokens=tokens,
+                        impl=name,
+                        us=us,
+                        same_bits=bits[name],
+                    )
+                )
+                log(f"{shape_name} T={tokens:4d} {name:28s} {us:7.1f} us same_bits={bits[name]}")
+            write_result(result, path)
+    return dict(result, path=path)
+
+
+if __name__ == "__main__":
+    main()

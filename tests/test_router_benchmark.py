@@ -1,0 +1,22 @@
+"""CPU smoke test of the router benchmark (benchmarks/router.py) at a tiny size, so that it
+cannot rot between GPU runs: the layer's dense, its kernel configs and XLA's dot are timed, and
+every kernel config gives the dense's bits."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import router  # noqa: E402
+
+
+def test_router_benchmark_times_every_config_with_the_same_bits(interpret, tmp_path):
+    result = router.main(
+        ["--shapes", "tiny", "--tokens", "8", "--iters", "1", "--out", str(tmp_path)]
+    )
+    with open(result["path"]) as f:
+        assert json.load(f)["records"] == result["records"]
+    impls = {r["impl"]: r for r in result["records"]}
+    assert set(impls) == {"dense", "xla_dot", "kernel[tile_k=64,tile_n=64]"}
+    assert all(r["us"] > 0 for r in impls.values())
+    assert impls["kernel[tile_k=64,tile_n=64]"]["same_bits"] and impls["dense"]["same_bits"]
