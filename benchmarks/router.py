@@ -48,7 +48,7 @@ def candidates(tokens: int, hidden: int, experts: int):
     # The kernel on the operands as `dense` pads them: rows to the kernel's, E to its multiple.
     rows, n = kernel_rows(tokens), -(-experts // KERNEL_MULTIPLE) * KERNEL_MULTIPLE
     base = default_config(rows, hidden, n, 1)
-    for tile_k in (64, 128, 256):
+    for tile_k in (64, 128):
         for tile_n in sorted({64, n}):
             fields = dict(tile_k=tile_k, tile_n=tile_n)
             config = dataclasses.replace(
