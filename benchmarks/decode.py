@@ -7,9 +7,10 @@ the active experts' weights bounds the time, next to that bound.
 
 For each `jaxmoe.shapes` layer and token count T (one sequence of T tokens):
   layer  the inference forward: jaxmoe_bf16 (the bf16 layer), jaxmoe_mxfp8
-         (`jaxmoe.mxfp8_inference`: the experts stored only as their MXFP8 fprop copies; MXFP8
-         dispatch), jaxmoe_mxfp8_decode (the same with gemm_strategy "decode": the same bits,
-         the fp8 weights read once by the decode kernel) and torch_grouped_mm
+         (`jaxmoe.mxfp8_inference` as it comes: the experts stored only as their MXFP8 fprop
+         copies, MXFP8 dispatch, GEMM strategy "auto"), jaxmoe_mxfp8_decode (the same with
+         gemm_strategy "decode": the same bits, the fp8 weights read once by the decode
+         kernel, which "auto" takes at up to 64 rows per expert) and torch_grouped_mm
          (`layer_competitors.torch_moe`, bf16)
   gmm    the two expert GEMMs alone (fc1 [R, H] x [E, H, 2F|F], fc2 [R, F] x [E, F, H]) on
          R = T * top_k rows, each token's k experts drawn at random: gmm_bf16 (`ops.gmm`) and

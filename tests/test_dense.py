@@ -117,6 +117,22 @@ def test_rows_do_not_depend_on_the_batch(interpret):
     assert_bitwise(np.asarray(dw_1), np.asarray(dw_2))
 
 
+@pytest.mark.parametrize("t", [37, 150, 4096])
+def test_training_step_lowers_for_hopper_at_any_row_count(t, monkeypatch):
+    """Forward and gradients through Mosaic's lowering for the GPU (its TMA checks included),
+    on CPU, at a decode-size and a training-size router and at row counts that are no multiple
+    of 8 (the weight gradient's row windows once failed to lower there on the H200)."""
+    monkeypatch.setattr("jaxmoe.ops.pallas.gmm_hopper.num_sms", lambda: 132)
+    s = jax.ShapeDtypeStruct
+
+    def loss(x, w, bias, dy):
+        return jnp.sum(dense(x, w, bias, out_dtype=F32, impl="pallas") * dy)
+
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+        s((t, 2048), BF16), s((2048, 128), BF16), s((128,), F32), s((t, 128), F32)
+    ).lower(lowering_platforms=("cuda",))
+
+
 def test_negative_control_reduction_order_shows_in_bits():
     """The bitwise checks above can fail: the same row summed in another K order (what a
     library GEMM may choose by row count) gives other bits."""

@@ -169,7 +169,16 @@ def _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config=None, gro
 def _tgmm(lhs, rhs, group_sizes, out_dtype, impl, config=None):
     """Weight-gradient product on the chosen implementation (no argument checks)."""
     if impl == "pallas":
-        return tgmm_pallas(lhs, rhs, group_sizes, out_dtype=out_dtype, config=config)
+        # TMA loads the row windows of both operands: zero rows up to the kernels' multiple of
+        # 8 (rows past the groups add nothing).
+        rows = kernel_rows(lhs.shape[0])
+        return tgmm_pallas(
+            pad_rows(lhs, rows),
+            pad_rows(rhs, rows),
+            group_sizes,
+            out_dtype=out_dtype,
+            config=config,
+        )
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (0,)), ((), ())),
         lhs_ragged_dimensions=[1],
