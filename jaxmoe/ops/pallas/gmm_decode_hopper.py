@@ -39,6 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxmoe.ints import cdiv
 from jaxmoe.mxfp8 import BLOCK_SIZE, scale_multipliers
 from jaxmoe.ops.device import num_sms
+from jaxmoe.ops.pallas import regions
 from jaxmoe.ops.pallas.gmm_common import (
     MEMORY_REGISTERS,
     NUM_COMPUTE_WGS,
@@ -49,6 +50,7 @@ from jaxmoe.ops.pallas.gmm_common import (
     zero_accumulator,
 )
 from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
+from jaxmoe.ops.pallas.regions import KernelTrace
 from jaxmoe.ops.pallas.tiles import row_tiles, work_list
 
 _FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -163,12 +165,15 @@ def gmm_decode_pallas(
     config: DecodeConfig | None = None,
     interpret=None,
     groups_per_weight: int = 1,
+    trace: KernelTrace | None = None,
 ) -> jax.Array:
     """out[m] = lhs[m] @ deq(rhs)[g(m)]^T for bf16 lhs [M, K], float8 rhs [G, N, K] and its
     E8M0 block scale bytes rhs_scale [G, K/32, N] (uint8, decoded in the kernel by
     `jaxmoe.mxfp8.scale_multipliers`); rows past sum(group_sizes) are zeros.
     config: None for `default_decode_config`. With groups_per_weight n, rhs holds G / n
-    matrices and group g multiplies rhs[g // n]."""
+    matrices and group g multiplies rhs[g // n]. trace: record the kernel's regions (`item`,
+    `step`, `epilogue`) per warpgroup with Mosaic's profiler (GPU only;
+    benchmarks/decode_trace.py reads them)."""
     num_rows, k = lhs.shape
     num_weights, n, _ = rhs.shape
     if lhs.dtype != _BF16 or rhs.dtype not in _FP8_DTYPES:
@@ -187,7 +192,7 @@ def gmm_decode_pallas(
     config.validate(rows, k, n, out_dtype)
     tiles = row_tiles(group_sizes, rows, config.tile_rows, ROW_ALIGN)
     work = work_list(tiles, n // config.cta_n, config.grid_tile_width)
-    kernel = _build_kernel(rows, k, n, jnp.dtype(out_dtype), config, interpret)
+    kernel = _build_kernel(rows, k, n, jnp.dtype(out_dtype), config, interpret, trace)
     # Each item's own metadata, so that the kernel reads it with independent loads (not a
     # tile index first, then the tile's fields).
     out = kernel(
@@ -204,7 +209,7 @@ def gmm_decode_pallas(
 
 
 @functools.cache
-def _build_kernel(num_rows, k, n, out_dtype, config: DecodeConfig, interpret):
+def _build_kernel(num_rows, k, n, out_dtype, config: DecodeConfig, interpret, trace):
     tile_rows, wg_n, tile_k, cta_n = config.tile_rows, config.wg_n, config.tile_k, config.cta_n
     k_steps = k // tile_k
     blocks_per_step = tile_k // BLOCK_SIZE
@@ -275,6 +280,7 @@ def _build_kernel(num_rows, k, n, out_dtype, config: DecodeConfig, interpret):
             num_items = counts_gmem[0]
             mine = jnp.maximum(num_items - sm + config.num_sms - 1, 0) // config.num_sms
 
+            @regions.named("step")
             def mma(step, lhs_smem, rhs_smem, scale_smem, *consumed_and_acc):
                 # A block's dequantized weights go to its wgmma from registers; the step's
                 # wgmmas retire before its TMA slot (their B rows) is released.
@@ -310,6 +316,7 @@ def _build_kernel(num_rows, k, n, out_dtype, config: DecodeConfig, interpret):
                 first_column = pl.multiple_of(item_column_gmem[item], cta_n)
                 return item_start_gmem[item], item_count_gmem[item], first_column
 
+            @regions.named("epilogue")
             def store(out_t, fields):
                 """Write out^T [wg_n, tile_rows] of this warpgroup's columns to the item's rows
                 of out: transposed into SMEM, then TMA stores of the item's rows only, so no
@@ -332,6 +339,7 @@ def _build_kernel(num_rows, k, n, out_dtype, config: DecodeConfig, interpret):
                     wg_n,
                 )
 
+            @regions.named("item")
             def decode_item(item, state):
                 weight = item_weight_gmem[item]
                 fields = item_fields(item)
@@ -375,7 +383,10 @@ def _build_kernel(num_rows, k, n, out_dtype, config: DecodeConfig, interpret):
         grid_names=("sm",),
         num_threads=NUM_COMPUTE_WGS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+            **(trace.compiler_params() if trace else {}),
+        ),
         scratch_types=dict(
             out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, tile_rows, wg_n), out_dtype),
         ),
