@@ -6,7 +6,8 @@
 Instructions that ran equally often belong to the same loop level of the kernel (per row block,
 per work item, per masked block, the memory warpgroup's loop, ...), so the groups show where a
 persistent kernel's warps spend their time without reading the SASS. Prints, per execution
-count, the share of all stall samples and the top stall reasons; then the top instructions.
+count, the share of all stall samples and the top stall reasons; with --mix the opcode counts
+of the most-sampled group (a loop body's instruction budget); then the top instructions.
 """
 
 from __future__ import annotations
@@ -22,11 +23,22 @@ def number(text: str) -> float:
     return float(text.replace(",", "")) if text.strip() else 0.0
 
 
+def opcode(source: str) -> str:
+    """The opcode of a SASS line, without its predicate."""
+    words = source.split()
+    return words[1] if words[0].startswith("@") else words[0]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("csv", help="ncu --page source --csv --print-source sass output")
     parser.add_argument("--groups", type=int, default=12)
     parser.add_argument("--instructions", type=int, default=15)
+    parser.add_argument(
+        "--mix",
+        action="store_true",
+        help="also the opcode mix of the most-sampled group (one loop body's instructions)",
+    )
     args = parser.parse_args(argv)
     with open(args.csv) as f:
         rows = list(csv.reader(f))
@@ -52,6 +64,16 @@ def main(argv=None):
             f"{reason[6:]} {100 * n / samples:.0f}%" for reason, n in why.most_common(3) if samples
         )
         print(f"{executed:>10} {count:>6} {100 * samples / total:7.1f}%  {top}")
+    if args.mix and by_samples:
+        executed = by_samples[0][0]
+        mix = collections.Counter(
+            opcode(r[col["Source"]])
+            for r in body
+            if int(number(r[col["Instructions Executed"]])) == executed
+        )
+        print(f"\nopcodes of the {sum(mix.values())} instructions executed {executed} times")
+        for name, n in mix.most_common():
+            print(f"{n:>6}  {name}")
     print("\ntop instructions")
     for r in sorted(body, key=lambda r: -number(r[col[SAMPLES]]))[: args.instructions]:
         executed = int(number(r[col["Instructions Executed"]]))
