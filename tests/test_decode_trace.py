@@ -1,9 +1,11 @@
 """benchmarks/decode_trace.py's reading of a Mosaic profiler trace (the trace itself needs a GPU)."""
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from benchmarks.decode_trace import regions_by_warpgroup, trace_summary
-from jaxmoe.ops.pallas.regions import KernelTrace
+from jaxmoe.ops.pallas.regions import KernelTrace, named
 
 
 def events(tid, regions):
@@ -46,3 +48,16 @@ def test_kernel_trace_refuses_an_empty_buffer():
     assert KernelTrace("/tmp/t", 16).compiler_params()["profile_space"] == 16
     with pytest.raises(ValueError, match="max_regions"):
         KernelTrace("/tmp/t", 0).compiler_params()
+
+
+def test_a_named_region_changes_no_equation():
+    """Without a trace, a region is only a name scope: the same equations (Mosaic lowers the
+    decode kernel to the same module with or without its regions; checked once, 2026-12-03)."""
+
+    def f(x):
+        return jnp.sin(x) * 2.0
+
+    plain = jax.make_jaxpr(f)(1.0)
+    scoped = jax.make_jaxpr(named("step")(f))(1.0)
+    assert str(scoped) == str(plain)
+    assert [e.source_info.name_stack.stack[-1].name for e in scoped.eqns] == ["step"] * 2
