@@ -50,7 +50,6 @@ from jaxmoe.ops.pallas.gmm_common import (
     zero_accumulator,
 )
 from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
-from jaxmoe.ops.pallas.regions import KernelTrace
 from jaxmoe.ops.pallas.tiles import row_tiles, work_list
 
 _FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -165,7 +164,7 @@ def gmm_decode_pallas(
     config: DecodeConfig | None = None,
     interpret=None,
     groups_per_weight: int = 1,
-    trace: KernelTrace | None = None,
+    trace: regions.KernelTrace | None = None,
 ) -> jax.Array:
     """out[m] = lhs[m] @ deq(rhs)[g(m)]^T for bf16 lhs [M, K], float8 rhs [G, N, K] and its
     E8M0 block scale bytes rhs_scale [G, K/32, N] (uint8, decoded in the kernel by
