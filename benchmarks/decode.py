@@ -69,6 +69,7 @@ from jaxmoe import MoE, mxfp8_inference  # noqa: E402
 from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor  # noqa: E402
 from jaxmoe.ops import gmm, gmm_mxtensor, quantize  # noqa: E402
 from jaxmoe.ops.mxfp8_gmm import quantize_weights  # noqa: E402
+from jaxmoe.ops.pallas.e4m3_registers import small_scale_dequantization_is_exact  # noqa: E402
 from jaxmoe.ops.pallas.gmm_decode_hopper import default_decode_config  # noqa: E402
 from jaxmoe.shapes import SHAPES, TINY_SHAPES, LayerShape  # noqa: E402
 
@@ -211,7 +212,7 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
     def bf16(w, a, b, sizes):
         return gmm(a, w[0], sizes, impl=impl), gmm(b, w[1], sizes, impl=impl)
 
-    def mxfp8(strategy, w, a, b, sizes, fields=None):
+    def mxfp8(strategy, w, a, b, sizes, fields=None, small_scales=False):
         def run(x, stored):
             data, block_major_scale = stored
             w = MXTensor(data, jnp.swapaxes(block_major_scale, 1, 2), axis=2, fmt="e4m3")
@@ -221,7 +222,9 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
                 config = dataclasses.replace(
                     default_decode_config(x.shape[0], k, n, num_weights), **fields
                 )
-            return gmm_mxtensor(x, w, sizes, impl=impl, strategy=strategy, config=config)
+            return gmm_mxtensor(
+                x, w, sizes, impl=impl, strategy=strategy, config=config, small_scales=small_scales
+            )
 
         return run(a, w[0]), run(b, w[1])
 
@@ -233,6 +236,11 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
     ):
         run = scanned(functools.partial(mxfp8, strategy))
         candidates[name] = functools.partial(run, copies_q, *x_q, group_sizes)
+    if all(small_scale_dequantization_is_exact(*stored) for stored in copies_q):
+        run = scanned(functools.partial(mxfp8, "decode", small_scales=True))
+        candidates["gmm_mxfp8_decode_small_scales"] = functools.partial(
+            run, copies_q, *x_q, group_sizes
+        )
     for fields in sweep:
         run = scanned(functools.partial(mxfp8, "decode", fields=fields))
         name = ",".join(f"{f}={v}" for f, v in fields.items())

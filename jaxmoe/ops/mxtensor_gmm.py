@@ -100,6 +100,7 @@ def gmm_mxtensor(
     config: GmmConfig | DecodeConfig | None = None,
     strategy: str = "dequantize",
     groups_per_weight: int = 1,
+    small_scales: bool = False,
 ) -> jax.Array:
     """out[m, n] = sum_k deq(lhs)[m, k] * deq(rhs)[g(m) // groups_per_weight, n, k], fp32
     accumulation (groups_per_weight: see `jaxmoe.ops.gmm`).
@@ -109,7 +110,9 @@ def gmm_mxtensor(
     or, for the "dequantize" strategy, [G, K, N] with blocks along K (axis 1). Rows past
     sum(group_sizes) give zeros. `strategy` picks the Pallas path (module docstring); `config`
     tiles its kernel (None: heuristic; a `DecodeConfig` for "decode"). Not differentiable (see
-    `mxfp8_gmm`)."""
+    `mxfp8_gmm`). small_scales: the caller promises that rhs's e4m3 data and scales meet
+    `e4m3_registers.small_scale_dequantization_is_exact`, which lets the decode kernel
+    dequantize in fewer instructions (the same bits)."""
     if not (
         isinstance(lhs, MXTensor)
         and isinstance(rhs, MXTensor)
@@ -173,6 +176,7 @@ def gmm_mxtensor(
             out_dtype=out_dtype,
             config=config,
             groups_per_weight=groups_per_weight,
+            small_scales=small_scales,
         )
     num_rows = lhs.shape[0]
     rows = kernel_rows(num_rows)

@@ -39,7 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxmoe.ints import cdiv
 from jaxmoe.mxfp8 import BLOCK_SIZE, scale_multipliers
 from jaxmoe.ops.device import num_sms
-from jaxmoe.ops.pallas import regions
+from jaxmoe.ops.pallas import e4m3_registers, regions
 from jaxmoe.ops.pallas.gmm_common import (
     MEMORY_REGISTERS,
     NUM_COMPUTE_WGS,
@@ -165,6 +165,7 @@ def gmm_decode_pallas(
     interpret=None,
     groups_per_weight: int = 1,
     trace: regions.KernelTrace | None = None,
+    small_scales: bool = False,
 ) -> jax.Array:
     """out[m] = lhs[m] @ deq(rhs)[g(m)]^T for bf16 lhs [M, K], float8 rhs [G, N, K] and its
     E8M0 block scale bytes rhs_scale [G, K/32, N] (uint8, decoded in the kernel by
@@ -172,7 +173,9 @@ def gmm_decode_pallas(
     config: None for `default_decode_config`. With groups_per_weight n, rhs holds G / n
     matrices and group g multiplies rhs[g // n]. trace: record the kernel's regions (`item`,
     `step`, `epilogue`) per warpgroup with Mosaic's profiler (GPU only;
-    benchmarks/decode_trace.py reads them)."""
+    benchmarks/decode_trace.py reads them). small_scales: the caller promises e4m3 weights for
+    which `e4m3_registers.small_scale_dequantization_is_exact`; on the GPU the kernel then
+    dequantizes with `e4m3_registers.dequantize_small_scales` (same bits, fewer instructions)."""
     num_rows, k = lhs.shape
     num_weights, n, _ = rhs.shape
     if lhs.dtype != _BF16 or rhs.dtype not in _FP8_DTYPES:
@@ -191,7 +194,12 @@ def gmm_decode_pallas(
     config.validate(rows, k, n, out_dtype)
     tiles = row_tiles(group_sizes, rows, config.tile_rows, ROW_ALIGN)
     work = work_list(tiles, n // config.cta_n, config.grid_tile_width)
-    kernel = _build_kernel(rows, k, n, jnp.dtype(out_dtype), config, interpret, trace)
+    if small_scales and rhs.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"gmm decode: small_scales needs e4m3 weights, got {rhs.dtype}")
+    register_route = small_scales and e4m3_registers.compiled_for_gpu(interpret)
+    kernel = _build_kernel(
+        rows, k, n, jnp.dtype(out_dtype), config, interpret, trace, register_route
+    )
     # Each item's own metadata, so that the kernel reads it with independent loads (not a
     # tile index first, then the tile's fields).
     out = kernel(
@@ -208,7 +216,9 @@ def gmm_decode_pallas(
 
 
 @functools.cache
-def _build_kernel(num_rows, k, n, out_dtype, config: DecodeConfig, interpret, trace):
+def _build_kernel(
+    num_rows, k, n, out_dtype, config: DecodeConfig, interpret, trace, register_route
+):
     tile_rows, wg_n, tile_k, cta_n = config.tile_rows, config.wg_n, config.tile_k, config.cta_n
     k_steps = k // tile_k
     blocks_per_step = tile_k // BLOCK_SIZE
@@ -293,9 +303,15 @@ def _build_kernel(num_rows, k, n, out_dtype, config: DecodeConfig, interpret, tr
                     scale_bytes = plgpu.load(
                         scale_smem.at[block, wg_cols], layout=scale_layout, optimized=False
                     )
-                    scale = scale_multipliers(scale_bytes)
                     w = weights[:, block * BLOCK_SIZE : (block + 1) * BLOCK_SIZE]
-                    w = (w.astype(jnp.float32) * scale[:, None]).astype(_BF16)
+                    if register_route:
+                        words = e4m3_registers.multipliers(scale_bytes)[:, None]
+                        w = e4m3_registers.dequantize_small_scales(
+                            w, jnp.broadcast_to(words, w.shape)
+                        )
+                    else:
+                        scale = scale_multipliers(scale_bytes)[:, None]
+                        w = (w.astype(jnp.float32) * scale).astype(_BF16)
                     plgpu.wgmma(acc_ref, w, lhs_smem.at[:, ks].transpose((1, 0)))
                 plgpu.wgmma_wait(0)
                 plgpu.commit_smem()
