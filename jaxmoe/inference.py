@@ -15,6 +15,7 @@ keep their weights. The result is for inference only: the experts' GEMMs have no
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -23,6 +24,7 @@ from jaxmoe.moe import MoE
 from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops.mxfp8_gmm import QuantizedWeights, quantize_weights
 from jaxmoe.ops.mxtensor_gmm import STRATEGIES
+from jaxmoe.ops.pallas.e4m3_registers import small_scale_dequantization_is_exact
 from jaxmoe.recipes import ExpertWeightsMx
 
 
@@ -39,7 +41,9 @@ class Mxfp8GroupedMLP(nnx.Module):
     The scale bytes are stored block-major, [E, K/32, N] (the MXTensor's [E, N, K/32]
     transposed), the layout the fp8-reading kernels take: the forward transposes them back
     into the MXTensor and the kernel's wrapper transposes that again, and XLA removes the pair,
-    so no call touches every expert's scales before the kernel."""
+    so no call touches every expert's scales before the kernel. `small_scales`: whether both
+    copies, checked once here, let the decode kernel dequantize with integer instructions (the
+    same bits); the copies are not meant to be replaced afterwards."""
 
     def __init__(self, model: MoE, gemm_strategy: str = "auto"):
         config, experts = model.config, model.experts
@@ -59,6 +63,7 @@ class Mxfp8GroupedMLP(nnx.Module):
         block_major = lambda scale: ExpertCopy(jnp.swapaxes(scale, 1, 2))
         self.fc1_data, self.fc1_scale = ExpertCopy(fc1.fprop.data), block_major(fc1.fprop.scale)
         self.fc2_data, self.fc2_scale = ExpertCopy(fc2.fprop.data), block_major(fc2.fprop.scale)
+        self.small_scales = _small_scales(fc1.fprop) and _small_scales(fc2.fprop)
         self.fc1_bias, self.fc2_bias = experts.fc1_bias, experts.fc2_bias
 
     def __call__(self, rows, row_probs, route, *, rows_quantized, expert_weights, gmm_impl: str):
@@ -70,6 +75,7 @@ class Mxfp8GroupedMLP(nnx.Module):
             ),
             dgrad=None,
             fprop_strategy=self.gemm_strategy,
+            fprop_small_scales=self.small_scales,
         )
         weights = ExpertWeightsMx(
             fc1=copy(self.fc1_data, self.fc1_scale), fc2=copy(self.fc2_data, self.fc2_scale)
@@ -85,6 +91,14 @@ class Mxfp8GroupedMLP(nnx.Module):
             expert_weights=weights,
             gmm_impl=gmm_impl,
         )
+
+
+def _small_scales(copy: MXTensor) -> bool:
+    """Whether an fprop copy qualifies for the decode kernel's integer dequantization
+    (`e4m3_registers.small_scale_dequantization_is_exact`: trained weights do, with blocks'
+    amax at most 448 x 2^7 and no NaN); False when the copy is traced and cannot be inspected."""
+    exact = small_scale_dequantization_is_exact(copy.data, copy.scale)
+    return not isinstance(exact, jax.core.Tracer) and bool(exact)
 
 
 def mxfp8_inference(model: MoE, *, gemm_strategy: str = "auto") -> MoE:

@@ -97,6 +97,26 @@ def test_experts_are_stored_as_mxfp8_alone():
     assert model.experts.fc1_kernel[...].dtype == jnp.bfloat16  # the model is left as it is
 
 
+def test_small_scale_copies_are_marked_for_the_integer_dequantization():
+    """Trained weights qualify for the decode kernel's integer dequantization (checked once,
+    when the copies are made); an expert whose block amax exceeds 448 x 2^7 does not, and neither do
+    copies made under a trace (they cannot be inspected)."""
+    model, x = make(MXFP8)
+    inference = mxfp8_inference(model)
+    assert inference.experts.small_scales
+    large, _ = make(MXFP8)
+    large.experts.fc2_kernel[...] = large.experts.fc2_kernel[...].at[3, 0, 0].set(2.0**16)
+    assert not mxfp8_inference(large).experts.small_scales
+    assert_bitwise(inference_output(mxfp8_inference(large), x), training_output(large, x))
+
+    @nnx.jit
+    def traced(model):
+        assert not mxfp8_inference(model).experts.small_scales
+        return 0
+
+    traced(model)
+
+
 def test_refusals():
     bf16, _ = make(MXFP8.replace(expert_precision="bf16", combine_bwd_dtype="bf16"))
     with pytest.raises(ValueError, match="expert_precision='mxfp8'"):

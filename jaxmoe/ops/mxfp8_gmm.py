@@ -64,6 +64,9 @@ class QuantizedWeights:
     # `gmm_mxtensor`'s strategy for GEMMs on the fprop copy (all of them give the same bits on
     # the kernels; "decode" suits few rows per group)
     fprop_strategy: str = struct.field(pytree_node=False, default="dequantize")
+    # The fprop copy meets `e4m3_registers.small_scale_dequantization_is_exact`, so that the
+    # decode kernel may dequantize it in fewer instructions (the same bits)
+    fprop_small_scales: bool = struct.field(pytree_node=False, default=False)
 
 
 def quantize_weights(rhs: jax.Array, impl: str = "auto", *, dgrad: bool = True) -> QuantizedWeights:
@@ -198,6 +201,7 @@ def _fprop(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, g
         preferred_element_type=out_dtype,
         groups_per_weight=groups_per_weight,
         strategy="dequantize" if rhs_quantized is None else rhs_quantized.fprop_strategy,
+        small_scales=rhs_quantized is not None and rhs_quantized.fprop_small_scales,
     )
 
 
