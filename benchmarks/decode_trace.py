@@ -1,7 +1,7 @@
 """Where the decode kernel's time goes, per warpgroup: Mosaic profiler regions on the GPU.
 
     PYTHONPATH=. python benchmarks/decode_trace.py [--shapes qwen3_30b,mixtral,dsv3_ep8]
-        [--gemms fc1,fc2] [--tokens 64] [--tag TAG] [--out DIR]
+        [--gemms fc1,fc2] [--tokens 64] [--small-scales] [--tag TAG] [--out DIR]
 
 For each `jaxmoe.shapes` layer, expert GEMM (fc1 [R, H] x [E, 2F|F, H], fc2 [R, F] x [E, H, F])
 and token count T (R = T * top_k rows, each token's k experts drawn at random as in
@@ -15,7 +15,8 @@ region `n_*` and `sum_*` (count and summed cycles), `step_gaps` (cycles between 
 the next step's start: waiting for the ring's data, or an item boundary), `step_median`, and the
 shares of the span. `cycles_per_us` = the longest span over `kernel_us` (the SM clock, roughly).
 The traced call's output is checked bitwise against the untraced one (`same_bits`). Writes
-decode_trace_<date>[_tag].json to --out. GPU only.
+decode_trace_<date>[_tag].json to --out. GPU only. --small-scales: the kernel's integer
+dequantization (`gmm_decode_pallas(small_scales=True)`; the weights' scale bytes are 120-133).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def routed_group_sizes(num_experts: int, top_k: int, tokens: int) -> np.ndarray:
     return np.bincount(experts.ravel(), minlength=num_experts)
 
 
-def trace_one(shape, gemm: str, tokens: int) -> dict:
+def trace_one(shape, gemm: str, tokens: int, small_scales: bool = False) -> dict:
     config, h = shape.config, shape.hidden_size
     k, n = {
         "fc1": (h, config.fc1_output_size),
@@ -135,12 +136,14 @@ def trace_one(shape, gemm: str, tokens: int) -> dict:
     scale = scale.astype(jnp.uint8)
     sizes = jnp.asarray(counts, jnp.int32)
     decode = default_decode_config(rows, k, n, config.num_experts)
-    record = dict(shape=shape.name, gemm=gemm, tokens=tokens, config=str(decode))
+    record = dict(
+        shape=shape.name, gemm=gemm, tokens=tokens, config=str(decode), small_scales=small_scales
+    )
 
     def call(trace=None):
         return jax.jit(
             lambda a, b, c, s: gmm_decode_pallas(
-                a, b, c, s, out_dtype=BF16, config=decode, trace=trace
+                a, b, c, s, out_dtype=BF16, config=decode, trace=trace, small_scales=small_scales
             )
         )
 
@@ -179,6 +182,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--shapes", default="qwen3_30b,mixtral,dsv3_ep8")
     parser.add_argument("--gemms", default="fc1,fc2")
     parser.add_argument("--tokens", default="64")
+    parser.add_argument("--small-scales", action="store_true")
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
@@ -191,7 +195,7 @@ def main(argv=None) -> dict:
         for tokens in map(int, args.tokens.split(",")):
             for gemm in args.gemms.split(","):
                 try:
-                    record = trace_one(SHAPES[name], gemm, tokens)
+                    record = trace_one(SHAPES[name], gemm, tokens, args.small_scales)
                 except Exception as e:  # a failed case is recorded, the others still run
                     record = dict(shape=name, gemm=gemm, tokens=tokens, error=error_text(e))
                 result["records"].append(record)
