@@ -5,9 +5,10 @@ out[m, n] = sum_k lhs[m, k] deq(rhs)[g(m)][n, k] with fp32 accumulation, for bf1
 dequantized MXFP8 rows: a few KB at decode sizes) and MXFP8 rhs [G, N, K] (the experts' fprop
 copies). A wgmma multiplies a 64-row A operand by an N-wide B operand, N as small as 8, so here
 the weights are A: each compute warpgroup dequantizes its wg_n weight rows of a 32-wide K block
-in registers (fp8 from SMEM, times the block scale, to bf16) and hands them to the wgmma as A
-from registers, with the group's tile_rows lhs rows (SMEM) as B, accumulating out^T
-[wg_n, tile_rows]. A group with up to tile_rows rows reads its weights once.
+in registers (fp8 from SMEM, times the block scale, to bf16; with `small_scales`, in integer
+PTX, `e4m3_registers.py`) and hands them to the wgmma as A from registers, with the group's
+tile_rows lhs rows (SMEM) as B, accumulating out^T [wg_n, tile_rows]. A group with up to
+tile_rows rows reads its weights once.
 
 Bits: every output is the same chain of k16 wgmma instructions in ascending K as in the bf16
 kernel on the dequantized operands (`gmm_mxtensor`'s "dequantize" strategy), with the operands'
