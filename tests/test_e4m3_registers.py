@@ -107,9 +107,9 @@ def test_interpreter_takes_the_fp32_route(interpret):
 @pytest.mark.gpu
 def test_gpu_register_dequantization_is_the_fp32_routes_bits_on_every_byte_and_scale():
     """On the H200: one-hot rows read every weight of a [N=1024, K=256] matrix whose row n has
-    all 254 finite e4m3 bytes (twice; NaN bytes as zeros) and scale byte n % 135: the kernel with
-    small_scales gives exactly its fp32 route's output and the dequantized weights (-0 summed
-    with the zero products is +0). Then at decode sizes of real shapes, random weights: the same
+    every finite e4m3 byte (the two NaN bytes replaced by zeros) and scale byte n % 135: the
+    kernel with small_scales gives exactly its fp32 route's output and the dequantized weights
+    (-0 summed with the zero products is +0). Then at decode sizes of real shapes, random weights: the same
     bits as the fp32 route (which the other GPU tests hold to dequantizing first); control: one
     weight changed changes the output."""
     n, k = 1024, 256

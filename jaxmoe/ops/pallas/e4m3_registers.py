@@ -15,13 +15,13 @@ f16x2 unpack, two f16 -> f32 converts, two fp32 multiplies, a bf16x2 pack):
   2^(s - 7) is a normal bf16: scale bytes up to `MAX_SCALE_BYTE` (a block amax of at most
   448 x 2^7), and when no weight is NaN (the permute would make a NaN byte a finite value).
 
+The multiplier's bf16 bits (s + 120) << 7 in both halves are one integer multiply-add per scale
+byte. `small_scale_dequantization_is_exact` says whether MXFP8 weights meet both conditions.
+
 Measured on the H200 (2026-12-03, `benchmarks/results/decode_2026-12-03_s29_small.json`): the
 decode kernel's device time at 64 tokens, fc1 + fc2, 445 -> 384 us at mixtral, 426 -> 396 at
 dsv3_ep8, 187 -> 177 at qwen3_30b; bitwise the fp32 route on every finite byte and scale byte
 up to MAX_SCALE_BYTE (tests/test_e4m3_registers.py).
-
-The multiplier's bf16 bits (s + 120) << 7 in both halves are one integer multiply-add per scale
-byte. `small_scale_dequantization_is_exact` says whether MXFP8 weights meet both conditions.
 """
 
 from __future__ import annotations
@@ -78,7 +78,10 @@ def dequantize_small_scales(weights: jax.Array, multiplier_words: jax.Array) -> 
     kernel (GPU only: the interpreter cannot run inline PTX). Exact where
     `small_scale_dequantization_is_exact`."""
     if weights.dtype != jnp.float8_e4m3fn or multiplier_words.dtype != jnp.uint32:
-        raise ValueError(f"need e4m3 weights and uint32 multipliers, got {weights.dtype}")
+        raise ValueError(
+            "need e4m3 weights and uint32 multipliers, "
+            f"got {weights.dtype} and {multiplier_words.dtype}"
+        )
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
