@@ -16,7 +16,9 @@ For each `jaxmoe.shapes` layer and token count T (one sequence of T tokens):
          R = T * top_k rows, each token's k experts drawn at random: gmm_bf16 (`ops.gmm`) and
          MXFP8 on its fprop weight copies (`ops.gmm_mxtensor`), strategies "dequantize",
          "fused_dequantize" and "decode" (`gmm_mxfp8_dequantize`, `gmm_mxfp8_fused`,
-         `gmm_mxfp8_decode`); --decode-sweep "f=v,f=v;..." adds the decode kernel once per
+         `gmm_mxfp8_decode`), and the decode kernel's integer dequantization
+         (`gmm_mxfp8_decode_small_scales`, when the weights qualify, as these do);
+         --decode-sweep "f=v,f=v;..." adds the decode kernel once per
          ";"-separated variant, its `DecodeConfig` fields f set to v on the default config
          (`gmm_mxfp8_decode[f=v,...]`: the same bits)
   floor  the bytes of the active experts' weights (bf16: 2 bytes a weight; MXFP8: 1 + 1/32)
