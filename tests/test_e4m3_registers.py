@@ -11,6 +11,7 @@ import pytest
 
 from jaxmoe.mxfp8 import MXTensor, dequantize, quantize
 from jaxmoe.ops import DecodeConfig, on_hopper
+from jaxmoe.ops.device import compiled_for_gpu
 from jaxmoe.ops.pallas import e4m3_registers
 from jaxmoe.ops.pallas.gmm_decode_hopper import gmm_decode_pallas
 
@@ -83,9 +84,9 @@ def test_small_scales_needs_e4m3_weights():
 
 def test_interpreter_takes_the_fp32_route(interpret):
     """Interpreted, small_scales changes nothing (the interpreter cannot run inline PTX)."""
-    assert not e4m3_registers.compiled_for_gpu(interpret=True)
+    assert not compiled_for_gpu(interpret=True)
     if not on_hopper():
-        assert not e4m3_registers.compiled_for_gpu(interpret=None)
+        assert not compiled_for_gpu(interpret=None)
     rhs = jax.random.normal(jax.random.key(1), (2, 128, 256), jnp.bfloat16)
     weights = dequantize_ready(rhs)
     lhs = jax.random.normal(jax.random.key(2), (32, 256), jnp.bfloat16)

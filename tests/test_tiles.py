@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoe.ops.pallas.tiles import row_tiles, work_list
+from jaxmoe.ops.pallas.tiles import max_row_tiles, row_tiles, work_list
 
 
 def reference_work_order(rows, group, num_groups, num_columns, grid_tile_width):
@@ -59,3 +59,40 @@ def test_row_tiles_come_as_matmul_then_zero_region_then_unused_runs(seed):
     expected = np.repeat([0, 1, 2], [num_matmul, num_zero, len(kind) - num_matmul - num_zero])
     np.testing.assert_array_equal(kind, expected)
     assert (num_zero > 0) == (num_rows > sizes.sum())
+
+
+def reference_row_tiles(sizes, num_rows, tile_m, row_align):
+    """A loop over the groups and the zero region: (group, first row, rows) of each tile."""
+    num_groups, tiles = len(sizes), []
+    sizes = list(sizes) + [num_rows - sum(sizes)]
+    start = 0
+    for group, size in enumerate(sizes):
+        anchor, end = start - start % row_align, start + size
+        for grid_row in range(anchor, end if size else anchor, tile_m):
+            first = max(start, grid_row)
+            tiles.append((group, first, min(end, grid_row + tile_m) - first))
+        start = end
+    counts = [sum(g < num_groups for g, _, _ in tiles), sum(g == num_groups for g, _, _ in tiles)]
+    unused = max_row_tiles(num_rows, num_groups, tile_m, row_align) - len(tiles)
+    return np.array(tiles + [(num_groups, 0, 0)] * unused).T, counts
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_row_tiles_equal_a_loop_over_the_groups(seed):
+    rng = np.random.default_rng(200 + seed)
+    num_groups = int(rng.integers(1, 140))
+    num_rows = int(rng.integers(1, 300)) * 8
+    sizes = rng.multinomial(int(rng.integers(0, num_rows + 1)), np.ones(num_groups) / num_groups)
+    sizes[rng.random(num_groups) < 0.3] = 0
+    if seed == 0:
+        sizes[:] = 0  # every row past the groups
+    if seed == 1:
+        sizes[:] = 0
+        sizes[-1] = num_rows  # no zero region
+    tile_m, row_align = [(8, 8), (16, 8), (64, 8), (128, 8), (16, 1), (32, 4)][seed]
+    tiles = row_tiles(jnp.asarray(sizes, jnp.int32), num_rows, tile_m, row_align)
+    fields, counts = reference_row_tiles(sizes.tolist(), num_rows, tile_m, row_align)
+    got = np.stack([np.asarray(tiles.group), np.asarray(tiles.start), np.asarray(tiles.count)])
+    np.testing.assert_array_equal(got, fields)
+    np.testing.assert_array_equal(np.asarray(tiles.fields), fields)
+    assert np.asarray(tiles.counts).tolist() == counts

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import jax
+from jax._src import config
 
 INTERPRET_NUM_SMS = 4  # persistent-grid size off the GPU (the Mosaic GPU interpreter on CPU)
 
@@ -24,3 +25,10 @@ def num_sms() -> int:
     Never reads core_count from a CPU device."""
     device = jax.devices()[0]
     return device.core_count if device.platform == "gpu" else INTERPRET_NUM_SMS
+
+
+def compiled_for_gpu(interpret) -> bool:
+    """Whether a Pallas kernel built now with this `interpret` argument is compiled for the GPU
+    (it can run inline PTX) rather than interpreted (an `interpret` argument, or
+    `plgpu.force_gpu_interpret_mode` around the call)."""
+    return not interpret and config.pallas_tpu_interpret_mode_context_manager.value is None

@@ -30,7 +30,6 @@ import jax
 import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
 import numpy as np
-from jax._src import config
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
@@ -47,13 +46,6 @@ shl.b32 t, t, 4;
 and.b32 t, t, 0x87F087F0;
 mul.rn.bf16x2 $0, t, $2;
 }"""
-
-
-def compiled_for_gpu(interpret) -> bool:
-    """Whether a Mosaic GPU kernel built now with this `interpret` argument is compiled (it can
-    run inline PTX) rather than interpreted (an `interpret` argument, or
-    `plgpu.force_gpu_interpret_mode` around the call)."""
-    return not interpret and config.pallas_tpu_interpret_mode_context_manager.value is None
 
 
 def small_scale_dequantization_is_exact(data: jax.Array, scale: jax.Array) -> jax.Array:

@@ -39,7 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.ints import cdiv
 from jaxmoe.mxfp8 import BLOCK_SIZE, scale_multipliers
-from jaxmoe.ops.device import num_sms
+from jaxmoe.ops.device import compiled_for_gpu, num_sms
 from jaxmoe.ops.pallas import e4m3_registers, regions
 from jaxmoe.ops.pallas.gmm_common import (
     MEMORY_REGISTERS,
@@ -51,7 +51,7 @@ from jaxmoe.ops.pallas.gmm_common import (
     zero_accumulator,
 )
 from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
-from jaxmoe.ops.pallas.tiles import row_tiles, work_list
+from jaxmoe.ops.pallas.tiles import COUNT, GROUP, START, row_tiles
 
 _FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 _BF16 = jnp.bfloat16
@@ -61,14 +61,13 @@ _BF16 = jnp.bfloat16
 class DecodeConfig:
     """Tiling of the decode kernel: row tiles of tile_rows lhs rows (the wgmma N, 8 to 256);
     each of the two compute warpgroups owns wg_n weight rows (64 or 128) of a CTA's
-    2 * wg_n output columns; K steps of tile_k (a multiple of 64); grid_tile_width and num_sms
-    as in `GmmConfig`. None of these change the bits."""
+    2 * wg_n output columns; K steps of tile_k (a multiple of 64); num_sms as in `GmmConfig`.
+    None of these change the bits."""
 
     tile_rows: int = 32
     wg_n: int = 128
     tile_k: int = 128
     max_concurrent_steps: int = 4
-    grid_tile_width: int = 4
     num_sms: int = 132
 
     @property
@@ -193,34 +192,42 @@ def gmm_decode_pallas(
     rows = max(config.tile_rows, cdiv(num_rows, ROW_ALIGN) * ROW_ALIGN)
     padded = jnp.pad(lhs, ((0, rows - num_rows), (0, 0)))
     config.validate(rows, k, n, out_dtype)
-    tiles = row_tiles(group_sizes, rows, config.tile_rows, ROW_ALIGN)
-    work = work_list(tiles, n // config.cta_n, config.grid_tile_width)
     if small_scales and rhs.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"gmm decode: small_scales needs e4m3 weights, got {rhs.dtype}")
-    register_route = small_scales and e4m3_registers.compiled_for_gpu(interpret)
+    tiles = row_tiles(group_sizes, rows, config.tile_rows, ROW_ALIGN)
     kernel = _build_kernel(
-        rows, k, n, jnp.dtype(out_dtype), config, interpret, trace, register_route
+        rows,
+        k,
+        n,
+        jnp.dtype(out_dtype),
+        config,
+        interpret,
+        trace,
+        small_scales and compiled_for_gpu(interpret),
+        num_weights,
+        groups_per_weight,
+        num_groups,
     )
-    # Each item's own metadata, so that the kernel reads it with independent loads (not a
-    # tile index first, then the tile's fields).
-    out = kernel(
-        work.counts,
-        jnp.minimum(tiles.group[work.tile] // groups_per_weight, num_weights - 1),
-        work.column * config.cta_n,
-        tiles.start[work.tile],
-        tiles.count[work.tile],
-        padded,
-        rhs,
-        rhs_scale,
-    )
+    out = kernel(tiles.bounds, tiles.fields, padded, rhs, rhs_scale)
     return out[:num_rows]
 
 
 @functools.cache
 def _build_kernel(
-    num_rows, k, n, out_dtype, config: DecodeConfig, interpret, trace, register_route
+    num_rows,
+    k,
+    n,
+    out_dtype,
+    config: DecodeConfig,
+    interpret,
+    trace,
+    register_route,
+    num_weights,
+    groups_per_weight,
+    num_groups,
 ):
     tile_rows, wg_n, tile_k, cta_n = config.tile_rows, config.wg_n, config.tile_k, config.cta_n
+    num_columns = n // cta_n
     k_steps = k // tile_k
     blocks_per_step = tile_k // BLOCK_SIZE
     scale_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per weight row of a block
@@ -261,11 +268,8 @@ def _build_kernel(
         )
 
     def decode_matmul(
-        counts_gmem,
-        item_weight_gmem,
-        item_column_gmem,
-        item_start_gmem,
-        item_count_gmem,
+        tile_bounds_gmem,
+        tile_fields_gmem,
         lhs_gmem,
         rhs_gmem,
         rhs_scale_gmem,
@@ -287,7 +291,10 @@ def _build_kernel(
             wg = lax.axis_index("wg")
             sm = lax.axis_index("sm")
             wg_cols = pl.ds(wg * wg_n, wg_n)
-            num_items = counts_gmem[0]
+            # Work items in row-tile-major order: item i is column tile i % num_columns of row
+            # tile i // num_columns, so each item's fields are independent loads.
+            matmul_tiles = tile_bounds_gmem[num_groups]
+            num_items = matmul_tiles * num_columns
             mine = jnp.maximum(num_items - sm + config.num_sms - 1, 0) // config.num_sms
 
             @regions.named("step")
@@ -329,8 +336,9 @@ def _build_kernel(
             def item_fields(item):
                 """(first row, row count, first column) of a work item, read at its start so
                 that the epilogue does not wait for global loads."""
-                first_column = pl.multiple_of(item_column_gmem[item], cta_n)
-                return item_start_gmem[item], item_count_gmem[item], first_column
+                tile = item // num_columns
+                first_column = pl.multiple_of(item % num_columns * cta_n, cta_n)
+                return tile_fields_gmem[START, tile], tile_fields_gmem[COUNT, tile], first_column
 
             @regions.named("epilogue")
             def store(out_t, fields):
@@ -357,7 +365,8 @@ def _build_kernel(
 
             @regions.named("item")
             def decode_item(item, state):
-                weight = item_weight_gmem[item]
+                group = tile_fields_gmem[GROUP, item // num_columns]
+                weight = jnp.minimum(group // groups_per_weight, num_weights - 1)
                 fields = item_fields(item)
                 first_row, _, first_column = fields
 
@@ -379,7 +388,7 @@ def _build_kernel(
             run_items(mine, lambda j, state: decode_item(sm + j * config.num_sms, state), chained)
 
             # The rows past the groups: zeros, written by the compute warpgroups.
-            num_zero = counts_gmem[1]
+            num_zero = (tile_bounds_gmem[num_groups + 1] - matmul_tiles) * num_columns
             mine_zero = jnp.maximum(num_zero - sm + config.num_sms - 1, 0) // config.num_sms
 
             @pl.when(wg < NUM_COMPUTE_WGS)

@@ -10,8 +10,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxmoe.ints import cdiv, exclusive_cumsum
+from jaxmoe.ints import cdiv
 from jaxmoe.ops.pallas.hopper import SWIZZLE_ROWS
+
+GROUP, START, COUNT = range(3)  # the rows of RowTiles.fields
 
 
 @struct.dataclass
@@ -29,14 +31,30 @@ class RowTiles:
     [counts[0] matmul tiles | counts[1] zero-region tiles | unused tiles].
     """
 
-    group: jax.Array  # [num_tiles] int32
-    start: jax.Array  # [num_tiles] int32: first row
-    count: jax.Array  # [num_tiles] int32: number of rows
-    counts: jax.Array  # [2] int32: matmul tiles, zero-region tiles
+    fields: jax.Array  # [3, num_tiles] int32: each tile's group, first row, number of rows
+    bounds: jax.Array  # [G + 2] int32: tiles before group g (g = G: the zero region; G + 1: all)
+
+    @property
+    def group(self) -> jax.Array:
+        return self.fields[GROUP]
+
+    @property
+    def start(self) -> jax.Array:
+        return self.fields[START]
+
+    @property
+    def count(self) -> jax.Array:
+        return self.fields[COUNT]
+
+    @property
+    def counts(self) -> jax.Array:
+        """[2] int32: matmul tiles, zero-region tiles."""
+        num_groups = self.bounds.shape[0] - 2
+        return self.bounds[num_groups:] - jnp.stack([0, self.bounds[num_groups]])
 
     @property
     def num_tiles(self) -> int:
-        return self.group.shape[0]
+        return self.fields.shape[1]
 
 
 def max_row_tiles(
@@ -51,36 +69,41 @@ def row_tiles(
     group_sizes: jax.Array, num_rows: int, tile_m: int, row_align: int = SWIZZLE_ROWS
 ) -> RowTiles:
     """Split every group (and the zero region past the groups) into tiles of at most tile_m
-    rows on a tile_m grid anchored at the group's start rounded down to row_align."""
-    num_groups = group_sizes.shape[0]
-    sizes = jnp.concatenate(
-        [group_sizes.astype(jnp.int32), (num_rows - jnp.sum(group_sizes)).astype(jnp.int32)[None]]
-    )
-    starts = exclusive_cumsum(sizes)
-    ends = starts + sizes
-    anchors = starts - starts % row_align
-    tiles_per_group = jnp.where(sizes > 0, cdiv(ends - anchors, tile_m), 0)
-    first_tile = exclusive_cumsum(tiles_per_group)
-    total_tiles = jnp.sum(tiles_per_group)
+    rows on a tile_m grid anchored at the group's start rounded down to row_align.
 
+    Written for XLA's fusion on the GPU: three reductions, each of a comparison of every
+    position with every group summed along the groups (no prefix-sum kernel, search or
+    gather): (1) each group's first and end row, (2) the tile bounds, (3) each tile's
+    fields as a sum of its one owner's values (a group, the zero region, or, past all tiles,
+    "unused"). Each pass stacks its outputs on a leading axis, so that it is one
+    reduction (one kernel) and the kernels read the stacked arrays as they are."""
+    num_groups = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    group = jnp.arange(num_groups + 1, dtype=jnp.int32)  # the last one: the zero region
+    before = group[:, None] > group[None, :num_groups]
+    upto = before | (group[:, None] == group[None, :num_groups])
+    starts, through = jnp.sum(jnp.where(jnp.stack([before, upto]), sizes, 0), axis=2)
+    ends = jnp.where(group < num_groups, through, num_rows)
+    anchors = starts - starts % row_align
+    tiles_per_group = jnp.where(ends > starts, cdiv(ends - anchors, tile_m), 0)
+    bound = jnp.arange(num_groups + 2, dtype=jnp.int32)
+    bounds = jnp.sum(jnp.where(bound[:, None] > group[None, :], tiles_per_group, 0), axis=1)
     num_tiles = max_row_tiles(num_rows, num_groups, tile_m, row_align)
-    tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    # One fused comparison of every tile with every group end: the default binary search is a
-    # loop of small kernels, which cost more than the grouped matmul's tail at 128 experts.
-    group = jnp.searchsorted(
-        first_tile + tiles_per_group, tile, side="right", method="compare_all"
-    ).astype(jnp.int32)
-    group = jnp.minimum(group, num_groups)
-    grid_row = anchors[group] + (tile - first_tile[group]) * tile_m
-    start = jnp.maximum(starts[group], grid_row)
-    count = jnp.clip(jnp.minimum(ends[group], grid_row + tile_m) - start, 0, tile_m)
-    used = tile < total_tiles
-    return RowTiles(
-        group=jnp.where(used, group, num_groups),
-        start=jnp.where(used, start, 0).astype(jnp.int32),
-        count=jnp.where(used, count, 0).astype(jnp.int32),
-        counts=jnp.stack([first_tile[num_groups], tiles_per_group[num_groups]]),
+    # Owners: the groups, the zero region and, past all tiles, "unused" (G, 0, 0).
+    first_tile = bounds
+    last_tile = jnp.append(bounds[1:], num_tiles)
+    pad = lambda per_group: jnp.append(per_group, 0)  # noqa: E731
+    t = jnp.arange(num_tiles, dtype=jnp.int32)[:, None]
+    owner = (first_tile <= t) & (t < last_tile)  # [tiles, owners]: one owner per tile
+    grid_row = pad(anchors) + (t - first_tile) * tile_m
+    first_row = jnp.maximum(pad(starts), grid_row)
+    count = jnp.clip(jnp.minimum(pad(ends), grid_row + tile_m) - first_row, 0, tile_m)
+    used = bound <= num_groups
+    per_owner = jnp.stack(  # GROUP, START, COUNT
+        jnp.broadcast_arrays(jnp.minimum(bound, num_groups), jnp.where(used, first_row, 0), count)
     )
+    fields = jnp.sum(jnp.where(owner, per_owner, 0), axis=2)
+    return RowTiles(fields=fields, bounds=bounds)
 
 
 @struct.dataclass
