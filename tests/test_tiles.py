@@ -8,6 +8,16 @@ import pytest
 from jaxmoe.ops.pallas.tiles import max_row_tiles, row_tiles, work_list
 
 
+def random_groups(rng, max_groups, max_row_cells):
+    """(num_groups, num_rows, sizes): a multiple of 8 rows, some past the groups, about 30% of
+    the groups empty."""
+    num_groups = int(rng.integers(1, max_groups))
+    num_rows = int(rng.integers(1, max_row_cells)) * 8
+    sizes = rng.multinomial(int(rng.integers(0, num_rows + 1)), np.ones(num_groups) / num_groups)
+    sizes[rng.random(num_groups) < 0.3] = 0
+    return num_groups, num_rows, sizes
+
+
 def reference_work_order(rows, group, num_groups, num_columns, grid_tile_width):
     """Items in bands of `grid_tile_width` columns (rows reversed in odd bands), then stably sorted
     by kind: matmul items, zero-region items, unused items."""
@@ -29,10 +39,7 @@ def reference_work_order(rows, group, num_groups, num_columns, grid_tile_width):
 @pytest.mark.parametrize("seed", range(8))
 def test_work_list_is_the_banded_order_stably_partitioned_by_kind(seed):
     rng = np.random.default_rng(seed)
-    num_groups = int(rng.integers(1, 20))
-    num_rows = int(rng.integers(1, 250)) * 8
-    sizes = rng.multinomial(int(rng.integers(0, num_rows + 1)), np.ones(num_groups) / num_groups)
-    sizes[rng.random(num_groups) < 0.3] = 0  # empty groups
+    num_groups, num_rows, sizes = random_groups(rng, 20, 250)
     tiles = row_tiles(jnp.asarray(sizes, jnp.int32), num_rows, 64)
     num_columns, grid_tile_width = int(rng.integers(1, 9)), int(rng.integers(1, 5))
     work = work_list(tiles, num_columns, grid_tile_width)
@@ -48,10 +55,7 @@ def test_work_list_is_the_banded_order_stably_partitioned_by_kind(seed):
 def test_row_tiles_come_as_matmul_then_zero_region_then_unused_runs(seed):
     """`work_list` relies on each kind of row tile being one contiguous run of counts[k] tiles."""
     rng = np.random.default_rng(100 + seed)
-    num_groups = int(rng.integers(1, 40))
-    num_rows = int(rng.integers(1, 300)) * 8
-    sizes = rng.multinomial(int(rng.integers(0, num_rows + 1)), np.ones(num_groups) / num_groups)
-    sizes[rng.random(num_groups) < 0.3] = 0
+    num_groups, num_rows, sizes = random_groups(rng, 40, 300)
     tiles = row_tiles(jnp.asarray(sizes, jnp.int32), num_rows, 64)
     group, rows = np.asarray(tiles.group), np.asarray(tiles.count)
     kind = np.where(rows == 0, 2, np.where(group < num_groups, 0, 1))
@@ -80,10 +84,7 @@ def reference_row_tiles(sizes, num_rows, tile_m, row_align):
 @pytest.mark.parametrize("seed", range(6))
 def test_row_tiles_equal_a_loop_over_the_groups(seed):
     rng = np.random.default_rng(200 + seed)
-    num_groups = int(rng.integers(1, 140))
-    num_rows = int(rng.integers(1, 300)) * 8
-    sizes = rng.multinomial(int(rng.integers(0, num_rows + 1)), np.ones(num_groups) / num_groups)
-    sizes[rng.random(num_groups) < 0.3] = 0
+    num_groups, num_rows, sizes = random_groups(rng, 140, 300)
     if seed == 0:
         sizes[:] = 0  # every row past the groups
     if seed == 1:
