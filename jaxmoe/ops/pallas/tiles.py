@@ -75,8 +75,9 @@ def row_tiles(
     position with every group summed along the groups (no prefix-sum kernel, search or
     gather): (1) each group's first and end row, (2) the tile bounds, (3) each tile's
     fields as a sum of its one owner's values (a group, the zero region, or, past all tiles,
-    "unused"). Each pass stacks its outputs on a leading axis, so that it is one
-    reduction (one kernel) and the kernels read the stacked arrays as they are."""
+    "unused"). Each pass stacks its outputs on a leading axis, one reduction a pass, and the
+    kernels read the stacked arrays as they are. (XLA on the H200 still makes five reduce
+    kernels of the three: `benchmarks/results/decode_2026-12-03_s30_fields.json`.)"""
     num_groups = group_sizes.shape[0]
     sizes = group_sizes.astype(jnp.int32)
     group = jnp.arange(num_groups + 1, dtype=jnp.int32)  # the last one: the zero region
@@ -90,8 +91,7 @@ def row_tiles(
     bounds = jnp.sum(jnp.where(bound[:, None] > group[None, :], tiles_per_group, 0), axis=1)
     num_tiles = max_row_tiles(num_rows, num_groups, tile_m, row_align)
     # Owners: the groups, the zero region and, past all tiles, "unused" (G, 0, 0).
-    first_tile = bounds
-    last_tile = jnp.append(bounds[1:], num_tiles)
+    first_tile, last_tile = bounds, jnp.append(bounds[1:], num_tiles)
     pad = lambda per_group: jnp.append(per_group, 0)  # noqa: E731
     t = jnp.arange(num_tiles, dtype=jnp.int32)[:, None]
     owner = (first_tile <= t) & (t < last_tile)  # [tiles, owners]: one owner per tile
