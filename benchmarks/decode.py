@@ -20,7 +20,8 @@ For each `jaxmoe.shapes` layer and token count T (one sequence of T tokens):
          (`gmm_mxfp8_decode_small_scales`, when the weights qualify, as these do);
          --decode-sweep "f=v,f=v;..." adds the decode kernel once per
          ";"-separated variant, its `DecodeConfig` fields f set to v on the default config
-         (`gmm_mxfp8_decode[f=v,...]`: the same bits)
+         (`gmm_mxfp8_decode[f=v,...]`: the same bits; on the integer route when the weights
+         qualify)
   floor  the bytes of the active experts' weights (bf16: 2 bytes a weight; MXFP8: 1 + 1/32)
          over the memory bandwidth measured in the same run: the higher of a device copy's
          ((read + written bytes) / time) and a read-only pass's (bytes / time of a sum), both
@@ -31,7 +32,8 @@ No host dispatch is timed: each timed call runs `copies` forwards inside one exe
 copy is served from L2) and its own tokens; times are per forward. --profile adds each
 implementation's device time per forward by kernel name (`kernels_us`, from a JAX profile; GPU
 only), which shows what besides the GEMM kernels a forward runs. Implementations take turns
-(`benchmarks.timing.timed_runs`), median of the repeats; --impls runs only the named ones.
+(`benchmarks.timing.timed_runs`), median of the repeats; --impls runs only the named ones (and the
+--decode-sweep variants).
 Writes decode_<date>[_tag].json (after every shape) and, with matplotlib, decode_<date>[_tag].png
 to --out.
 """
@@ -238,18 +240,21 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
     ):
         run = scanned(functools.partial(mxfp8, strategy))
         candidates[name] = functools.partial(run, copies_q, *x_q, group_sizes)
-    if all(small_scale_dequantization_is_exact(*stored) for stored in copies_q):
+    small = all(small_scale_dequantization_is_exact(*stored) for stored in copies_q)
+    if small:
         run = scanned(functools.partial(mxfp8, "decode", small_scales=True))
         candidates["gmm_mxfp8_decode_small_scales"] = functools.partial(
             run, copies_q, *x_q, group_sizes
         )
-    for fields in sweep:
-        run = scanned(functools.partial(mxfp8, "decode", fields=fields))
-        name = ",".join(f"{f}={v}" for f, v in fields.items())
-        candidates[f"gmm_mxfp8_decode[{name}]"] = functools.partial(
-            run, copies_q, *x_q, group_sizes
-        )
+    for fields in sweep:  # on the integer route when the weights qualify
+        run = scanned(functools.partial(mxfp8, "decode", fields=fields, small_scales=small))
+        candidates[variant_name(fields)] = functools.partial(run, copies_q, *x_q, group_sizes)
     return candidates, float(np.mean(np.sum(sizes > 0, axis=-1)))
+
+
+def variant_name(fields: dict) -> str:
+    """The implementation name of a --decode-sweep variant: gmm_mxfp8_decode[f=v,...]."""
+    return "gmm_mxfp8_decode[" + ",".join(f"{f}={v}" for f, v in fields.items()) + "]"
 
 
 def parse_variant(text: str) -> dict:
@@ -279,7 +284,8 @@ def bench(shape: LayerShape, tokens: int, part: str, args, bandwidth: float, rec
         log(f"{shape.name} T={tokens} {part}: FAILED {error_text(e)}")
         return
     if args.impls:
-        candidates = {k: v for k, v in candidates.items() if k in args.impls}
+        swept = {variant_name(fields) for fields in args.decode_sweep}
+        candidates = {k: v for k, v in candidates.items() if k in args.impls | swept}
     runnable = {}
     for impl, call in candidates.items():
         try:

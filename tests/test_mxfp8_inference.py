@@ -187,6 +187,23 @@ def test_decode_forward_reads_the_stored_scales_in_place(interpret):
     assert scale_relayouts(gemm.lower(fprop).compile().as_text(), shapes)
 
 
+def test_decode_forward_quantizes_the_fc2_input_with_xla(interpret):
+    """With the decode kernel, fc2's input is quantized by the XLA quantizer (the same bits),
+    which XLA fuses with the activation and the dequantization that the kernel reads; the
+    "dequantize" strategy runs the Pallas quantizer on it. Both quantize the dispatched
+    tokens with the Pallas quantizer."""
+    config = MXFP8.replace(num_experts=4, ffn_hidden_size=128, shared_expert_intermediate_size=None)
+    model = MoE(config, 128, param_dtype=jnp.bfloat16, gmm_impl="pallas", rngs=nnx.Rngs(2))
+    x = jax.ShapeDtypeStruct((1, 4, 128), jnp.bfloat16)
+    kernels = {}
+    for strategy in ("decode", "dequantize"):
+        graphdef, state = nnx.split(mxfp8_inference(model, gemm_strategy=strategy))
+        forward = lambda state, x: nnx.merge(graphdef, state)(x)[0]  # noqa: B023
+        jaxpr = str(jax.make_jaxpr(forward)(state, x))
+        kernels[strategy] = jaxpr.count("kernel_name='quantize_rowwise'")
+    assert kernels == {"decode": 1, "dequantize": 2}
+
+
 def test_a_megatron_checkpoint_runs_as_mxfp8_inference():
     """A real Megatron-Core checkpoint (the deepseek_bf16 fixture: sigmoid routing, groups,
     expert bias, shared expert) built with an MXFP8 config and kept as MXFP8 copies alone: the

@@ -36,7 +36,7 @@ from flax import struct
 from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor
 from jaxmoe.ops.checks import check_group_sizes
 from jaxmoe.ops.gmm import sum_group_partials
-from jaxmoe.ops.mxtensor_gmm import gmm_mxtensor, tgmm_mxtensor
+from jaxmoe.ops.mxtensor_gmm import gmm_mxtensor, resolve_strategy, tgmm_mxtensor
 from jaxmoe.ops.quantize import quantize
 
 
@@ -189,18 +189,30 @@ def _quantize(x, axis, impl):
 
 
 def _fprop(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, groups_per_weight):
-    lhs_q = _quantize(lhs, 1, impl) if lhs_rowwise is None else lhs_rowwise
     rhs_q = (
         _quantize(rhs.astype(lhs.dtype), 1, impl) if rhs_quantized is None else rhs_quantized.fprop
     )
+    strategy = "dequantize" if rhs_quantized is None else rhs_quantized.fprop_strategy
+    num_groups = rhs_q.shape[0] * groups_per_weight
+    k, n = rhs_q.shape[rhs_q.axis], rhs_q.shape[3 - rhs_q.axis]
+    k_major = rhs_q.axis == 2
+    # The decode kernel reads lhs dequantized (bf16), so its quantized copy has no other reader:
+    # with the XLA quantizer (the same bits) XLA fuses the quantization, the dequantization and
+    # lhs's producer into one kernel, where the Pallas quantizer is a kernel of its own and the
+    # dequantization another (H200, the layer at 64 tokens, `kernels_us` of
+    # benchmarks/results/decode_2026-12-04_s31_layer.json against
+    # decode_2026-12-03_s30_layer_fields.json).
+    decode = resolve_strategy(strategy, lhs.shape[0], num_groups, k, n, k_major) == "decode"
+    if lhs_rowwise is None:
+        lhs_rowwise = _quantize(lhs, 1, "xla" if decode else impl)
     return gmm_mxtensor(
-        lhs_q,
+        lhs_rowwise,
         rhs_q,
         group_sizes,
         impl=impl,
         preferred_element_type=out_dtype,
         groups_per_weight=groups_per_weight,
-        strategy="dequantize" if rhs_quantized is None else rhs_quantized.fprop_strategy,
+        strategy=strategy,
         small_scales=rhs_quantized is not None and rhs_quantized.fprop_small_scales,
     )
 
