@@ -74,8 +74,8 @@ def build_moe(
       expert stack. An expert-parallel Megatron checkpoint is merged by `load` already; any
       mesh whose expert axis divides E fits it.
     moe_kwargs go to `jaxmoe.MoE` (dtype, gmm_impl, ...). Without a mesh the parameters are
-    copied into jaxmoe's [in, out] layout (the untransposed ones are shared with the torch
-    tensors over DLPack)."""
+    copied into jaxmoe's [in, out] layout on JAX's default device (the GPU on a GPU machine; on
+    a CPU-only one the untransposed ones are shared with the torch tensors over DLPack)."""
     weights = ckpt.layer(layer)
     config = resolve_config(None, config) if config is not None else ckpt.config
     if config is None:
@@ -140,8 +140,8 @@ def _moe_with_params(
                     f"jaxmoe param {'.'.join(names)}: got {jax_dtype(dtype)}"
                     f"{tuple(tensor.shape)}, the module needs {leaf.dtype}{leaf.shape}"
                 )
-            if sharding is None:
-                return to_jax(tensor.to(dtype), copy=True)
+            if sharding is None:  # JAX's default device (shared with the tensor on a CPU)
+                return jax.device_put(to_jax(tensor.to(dtype), copy=True), jax.devices()[0])
             # Each device's array from its own slice of the tensor (cast there): the devices of
             # expert rank e read experts [e E/ep, (e + 1) E/ep) alone.
             return jax.make_array_from_callback(

@@ -211,6 +211,8 @@ def test_a_megatron_checkpoint_runs_as_mxfp8_inference():
     root = os.path.join(os.path.dirname(__file__), "fixtures", "megatron", "deepseek_bf16")
     ckpt = megatron.load(os.path.join(root, "torch_dist"), os.path.join(root, "config.json"))
     model = megatron.build_moe(ckpt, 0, config=ckpt.config.replace(**MXFP8_OPTIONS))
+    # on JAX's default device, where the layer runs (not the host, where torch loaded them)
+    assert {a.device for a in jax.tree.leaves(nnx.state(model))} == {jax.devices()[0]}
     x = jax.random.normal(jax.random.key(4), (2, 16, model.hidden_size)).astype(jnp.bfloat16)
     inference = mxfp8_inference(model)
     trained = training_output(model, x)
