@@ -18,7 +18,8 @@ This module only re-exports; the work is split by job:
   * `bridge.megatron_read`: `load`, reading and merging torch_dist and legacy checkpoints;
   * `bridge.megatron_build`: `build_moe` (weights -> jaxmoe.MoE) and `weights_from_moe`;
   * `bridge.megatron_write`: `save`, writing torch_dist and legacy checkpoints;
-  * `bridge.te_mxfp8`: `refit_mxfp8`, Transformer Engine MXFP8 storage -> jaxmoe MXTensors;
+  * `bridge.te_mxfp8`: `refit_mxfp8`, Transformer Engine MXFP8 storage -> jaxmoe MXTensors, and
+    `expert_fprop_copy`, a layer's refitted experts stacked for `jaxmoe.mxfp8_inference`;
   * `bridge.torch_dist_format`: the torch_dist (DCP) file I/O, re-exported for inspecting what
     `save` wrote (`megatron.torch_dist_format.read_index(path)`).
 """
@@ -35,7 +36,7 @@ from bridge.megatron_weights import (
     NormWeights,
 )
 from bridge.megatron_write import save
-from bridge.te_mxfp8 import MXFP8Weight, refit_mxfp8
+from bridge.te_mxfp8 import MXFP8Weight, expert_fprop_copy, refit_mxfp8
 
 __all__ = [
     "load",
@@ -54,6 +55,7 @@ __all__ = [
     "DenseLayerWeights",
     "NormWeights",
     "refit_mxfp8",
+    "expert_fprop_copy",
     "MXFP8Weight",
     "torch_dist_format",
 ]

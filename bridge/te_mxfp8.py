@@ -12,7 +12,10 @@ swizzle: no value is re-quantized, so the resulting MXTensors hold TE's bytes ex
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
+import jax
+import jax.numpy as jnp
 import torch
 
 from bridge.dlpack import mxtensor_from_torch, to_jax, to_torch
@@ -126,6 +129,37 @@ def refit_mxfp8(
             ).T.contiguous()
         columnwise = _as_mxtensor(columnwise_data, col_scale, 0, fmt, layout)
     return MXFP8Weight(rowwise=rowwise, columnwise=columnwise)
+
+
+def expert_fprop_copy(weights: Sequence[MXFP8Weight]) -> MXTensor:
+    """The experts' stacked fprop copy for `jaxmoe.mxfp8_inference(fprop_copies=...)`: each
+    expert's rowwise copy as `refit_mxfp8(..., layout="megatron")` gives it (Megatron's
+    [out, in] layout, blocks along in), stacked to [E, out, in] on JAX's default device, the
+    bytes unchanged. Raises MXFP8LayoutError when a copy is not such a rowwise copy or the
+    experts' copies differ in shape or format."""
+    if not weights:
+        raise MXFP8LayoutError("expert_fprop_copy: no experts")
+    copies = [w.rowwise for w in weights]
+    first = copies[0]
+    for e, copy in enumerate(copies):
+        if copy.ndim != 2 or copy.axis != 1:
+            raise MXFP8LayoutError(
+                f"expert {e}: need the rowwise copy in Megatron's [out, in] layout "
+                f"(refit_mxfp8(..., layout='megatron')), got axis {copy.axis} of {copy.shape}"
+            )
+        if copy.shape != first.shape or copy.fmt != first.fmt:
+            raise MXFP8LayoutError(
+                f"expert {e}: {copy.fmt} {copy.shape} differs from expert 0's "
+                f"{first.fmt} {first.shape}"
+            )
+    device = jax.devices()[0]
+    stack = lambda arrays: jax.device_put(jnp.stack(arrays), device)  # noqa: E731
+    return MXTensor(
+        data=stack([c.data for c in copies]),
+        scale=stack([c.scale for c in copies]),
+        axis=2,
+        fmt=first.fmt,
+    )
 
 
 def _as_mxtensor(

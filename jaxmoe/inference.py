@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxmoe.experts import ExpertMatrices, grouped_mlp
 from jaxmoe.moe import MoE
-from jaxmoe.mxfp8 import MXTensor
+from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor
 from jaxmoe.ops.mxfp8_gmm import QuantizedWeights, quantize_weights
 from jaxmoe.ops.mxtensor_gmm import STRATEGIES
 from jaxmoe.ops.pallas.e4m3_registers import small_scale_dequantization_is_exact
@@ -43,9 +43,15 @@ class Mxfp8GroupedMLP(nnx.Module):
     into the MXTensor and the kernel's wrapper transposes that again, and XLA removes the pair,
     so no call touches every expert's scales before the kernel. `small_scales`: whether both
     copies, checked once here, let the decode kernel dequantize with integer instructions (the
-    same bits); the copies are not meant to be replaced afterwards."""
+    same bits); the copies are not meant to be replaced afterwards. `fprop_copies`: as
+    `mxfp8_inference`'s (None: the model's expert kernels quantized)."""
 
-    def __init__(self, model: MoE, gemm_strategy: str = "auto"):
+    def __init__(
+        self,
+        model: MoE,
+        gemm_strategy: str = "auto",
+        fprop_copies: tuple[MXTensor, MXTensor] | None = None,
+    ):
         config, experts = model.config, model.experts
         if config.expert_precision != "mxfp8":
             raise ValueError(
@@ -57,13 +63,18 @@ class Mxfp8GroupedMLP(nnx.Module):
                 f"mxfp8_inference: gemm_strategy must be one of {STRATEGIES}, got {gemm_strategy!r}"
             )
         self.config, self.gemm_strategy = config, gemm_strategy
-        dtype = model.dtype
-        fc1 = quantize_weights(experts.fc1_kernel[...].astype(dtype), model.gmm_impl, dgrad=False)
-        fc2 = quantize_weights(experts.fc2_kernel[...].astype(dtype), model.gmm_impl, dgrad=False)
+        if fprop_copies is None:
+            dtype, impl = model.dtype, model.gmm_impl
+            fc1, fc2 = (
+                quantize_weights(kernel[...].astype(dtype), impl, dgrad=False).fprop
+                for kernel in (experts.fc1_kernel, experts.fc2_kernel)
+            )
+        else:
+            fc1, fc2 = _checked_copies(fprop_copies, config, model.hidden_size)
         block_major = lambda scale: ExpertCopy(jnp.swapaxes(scale, 1, 2))
-        self.fc1_data, self.fc1_scale = ExpertCopy(fc1.fprop.data), block_major(fc1.fprop.scale)
-        self.fc2_data, self.fc2_scale = ExpertCopy(fc2.fprop.data), block_major(fc2.fprop.scale)
-        self.small_scales = _small_scales(fc1.fprop) and _small_scales(fc2.fprop)
+        self.fc1_data, self.fc1_scale = ExpertCopy(fc1.data), block_major(fc1.scale)
+        self.fc2_data, self.fc2_scale = ExpertCopy(fc2.data), block_major(fc2.scale)
+        self.small_scales = _small_scales(fc1) and _small_scales(fc2)
         self.fc1_bias, self.fc2_bias = experts.fc1_bias, experts.fc2_bias
 
     def __call__(self, rows, row_probs, route, *, rows_quantized, expert_weights, gmm_impl: str):
@@ -93,6 +104,36 @@ class Mxfp8GroupedMLP(nnx.Module):
         )
 
 
+def _checked_copies(copies, config, hidden_size: int) -> tuple[MXTensor, MXTensor]:
+    """fprop_copies as `Mxfp8GroupedMLP` stores them, or ValueError: e4m3 MXTensors fc1
+    [E, 2F|F, H] and fc2 [E, H, F] with blocks along the last axis and uint8 scales."""
+    if not (isinstance(copies, tuple | list) and len(copies) == 2):
+        raise ValueError("mxfp8_inference: fprop_copies must be a pair (fc1, fc2) of MXTensors")
+    shapes = {
+        "fc1": (config.num_experts, config.fc1_output_size, hidden_size),
+        "fc2": (config.num_experts, hidden_size, config.ffn_hidden_size),
+    }
+    for (name, shape), copy in zip(shapes.items(), copies, strict=True):
+        if not isinstance(copy, MXTensor):
+            raise ValueError(f"mxfp8_inference: the {name} copy must be an MXTensor")
+        scale_shape = shape[:2] + (shape[2] // BLOCK_SIZE,)
+        if (
+            copy.shape != shape
+            or copy.axis != 2
+            or copy.fmt != "e4m3"
+            or copy.dtype != jnp.float8_e4m3fn
+            or copy.scale.shape != scale_shape
+            or copy.scale.dtype != jnp.uint8
+        ):
+            raise ValueError(
+                f"mxfp8_inference: the {name} copy must be e4m3 {shape} (each expert's [out, "
+                f"in] matrix) with blocks along the last axis and uint8 scales {scale_shape}; "
+                f"got {copy.fmt} {copy.dtype}{copy.shape}, axis {copy.axis}, scales "
+                f"{copy.scale.dtype}{copy.scale.shape}"
+            )
+    return tuple(copies)
+
+
 def _small_scales(copy: MXTensor) -> bool:
     """Whether an fprop copy qualifies for the decode kernel's integer dequantization
     (`e4m3_registers.small_scale_dequantization_is_exact`: trained weights do, with blocks'
@@ -101,7 +142,12 @@ def _small_scales(copy: MXTensor) -> bool:
     return not isinstance(exact, jax.core.Tracer) and bool(exact)
 
 
-def mxfp8_inference(model: MoE, *, gemm_strategy: str = "auto") -> MoE:
+def mxfp8_inference(
+    model: MoE,
+    *,
+    gemm_strategy: str = "auto",
+    fprop_copies: tuple[MXTensor, MXTensor] | None = None,
+) -> MoE:
     """A copy of `model` for inference whose routed experts hold only their MXFP8 fprop copies
     (`Mxfp8GroupedMLP`); `model` is left as it is (drop it to free its high-precision expert
     weights). Needs expert_precision "mxfp8". Its forward gives the training forward's bits.
@@ -110,9 +156,16 @@ def mxfp8_inference(model: MoE, *, gemm_strategy: str = "auto") -> MoE:
     "dequantize"), "dequantize" (bf16 copies of the operands, then the bf16 kernel),
     "fused_dequantize" and "decode" (the fp8 weights read once and dequantized in the kernel;
     "decode" for a few tokens per expert) give the same bits on the GPU; "fp8_wgmma" does
-    not."""
+    not.
+    fprop_copies: the experts' MXFP8 weights as they are, stored without re-quantizing (the
+    model's own expert kernels are then not read): e4m3 `MXTensor`s fc1 [E, 2F|F, H] and fc2
+    [E, H, F], each expert's matrix in Megatron's [out, in] layout with blocks along the last
+    (input) axis, which is how Transformer Engine stores an MXFP8 weight's rowwise copy
+    (`bridge.megatron.expert_fprop_copy` stacks a Megatron layer's refitted expert weights).
+    None: quantize the model's expert kernels (TE's recipe, so the same bytes for weights that
+    TE quantized from the same values)."""
     inference = nnx.clone(model)
-    inference.experts = Mxfp8GroupedMLP(model, gemm_strategy)
+    inference.experts = Mxfp8GroupedMLP(model, gemm_strategy, fprop_copies)
     # No padding rows: MXFP8's 32-row blocks serve the backward's columnwise copies, and at
     # decode sizes the padding would be most of the buffer (e.g. 3976 of 4000 rows for one
     # qwen3_30b token). A row's bits do not depend on where its expert's block starts.

@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 from flax import nnx
 
+from bridge import errors as megatron_errors
 from bridge import megatron
-from jaxmoe import MoE, MoEConfig, mxfp8_inference
+from jaxmoe import MoE, MoEConfig, mxfp8, mxfp8_inference
 from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops import gmm_mxtensor, on_hopper
 from jaxmoe.ops.mxfp8_gmm import mxfp8_gmm, quantize_weights
@@ -218,3 +220,53 @@ def test_a_megatron_checkpoint_runs_as_mxfp8_inference():
     trained = training_output(model, x)
     assert_bitwise(inference_output(inference, x), trained)
     assert_bitwise(inference_output(inference, x[1:, 5:6]), trained[1:, 5:6])
+
+
+def te_mxfp8_storage(weight: torch.Tensor) -> megatron.MXFP8Weight:
+    """One expert weight [out, in] as Transformer Engine keeps it in MXFP8 (TE's recipe:
+    rowwise data and the GEMM-swizzled, padded scale_inv), refitted as the bridge reads it."""
+    rowwise = mxfp8.quantize(jnp.asarray(weight.float().numpy()).astype(jnp.bfloat16), axis=1)
+    data = torch.from_numpy(np.asarray(rowwise.data).view(np.uint8).copy())
+    scale_inv = torch.from_numpy(np.asarray(mxfp8.swizzled_scales(rowwise)).copy())
+    return megatron.refit_mxfp8(data, scale_inv, swizzled=True, layout="megatron")
+
+
+def test_te_mxfp8_expert_weights_run_as_they_are():
+    """A Megatron layer whose experts come as Transformer Engine MXFP8 weights (rowwise data and
+    swizzled scale_inv per expert), refitted (`megatron.refit_mxfp8`), stacked
+    (`megatron.expert_fprop_copy`) and stored as they are by `mxfp8_inference(fprop_copies=)`:
+    TE's bytes from the checkpoint's weights give the forward of the layer that quantizes those
+    weights itself, bitwise. Control: a changed byte stays changed (nothing is re-quantized) and
+    changes the output."""
+    root = os.path.join(os.path.dirname(__file__), "fixtures", "megatron", "deepseek_bf16")
+    ckpt = megatron.load(os.path.join(root, "torch_dist"), os.path.join(root, "config.json"))
+    model = megatron.build_moe(ckpt, 0, config=ckpt.config.replace(**MXFP8_OPTIONS))
+    weights = ckpt.layer(0)
+    te = {
+        name: [te_mxfp8_storage(w) for w in getattr(weights, name)]
+        for name in ("fc1_weight", "fc2_weight")
+    }
+    copies = tuple(megatron.expert_fprop_copy(te[name]) for name in ("fc1_weight", "fc2_weight"))
+    x = jax.random.normal(jax.random.key(5), (2, 16, model.hidden_size)).astype(jnp.bfloat16)
+    refitted = mxfp8_inference(model, fprop_copies=copies)
+    y = inference_output(refitted, x)
+    assert_bitwise(y, inference_output(mxfp8_inference(model), x))
+    stored = np.asarray(refitted.experts.fc1_data[...]).view(np.uint8)
+    np.testing.assert_array_equal(stored, np.asarray(copies[0].data).view(np.uint8))
+
+    data = np.asarray(copies[0].data).view(np.uint8).copy()
+    # The lowest mantissa bit of every expert's first two blocks, where that makes no NaN.
+    first = data[:, :, :64]
+    first ^= ((first & 0x7F) < 0x7E).astype(np.uint8)
+    changed = MXTensor(jnp.asarray(data).view(jnp.float8_e4m3fn), copies[0].scale, 2, "e4m3")
+    other = mxfp8_inference(model, fprop_copies=(changed, copies[1]))
+    np.testing.assert_array_equal(np.asarray(other.experts.fc1_data[...]).view(np.uint8), data)
+    assert differs(inference_output(other, x), y)
+
+    with pytest.raises(ValueError, match="fc1 copy must be e4m3"):
+        mxfp8_inference(model, fprop_copies=copies[::-1])
+    e5m2 = MXTensor(copies[0].data.astype(jnp.float8_e5m2), copies[0].scale, 2, "e5m2")
+    with pytest.raises(ValueError, match="fc1 copy must be e4m3"):
+        mxfp8_inference(model, fprop_copies=(e5m2, copies[1]))
+    with pytest.raises(megatron_errors.MXFP8LayoutError, match="rowwise copy"):
+        megatron.expert_fprop_copy([megatron.MXFP8Weight(rowwise=copies[0])])
