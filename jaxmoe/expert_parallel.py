@@ -77,7 +77,7 @@ def expert_parallel_forward(
     # as per-rank partials, summed by `_OrderedCopies` in one fixed order.
     copies = _OrderedCopies(mesh, expert_axis)
     copy_specs = jax.tree_util.tree_map_with_path(lambda path, _: copies.spec(path), params)
-    rest_specs = jax.tree.map(lambda _: P(), rest)
+    rest_specs = jax.tree_util.tree_map_with_path(lambda path, _: _spec(path, expert_axis), rest)
     tokens = P(mesh.axis_names)
     route_for = functools.partial(ExchangedRoute.build, num_ranks=ep, axis_name=expert_axis)
 
@@ -102,8 +102,16 @@ def expert_parallel_forward(
 
 
 def _in_experts(path) -> bool:
-    """Whether a parameter belongs to the routed experts (split over the expert axis)."""
+    """Whether a parameter or variable belongs to the routed experts (split over the expert
+    axis)."""
     return any(getattr(key, "key", None) == "experts" for key in path)
+
+
+def _spec(path, expert_axis: str) -> P:
+    """How a module's array is laid out over the mesh: the routed experts' (their leading axis
+    E; the parameters, and `jaxmoe.mxfp8_inference`'s MXFP8 copies) split over the expert axis,
+    the rest replicated."""
+    return P(expert_axis) if _in_experts(path) else P()
 
 
 class _OrderedCopies:
@@ -170,9 +178,10 @@ def _dtypes(params):
 
 def place_on_mesh(model: MoE, mesh: Mesh, *, expert_axis: str = "ep") -> MoE:
     """`model` with its state on `mesh`, laid out as `expert_parallel_forward` splits it: the
-    routed experts' parameters (leading axis E) split over `expert_axis` (`P(expert_axis)`, rank
-    e holding experts [e E/ep, (e + 1) E/ep), replicated over the other axes), every other
-    parameter and variable replicated (`P()`). Returns a new module; `model` is left as it is.
+    routed experts' parameters and variables (leading axis E; `jaxmoe.mxfp8_inference`'s MXFP8
+    copies too) split over `expert_axis` (`P(expert_axis)`, rank e holding experts
+    [e E/ep, (e + 1) E/ep), replicated over the other axes), every other parameter and variable
+    replicated (`P()`). Returns a new module; `model` is left as it is.
 
     An abstract model (`nnx.eval_shape`, `jax.ShapeDtypeStruct` leaves) gives the abstract placed
     model: ShapeDtypeStructs carrying their shardings, from which each parameter can be built
@@ -187,11 +196,10 @@ def place_on_mesh(model: MoE, mesh: Mesh, *, expert_axis: str = "ep") -> MoE:
             return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
         return jax.device_put(value, sharding)
 
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, p: put(p, P(expert_axis) if _in_experts(path) else P()), params
+    state = jax.tree_util.tree_map_with_path(
+        lambda path, v: put(v, _spec(path, expert_axis)), nnx.state(model)
     )
-    return nnx.merge(graphdef, params, jax.tree.map(lambda v: put(v, P()), rest))
+    return nnx.merge(nnx.graphdef(model), state)
 
 
 def _check_mesh(caller: str, mesh, expert_axis: str, num_experts: int) -> None:

@@ -13,9 +13,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmoe import MoE, MoEConfig
+from jaxmoe import MoE, MoEConfig, mxfp8_inference
 from jaxmoe.exchange import ExchangedRoute
-from jaxmoe.expert_parallel import expert_parallel_forward
+from jaxmoe.expert_parallel import expert_parallel_forward, place_on_mesh
 from jaxmoe.ordered import sum_in_order
 
 from bitwise import assert_bitwise, differs
@@ -316,3 +316,27 @@ def test_bad_meshes_and_configs_are_refused(change, message):
     model, x, mesh = change(model, x)
     with pytest.raises(ValueError, match=message):
         expert_parallel_forward(model, x, mesh)
+
+
+def test_mxfp8_inference_same_bits_at_every_degree():
+    """`jaxmoe.mxfp8_inference`'s layer (the experts as their MXFP8 copies alone, variables
+    rather than parameters) over the mesh, placed by `place_on_mesh` and jitted: each expert's
+    copies on its owner alone, and y at ep = 1, 2, 4, 8 bitwise the single-device inference of
+    each rank's tokens. Control: a changed copy of the last expert changes y."""
+    model, x, _ = make(MXFP8)
+    inference = mxfp8_inference(model)
+    alone = np.concatenate([np.asarray(inference(x[r : r + 1])[0]) for r in range(BATCH)])
+
+    def forward(module, mesh):
+        graphdef, state = nnx.split(place_on_mesh(module, mesh))
+        run = jax.jit(lambda state, x: expert_parallel_forward(nnx.merge(graphdef, state), x, mesh))
+        return state, run(state, x)[0]
+
+    for ep in (1, 2, 4, 8):
+        state, y = forward(inference, mesh_for(ep))
+        data = state["experts"]["fc1_data"][...]
+        assert data.sharding.spec == P("ep") and data.addressable_shards[0].data.shape[0] == 8 // ep
+        assert_bitwise(np.asarray(y), alone)
+    scale = inference.experts.fc2_scale[...]
+    inference.experts.fc2_scale[...] = scale.at[-1].add(1)  # the last expert's blocks doubled
+    assert differs(np.asarray(forward(inference, mesh_for(8))[1]), alone)
