@@ -193,18 +193,17 @@ def _fprop(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, g
         _quantize(rhs.astype(lhs.dtype), 1, impl) if rhs_quantized is None else rhs_quantized.fprop
     )
     strategy = "dequantize" if rhs_quantized is None else rhs_quantized.fprop_strategy
-    num_groups = rhs_q.shape[0] * groups_per_weight
-    k, n = rhs_q.shape[rhs_q.axis], rhs_q.shape[3 - rhs_q.axis]
-    k_major = rhs_q.axis == 2
-    # The decode kernel reads lhs dequantized (bf16), so its quantized copy has no other reader:
-    # with the XLA quantizer (the same bits) XLA fuses the quantization, the dequantization and
-    # lhs's producer into one kernel, where the Pallas quantizer is a kernel of its own and the
-    # dequantization another (H200, the layer at 64 tokens, `kernels_us` of
-    # benchmarks/results/decode_2026-12-04_s31_layer.json against
-    # decode_2026-12-03_s30_layer_fields.json).
-    decode = resolve_strategy(strategy, lhs.shape[0], num_groups, k, n, k_major) == "decode"
     if lhs_rowwise is None:
-        lhs_rowwise = _quantize(lhs, 1, "xla" if decode else impl)
+        # The decode kernel reads lhs dequantized (bf16), so its quantized copy has no other
+        # reader: with the XLA quantizer (the same bits) XLA fuses the quantization, the
+        # dequantization and lhs's producer into one kernel, where the Pallas quantizer is a
+        # kernel of its own and the dequantization another (H200, the layer at 64 tokens,
+        # `kernels_us` of benchmarks/results/decode_2026-12-04_s31_layer.json against
+        # decode_2026-12-03_s30_layer_fields.json).
+        k, n = rhs_q.shape[rhs_q.axis], rhs_q.shape[3 - rhs_q.axis]
+        groups = rhs_q.shape[0] * groups_per_weight
+        resolved = resolve_strategy(strategy, lhs.shape[0], groups, k, n, rhs_q.axis == 2)
+        lhs_rowwise = _quantize(lhs, 1, "xla" if resolved == "decode" else impl)
     return gmm_mxtensor(
         lhs_rowwise,
         rhs_q,
