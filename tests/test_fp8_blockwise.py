@@ -266,14 +266,15 @@ def test_tgmm_reference_is_exact_on_exact_operands():
 
 
 @pytest.mark.parametrize(
-    "transpose_rhs,wg_split",
-    [(False, "m"), (True, "m"), (True, "n")],
-    ids=["fprop", "dgrad", "dgrad-wg_n"],
+    "transpose_rhs,wg_split,tile_k",
+    [(False, "m", 128), (False, "m", 256), (True, "m", 128), (True, "n", 128)],
+    ids=["fprop", "fprop-two-blocks-a-step", "dgrad", "dgrad-wg_n"],
 )
-def test_kernel_equals_the_reference_on_exact_operands(interpret, transpose_rhs, wg_split):
+def test_kernel_equals_the_reference_on_exact_operands(interpret, transpose_rhs, wg_split, tile_k):
     """The 128-wide scale blocks' kernel (one fp8 wgmma per block, folded with the product of
     its scales; a warpgroup's columns share one weight block's scale, whichever way the
-    warpgroups split the tile) against the reference: equal where every partial is exact (the
+    warpgroups split the tile; one or two blocks a K step, the default tiling's two) against
+    the reference: equal where every partial is exact (the
     weight blocks' scales differ), zeros past the groups, empty groups; control: the reference
     with one lhs block's scale moved differs."""
     lhs, rhs = exact_operands(200, 256, 384, 3, seed=8)
@@ -285,7 +286,12 @@ def test_kernel_equals_the_reference_on_exact_operands(interpret, transpose_rhs,
     # wg_split "n": 128 output columns a warpgroup (dgrad's 256), so the two warpgroups read
     # different weight blocks' scales
     tile_n = 128 if wg_split == "n" else SMALL.tile_n
-    config = None if on_hopper() else dataclasses.replace(SMALL, wg_split=wg_split, tile_n=tile_n)
+    config = None
+    if not on_hopper():
+        steps = min(SMALL.max_concurrent_steps, lhs.shape[1] // tile_k)
+        config = dataclasses.replace(
+            SMALL, wg_split=wg_split, tile_n=tile_n, tile_k=tile_k, max_concurrent_steps=steps
+        )
     got = gmm_fp8_blockwise(
         lq, rq, sizes, transpose_rhs=transpose_rhs, impl="pallas", config=config
     )

@@ -10,6 +10,7 @@ docs/kernels.md describes the design."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -48,6 +49,23 @@ def default_mxfp8_config(
         grid_tile_width=8 if num_groups >= 32 else 4,
         epilogue_tile_n=aligned_epilogue_tile_n(out_dtype),
         num_sms=num_sms(),
+    )
+    return config.with_fitting_stages(jnp.float8_e4m3fn, out_dtype)
+
+
+def default_fp8_blockwise_config(
+    num_rows: int, k: int, n: int, num_groups: int, out_dtype=jnp.bfloat16
+) -> GmmConfig:
+    """Heuristic for the FP8 blockwise kernel (128-wide scale blocks): `default_mxfp8_config`'s
+    64 x 128 warpgroup tiles, but stacked along M (CTA 128 x 128, whose lhs and rhs tiles
+    are the same size) and 256-wide K steps (two blocks a step) when K allows. On the H200
+    (`benchmarks/results/gmm_fp8_blockwise_2026-12-04_s32_tiling.json`) this took the fprop
+    from 791-805 to 1056-1081 TFLOP/s at mixtral and dsv3_ep8 (mixtral's dgrad 836 -> 1098,
+    qwen3_30b 661 -> 895); either change alone gave about half of it."""
+    config = default_mxfp8_config(num_rows, k, n, num_groups, out_dtype)
+    tile_k = 256 if k % 256 == 0 else 128
+    config = dataclasses.replace(
+        config, wg_split="m", tile_k=tile_k, max_concurrent_steps=min(4, k // tile_k)
     )
     return config.with_fitting_stages(jnp.float8_e4m3fn, out_dtype)
 
@@ -137,14 +155,15 @@ def gmm_block_scaled_fp8_pallas(
     block's scales for a row tile are contiguous; rhs_scale [G, K/32, N] for MXFP8 (a scale per
     column), [G, K/128, N/128] for FP8 blockwise (a scale per 128 x 128 block: a warpgroup's
     columns share one, so its fold is one multiply-add per element). Rows past sum(group_sizes)
-    are zeros. config: None for `default_mxfp8_config`. groups_per_weight as in
-    `gmm_mxfp8_pallas`."""
+    are zeros. config: None for the heuristic of the recipe (`default_mxfp8_config`,
+    `default_fp8_blockwise_config`). groups_per_weight as in `gmm_mxfp8_pallas`."""
     if scale_block not in _TILE_MATMULS:
         raise ValueError(f"gmm pallas fp8: scale_block must be one of {sorted(_TILE_MATMULS)}")
     check_fp8_operands(lhs, lhs_scale, rhs, rhs_scale, "gmm pallas fp8", scale_block)
     num_rows, k = lhs.shape
     num_groups, n, _ = rhs.shape
-    config = config or default_mxfp8_config(num_rows, k, n, num_groups, out_dtype)
+    default = default_mxfp8_config if scale_block == BLOCK_SIZE else default_fp8_blockwise_config
+    config = config or default(num_rows, k, n, num_groups, out_dtype)
     config.validate(num_rows, k, n, lhs.dtype, out_dtype, transpose_rhs=True)
     if config.tile_k % scale_block:
         raise ValueError(f"gmm pallas fp8: tile_k={config.tile_k} must hold whole scale blocks")
