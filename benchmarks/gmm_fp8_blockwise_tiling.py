@@ -1,7 +1,8 @@
-"""Tilings of the FP8 blockwise grouped-matmul kernel next to jaxmoe's bf16 kernel, device time.
+"""Tilings of the FP8 blockwise grouped-matmul kernels next to jaxmoe's bf16 kernels, device time.
 
     python benchmarks/gmm_fp8_blockwise_tiling.py [--shapes mixtral,dsv3_ep8,mixtral:dgrad]
-        [--variants "name:field=value,...;..."] [--tag TAG] [--out DIR]
+        [--variants "name:field=value,...;..."] [--wgrad-shapes mixtral,dsv3_ep8]
+        [--wgrad-variants "name:field=value,...;..."] [--tag TAG] [--out DIR]
 
 For each shape of `benchmarks/gmm.py`'s `SHAPES` (":dgrad": the same sizes with the contraction
 over N, as the layer's dgrad runs them), on operands quantized once (1 x 128 blocks for the
@@ -12,10 +13,13 @@ tokens, 128 x 128 for the weights, already K-major: no transpose is timed), the 
                   2026-12-04)
   <name>          the heuristic with the given `GmmConfig` fields replaced (--variants)
 and jaxmoe's bf16 kernel (`ops.gmm`, Pallas) on the same group sizes (Dirichlet-skewed, rounded
-to the recipe's 128-row alignment). Each time is the device time of the call's GPU work
-(`timing.device_seconds`); every tiling's output is compared bitwise with the heuristic's
-(the tiling never changes the bits). Off the GPU (the interpreter) only the bits are compared.
-Writes gmm_fp8_blockwise_<date>[_TAG].json.
+to the recipe's 128-row alignment). For each of --wgrad-shapes, the weight-gradient kernel
+(`tgmm_fp8_blockwise_pallas`, on the transposed 1 x 128-along-the-tokens copies, made once)
+under its `default_config` ("heuristic") and each `BlockwiseTgmmConfig` change of
+--wgrad-variants, next to jaxmoe's bf16 `ops.tgmm` (shape names get ":wgrad"). Each time is
+the device time of the call's GPU work (`timing.device_seconds`); every tiling's output is
+compared bitwise with the heuristic's (the tiling never changes the bits). Off the GPU (the
+interpreter) only the bits are compared. Writes gmm_fp8_blockwise_<date>[_TAG].json.
 """
 
 from __future__ import annotations
@@ -39,15 +43,20 @@ from benchmarks.gmm import SHAPES, group_sizes_for  # noqa: E402
 from benchmarks.report import error_text, log  # noqa: E402
 from benchmarks.timing import device_seconds  # noqa: E402
 from jaxmoe.fp8_blockwise import quantize_1x128, quantize_128x128  # noqa: E402
-from jaxmoe.ops import gmm  # noqa: E402
+from jaxmoe.ops import gmm, tgmm  # noqa: E402
 from jaxmoe.ops.pallas.gmm_mxfp8_hopper import (  # noqa: E402
     default_fp8_blockwise_config,
     default_mxfp8_config,
     gmm_block_scaled_fp8_pallas,
 )
+from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import (  # noqa: E402
+    default_config as default_tgmm_config,
+)
+from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import tgmm_fp8_blockwise_pallas  # noqa: E402
 
 BF16 = jnp.bfloat16
 DEFAULT_VARIANTS = "wg_split_m:wg_split=m,tile_k=128;k256_wg_split_n:wg_split=n"
+DEFAULT_WGRAD_VARIANTS = "tile_k128:tile_k=128,slots=3;slots2:slots=2"
 BLOCK = 128
 
 
@@ -68,12 +77,52 @@ def problem(shape: str):
     return (m, n, k, g) if op == "dgrad" else (m, k, n, g)
 
 
-def bench_shape(shape: str, variants: dict, iters: int, records: list) -> None:
-    m, c, n, g = problem(shape)
+def aligned_group_sizes(m: int, g: int) -> np.ndarray:
+    """Dirichlet-skewed sizes summing to m, each a multiple of 128 (the recipe's alignment)."""
     sizes = group_sizes_for("dirichlet", m, g) // BLOCK * BLOCK
     sizes[np.argmax(sizes)] += m - sizes.sum()
+    return sizes
+
+
+def compare_tilings(shape, kernels: dict, bf16, flops: float, iters: int, records: list) -> None:
+    """Record the bf16 call and each tiling's kernel call (name -> (call, config)): device time
+    on the GPU, and whether the output has the first tiling's bits."""
+    on_gpu = jax.devices()[0].platform == "gpu"
+
+    def record(impl, fn, **extra):
+        if not on_gpu:
+            records.append(dict(shape=shape, impl=impl, **extra))
+            return
+        try:
+            seconds = device_seconds(fn, iters=iters)
+        except Exception as e:  # a tiling that cannot run this shape
+            records.append(dict(shape=shape, impl=impl, error=error_text(e), **extra))
+            log(f"{shape} {impl}: FAILED {error_text(e)}")
+            return
+        tflops = flops / seconds / 1e12
+        records.append(dict(shape=shape, impl=impl, us=seconds * 1e6, tflops=tflops, **extra))
+        log(f"{shape:16s} {impl:18s} {seconds * 1e6:9.1f} us {tflops:7.1f} TFLOP/s")
+
+    record("jaxmoe_bf16", bf16)
+    reference = None
+    for name, (call, config) in kernels.items():
+        try:
+            out = np.asarray(call().astype(jnp.float32))
+        except Exception as e:
+            records.append(dict(shape=shape, impl=name, error=error_text(e), config=repr(config)))
+            log(f"{shape} {name}: FAILED {error_text(e)}")
+            continue
+        reference = out if reference is None else reference
+        record(
+            name, call, config=repr(config), bitwise_heuristic=bool(np.array_equal(out, reference))
+        )
+
+
+def bench_shape(shape: str, variants: dict, iters: int, records: list) -> None:
+    """The fprop/dgrad kernel's tilings at one --shapes entry."""
+    m, c, n, g = problem(shape)
+    sizes = aligned_group_sizes(m, g)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    flops = 2.0 * float(sizes.sum()) * c * n
     kx, kw = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, (m, c), BF16)
     w = (jax.random.normal(kw, (g, c, n), BF16) * 0.02).astype(BF16)
@@ -95,67 +144,73 @@ def bench_shape(shape: str, variants: dict, iters: int, records: list) -> None:
         configs[name] = dataclasses.replace(config, max_concurrent_steps=steps).with_fitting_stages(
             jnp.float8_e4m3fn, BF16
         )
-
-    on_gpu = jax.devices()[0].platform == "gpu"
-
-    def record(impl, fn, **extra):
-        if not on_gpu:
-            records.append(dict(shape=shape, impl=impl, **extra))
-            return
-        try:
-            seconds = device_seconds(fn, iters=iters)
-        except Exception as e:  # a tiling that cannot run this shape
-            records.append(dict(shape=shape, impl=impl, error=error_text(e), **extra))
-            log(f"{shape} {impl}: FAILED {error_text(e)}")
-            return
-        tflops = flops / seconds / 1e12
-        records.append(dict(shape=shape, impl=impl, us=seconds * 1e6, tflops=tflops, **extra))
-        log(f"{shape:16s} {impl:18s} {seconds * 1e6:9.1f} us {tflops:7.1f} TFLOP/s")
-
-    impl = "pallas" if on_gpu else "xla"
-    bf16 = jax.jit(functools.partial(gmm, impl=impl, preferred_element_type=BF16))
-    record("jaxmoe_bf16", lambda: bf16(x, w, group_sizes))
-    reference = None
+    kernels = {}
     for name, config in configs.items():
         kernel = jax.jit(
             functools.partial(
                 gmm_block_scaled_fp8_pallas, scale_block=BLOCK, out_dtype=BF16, config=config
             )
         )
-        try:
-            out = np.asarray(kernel(*operands).astype(jnp.float32))
-        except Exception as e:
-            records.append(dict(shape=shape, impl=name, error=error_text(e), config=repr(config)))
-            log(f"{shape} {name}: FAILED {error_text(e)}")
-            continue
-        reference = out if reference is None else reference
-        record(
-            name,
-            lambda: kernel(*operands),  # noqa: B023
-            config=repr(config),
-            bitwise_heuristic=bool(np.array_equal(out, reference)),
+        kernels[name] = (functools.partial(kernel, *operands), config)
+    impl = "pallas" if jax.devices()[0].platform == "gpu" else "xla"
+    bf16 = jax.jit(functools.partial(gmm, impl=impl, preferred_element_type=BF16))
+    flops = 2.0 * float(sizes.sum()) * c * n
+    compare_tilings(shape, kernels, lambda: bf16(x, w, group_sizes), flops, iters, records)
+
+
+def bench_wgrad_shape(name: str, variants: dict, iters: int, records: list) -> None:
+    """The weight-gradient kernel's tilings at one --wgrad-shapes entry."""
+    m, k, n, g = SHAPES[name]
+    sizes = aligned_group_sizes(m, g)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    kx, kd = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (m, k), BF16)
+    dy = jax.random.normal(kd, (m, n), BF16)
+    xq, dq = quantize_1x128(x, 0), quantize_1x128(dy, 0)
+    # The kernel's K-major operands: the copies along the tokens, transposed (tokens last).
+    operands = (xq.data.T, xq.scale_inv, dq.data.T, dq.scale_inv, group_sizes)
+    heuristic = default_tgmm_config(k, n, BF16)
+    configs = {"heuristic": heuristic}
+    for variant, fields in variants.items():
+        configs[variant] = dataclasses.replace(heuristic, **fields)
+    kernels = {}
+    for variant, config in configs.items():
+        kernel = jax.jit(
+            functools.partial(tgmm_fp8_blockwise_pallas, out_dtype=BF16, config=config)
         )
+        kernels[variant] = (functools.partial(kernel, *operands), config)
+    impl = "pallas" if jax.devices()[0].platform == "gpu" else "xla"
+    bf16 = jax.jit(functools.partial(tgmm, impl=impl, preferred_element_type=BF16))
+    flops = 2.0 * float(sizes.sum()) * k * n
+    compare_tilings(
+        f"{name}:wgrad", kernels, lambda: bf16(x, dy, group_sizes), flops, iters, records
+    )
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="mixtral,dsv3_ep8,qwen3_30b,mixtral:dgrad")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS)
+    parser.add_argument("--wgrad-shapes", default="mixtral,dsv3_ep8,qwen3_30b")
+    parser.add_argument("--wgrad-variants", default=DEFAULT_WGRAD_VARIANTS)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
-    unknown = {problem_name.partition(":")[0] for problem_name in args.shapes.split(",")} - set(
-        SHAPES
-    )
+    shapes = [entry for entry in args.shapes.split(",") if entry]
+    wgrad_shapes = [entry for entry in args.wgrad_shapes.split(",") if entry]
+    unknown = ({entry.partition(":")[0] for entry in shapes} | set(wgrad_shapes)) - set(SHAPES)
     if unknown:
         parser.error(f"unknown shapes {sorted(unknown)}; known: {sorted(SHAPES)}")
     result = report.environment(
         "gmm_fp8_blockwise", command=" ".join(sys.argv if argv is None else argv), records=[]
     )
     path = report.result_path(args.out, "gmm_fp8_blockwise", args.tag)
-    for shape in args.shapes.split(","):
+    for shape in shapes:
         bench_shape(shape, parse_variants(args.variants), args.iters, result["records"])
+        report.write_result(result, path)
+    for shape in wgrad_shapes:
+        bench_wgrad_shape(shape, parse_variants(args.wgrad_variants), args.iters, result["records"])
         report.write_result(result, path)
     result["path"] = path
     return result

@@ -27,12 +27,17 @@ def test_tilings_give_the_heuristics_bits(tmp_path, monkeypatch, interpret):
             "tiny,tiny:dgrad",
             "--variants",
             "steps1:max_concurrent_steps=1,num_sms=3;wg_n:wg_split=n,tile_k=128,num_sms=3",
+            "--wgrad-shapes",
+            "tiny",
+            "--wgrad-variants",
+            "k128:tile_k=128,tile_n=64,num_sms=3;slots2:slots=2,num_sms=3",
             "--out",
             str(tmp_path),
         ]
     )
     kernels = [r for r in result["records"] if r["impl"] != "jaxmoe_bf16"]
-    assert len(kernels) == 8 and all(r["bitwise_heuristic"] for r in kernels), kernels
+    assert [r["shape"] for r in kernels] == ["tiny"] * 4 + ["tiny:dgrad"] * 4 + ["tiny:wgrad"] * 3
+    assert all(r["bitwise_heuristic"] for r in kernels), kernels
     with open(result["path"]) as f:
         assert json.load(f)["records"] == result["records"]
     with pytest.raises(SystemExit):
