@@ -11,9 +11,11 @@ process, GEMMs on already-quantized operands:
                          "fused_dequantize": the same bits, dequantized in SMEM) | jaxmoe_bf16 |
                          torch_scaled_grouped_mm (fp8 rowwise scales) | torch_grouped_mm (bf16)
                          | jaxmoe_fp8_blockwise (`ops.gmm_fp8_blockwise`: TE's FP8 blockwise
-                         recipe, 1x128 x 128x128 blocks, on the 128-block fp8 kernel; its fprop
-                         transposes the fp8 weights in the call)
-  dgrad  dy @ W[g]^T     same seven
+                         recipe, 1x128 x 128x128 blocks, on the 128-block fp8 kernel; the fprop
+                         reads the weights' transposed copy that `quantize_blockwise_weights`
+                         makes once a step, as the layer does) | torch_scaled_mm_dense (one
+                         dense fp8 matmul of the same M x K x N, rowwise scales: the fp8 ceiling)
+  dgrad  dy @ W[g]^T     the same but the dense one
   wgrad  x_g^T @ dy_g    jaxmoe_mxfp8 (dequantize + bf16 tgmm) | jaxmoe_fp8_blockwise
                          (`ops.tgmm_fp8_blockwise` on group sizes rounded down to 128, the
                          fp8 data transposed in the call) | jaxmoe_bf16 | torch (both)
@@ -56,6 +58,7 @@ from jaxmoe.ops import (  # noqa: E402
     tgmm_fp8_blockwise,
     tgmm_mxtensor,
 )
+from jaxmoe.ops.fp8_blockwise_gmm import quantize_blockwise_weights  # noqa: E402
 from jaxmoe.ops.pallas.quantize_hopper import (  # noqa: E402
     ARITHMETIC,
     gather_quantize_1x128_pallas,
@@ -151,13 +154,14 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
         static_argnames="transpose_rhs",
     )
     x_b, dy_b, w_b = quantize_1x128(x), quantize_1x128(dy), quantize_128x128(w)
+    w_bt = quantize_blockwise_weights(w).transposed  # [G, N, K]: the fprop's copy
 
     # ---- fwd: out[M, N]
     if "fwd" in ops:
         run("fwd", "jaxmoe_mxfp8", lambda: mx(x_q, w_fprop, gs))
         run("fwd", "jaxmoe_mxfp8_dequant", lambda: mx_dequant(x_q, w_fprop, gs))
         run("fwd", "jaxmoe_mxfp8_fused", lambda: mx_fused(x_q, w_fprop, gs))
-        run("fwd", "jaxmoe_fp8_blockwise", lambda: blockwise(x_b, w_b, gs))
+        run("fwd", "jaxmoe_fp8_blockwise", lambda: blockwise(x_b, w_bt, gs, transpose_rhs=True))
         run("fwd", "jaxmoe_bf16", lambda: bf(x, w, gs))
         tx8, sx = torch_rowwise_fp8(torch, tx, 1)
         tw8, sw = torch_rowwise_fp8(torch, tw.transpose(-2, -1).contiguous(), 2)  # [G, N, K]
@@ -169,6 +173,19 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
             ),
         )
         run("fwd", "torch_grouped_mm", lambda: torch._grouped_mm(tx, tw, offs=offs))
+        tw8_dense, sw_dense = tw8[0], sw[0]  # one expert's [N, K] copy for all M rows
+        run(
+            "fwd",
+            "torch_scaled_mm_dense",
+            lambda: torch._scaled_mm(
+                tx8,
+                tw8_dense.t(),
+                scale_a=sx[:, None],
+                scale_b=sw_dense[None, :],
+                out_dtype=torch.bfloat16,
+            ),
+            work=2.0 * m * k * n,
+        )
         err = jnp.linalg.norm((mx(x_q, w_fprop, gs) - bf(x, w, gs)).astype(jnp.float32))
         record.append(
             dict(
@@ -337,6 +354,13 @@ def summarize(record):
             mxfp8_vs_torch_scaled=ours / tfp8 if ours and tfp8 else None,
             dequant_vs_jaxmoe_bf16=(
                 t["jaxmoe_mxfp8_dequant"] / bf16 if "jaxmoe_mxfp8_dequant" in t and bf16 else None
+            ),
+            # issue 17's targets: FP8 blockwise against jaxmoe bf16 and torch's rowwise fp8
+            fp8_blockwise_vs_jaxmoe_bf16=(
+                t["jaxmoe_fp8_blockwise"] / bf16 if "jaxmoe_fp8_blockwise" in t and bf16 else None
+            ),
+            fp8_blockwise_vs_torch_scaled=(
+                t["jaxmoe_fp8_blockwise"] / tfp8 if "jaxmoe_fp8_blockwise" in t and tfp8 else None
             ),
         )
         ratios.append(ratio)
