@@ -18,8 +18,9 @@ to the recipe's 128-row alignment). For each of --wgrad-shapes, the weight-gradi
 under its `default_config` ("heuristic") and each `BlockwiseTgmmConfig` change of
 --wgrad-variants, next to jaxmoe's bf16 `ops.tgmm` (shape names get ":wgrad"). Each time is
 the device time of the call's GPU work (`timing.device_seconds`); every tiling's output is
-compared bitwise with the heuristic's (the tiling never changes the bits). Off the GPU (the
-interpreter) only the bits are compared. Writes gmm_fp8_blockwise_<date>[_TAG].json.
+compared bitwise with the heuristic's (the tiling never changes the bits); the calls take turns
+over --repeats rounds (median). Off the GPU (the interpreter) only the bits are compared.
+Writes gmm_fp8_blockwise_<date>[_TAG].json.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import statistics
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -84,41 +86,43 @@ def aligned_group_sizes(m: int, g: int) -> np.ndarray:
     return sizes
 
 
-def compare_tilings(shape, kernels: dict, bf16, flops: float, iters: int, records: list) -> None:
-    """Record the bf16 call and each tiling's kernel call (name -> (call, config)): device time
-    on the GPU, and whether the output has the first tiling's bits."""
-    on_gpu = jax.devices()[0].platform == "gpu"
-
-    def record(impl, fn, **extra):
-        if not on_gpu:
-            records.append(dict(shape=shape, impl=impl, **extra))
-            return
-        try:
-            seconds = device_seconds(fn, iters=iters)
-        except Exception as e:  # a tiling that cannot run this shape
-            records.append(dict(shape=shape, impl=impl, error=error_text(e), **extra))
-            log(f"{shape} {impl}: FAILED {error_text(e)}")
-            return
-        tflops = flops / seconds / 1e12
-        records.append(dict(shape=shape, impl=impl, us=seconds * 1e6, tflops=tflops, **extra))
-        log(f"{shape:16s} {impl:18s} {seconds * 1e6:9.1f} us {tflops:7.1f} TFLOP/s")
-
-    record("jaxmoe_bf16", bf16)
+def compare_tilings(
+    shape, kernels: dict, bf16, flops: float, iters: int, repeats: int, records: list
+) -> None:
+    """Record the bf16 call and each tiling's kernel call (name -> (call, config)): whether the
+    output has the first tiling's bits, and on the GPU the median device time over `repeats`
+    rounds in which the calls take turns (the H200 runs at its power limit: a slow drift of the
+    clock then falls on all of them alike)."""
+    entries = {"jaxmoe_bf16": dict(shape=shape, impl="jaxmoe_bf16")}
+    calls = {"jaxmoe_bf16": bf16}
     reference = None
     for name, (call, config) in kernels.items():
+        entry = dict(shape=shape, impl=name, config=repr(config))
         try:
             out = np.asarray(call().astype(jnp.float32))
-        except Exception as e:
-            records.append(dict(shape=shape, impl=name, error=error_text(e), config=repr(config)))
+        except Exception as e:  # a tiling that cannot run this shape
+            records.append(dict(entry, error=error_text(e)))
             log(f"{shape} {name}: FAILED {error_text(e)}")
             continue
         reference = out if reference is None else reference
-        record(
-            name, call, config=repr(config), bitwise_heuristic=bool(np.array_equal(out, reference))
-        )
+        entries[name] = dict(entry, bitwise_heuristic=bool(np.array_equal(out, reference)))
+        calls[name] = call
+    if jax.devices()[0].platform != "gpu":
+        records.extend(entries.values())
+        return
+    runs = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            runs[name].append(device_seconds(call, iters=iters))
+    for name, entry in entries.items():
+        seconds = statistics.median(runs[name])
+        tflops = flops / seconds / 1e12
+        us_runs = [t * 1e6 for t in runs[name]]
+        records.append(dict(entry, us=seconds * 1e6, us_runs=us_runs, tflops=tflops))
+        log(f"{shape:16s} {name:18s} {seconds * 1e6:9.1f} us {tflops:7.1f} TFLOP/s")
 
 
-def bench_shape(shape: str, variants: dict, iters: int, records: list) -> None:
+def bench_shape(shape: str, variants: dict, iters: int, repeats: int, records: list) -> None:
     """The fprop/dgrad kernel's tilings at one --shapes entry."""
     m, c, n, g = problem(shape)
     sizes = aligned_group_sizes(m, g)
@@ -155,10 +159,10 @@ def bench_shape(shape: str, variants: dict, iters: int, records: list) -> None:
     impl = "pallas" if jax.devices()[0].platform == "gpu" else "xla"
     bf16 = jax.jit(functools.partial(gmm, impl=impl, preferred_element_type=BF16))
     flops = 2.0 * float(sizes.sum()) * c * n
-    compare_tilings(shape, kernels, lambda: bf16(x, w, group_sizes), flops, iters, records)
+    compare_tilings(shape, kernels, lambda: bf16(x, w, group_sizes), flops, iters, repeats, records)
 
 
-def bench_wgrad_shape(name: str, variants: dict, iters: int, records: list) -> None:
+def bench_wgrad_shape(name: str, variants: dict, iters: int, repeats: int, records: list) -> None:
     """The weight-gradient kernel's tilings at one --wgrad-shapes entry."""
     m, k, n, g = SHAPES[name]
     sizes = aligned_group_sizes(m, g)
@@ -183,7 +187,7 @@ def bench_wgrad_shape(name: str, variants: dict, iters: int, records: list) -> N
     bf16 = jax.jit(functools.partial(tgmm, impl=impl, preferred_element_type=BF16))
     flops = 2.0 * float(sizes.sum()) * k * n
     compare_tilings(
-        f"{name}:wgrad", kernels, lambda: bf16(x, dy, group_sizes), flops, iters, records
+        f"{name}:wgrad", kernels, lambda: bf16(x, dy, group_sizes), flops, iters, repeats, records
     )
 
 
@@ -193,7 +197,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--variants", default=DEFAULT_VARIANTS)
     parser.add_argument("--wgrad-shapes", default="mixtral,dsv3_ep8,qwen3_30b")
     parser.add_argument("--wgrad-variants", default=DEFAULT_WGRAD_VARIANTS)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=10, help="calls per device-time record")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the calls in turns")
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
@@ -207,10 +212,14 @@ def main(argv=None) -> dict:
     )
     path = report.result_path(args.out, "gmm_fp8_blockwise", args.tag)
     for shape in shapes:
-        bench_shape(shape, parse_variants(args.variants), args.iters, result["records"])
+        bench_shape(
+            shape, parse_variants(args.variants), args.iters, args.repeats, result["records"]
+        )
         report.write_result(result, path)
     for shape in wgrad_shapes:
-        bench_wgrad_shape(shape, parse_variants(args.wgrad_variants), args.iters, result["records"])
+        bench_wgrad_shape(
+            shape, parse_variants(args.wgrad_variants), args.iters, args.repeats, result["records"]
+        )
         report.write_result(result, path)
     result["path"] = path
     return result

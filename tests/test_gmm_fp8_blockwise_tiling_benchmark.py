@@ -42,3 +42,35 @@ def test_tilings_give_the_heuristics_bits(tmp_path, monkeypatch, interpret):
         assert json.load(f)["records"] == result["records"]
     with pytest.raises(SystemExit):
         tiling.main(["--shapes", "nope", "--out", str(tmp_path)])
+
+
+def test_timings_take_turns_and_report_the_median(monkeypatch):
+    """On a GPU every call is timed once a round, the rounds in turn, and the median kept."""
+    import jax.numpy as jnp
+
+    order, times = [], iter([3.0, 1.0, 2.0, 6.0, 5.0, 4.0])
+    monkeypatch.setattr(tiling.jax, "devices", lambda: [type("D", (), {"platform": "gpu"})()])
+
+    def timed(call, iters):
+        order.append(call.__name__)
+        return next(times)
+
+    monkeypatch.setattr(tiling, "device_seconds", timed)
+
+    def bf16():
+        return jnp.zeros(2)
+
+    def kernel():
+        return jnp.ones(2)
+
+    records = []
+    tiling.compare_tilings("s", {"heuristic": (kernel, None)}, bf16, 2e12, 1, 3, records)
+    assert order == ["bf16", "kernel"] * 3
+    by_impl = {r["impl"]: r for r in records}
+    assert by_impl["jaxmoe_bf16"]["us"] == 3e6 and by_impl["jaxmoe_bf16"]["us_runs"] == [
+        3e6,
+        2e6,
+        5e6,
+    ]
+    assert by_impl["heuristic"]["tflops"] == 2e12 / 4.0 / 1e12
+    assert by_impl["heuristic"]["bitwise_heuristic"]
