@@ -58,7 +58,7 @@ from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import tgmm_fp8_blockwise_palla
 
 BF16 = jnp.bfloat16
 DEFAULT_VARIANTS = "wg_split_m:wg_split=m,tile_k=128;k256_wg_split_n:wg_split=n"
-DEFAULT_WGRAD_VARIANTS = "tile_k128:tile_k=128,slots=3;slots2:slots=2"
+DEFAULT_WGRAD_VARIANTS = "split_k:wg_split=k;tile_k128:tile_k=128,slots=3;slots2:slots=2"
 BLOCK = 128
 
 

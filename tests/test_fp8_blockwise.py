@@ -20,6 +20,7 @@ from jaxmoe import fp8_blockwise as fb
 from jaxmoe.ops import gmm_fp8_blockwise, on_hopper
 from jaxmoe.ops.fp8_blockwise_gmm import tgmm_fp8_blockwise
 from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import BlockwiseTgmmConfig
+from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import default_config as default_tgmm_config
 
 F32, BF16 = np.float32, ml_dtypes.bfloat16
 FP8 = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
@@ -383,15 +384,18 @@ def exact_token_operands(m, k, n, seed):
     return x.astype(F32), dy.astype(F32)
 
 
-def test_wgrad_kernel_equals_the_reference_on_exact_operands(interpret):
-    """out[g] = x_g^T dy_g from the 1 x 128-along-tokens copies: the kernel, the reference and
-    the exact product agree bitwise, with an empty group, rows past the groups and M not a
-    multiple of 128; control: the reference with one block's scales moved differs."""
+@pytest.mark.parametrize("wg_split", ["n", "k"])
+def test_wgrad_kernel_equals_the_reference_on_exact_operands(interpret, wg_split):
+    """out[g] = x_g^T dy_g from the 1 x 128-along-tokens copies: the kernel (its warpgroups
+    side by side along N or K), the reference and the exact product agree bitwise, with an
+    empty group, rows past the groups and M not a multiple of 128; control: the reference with
+    one block's scales moved differs."""
     x, dy = exact_token_operands(640, 128, 256, seed=3)
     x, dy = x[:600], dy[:600]  # a partial last block (past the groups)
     xq, dq = fb.quantize_1x128(jnp.asarray(x), 0), fb.quantize_1x128(jnp.asarray(dy), 0)
     sizes = jnp.array([256, 0, 128, 128])
-    config = None if on_hopper() else WGRAD_SMALL
+    base = default_tgmm_config(128, 256) if on_hopper() else WGRAD_SMALL
+    config = dataclasses.replace(base, wg_split=wg_split)
     got = tgmm_fp8_blockwise(xq, dq, sizes, impl="pallas", config=config)
     want = tgmm_fp8_blockwise(xq, dq, sizes, impl="xla")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -434,10 +438,12 @@ def test_wgrad_refuses_bad_operands():
         )
 
 
-def test_wgrad_kernel_lowers_at_real_shapes():
+@pytest.mark.parametrize("wg_split", ["n", "k"])
+def test_wgrad_kernel_lowers_at_real_shapes(wg_split):
     """Pallas -> Mosaic GPU lowering on CPU at mixtral's and dsv3's fc1 weight gradients."""
     s = jax.ShapeDtypeStruct
     for m, k, n, g in [(16384, 4096, 28672, 8), (32768, 7168, 4096, 32)]:
+        config = dataclasses.replace(default_tgmm_config(k, n, jnp.bfloat16), wg_split=wg_split)
 
         def run(xd, xs, dd, ds, sizes):
             return tgmm_fp8_blockwise(
@@ -446,6 +452,7 @@ def test_wgrad_kernel_lowers_at_real_shapes():
                 sizes,
                 impl="pallas",
                 preferred_element_type=jnp.bfloat16,
+                config=config,  # noqa: B023
             )
 
         jax.jit(run).trace(

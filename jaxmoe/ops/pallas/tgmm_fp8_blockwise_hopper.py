@@ -41,31 +41,41 @@ _FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 @dataclasses.dataclass(frozen=True)
 class BlockwiseTgmmConfig:
     """Tiling: each compute warpgroup owns tile_k x tile_n outputs, the two side by side along
-    N (CTA tile tile_k x 2 * tile_n); `slots` ring slots of one 128-row block of both operands;
-    the epilogue stores epilogue_n columns at a time."""
+    N (wg_split "n": CTA tile tile_k x 2 * tile_n) or along K ("k": 2 * tile_k x tile_n);
+    `slots` ring slots of one 128-row block of both operands; the epilogue stores epilogue_n
+    columns at a time."""
 
     tile_k: int = 64
     tile_n: int = 128
     slots: int = 4
     epilogue_n: int = 64
     num_sms: int = 132
+    wg_split: str = "n"
+
+    @property
+    def cta_k(self) -> int:
+        return self.tile_k * (NUM_COMPUTE_WGS if self.wg_split == "k" else 1)
 
     @property
     def cta_n(self) -> int:
-        return NUM_COMPUTE_WGS * self.tile_n
+        return self.tile_n * (NUM_COMPUTE_WGS if self.wg_split == "n" else 1)
 
     def smem_bytes(self, out_dtype) -> int:
-        ring = self.slots * (self.tile_k + self.cta_n) * BLOCK  # fp8: a byte an element
+        ring = self.slots * (self.cta_k + self.cta_n) * BLOCK  # fp8: a byte an element
         epilogue = NUM_COMPUTE_WGS * self.tile_k * self.epilogue_n * jnp.dtype(out_dtype).itemsize
         return ring + epilogue
 
     def validate(self, k: int, n: int, out_dtype) -> None:
         if self.tile_k not in (64, 128) or self.tile_n % 64 or not 64 <= self.tile_n <= 256:
             raise ValueError(f"tgmm fp8 blockwise: unsupported tiles {self}")
-        if k % self.tile_k or n % self.cta_n:
+        if self.wg_split not in ("n", "k"):
             raise ValueError(
-                f"tgmm fp8 blockwise: K={k} must be a multiple of tile_k={self.tile_k} and "
-                f"N={n} of the CTA tile {self.cta_n}"
+                f"tgmm fp8 blockwise: wg_split must be 'n' or 'k', got {self.wg_split!r}"
+            )
+        if k % self.cta_k or n % self.cta_n:
+            raise ValueError(
+                f"tgmm fp8 blockwise: K={k} must be a multiple of the CTA tile's {self.cta_k} "
+                f"rows and N={n} of its {self.cta_n} columns"
             )
         if self.tile_n % self.epilogue_n or self.epilogue_n * jnp.dtype(out_dtype).itemsize % 128:
             raise ValueError(
@@ -144,9 +154,10 @@ def tgmm_fp8_blockwise_pallas(
 
 @functools.cache
 def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, interpret):
-    tile_k, tile_n, cta_n, slots = config.tile_k, config.tile_n, config.cta_n, config.slots
+    tile_k, tile_n, slots = config.tile_k, config.tile_n, config.slots
+    cta_k, cta_n = config.cta_k, config.cta_n
     epi_n, sms = config.epilogue_n, config.num_sms
-    grid_k, grid_n = k // tile_k, n // cta_n
+    grid_k, grid_n = k // cta_k, n // cta_n
     per_group = grid_k * grid_n
     num_items = num_groups * per_group
 
@@ -163,7 +174,7 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
         @functools.partial(
             pl.run_scoped,
             lhs_ring=plgpu.SMEM(
-                (slots, tile_k, BLOCK), lhs_dtype, transforms=swizzled(lhs_dtype, BLOCK)
+                (slots, cta_k, BLOCK), lhs_dtype, transforms=swizzled(lhs_dtype, BLOCK)
             ),
             rhs_ring=plgpu.SMEM(
                 (slots, cta_n, BLOCK), rhs_dtype, transforms=swizzled(rhs_dtype, BLOCK)
@@ -193,7 +204,7 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
 
                         tokens = pl.ds((first + b) * BLOCK, BLOCK)
                         plgpu.copy_gmem_to_smem(
-                            lhs_gmem.at[pl.ds(ki * tile_k, tile_k), tokens],
+                            lhs_gmem.at[pl.ds(ki * cta_k, cta_k), tokens],
                             lhs_ring.at[slot],
                             produced.at[slot],
                         )
@@ -215,12 +226,15 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
 
             def compute_warpgroup():
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-                wg_columns = pl.ds(wg * tile_n, tile_n)
+                # This warpgroup's rows and columns of the CTA tile (the ring slot's rows).
+                by_k, by_n = config.wg_split == "k", config.wg_split == "n"
+                wg_rows = pl.ds(wg * tile_k if by_k else 0, tile_k)
+                wg_columns = pl.ds(wg * tile_n if by_n else 0, tile_n)
 
                 def matmul_item(j, step):
                     group, first, blocks, ki, ni = item(j)
-                    rows = pl.ds(ki * tile_k, tile_k)
-                    columns = pl.ds(ni * cta_n + wg * tile_n, tile_n)
+                    rows = pl.ds(ki * cta_k + wg_rows.start, tile_k)
+                    columns = pl.ds(ni * cta_n + wg_columns.start, tile_n)
 
                     def fold(b, acc):
                         t = step + b
@@ -243,7 +257,7 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                         def block_product(part_ref):
                             plgpu.wgmma(
                                 part_ref,
-                                lhs_ring.at[slot],
+                                lhs_ring.at[slot].at[wg_rows],
                                 rhs_ring.at[slot].at[wg_columns, :].transpose((1, 0)),
                             )
                             plgpu.wgmma_wait(0)
@@ -264,9 +278,7 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(
                             slot,
-                            out_gmem.at[
-                                group, rows, pl.ds(ni * cta_n + wg * tile_n + c * epi_n, epi_n)
-                            ],
+                            out_gmem.at[group, rows, pl.ds(columns.start + c * epi_n, epi_n)],
                         )
                     return step + blocks
 
