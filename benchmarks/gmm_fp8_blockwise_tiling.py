@@ -58,7 +58,7 @@ from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import tgmm_fp8_blockwise_palla
 
 BF16 = jnp.bfloat16
 DEFAULT_VARIANTS = "wg_split_m:wg_split=m,tile_k=128;k256_wg_split_n:wg_split=n"
-DEFAULT_WGRAD_VARIANTS = "split_k:wg_split=k;tile_k128:tile_k=128,slots=3;slots2:slots=2"
+DEFAULT_WGRAD_VARIANTS = "one_block_a_step:blocks_per_step=1;split_n:wg_split=n,blocks_per_step=1"
 BLOCK = 128
 
 
@@ -176,7 +176,7 @@ def bench_wgrad_shape(name: str, variants: dict, iters: int, repeats: int, recor
     heuristic = default_tgmm_config(k, n, BF16)
     configs = {"heuristic": heuristic}
     for variant, fields in variants.items():
-        configs[variant] = dataclasses.replace(heuristic, **fields)
+        configs[variant] = dataclasses.replace(heuristic, **fields).with_fitting_slots(BF16)
     kernels = {}
     for variant, config in configs.items():
         kernel = jax.jit(

@@ -384,26 +384,31 @@ def exact_token_operands(m, k, n, seed):
     return x.astype(F32), dy.astype(F32)
 
 
-@pytest.mark.parametrize("wg_split", ["n", "k"])
-def test_wgrad_kernel_equals_the_reference_on_exact_operands(interpret, wg_split):
+WGRAD_TILINGS = [("n", 1), ("k", 1), ("k", 2)]
+
+
+@pytest.mark.parametrize("wg_split, blocks_per_step", WGRAD_TILINGS)
+def test_wgrad_kernel_equals_the_reference_on_exact_operands(interpret, wg_split, blocks_per_step):
     """out[g] = x_g^T dy_g from the 1 x 128-along-tokens copies: the kernel (its warpgroups
-    side by side along N or K), the reference and the exact product agree bitwise, with an
-    empty group, rows past the groups and M not a multiple of 128; control: the reference with
-    one block's scales moved differs."""
+    side by side along N or K; one or two blocks a ring slot), the reference and the exact
+    product agree bitwise, with an empty group, groups of odd block counts, rows past the groups
+    and M not a multiple of 128, or groups up to M; control: the reference with one block's
+    scales moved differs."""
     x, dy = exact_token_operands(640, 128, 256, seed=3)
-    x, dy = x[:600], dy[:600]  # a partial last block (past the groups)
-    xq, dq = fb.quantize_1x128(jnp.asarray(x), 0), fb.quantize_1x128(jnp.asarray(dy), 0)
-    sizes = jnp.array([256, 0, 128, 128])
     base = default_tgmm_config(128, 256) if on_hopper() else WGRAD_SMALL
-    config = dataclasses.replace(base, wg_split=wg_split)
-    got = tgmm_fp8_blockwise(xq, dq, sizes, impl="pallas", config=config)
-    want = tgmm_fp8_blockwise(xq, dq, sizes, impl="xla")
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    bounds = [0, 256, 256, 384, 512]
-    exact = np.stack(
-        [x[a:b].astype(np.float64).T @ dy[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-    )
-    np.testing.assert_array_equal(np.asarray(want), exact)
+    config = dataclasses.replace(base, wg_split=wg_split, blocks_per_step=blocks_per_step)
+    for rows, group_sizes in [(600, [256, 0, 128, 128]), (640, [256, 0, 256, 128])]:
+        xq = fb.quantize_1x128(jnp.asarray(x[:rows]), 0)
+        dq = fb.quantize_1x128(jnp.asarray(dy[:rows]), 0)
+        sizes = jnp.array(group_sizes)
+        got = tgmm_fp8_blockwise(xq, dq, sizes, impl="pallas", config=config)
+        want = tgmm_fp8_blockwise(xq, dq, sizes, impl="xla")
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        bounds = np.concatenate([[0], np.cumsum(group_sizes)])
+        exact = np.stack(
+            [x[a:b].astype(np.float64).T @ dy[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        )
+        np.testing.assert_array_equal(np.asarray(want), exact)
     moved = fb.BlockwiseTensor(xq.data, jnp.roll(xq.scale_inv, 1, axis=0), xq.block_axes)
     assert np.any(np.asarray(tgmm_fp8_blockwise(moved, dq, sizes, impl="xla")) != exact)
 
@@ -438,12 +443,16 @@ def test_wgrad_refuses_bad_operands():
         )
 
 
-@pytest.mark.parametrize("wg_split", ["n", "k"])
-def test_wgrad_kernel_lowers_at_real_shapes(wg_split):
+@pytest.mark.parametrize("wg_split, blocks_per_step", WGRAD_TILINGS)
+def test_wgrad_kernel_lowers_at_real_shapes(wg_split, blocks_per_step):
     """Pallas -> Mosaic GPU lowering on CPU at mixtral's and dsv3's fc1 weight gradients."""
     s = jax.ShapeDtypeStruct
     for m, k, n, g in [(16384, 4096, 28672, 8), (32768, 7168, 4096, 32)]:
-        config = dataclasses.replace(default_tgmm_config(k, n, jnp.bfloat16), wg_split=wg_split)
+        config = dataclasses.replace(
+            default_tgmm_config(k, n, jnp.bfloat16),
+            wg_split=wg_split,
+            blocks_per_step=blocks_per_step,
+        ).with_fitting_slots(jnp.bfloat16)
 
         def run(xd, xs, dd, ds, sizes):
             return tgmm_fp8_blockwise(
@@ -469,7 +478,7 @@ def test_gpu_wgrad_kernel_equals_the_reference_on_exact_operands():
     """On the H200, at a size with many items per CTA: the kernel equals the exact products."""
     x, dy = exact_token_operands(4096, 512, 1024, seed=5)
     xq, dq = fb.quantize_1x128(jnp.asarray(x), 0), fb.quantize_1x128(jnp.asarray(dy), 0)
-    sizes = jnp.array([1024, 0, 2048, 512, 512])
+    sizes = jnp.array([1024, 0, 2048, 640, 384])  # the last group's odd blocks end at M
     got = np.asarray(tgmm_fp8_blockwise(xq, dq, sizes, impl="pallas"))
     bounds = np.concatenate([[0], np.cumsum(np.asarray(sizes))])
     exact = np.stack([x[a:b].astype(np.float64).T @ dy[a:b] for a, b in zip(bounds, bounds[1:])])

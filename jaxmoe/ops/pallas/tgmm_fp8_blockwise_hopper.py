@@ -10,9 +10,10 @@ a 128-row block (the plan pads each expert's rows), so a block belongs to one gr
 whole.
 
 Persistent and warp specialised: a memory warpgroup walks the CTA's work items (group, K tile,
-N tile) and TMA-loads each item's blocks into a ring that runs across items; two compute
-warpgroups (side by side along N) multiply, fold and store. An empty group's tiles are zeros.
-docs/kernels.md describes the design."""
+N tile) and TMA-loads each item's blocks, with their rows of scales, into a ring that runs
+across items (a slot holds `blocks_per_step` blocks); two compute warpgroups (stacked along K,
+or side by side along N) multiply, fold and store. An empty group's tiles are zeros.
+docs/kernels.md describes the design and what was measured."""
 
 from __future__ import annotations
 
@@ -42,15 +43,16 @@ _FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 class BlockwiseTgmmConfig:
     """Tiling: each compute warpgroup owns tile_k x tile_n outputs, the two side by side along
     N (wg_split "n": CTA tile tile_k x 2 * tile_n) or along K ("k": 2 * tile_k x tile_n);
-    `slots` ring slots of one 128-row block of both operands; the epilogue stores epilogue_n
-    columns at a time."""
+    `slots` ring slots of `blocks_per_step` (1 or 2) 128-row blocks of both operands and
+    their scales; the epilogue stores epilogue_n columns at a time."""
 
     tile_k: int = 64
     tile_n: int = 128
     slots: int = 4
     epilogue_n: int = 64
     num_sms: int = 132
-    wg_split: str = "n"
+    wg_split: str = "k"
+    blocks_per_step: int = 2
 
     @property
     def cta_k(self) -> int:
@@ -61,13 +63,25 @@ class BlockwiseTgmmConfig:
         return self.tile_n * (NUM_COMPUTE_WGS if self.wg_split == "n" else 1)
 
     def smem_bytes(self, out_dtype) -> int:
-        ring = self.slots * (self.cta_k + self.cta_n) * BLOCK  # fp8: a byte an element
+        # fp8 operands (a byte an element) and their fp32 scale rows
+        ring = self.slots * self.blocks_per_step * (self.cta_k + self.cta_n) * (BLOCK + 4)
         epilogue = NUM_COMPUTE_WGS * self.tile_k * self.epilogue_n * jnp.dtype(out_dtype).itemsize
         return ring + epilogue
+
+    def with_fitting_slots(self, out_dtype) -> BlockwiseTgmmConfig:
+        """This tiling with as many of its ring slots as fit a CTA's shared memory."""
+        config = self
+        while config.slots > 2 and config.smem_bytes(out_dtype) > MAX_SMEM_PER_CTA:
+            config = dataclasses.replace(config, slots=config.slots - 1)
+        return config
 
     def validate(self, k: int, n: int, out_dtype) -> None:
         if self.tile_k not in (64, 128) or self.tile_n % 64 or not 64 <= self.tile_n <= 256:
             raise ValueError(f"tgmm fp8 blockwise: unsupported tiles {self}")
+        if self.blocks_per_step not in (1, 2):
+            raise ValueError(
+                f"tgmm fp8 blockwise: blocks_per_step must be 1 or 2, got {self.blocks_per_step}"
+            )
         if self.wg_split not in ("n", "k"):
             raise ValueError(
                 f"tgmm fp8 blockwise: wg_split must be 'n' or 'k', got {self.wg_split!r}"
@@ -88,15 +102,20 @@ class BlockwiseTgmmConfig:
 
 def default_config(k: int, n: int, out_dtype=jnp.float32) -> BlockwiseTgmmConfig:
     """64 x 128 outputs per warpgroup (its fp32 accumulator and one block product fit in
-    registers together, as in the forward kernel), N split over the two warpgroups when it
-    allows 256-column CTA tiles, else 64-column ones."""
-    tile_n = 128 if n % 256 == 0 else 64
-    config = BlockwiseTgmmConfig(
-        tile_n=tile_n, epilogue_n=128 // jnp.dtype(out_dtype).itemsize, num_sms=num_sms()
-    )
-    while config.smem_bytes(out_dtype) > MAX_SMEM_PER_CTA:
-        config = dataclasses.replace(config, slots=config.slots - 1)
-    return config
+    registers together, as in the forward kernel), the two warpgroups stacked along K when K
+    allows (CTA 128 x 128: both operand tiles the same size, as the forward's heuristic), else
+    side by side along N (CTA 64 x 256, or 64 x 128 for narrow N); two blocks a ring slot, as
+    many slots as fit. On the H200 (`benchmarks/results/gmm_fp8_blockwise_2026-12-04_s33*.json`)
+    the scales' loads moved from L2 to the SMEM ring took mixtral / dsv3_ep8 / qwen3_30b from
+    551 / 639 / 468 to 681 / 808 / 684 TFLOP/s; stacking along K 800 / 841 / 689, two blocks a
+    slot 820 / 871 / 722."""
+    out_dtype = jnp.dtype(out_dtype)
+    if k % 128 == 0:
+        config = BlockwiseTgmmConfig(tile_n=128, wg_split="k")
+    else:
+        config = BlockwiseTgmmConfig(tile_n=128 if n % 256 == 0 else 64, wg_split="n")
+    config = dataclasses.replace(config, epilogue_n=128 // out_dtype.itemsize, num_sms=num_sms())
+    return config.with_fitting_slots(out_dtype)
 
 
 def problem(k: int, n: int) -> str | None:
@@ -155,7 +174,7 @@ def tgmm_fp8_blockwise_pallas(
 @functools.cache
 def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, interpret):
     tile_k, tile_n, slots = config.tile_k, config.tile_n, config.slots
-    cta_k, cta_n = config.cta_k, config.cta_n
+    cta_k, cta_n, step = config.cta_k, config.cta_n, config.blocks_per_step
     epi_n, sms = config.epilogue_n, config.num_sms
     grid_k, grid_n = k // cta_k, n // cta_n
     per_group = grid_k * grid_n
@@ -171,50 +190,60 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
             group, tile = lax.div(idx, per_group), lax.rem(idx, per_group)
             return group, walk_gmem[0, group], walk_gmem[1, group], tile // grid_n, tile % grid_n
 
+        def item_steps(blocks):
+            return (blocks + step - 1) // step
+
         @functools.partial(
             pl.run_scoped,
             lhs_ring=plgpu.SMEM(
-                (slots, cta_k, BLOCK), lhs_dtype, transforms=swizzled(lhs_dtype, BLOCK)
+                (slots, cta_k, step * BLOCK), lhs_dtype, transforms=swizzled(lhs_dtype, BLOCK)
             ),
             rhs_ring=plgpu.SMEM(
-                (slots, cta_n, BLOCK), rhs_dtype, transforms=swizzled(rhs_dtype, BLOCK)
+                (slots, cta_n, step * BLOCK), rhs_dtype, transforms=swizzled(rhs_dtype, BLOCK)
             ),
+            lhs_scale_ring=plgpu.SMEM((slots, step, cta_k), jnp.float32),
+            rhs_scale_ring=plgpu.SMEM((slots, step, cta_n), jnp.float32),
             out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, tile_k, epi_n), out_dtype),
-            produced=plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # both operands' TMA
+            produced=plgpu.Barrier(num_arrivals=4, num_barriers=slots),  # operands and scales
             consumed=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
             collective_axes="wg",
         )
-        def _scope(lhs_ring, rhs_ring, out_smem, produced, consumed):
+        def _scope(
+            lhs_ring, rhs_ring, lhs_scale_ring, rhs_scale_ring, out_smem, produced, consumed
+        ):
             wg = lax.axis_index("wg")
 
             def memory_warpgroup():
                 plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-                def load_item(j, step):
+                def load_item(j, done):
                     _, first, blocks, ki, ni = item(j)
 
-                    @pl.loop(0, blocks)
-                    def _block(b):
-                        t = step + b
+                    @pl.loop(0, item_steps(blocks))
+                    def _step(s):
+                        t = done + s
                         slot = lax.rem(t, slots)
 
                         @pl.when(t >= slots)
                         def _wait_free():  # both compute warpgroups are done with t - slots
                             plgpu.barrier_wait(consumed.at[slot])
+                            # Their scale reads (generic proxy) before this TMA's writes.
+                            plgpu.commit_smem()
 
-                        tokens = pl.ds((first + b) * BLOCK, BLOCK)
-                        plgpu.copy_gmem_to_smem(
-                            lhs_gmem.at[pl.ds(ki * cta_k, cta_k), tokens],
-                            lhs_ring.at[slot],
-                            produced.at[slot],
-                        )
-                        plgpu.copy_gmem_to_smem(
-                            rhs_gmem.at[pl.ds(ni * cta_n, cta_n), tokens],
-                            rhs_ring.at[slot],
-                            produced.at[slot],
-                        )
+                        # A step's blocks past the group (an odd count's last step) are loaded
+                        # but not used; past M they are zeros.
+                        block_rows = pl.ds(first + s * step, step)
+                        tokens = pl.ds((first + s * step) * BLOCK, step * BLOCK)
+                        k_rows, n_rows = pl.ds(ki * cta_k, cta_k), pl.ds(ni * cta_n, cta_n)
+                        for src, dst in (
+                            (lhs_gmem.at[k_rows, tokens], lhs_ring),
+                            (rhs_gmem.at[n_rows, tokens], rhs_ring),
+                            (lhs_scale_gmem.at[block_rows, k_rows], lhs_scale_ring),
+                            (rhs_scale_gmem.at[block_rows, n_rows], rhs_scale_ring),
+                        ):
+                            plgpu.copy_gmem_to_smem(src, dst.at[slot], produced.at[slot])
 
-                    return step + blocks
+                    return done + item_steps(blocks)
 
                 num_steps = lax.fori_loop(0, num_mine, load_item, jnp.int32(0))
 
@@ -231,46 +260,64 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                 wg_rows = pl.ds(wg * tile_k if by_k else 0, tile_k)
                 wg_columns = pl.ds(wg * tile_n if by_n else 0, tile_n)
 
-                def matmul_item(j, step):
-                    group, first, blocks, ki, ni = item(j)
-                    rows = pl.ds(ki * cta_k + wg_rows.start, tile_k)
-                    columns = pl.ds(ni * cta_n + wg_columns.start, tile_n)
+                def scales_of(slot, b):
+                    """Block b of the slot's row and column scales, in the wgmma layout."""
+                    row_scale = plgpu.load(
+                        lhs_scale_ring.at[slot, b, wg_rows],
+                        layout=plgpu.Layout.WGMMA.reduce(1),
+                        optimized=False,
+                    )
+                    col_scale = plgpu.load(
+                        rhs_scale_ring.at[slot, b, wg_columns],
+                        layout=plgpu.Layout.WGMMA.reduce(0),
+                        optimized=False,
+                    )
+                    return row_scale, col_scale
 
-                    def fold(b, acc):
-                        t = step + b
-                        slot = lax.rem(t, slots)
-                        block = first + b
-                        # The scales' loads are issued before the wgmma: their latency passes
-                        # while it runs.
-                        row_scale = plgpu.load(
-                            lhs_scale_gmem.at[block, rows],
-                            layout=plgpu.Layout.WGMMA.reduce(1),
-                            optimized=False,
-                        )
-                        col_scale = plgpu.load(
-                            rhs_scale_gmem.at[block, columns],
-                            layout=plgpu.Layout.WGMMA.reduce(0),
-                            optimized=False,
-                        )
-                        plgpu.barrier_wait(produced.at[slot])
+                def issue(part_ref, slot, b):
+                    plgpu.wgmma(
+                        part_ref,
+                        lhs_ring.at[slot].at[wg_rows, pl.ds(b * BLOCK, BLOCK)],
+                        rhs_ring.at[slot].at[wg_columns, pl.ds(b * BLOCK, BLOCK)].transpose((1, 0)),
+                    )
+
+                def folded(acc, part, scales):
+                    row_scale, col_scale = scales
+                    return acc + part * (row_scale[:, None] * col_scale[None, :])
+
+                def fold_step(slot, acc, count):
+                    """Fold the slot's first `count` blocks into acc, in order."""
+                    plgpu.barrier_wait(produced.at[slot])
+                    for b in range(count):
 
                         def block_product(part_ref):
-                            plgpu.wgmma(
-                                part_ref,
-                                lhs_ring.at[slot].at[wg_rows],
-                                rhs_ring.at[slot].at[wg_columns, :].transpose((1, 0)),
-                            )
+                            issue(part_ref, slot, b)  # noqa: B023
+                            scales = scales_of(slot, b)  # noqa: B023  read while it runs
                             plgpu.wgmma_wait(0)
-                            return part_ref[...]
+                            return part_ref[...], scales
 
-                        part = pl.run_scoped(block_product, plgpu.ACC((tile_k, tile_n)))
-                        plgpu.barrier_arrive(consumed.at[slot])
-                        return acc + part * (row_scale[:, None] * col_scale[None, :])
+                        part, scales = pl.run_scoped(block_product, plgpu.ACC((tile_k, tile_n)))
+                        if b == count - 1:
+                            plgpu.barrier_arrive(consumed.at[slot])
+                        acc = folded(acc, part, scales)
+                    return acc
 
-                    zeros = plgpu.layout_cast(
+                def matmul_item(j, done):
+                    group, _, blocks, ki, ni = item(j)
+                    whole = blocks // step
+                    acc = plgpu.layout_cast(
                         jnp.zeros((tile_k, tile_n), jnp.float32), plgpu.Layout.WGMMA
                     )
-                    acc = lax.fori_loop(0, blocks, fold, zeros)
+                    acc = lax.fori_loop(
+                        0, whole, lambda s, a: fold_step(lax.rem(done + s, slots), a, step), acc
+                    )
+                    if step > 1:  # the last step's blocks of an odd count
+                        last = lax.rem(done + whole, slots)
+                        acc = lax.fori_loop(
+                            0, blocks % step, lambda _, a: fold_step(last, a, 1), acc
+                        )
+                    rows = pl.ds(ki * cta_k + wg_rows.start, tile_k)
+                    columns = pl.ds(ni * cta_n + wg_columns.start, tile_n)
                     for c in range(tile_n // epi_n):
                         slot = out_smem.at[wg]
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -280,7 +327,7 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                             slot,
                             out_gmem.at[group, rows, pl.ds(columns.start + c * epi_n, epi_n)],
                         )
-                    return step + blocks
+                    return done + item_steps(blocks)
 
                 lax.fori_loop(0, num_mine, matmul_item, jnp.int32(0))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
