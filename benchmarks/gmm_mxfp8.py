@@ -17,8 +17,8 @@ process, GEMMs on already-quantized operands:
                          dense fp8 matmul of the same M x K x N, rowwise scales: the fp8 ceiling)
   dgrad  dy @ W[g]^T     the same but the dense one
   wgrad  x_g^T @ dy_g    jaxmoe_mxfp8 (dequantize + bf16 tgmm) | jaxmoe_fp8_blockwise
-                         (`ops.tgmm_fp8_blockwise` on group sizes rounded down to 128, the
-                         fp8 data transposed in the call) | jaxmoe_bf16 | torch (both)
+                         (`ops.tgmm_fp8_blockwise` on group sizes rounded down to 128 and
+                         the K-major copies the layer makes, `tokens_last`) | jaxmoe_bf16 | torch (both)
   quantize               x rowwise and columnwise, and the fused gather + rowwise quantize
                          (dispatch_quantize), on XLA (the reference) and on the Pallas kernels,
                          MXFP8 and FP8 blockwise 1x128 rowwise (`_1x128`; its scales are as many
@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gmm import SHAPES, bar_plot, cell, group_sizes_for  # noqa: E402
-from benchmarks.timing import device_seconds, time_it  # noqa: E402
+from benchmarks.timing import device_seconds, sync, time_round_robin  # noqa: E402
 from jaxmoe.fp8_blockwise import quantize_1x128, quantize_128x128  # noqa: E402
 from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
 from jaxmoe.ops import (  # noqa: E402
@@ -94,30 +94,49 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
     dy = jax.random.normal(kd, (m, n), BF16)
     gs = jnp.asarray(sizes)
 
+    def report(op, impl, seconds, work, unit):
+        value = work / seconds / 1e12
+        record.append(dict(shape=name, op=op, impl=impl, ms=seconds * 1e3, **{unit: value}))
+        print(
+            f"  {name:10s} {op:8s} {impl:26s} {seconds * 1e3:8.3f} ms {value:8.1f} "
+            f"{'TF/s' if unit == 'tflops' else 'TB/s'}",
+            flush=True,
+        )
+
+    def failed(op, impl, e):  # a competitor that cannot run this case
+        record.append(
+            dict(shape=name, op=op, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}")
+        )
+        print(f"  {name:10s} {op:8s} {impl:26s} FAILED {type(e).__name__}: {str(e)[:200]}")
+
+    pending = []  # this op's GEMM calls, timed together in turns by `time_pending`
+
     def run(op, impl, fn, work=flops, unit="tflops", calls=None):
-        """Time fn and record seconds per call: host-clocked (`time_it`), or, with `calls`
-        (fn makes that many calls of the op), from device records (`device_seconds`)."""
+        """A GEMM call (calls None): queued for `time_pending`; with `calls` (fn makes that many
+        calls of the op, too short for the host clock): timed now from device records
+        (`device_seconds`). Seconds per call."""
+        if calls is None:
+            pending.append((op, impl, fn, work, unit))
+            return
         try:
-            seconds = (
-                time_it(fn, iters=iters)
-                if calls is None
-                else device_seconds(fn, calls=calls, iters=iters)
-            )
-            value = work / seconds / 1e12
-            record.append(dict(shape=name, op=op, impl=impl, ms=seconds * 1e3, **{unit: value}))
-            print(
-                f"  {name:10s} {op:8s} {impl:26s} {seconds * 1e3:8.3f} ms {value:8.1f} "
-                f"{'TF/s' if unit == 'tflops' else 'TB/s'}",
-                flush=True,
-            )
-        except Exception as e:  # a competitor that cannot run this case
-            record.append(
-                dict(shape=name, op=op, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}")
-            )
-            print(
-                f"  {name:10s} {op:8s} {impl:26s} FAILED {type(e).__name__}: {str(e)[:200]}",
-                flush=True,
-            )
+            report(op, impl, device_seconds(fn, calls=calls, iters=iters), work, unit)
+        except Exception as e:
+            failed(op, impl, e)
+
+    def time_pending():
+        """The queued calls, host-clocked, taking turns (`time_round_robin`: the H200's
+        power-limited clock drifts alike for all of them)."""
+        ready = []
+        for entry in pending:
+            try:
+                sync(entry[2]())
+                ready.append(entry)
+            except Exception as e:
+                failed(entry[0], entry[1], e)
+        seconds = time_round_robin([entry[2] for entry in ready], iters=iters)
+        for (op, impl, _, work, unit), t in zip(ready, seconds):
+            report(op, impl, t, work, unit)
+        pending.clear()
 
     mx = jax.jit(
         functools.partial(
@@ -186,6 +205,7 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
             ),
             work=2.0 * m * k * n,
         )
+        time_pending()
         err = jnp.linalg.norm((mx(x_q, w_fprop, gs) - bf(x, w, gs)).astype(jnp.float32))
         record.append(
             dict(
@@ -214,6 +234,7 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
         )
         twt = tw.transpose(-2, -1)
         run("dgrad", "torch_grouped_mm", lambda: torch._grouped_mm(tdy, twt, offs=offs))
+        time_pending()
 
     # ---- wgrad: dW[G, K, N]
     if "wgrad" in ops:
@@ -224,9 +245,13 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
         )
         # The blockwise recipe pads each expert's rows to 128: its own group sizes.
         gs_128 = jnp.asarray(sizes // 128 * 128, jnp.int32)
-        x_bt, dy_bt = quantize_1x128(x, 0), quantize_1x128(dy, 0)
+        x_bt, dy_bt = quantize_1x128(x.T, 1), quantize_1x128(dy.T, 1)  # the layer's copies
         run("wgrad", "jaxmoe_mxfp8", lambda: mx_t(x_col, dy_col, gs))
-        run("wgrad", "jaxmoe_fp8_blockwise", lambda: blockwise_t(x_bt, dy_bt, gs_128))
+        run(
+            "wgrad",
+            "jaxmoe_fp8_blockwise",
+            lambda: blockwise_t(x_bt, dy_bt, gs_128, tokens_last=True),
+        )
         run("wgrad", "jaxmoe_bf16", lambda: bf_t(x, dy, gs))
         # 2d x 2d (ragged K): torch wants one scale per row of each operand *per group*; unit
         # scales on directly cast data time the same kernel (the values are irrelevant here).
@@ -243,6 +268,7 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
         )
         txt = tx.t()
         run("wgrad", "torch_grouped_mm", lambda: torch._grouped_mm(txt, tdy, offs=offs))
+        time_pending()
 
 
 def batched(fn, *args):
@@ -433,8 +459,9 @@ def main(argv=None):
         torch=torch.__version__,
         python=platform.python_version(),
         shapes={s: dict(zip(("M", "K", "N", "G"), SHAPES[s])) for s in shapes},
-        method="GEMMs: median of 5 repeats x iters back-to-back calls, synchronised, each "
-        "repeat after iters untimed calls; operands quantized "
+        method="GEMMs: per op, the implementations take turns over 5 repeats of back-to-back "
+        "calls (at least iters and 0.2 s each, after as many untimed calls), synchronised, "
+        "median; operands quantized "
         "beforehand (quantization timed separately as op 'quantize'); bf16 out; FLOPs "
         "count the routed rows only. Quantize kernels and the copy: device time (JAX "
         f"profiler GPU records / CUDA events) over {args.iters} runs of "

@@ -228,7 +228,8 @@ class Fp8BlockwiseRecipe(Bf16Recipe):
 
     def quantize_weights(self, fc1_kernel, fc2_kernel, impl):
         return ExpertWeightsBlockwise(
-            fc1=quantize_blockwise_weights(fc1_kernel), fc2=quantize_blockwise_weights(fc2_kernel)
+            fc1=quantize_blockwise_weights(fc1_kernel, impl=impl),
+            fc2=quantize_blockwise_weights(fc2_kernel, impl=impl),
         )
 
     def gemm(self, lhs, kernel, route, out_dtype, impl, copies=None, lhs_quantized=None):

@@ -404,6 +404,11 @@ def test_wgrad_kernel_equals_the_reference_on_exact_operands(interpret, wg_split
         got = tgmm_fp8_blockwise(xq, dq, sizes, impl="pallas", config=config)
         want = tgmm_fp8_blockwise(xq, dq, sizes, impl="xla")
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        x_t, dy_t = (fb.quantize_1x128(jnp.asarray(a[:rows].T), 1) for a in (x, dy))
+        got_t = tgmm_fp8_blockwise(
+            x_t, dy_t, sizes, tokens_last=True, impl="pallas", config=config
+        )  # the K-major copies as the layer passes them
+        np.testing.assert_array_equal(np.asarray(got_t), np.asarray(want))
         bounds = np.concatenate([[0], np.cumsum(group_sizes)])
         exact = np.stack(
             [x[a:b].astype(np.float64).T @ dy[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
@@ -437,6 +442,8 @@ def test_wgrad_refuses_bad_operands():
         tgmm_fp8_blockwise(fb.quantize_1x128(jnp.ones((256, 128)), 1), xq, jnp.array([256]))
     with pytest.raises(ValueError, match="multiples of 128"):  # sizes on the host: checked
         tgmm_fp8_blockwise(xq, xq, np.array([100, 156]))
+    with pytest.raises(ValueError, match=r"lhs\^T \[K, M\]"):  # not the K-major copies
+        tgmm_fp8_blockwise(xq, xq, jnp.array([256]), tokens_last=True)
     with pytest.raises(ValueError, match="N=96 of 128"):
         tgmm_fp8_blockwise(
             xq, fb.quantize_1x128(jnp.ones((256, 96)), 0), jnp.array([256]), impl="pallas"

@@ -282,23 +282,30 @@ def test_blockwise_experts_with_a_blockwise_wire(option):
 
 
 def test_fc1_takes_the_dispatched_copy_as_it_is(monkeypatch):
-    """With dispatch_dtype "fp8_blockwise" the forward quantizes fc1's operand no more: one 1x128
-    quantize along K in the GEMMs (fc2's) instead of two."""
+    """With dispatch_dtype "fp8_blockwise" the forward quantizes fc1's operand along K no more:
+    fc1 makes only the weight gradient's K-major copy of its rows (`quantize_1x128_transposed`),
+    fc2 both copies in one pass (`quantize_1x128_with_transpose`); with bf16 rows both GEMMs
+    make both."""
     module = importlib.import_module("jaxmoe.ops.fp8_blockwise_gmm")  # not the function
     calls = []
+    for name in ("quantize_1x128_with_transpose", "quantize_1x128_transposed"):
+        original = getattr(module, name)
 
-    def spy(x, axis=-1, fmt="e4m3", *, impl="auto"):
-        calls.append(axis)
-        return fb.quantize_1x128(x, axis, fmt)
+        def spy(x, fmt="e4m3", *, impl="auto", _name=name, _original=original):
+            calls.append(_name)
+            return _original(x, fmt, impl="xla")
 
-    monkeypatch.setattr(module, "quantize_1x128", spy)
+        monkeypatch.setattr(module, name, spy)
     x = tokens(32)[None]
     counts = {}
     for wire in ("bf16", "fp8_blockwise"):
         calls.clear()
         nnx.eval_shape(lambda m, x: m(x), make(CONFIG.replace(dispatch_dtype=wire)), x)
-        counts[wire] = calls.count(1)
-    assert counts == {"bf16": 2, "fp8_blockwise": 1}
+        counts[wire] = sorted(calls)
+    assert counts == {
+        "bf16": ["quantize_1x128_with_transpose"] * 2,
+        "fp8_blockwise": ["quantize_1x128_transposed", "quantize_1x128_with_transpose"],
+    }
 
 
 def test_bf16_experts_take_the_dequantized_wire_rows():

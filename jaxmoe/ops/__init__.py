@@ -18,7 +18,14 @@ from jaxmoe.ops.pallas.gmm_common import GmmConfig
 from jaxmoe.ops.pallas.gmm_decode_hopper import DecodeConfig
 from jaxmoe.ops.pallas.tgmm_hopper import TgmmConfig
 from jaxmoe.ops.permute import combine_rows, dispatch_rows
-from jaxmoe.ops.quantize import dispatch_quantize, quantize, quantize_1x128
+from jaxmoe.ops.quantize import (
+    dispatch_quantize,
+    quantize,
+    quantize_1x128,
+    quantize_1x128_transposed,
+    quantize_1x128_with_transpose,
+    quantize_128x128_with_transpose,
+)
 
 __all__ = [
     "dense",
@@ -35,6 +42,9 @@ __all__ = [
     "quantize_blockwise_weights",
     "quantize",
     "quantize_1x128",
+    "quantize_1x128_with_transpose",
+    "quantize_1x128_transposed",
+    "quantize_128x128_with_transpose",
     "dispatch_quantize",
     "dispatch_rows",
     "combine_rows",

@@ -23,20 +23,18 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxmoe.fp8_blockwise import (
-    BLOCK,
-    BlockwiseTensor,
-    gmm_reference,
-    quantize_128x128,
-    tgmm_reference,
-)
+from jaxmoe.fp8_blockwise import BLOCK, BlockwiseTensor, gmm_reference, tgmm_reference
 from jaxmoe.ops import registry
 from jaxmoe.ops.checks import check_group_sizes
 from jaxmoe.ops.gmm import kernel_rows, pad_rows, sum_group_partials
 from jaxmoe.ops.pallas import tgmm_fp8_blockwise_hopper
 from jaxmoe.ops.pallas.gmm_common import GmmConfig
 from jaxmoe.ops.pallas.gmm_mxfp8_hopper import gmm_block_scaled_fp8_pallas
-from jaxmoe.ops.quantize import quantize_1x128
+from jaxmoe.ops.quantize import (
+    quantize_1x128_transposed,
+    quantize_1x128_with_transpose,
+    quantize_128x128_with_transpose,
+)
 
 
 def _problem(k: int, n: int) -> str | None:
@@ -118,6 +116,7 @@ def tgmm_fp8_blockwise(
     rhs: BlockwiseTensor,
     group_sizes: jax.Array,
     *,
+    tokens_last: bool = False,
     impl: str = "auto",
     preferred_element_type=jnp.float32,
     config=None,
@@ -125,38 +124,44 @@ def tgmm_fp8_blockwise(
     """The recipe's weight gradient out[g] = lhs[rows of g]^T @ rhs[rows of g] for lhs [M, K]
     and rhs [M, N] in 1 x 128 blocks along M (the tokens): each 128-row block's fp32 partial of
     the fp8 values times the product of its two scales, folded in row order
-    (`fp8_blockwise.tgmm_reference`). group_sizes [G]: multiples of 128 adding up to at most M
-    (checked when known on the host); rows past them are not read. Groups with no rows get
-    zeros. [G, K, N] in preferred_element_type. config: the Pallas kernel's tiling
+    (`fp8_blockwise.tgmm_reference`). tokens_last: lhs and rhs are instead the K-major copies
+    lhs^T [K, M] and rhs^T [N, M] in 1 x 128 blocks along M (axis 1), as
+    `ops.quantize_1x128_transposed` makes them and the Pallas kernel reads them (the other
+    form costs a transpose of the fp8 data). group_sizes [G]: multiples of 128 adding up to at
+    most M (checked when known on the host); rows past them are not read. Groups with no rows
+    get zeros. [G, K, N] in preferred_element_type. config: the Pallas kernel's tiling
     (`BlockwiseTgmmConfig`; None: its default). Not differentiable."""
+    token_axis = 1 if tokens_last else 0
     if not (
         isinstance(lhs, BlockwiseTensor)
         and isinstance(rhs, BlockwiseTensor)
         and lhs.ndim == rhs.ndim == 2
-        and lhs.block_axes == rhs.block_axes == (0,)
-        and lhs.shape[0] == rhs.shape[0]
+        and lhs.block_axes == rhs.block_axes == (token_axis,)
+        and lhs.shape[token_axis] == rhs.shape[token_axis]
     ):
+        layout = "lhs^T [K, M] and rhs^T [N, M]" if tokens_last else "lhs [M, K] and rhs [M, N]"
         raise ValueError(
-            "tgmm_fp8_blockwise: lhs [M, K] and rhs [M, N] must be BlockwiseTensors in 1x128 "
-            "blocks along M"
+            f"tgmm_fp8_blockwise: {layout} must be BlockwiseTensors in 1x128 blocks along M"
         )
-    (m, k), n = lhs.shape, rhs.shape[1]
+    if not tokens_last:
+        lhs, rhs = (BlockwiseTensor(t.data.T, t.scale_inv.T, (1,), t.fmt) for t in (lhs, rhs))
+    (k, m), n = lhs.shape, rhs.shape[0]
     check_group_sizes(group_sizes, None, m, "tgmm_fp8_blockwise", multiple=BLOCK)
     out_dtype = jnp.dtype(preferred_element_type)
-    if m % BLOCK:  # whole blocks; the rows added lie past the groups
-        rows = -(-m // BLOCK) * BLOCK
+    if m % BLOCK:  # whole blocks; the tokens added lie past the groups
+        pad = -(-m // BLOCK) * BLOCK - m
         lhs, rhs = (
-            BlockwiseTensor(pad_rows(t.data, rows), t.scale_inv, t.block_axes, t.fmt)
+            BlockwiseTensor(jnp.pad(t.data, ((0, 0), (0, pad))), t.scale_inv, (1,), t.fmt)
             for t in (lhs, rhs)
         )
     if registry.resolve("tgmm_fp8_blockwise", impl, k, n) == "xla":
+        lhs, rhs = (BlockwiseTensor(t.data.T, t.scale_inv.T, (0,), t.fmt) for t in (lhs, rhs))
         return tgmm_reference(lhs, rhs, group_sizes).astype(out_dtype)
-    # The kernel reads both operands K-major: the tokens contiguous.
     return tgmm_fp8_blockwise_hopper.tgmm_fp8_blockwise_pallas(
-        lhs.data.T,
-        lhs.scale_inv,
-        rhs.data.T,
-        rhs.scale_inv,
+        lhs.data,
+        lhs.scale_inv.T,
+        rhs.data,
+        rhs.scale_inv.T,
         group_sizes,
         out_dtype=out_dtype,
         config=config,
@@ -173,16 +178,14 @@ class BlockwiseWeights:
     transposed: BlockwiseTensor
 
 
-def quantize_blockwise_weights(rhs: jax.Array) -> BlockwiseWeights:
-    """Both copies of rhs [G, K, N] as `fp8_blockwise_gmm` makes them. Make them once per
-    optimizer step (after the update) and pass them to every micro-batch (`rhs_quantized`)."""
+def quantize_blockwise_weights(rhs: jax.Array, *, impl: str = "auto") -> BlockwiseWeights:
+    """Both copies of rhs [G, K, N] as `fp8_blockwise_gmm` makes them, from one read of rhs on
+    the Pallas kernel (`ops.quantize_128x128_with_transpose`; impl as there). Make them once
+    per optimizer step (after the update) and pass them to every micro-batch
+    (`rhs_quantized`)."""
     if rhs.ndim != 3:
         raise ValueError(f"quantize_blockwise_weights: rhs must be [G, K, N], got {rhs.shape}")
-    weights = quantize_128x128(rhs)
-    transposed = BlockwiseTensor(
-        jnp.swapaxes(weights.data, 1, 2), jnp.swapaxes(weights.scale_inv, 1, 2), (1, 2)
-    )
-    return BlockwiseWeights(weights, transposed)
+    return BlockwiseWeights(*quantize_128x128_with_transpose(rhs, impl=impl))
 
 
 def fp8_blockwise_gmm(
@@ -283,23 +286,27 @@ def _fp8_blockwise_gmm_fwd(
 ):
     copies = rhs_quantized
     if copies is None:
-        copies = quantize_blockwise_weights(rhs.astype(lhs.dtype))
+        copies = quantize_blockwise_weights(rhs.astype(lhs.dtype), impl=impl)
+    if lhs_quantized is None:
+        lhs_rowwise, lhs_t = quantize_1x128_with_transpose(lhs, impl=impl)
+    else:
+        lhs_rowwise, lhs_t = lhs_quantized, quantize_1x128_transposed(lhs, impl=impl)
     out = gmm_fp8_blockwise(
-        quantize_1x128(lhs, 1, impl=impl) if lhs_quantized is None else lhs_quantized,
+        lhs_rowwise,
         copies.transposed,
         _sizes_per_weight(group_sizes, n),
         transpose_rhs=True,
         impl=impl,
         preferred_element_type=out_dtype,
     )
-    return out, (quantize_1x128(lhs, 0, impl=impl), copies.weights, group_sizes)
+    return out, (lhs_t, copies.weights, group_sizes)
 
 
 def _fp8_blockwise_gmm_bwd(out_dtype, impl, dtype, rhs_dtype, n, residuals, grad):
-    lhs_columnwise, weights, group_sizes = residuals
-    grad = grad.astype(dtype)
+    lhs_t, weights, group_sizes = residuals
+    grad_rowwise, grad_t = quantize_1x128_with_transpose(grad.astype(dtype), impl=impl)
     d_lhs = gmm_fp8_blockwise(
-        quantize_1x128(grad, 1, impl=impl),
+        grad_rowwise,
         weights,
         _sizes_per_weight(group_sizes, n),
         transpose_rhs=True,
@@ -307,11 +314,7 @@ def _fp8_blockwise_gmm_bwd(out_dtype, impl, dtype, rhs_dtype, n, residuals, grad
         preferred_element_type=dtype,
     )
     partials = tgmm_fp8_blockwise(
-        lhs_columnwise,
-        quantize_1x128(grad, 0, impl=impl),
-        group_sizes,
-        impl=impl,
-        preferred_element_type=dtype,
+        lhs_t, grad_t, group_sizes, tokens_last=True, impl=impl, preferred_element_type=dtype
     )  # each group's partial rounded to the compute dtype, as `jaxmoe.ops.gmm`'s
     return d_lhs, sum_group_partials(partials, n, rhs_dtype), None, None, None
 

@@ -1,17 +1,22 @@
 """Quantization with a choice of implementation: MXFP8 `quantize` (any axis), FP8-blockwise
-`quantize_1x128` (1 x 128 blocks along any axis), and `dispatch_quantize` (gather the expert
-buffer's rows and quantize them in one pass, either recipe).
+`quantize_1x128` (1 x 128 blocks along any axis), `dispatch_quantize` (gather the expert
+buffer's rows and quantize them in one pass, either recipe), and the FP8-blockwise copies with
+their K-major transposes made in one pass (`quantize_1x128_with_transpose`,
+`quantize_1x128_transposed`, `quantize_128x128_with_transpose`).
 
   impl "xla"     the TE-exact references `jaxmoe.mxfp8.quantize` and
-                 `jaxmoe.fp8_blockwise.quantize_1x128`.
+                 `jaxmoe.fp8_blockwise.quantize_1x128` / `quantize_128x128` (the transposed
+                 copies: the reference of the transposed input, or the data's axes swapped).
   impl "pallas"  the Hopper kernels (ops/pallas/quantize_hopper.py), bitwise equal to them:
                  blocks along the last axis (any leading shape, viewed as 2-D; FP8 blockwise:
                  its length a multiple of 128), blocks along the next-to-last axis with the
                  last a multiple of 16 (leading axes merged into it: [G, K, N] is [G * K, N];
                  FP8 blockwise: 2-D, any number of rows, a partial last block being zero-padded
                  as the reference counts it), and the dispatch gather with H a multiple of 64
-                 (bf16) / 32 (fp32) (FP8 blockwise: 128); bf16 or fp32 input, not empty.
-                 Other problems raise ValueError.
+                 (bf16) / 32 (fp32) (FP8 blockwise: 128); the transposing FP8-blockwise
+                 kernels (ops/pallas/quantize_transpose_hopper.py) on [M, K] activations and
+                 [G, K, N] weights whose last two axes are multiples of 128; bf16 or fp32
+                 input, not empty. Other problems raise ValueError.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
 
 Gradients: a quantized tensor carries none (its data is fp8, its scales are integers or powers
@@ -46,6 +51,13 @@ from jaxmoe.ops.pallas.quantize_hopper import (
     quantize_columnwise_pallas,
     quantize_rowwise_pallas,
     rowwise_problem,
+)
+from jaxmoe.ops.pallas.quantize_transpose_hopper import (
+    quantize_1x128_transposed_pallas,
+    quantize_1x128_with_transpose_pallas,
+    quantize_128x128_pallas,
+    transpose_problem,
+    weights_problem,
 )
 
 RECIPES = ("mxfp8", "fp8_blockwise")
@@ -96,9 +108,22 @@ def _gather_kernel_problem(x, num_rows, recipe) -> str | None:
     return _dtype_problem(x) or gather_problem(x.shape, x.dtype, num_rows, _SCALINGS[recipe])
 
 
+def _transpose_kernel_problem(x) -> str | None:
+    """Why the transposing 1 x 128 kernels cannot quantize x (None when they can)."""
+    return _dtype_problem(x) or transpose_problem(x.shape, x.dtype)
+
+
+def _weights_kernel_problem(w) -> str | None:
+    """Why the transposing 128 x 128 kernel cannot quantize w (None when it can)."""
+    return _dtype_problem(w) or weights_problem(w.shape, w.dtype)
+
+
 registry.register("quantize", "pallas", problem=_kernel_problem)
 registry.register("quantize_1x128", "pallas", problem=_1x128_kernel_problem)
 registry.register("dispatch_quantize", "pallas", problem=_gather_kernel_problem)
+registry.register("quantize_1x128_with_transpose", "pallas", problem=_transpose_kernel_problem)
+registry.register("quantize_1x128_transposed", "pallas", problem=_transpose_kernel_problem)
+registry.register("quantize_128x128_with_transpose", "pallas", problem=_weights_kernel_problem)
 
 
 def quantize(x: jax.Array, axis: int = -1, fmt: str = "e4m3", *, impl: str = "auto") -> MXTensor:
@@ -185,3 +210,59 @@ def dispatch_quantize(
         return BlockwiseTensor(data, scale_inv, (1,), fmt)
     data, scale = gather_quantize_rowwise_pallas(x, row_token, fmt)
     return MXTensor(data=data, scale=scale, axis=1, fmt=fmt)
+
+
+def _check_ndim(name, x, ndim, shape):
+    if x.ndim != ndim:
+        raise ValueError(f"{name}: the input must be {shape}, got shape {x.shape}")
+
+
+def quantize_1x128_with_transpose(
+    x: jax.Array, fmt: str = "e4m3", *, impl: str = "auto"
+) -> tuple[BlockwiseTensor, BlockwiseTensor]:
+    """(`quantize_1x128(x, 1, fmt)`, `quantize_1x128(x.T, 1, fmt)`) of x [M, K] (same bits):
+    the copy in 1 x 128 blocks along K and the K-major copy of x^T [K, M] in 1 x 128 blocks
+    along M (`quantize_1x128(x, 0)` transposed), from one read of x on "pallas". No gradient
+    flows through it (module docstring)."""
+    x = jax.lax.stop_gradient(jnp.asarray(x))
+    _check_ndim("quantize_1x128_with_transpose", x, 2, "[M, K]")
+    if registry.resolve("quantize_1x128_with_transpose", impl, x) == "xla":
+        return fp8_blockwise.quantize_1x128(x, 1, fmt), fp8_blockwise.quantize_1x128(x.T, 1, fmt)
+    (data, scale_inv), (data_t, scale_inv_t) = quantize_1x128_with_transpose_pallas(x, fmt)
+    return (
+        BlockwiseTensor(data, scale_inv, (1,), fmt),
+        BlockwiseTensor(data_t, scale_inv_t, (1,), fmt),
+    )
+
+
+def quantize_1x128_transposed(
+    x: jax.Array, fmt: str = "e4m3", *, impl: str = "auto"
+) -> BlockwiseTensor:
+    """`quantize_1x128(x.T, 1, fmt)` of x [M, K] (same bits): the K-major copy of x^T [K, M] in
+    1 x 128 blocks along M, without a transposed copy of x on "pallas". No gradient flows
+    through it (module docstring)."""
+    x = jax.lax.stop_gradient(jnp.asarray(x))
+    _check_ndim("quantize_1x128_transposed", x, 2, "[M, K]")
+    if registry.resolve("quantize_1x128_transposed", impl, x) == "xla":
+        return fp8_blockwise.quantize_1x128(x.T, 1, fmt)
+    data_t, scale_inv_t = quantize_1x128_transposed_pallas(x, fmt)
+    return BlockwiseTensor(data_t, scale_inv_t, (1,), fmt)
+
+
+def quantize_128x128_with_transpose(
+    w: jax.Array, fmt: str = "e4m3", *, impl: str = "auto"
+) -> tuple[BlockwiseTensor, BlockwiseTensor]:
+    """(`quantize_128x128(w, fmt)`, the same blocks transposed: data and scale_inv with their
+    last two axes swapped) of the weights w [G, K, N] (same bits): the copy dgrad reads and the
+    K-major [G, N, K] copy fprop reads, from one read of w on "pallas". No gradient flows
+    through it (module docstring)."""
+    w = jax.lax.stop_gradient(jnp.asarray(w))
+    _check_ndim("quantize_128x128_with_transpose", w, 3, "[G, K, N]")
+    if registry.resolve("quantize_128x128_with_transpose", impl, w) == "xla":
+        weights = fp8_blockwise.quantize_128x128(w, fmt)
+        data_t = jnp.swapaxes(weights.data, 1, 2)
+    else:
+        data, scale_inv, data_t = quantize_128x128_pallas(w, fmt)
+        weights = BlockwiseTensor(data, scale_inv, (1, 2), fmt)
+    scale_inv_t = jnp.swapaxes(weights.scale_inv, 1, 2)
+    return weights, BlockwiseTensor(data_t, scale_inv_t, (1, 2), fmt)

@@ -1,0 +1,403 @@
+"""FP8-blockwise quantize kernels for Hopper (Pallas Mosaic GPU) that also write the transposed
+copies the fp8 GEMMs read (Hopper's fp8 wgmma takes both operands K-major), in one pass over
+the input, bitwise equal to `jaxmoe.fp8_blockwise`:
+
+  quantize_128x128_pallas                weights [G, K, N] in 128 x 128 blocks: data, scale_inv
+                                         (`quantize_128x128`) and the data swapped to [G, N, K]
+  quantize_1x128_with_transpose_pallas   activations x [M, K]: `quantize_1x128(x, 1)` and
+                                         `quantize_1x128(x.T, 1)` (x^T in 1 x 128 blocks along M)
+  quantize_1x128_transposed_pallas       the second alone
+
+A persistent CTA (one warpgroup, one a SM) walks 128 x 128 input tiles through a TMA ring
+(`row_pipeline.pipeline`): each tile is loaded once, quantized in registers with
+`quantize_hopper`'s helpers (the reference's integer scale rule; "exact" or "float" element
+arithmetic), and every output tile is stored once by TMA. The registers hold 32 rows at a time,
+a row a warp (4 elements a lane, whatever the input dtype: the per-column amax then crosses the
+warps in 128-bit pieces, as Mosaic's cross-warp reduction needs); the column encode reads the
+tile from SMEM a second time.
+
+The transpose. TMA cannot transpose, Mosaic's register transposes (`WGMMA_TRANSPOSED_LAYOUT`,
+`FragmentedArray.to_layout`) are for 16- and 32-bit elements, and an SMEM access through a
+transposed view must keep its vector dimension contiguous: an fp8 transpose through SMEM would
+be one byte an access, with bank conflicts. The tensor core transposes instead: the tile's
+bytes C, written row-major (int8) into 128-byte-swizzled SMEM, are the K-major B operand of an
+8-bit integer wgmma whose A operand is the identity (in registers, built once per CTA):
+D[m, n] = sum_k I[m, k] C[n, k] = C[n, m], exact in the s32 accumulator, whose low bytes are
+C^T's bytes. An fp8 wgmma would not be exact: a NaN byte (0x7F) times 0 is NaN across a whole
+row of D, and -0 plus the +0 products is +0. Eight m64n128k32 instructions a tile, in two
+halves of 64 rows; each half's bytes are written to an fp8 SMEM tile (2-byte stores,
+conflict-free under the swizzle) that TMA stores to the transposed position. C has one SMEM
+buffer (the wgmma has read it when the half is done); the output tiles are ring slots.
+(Aliasing C and its output tile through a `plgpu.RefUnion` would save SMEM, but the
+interpreter's race detector checks a union's views against each other as wholes, so a ring
+slot's writes race with another slot's TMA store there.)
+
+Scales: the kernels write the activation scales where they are contiguous per tile ([K/128, M]
+for the rowwise copy, [M/128, K] for the transposed one: the layouts the fprop/dgrad and wgrad
+kernels read) and return them transposed to the reference's layout (a caller that transposes
+them back lets XLA cancel the two transposes); a weight tile's one scale is stored as a scalar.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxmoe.fp8_blockwise import BLOCK
+from jaxmoe.mxfp8 import FORMATS, FP32_ABS_MASK, FP32_INF_BITS, float32_bits
+from jaxmoe.ops.pallas.gmm_common import swizzled
+from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
+from jaxmoe.ops.pallas.quantize_hopper import (
+    FP8_BLOCKWISE,
+    _block_amax_bits,
+    _check,
+    _encode,
+    _problem,
+    _rowwise_layout,
+    default_arithmetic,
+)
+from jaxmoe.ops.pallas.row_pipeline import num_ctas, pipeline
+
+_LAYOUT = _rowwise_layout(jnp.float32, BLOCK)  # a row a warp, 4 consecutive elements a lane
+_PART = 32  # tile rows in registers at a time
+_PARTS = [pl.ds(p * _PART, _PART) for p in range(BLOCK // _PART)]
+_WGMMA_M = 64  # rows of a Hopper wgmma instruction
+_HALVES = [pl.ds(h * _WGMMA_M, _WGMMA_M) for h in range(BLOCK // _WGMMA_M)]
+_BYTE_TILE = swizzled(jnp.int8, BLOCK)  # SMEM transforms of a tile of 128-byte rows
+# A cross-warp max of [128] uint32 (the column amax): 4 warps x 32 lanes x 16 bytes.
+_REDUCTION_SCRATCH = 4 * 32 * 16
+_COMPILER_PARAMS = plgpu.CompilerParams(
+    lowering_semantics=plgpu.LoweringSemantics.Lane,
+    unsafe_no_auto_barriers=True,
+    reduction_scratch_bytes=_REDUCTION_SCRATCH,
+)
+_MAX_STAGES = 4
+_SMEM_SLACK = 1024  # barriers and the alignment of the allocations
+
+
+def weights_problem(shape, dtype) -> str | None:
+    """Why `quantize_128x128_pallas` cannot take weights of this shape/dtype (None: it can)."""
+    if len(shape) != 3 or not shape[0]:
+        return (
+            "FP8 blockwise 128x128 quantize kernel: needs a [G, K, N] array with G > 0, got "
+            f"{tuple(shape)}"
+        )
+    return _problem(
+        "128x128",
+        shape[1:],
+        dtype,
+        [(f"K and N multiples of {BLOCK}", lambda k, n: k % BLOCK == 0 and n % BLOCK == 0)],
+        "FP8 blockwise",
+    )
+
+
+def transpose_problem(shape, dtype) -> str | None:
+    """Why `quantize_1x128_with_transpose_pallas` and `quantize_1x128_transposed_pallas` cannot
+    take x of this shape/dtype (None: they can)."""
+    return _problem(
+        "1x128 transpose",
+        shape,
+        dtype,
+        [(f"M and K multiples of {BLOCK}", lambda m, k: m % BLOCK == 0 and k % BLOCK == 0)],
+        "FP8 blockwise",
+    )
+
+
+def quantize_128x128_pallas(w: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None):
+    """(data [G, K, N], scale_inv [G, K/128, N/128] fp32, data_t [G, N, K]) of the weights
+    w [G, K, N] (bf16/fp32; K, N multiples of 128): `jaxmoe.fp8_blockwise.quantize_128x128(w)`'s
+    bits and its data with the last two axes swapped (the K-major copy the fprop GEMM reads),
+    both from one read of w."""
+    arithmetic = arithmetic or default_arithmetic()
+    _check(weights_problem(w.shape, w.dtype), fmt, arithmetic)
+    g, k, n = w.shape
+    kernel = _weights_kernel(g, k, n, jnp.dtype(w.dtype), fmt, arithmetic, interpret)
+    data, scale_inv, data_t = kernel(w.reshape(g * k, n))
+    return (
+        data.reshape(g, k, n),
+        scale_inv.reshape(g, k // BLOCK, n // BLOCK),
+        data_t.reshape(g, n, k),
+    )
+
+
+def quantize_1x128_with_transpose_pallas(
+    x: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None
+):
+    """((data [M, K], scale_inv [M, K/128]), (data_t [K, M], scale_inv_t [K, M/128])) of
+    x [M, K] (bf16/fp32; M, K multiples of 128), from one read of x: the bits of
+    `jaxmoe.fp8_blockwise.quantize_1x128(x, 1)` (the GEMM copy, blocks along K) and of
+    `quantize_1x128(x.T, 1)` (blocks along M: `quantize_1x128(x, 0)` transposed, the K-major
+    copy the weight gradient reads)."""
+    data, scale_row, data_t, scale_column = _quantize_1x128_transpose(
+        x, fmt, arithmetic, interpret, rowwise=True
+    )
+    return (data, scale_row.T), (data_t, scale_column.T)
+
+
+def quantize_1x128_transposed_pallas(
+    x: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None
+):
+    """(data_t [K, M], scale_inv_t [K, M/128]) of x [M, K] (bf16/fp32; M, K multiples of 128):
+    `jaxmoe.fp8_blockwise.quantize_1x128(x.T, 1)`'s bits, the transposed copy of
+    `quantize_1x128_with_transpose_pallas` alone."""
+    data_t, scale_column = _quantize_1x128_transpose(x, fmt, arithmetic, interpret, rowwise=False)
+    return data_t, scale_column.T
+
+
+def _quantize_1x128_transpose(x, fmt, arithmetic, interpret, rowwise):
+    arithmetic = arithmetic or default_arithmetic()
+    _check(transpose_problem(x.shape, x.dtype), fmt, arithmetic)
+    m, k = x.shape
+    return _activations_kernel(m, k, jnp.dtype(x.dtype), fmt, arithmetic, interpret, rowwise)(x)
+
+
+def _ring(dtype, fmt, output_bytes):
+    """(stages, SMEM scratch) of a kernel whose ring slots hold an input tile, its transposed
+    fp8 tile and `output_bytes` more: as many slots as fit one CTA next to the byte tile C and
+    the reduction scratch."""
+    tile = BLOCK * BLOCK
+    fixed = tile + _REDUCTION_SCRATCH + _SMEM_SLACK
+    stages = min(
+        _MAX_STAGES, (MAX_SMEM_PER_CTA - fixed) // (tile * (dtype.itemsize + 1) + output_bytes)
+    )
+    slots = (stages, BLOCK, BLOCK)
+    return stages, dict(
+        x_smem=plgpu.SMEM(slots, dtype),
+        t_smem=plgpu.SMEM(slots, fmt.dtype, transforms=_BYTE_TILE),
+        c_smem=plgpu.SMEM((BLOCK, BLOCK), jnp.int8, transforms=_BYTE_TILE),
+        loaded=plgpu.Barrier(num_barriers=stages),
+    )
+
+
+def _identity_halves():
+    """The int8 identity as two [64, 128] halves in registers: the A operands of the
+    transposing wgmma."""
+    rows, columns = (
+        plgpu.broadcasted_iota(jnp.int32, (_WGMMA_M, BLOCK), d, layout=plgpu.Layout.WGMMA_8BIT)
+        for d in (0, 1)
+    )
+    return [(rows + h * _WGMMA_M == columns).astype(jnp.int8) for h in range(len(_HALVES))]
+
+
+def _store_transposed(identity, c_smem, t_smem):
+    """t_smem (fp8) = C^T for the byte tile C just written to c_smem (int8): D = I @ C^T on
+    the tensor core (module docstring), 64 rows at a time."""
+    plgpu.commit_smem()  # C's stores, visible to the wgmma
+    for a, rows in zip(identity, _HALVES):
+
+        def product(acc):
+            plgpu.wgmma(acc, a, c_smem.T)
+            plgpu.wgmma_wait(0)
+            return acc[...]
+
+        d = pl.run_scoped(product, plgpu.ACC((_WGMMA_M, BLOCK), jnp.int32))
+        t_smem.at[rows][...] = lax.bitcast_convert_type(d.astype(jnp.int8), t_smem.dtype)
+
+
+def _load_bits(x_smem, part):
+    return float32_bits(plgpu.load(x_smem.at[part], layout=_LAYOUT))
+
+
+def _column_maxima(running, bits):
+    """`running` (None at the first part) updated with a part's magnitude bits, NaNs as 0:
+    the parts meet elementwise, so that the column amax crosses the warps once a tile."""
+    mag = bits & FP32_ABS_MASK
+    mag = jnp.where(mag > FP32_INF_BITS, jnp.uint32(0), mag)
+    return mag if running is None else jnp.maximum(running, mag)
+
+
+def _as_bytes(encoded):
+    return lax.bitcast_convert_type(encoded, jnp.int8)
+
+
+@functools.cache
+def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, interpret):
+    """Kernel of `quantize_128x128_pallas` on w viewed as [G * K, N]: tile t is block row
+    t // (N/128) (expert e, block row kb of its K), block column nb = t % (N/128); outputs
+    data [G * K, N], scale_inv [G * K/128 * N/128] (tile t's scale at t) and data_t [G * N, K]
+    (tile t at block row e * N/128 + nb, block column kb)."""
+    fmt = FORMATS[fmt_name]
+    column_tiles = n // BLOCK
+    num_tiles = g * k // BLOCK * column_tiles
+    ctas = num_ctas(num_tiles, 1)
+    stages, scratch = _ring(dtype, fmt, BLOCK * BLOCK + 4)
+
+    def window(t):
+        row, nb = t // column_tiles, t % column_tiles
+        expert, kb = row // (k // BLOCK), row % (k // BLOCK)
+        block = lambda i: pl.ds(i * BLOCK, BLOCK)
+        return block(row), block(nb), block(expert * column_tiles + nb), block(kb)
+
+    def quantize_128x128(
+        x_gmem,
+        data_gmem,
+        scale_gmem,
+        data_t_gmem,
+        *,
+        x_smem,
+        t_smem,
+        c_smem,
+        loaded,
+        data_smem,
+        scale_smem,
+    ):
+        identity = _identity_halves()
+
+        def fetch(t):
+            rows, columns, _, _ = window(t)
+
+            def issue(slot, barrier):
+                plgpu.copy_gmem_to_smem(x_gmem.at[rows, columns], x_smem.at[slot], barrier)
+
+            return issue
+
+        def compute(slot):
+            x = x_smem.at[slot]
+            maxima = None
+            for part in _PARTS:
+                maxima = _column_maxima(maxima, _load_bits(x, part))
+            e = FP8_BLOCKWISE.exponent(jnp.max(jnp.max(maxima, axis=0)), fmt)
+            scale_smem[slot] = FP8_BLOCKWISE.stored(e)
+            e_columns = lax.broadcast_in_dim(e, (BLOCK,), ())  # as if a block a column
+            for part in _PARTS:
+                encoded = _encode(_load_bits(x, part), e_columns, 0, _LAYOUT, fmt, arithmetic)
+                data_smem.at[slot, part][...] = encoded
+                c_smem.at[part][...] = _as_bytes(encoded)
+            _store_transposed(identity, c_smem, t_smem.at[slot])
+
+        def store(t, slot):
+            rows, columns, t_rows, t_columns = window(t)
+            scale_gmem[t] = scale_smem[slot]
+            plgpu.copy_smem_to_gmem(
+                data_smem.at[slot], data_gmem.at[rows, columns], commit_group=False
+            )
+            plgpu.copy_smem_to_gmem(
+                t_smem.at[slot], data_t_gmem.at[t_rows, t_columns], commit_group=False
+            )
+
+        pipeline(num_tiles, ctas, loaded, fetch, compute, store, stages)
+
+    return plgpu.kernel(
+        quantize_128x128,
+        kernel_name="quantize_128x128_transpose",
+        out_type=(
+            jax.ShapeDtypeStruct((g * k, n), fmt.dtype),
+            jax.ShapeDtypeStruct((num_tiles,), jnp.float32),
+            jax.ShapeDtypeStruct((g * n, k), fmt.dtype),
+        ),
+        grid=(ctas,),
+        grid_names=("cta",),
+        scratch_types=dict(
+            data_smem=plgpu.SMEM((stages, BLOCK, BLOCK), fmt.dtype),
+            scale_smem=plgpu.SMEM((stages,), jnp.float32),
+            **scratch,
+        ),
+        compiler_params=_COMPILER_PARAMS,
+        interpret=interpret,
+    )
+
+
+@functools.cache
+def _activations_kernel(m, k, dtype, fmt_name, arithmetic, interpret, rowwise):
+    """Kernel of the 1 x 128 transposing quantize of x [M, K]: tile t is block row
+    rb = t // (K/128), block column kb = t % (K/128). Outputs: with `rowwise`, data [M, K] and
+    its scales [K/128, M]; then data_t [K, M] and its scales [M/128, K]."""
+    fmt = FORMATS[fmt_name]
+    column_tiles = k // BLOCK
+    num_tiles = m // BLOCK * column_tiles
+    ctas = num_ctas(num_tiles, 1)
+    scale_row = BLOCK * 4  # a tile's 128 fp32 scales of one copy
+    stages, scratch = _ring(dtype, fmt, (BLOCK * BLOCK + 2 * scale_row) if rowwise else scale_row)
+    scale_slots = plgpu.SMEM((stages, 1, BLOCK), jnp.float32)
+    scratch["column_scale_smem"] = scale_slots
+    if rowwise:
+        scratch["data_smem"] = plgpu.SMEM((stages, BLOCK, BLOCK), fmt.dtype)
+        scratch["row_scale_smem"] = scale_slots
+
+    def window(t):
+        rb, kb = t // column_tiles, t % column_tiles
+        return rb, kb, pl.ds(rb * BLOCK, BLOCK), pl.ds(kb * BLOCK, BLOCK)
+
+    def quantize_1x128_transpose(
+        x_gmem, *outputs, x_smem, t_smem, c_smem, loaded, column_scale_smem, **rowwise_smem
+    ):
+        *rowwise_gmem, data_t_gmem, column_scale_gmem = outputs
+        identity = _identity_halves()
+
+        def fetch(t):
+            _, _, rows, columns = window(t)
+
+            def issue(slot, barrier):
+                plgpu.copy_gmem_to_smem(x_gmem.at[rows, columns], x_smem.at[slot], barrier)
+
+            return issue
+
+        def compute(slot):
+            x = x_smem.at[slot]
+            maxima = None
+            for part in _PARTS:
+                bits = _load_bits(x, part)
+                maxima = _column_maxima(maxima, bits)
+                if rowwise:
+                    e = FP8_BLOCKWISE.exponent(_block_amax_bits(bits, 1), fmt)
+                    row_scales = rowwise_smem["row_scale_smem"].at[slot, 0, part]
+                    row_scales[...] = FP8_BLOCKWISE.stored(e)
+                    encoded = _encode(bits, e, 1, _LAYOUT, fmt, arithmetic)
+                    rowwise_smem["data_smem"].at[slot, part][...] = encoded
+            e = FP8_BLOCKWISE.exponent(jnp.max(maxima, axis=0), fmt)
+            column_scale_smem.at[slot, 0][...] = FP8_BLOCKWISE.stored(e)
+            for part in _PARTS:
+                encoded = _encode(_load_bits(x, part), e, 0, _LAYOUT, fmt, arithmetic)
+                c_smem.at[part][...] = _as_bytes(encoded)
+            _store_transposed(identity, c_smem, t_smem.at[slot])
+
+        def store(t, slot):
+            rb, kb, rows, columns = window(t)
+            if rowwise:
+                data_gmem, row_scale_gmem = rowwise_gmem
+                plgpu.copy_smem_to_gmem(
+                    rowwise_smem["data_smem"].at[slot],
+                    data_gmem.at[rows, columns],
+                    commit_group=False,
+                )
+                plgpu.copy_smem_to_gmem(
+                    rowwise_smem["row_scale_smem"].at[slot],
+                    row_scale_gmem.at[pl.ds(kb, 1), rows],
+                    commit_group=False,
+                )
+            plgpu.copy_smem_to_gmem(
+                t_smem.at[slot], data_t_gmem.at[columns, rows], commit_group=False
+            )
+            plgpu.copy_smem_to_gmem(
+                column_scale_smem.at[slot],
+                column_scale_gmem.at[pl.ds(rb, 1), columns],
+                commit_group=False,
+            )
+
+        pipeline(num_tiles, ctas, loaded, fetch, compute, store, stages)
+
+    out_type = (
+        jax.ShapeDtypeStruct((k, m), fmt.dtype),
+        jax.ShapeDtypeStruct((m // BLOCK, k), jnp.float32),
+    )
+    if rowwise:
+        out_type = (
+            jax.ShapeDtypeStruct((m, k), fmt.dtype),
+            jax.ShapeDtypeStruct((k // BLOCK, m), jnp.float32),
+            *out_type,
+        )
+    return plgpu.kernel(
+        quantize_1x128_transpose,
+        kernel_name="quantize_1x128_transpose" if rowwise else "quantize_1x128_transposed",
+        out_type=out_type,
+        grid=(ctas,),
+        grid_names=("cta",),
+        scratch_types=scratch,
+        compiler_params=_COMPILER_PARAMS,
+        interpret=interpret,
+    )
