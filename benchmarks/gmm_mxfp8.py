@@ -241,7 +241,9 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
         mx_t = jax.jit(functools.partial(tgmm_mxtensor, impl="pallas", preferred_element_type=BF16))
         bf_t = jax.jit(functools.partial(tgmm, impl="pallas", preferred_element_type=BF16))
         blockwise_t = jax.jit(
-            functools.partial(tgmm_fp8_blockwise, impl="pallas", preferred_element_type=BF16)
+            functools.partial(
+                tgmm_fp8_blockwise, impl="pallas", preferred_element_type=BF16, tokens_last=True
+            )
         )
         # The blockwise recipe pads each expert's rows to 128: its own group sizes.
         gs_128 = jnp.asarray(sizes // 128 * 128, jnp.int32)
@@ -250,7 +252,7 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
         run(
             "wgrad",
             "jaxmoe_fp8_blockwise",
-            lambda: blockwise_t(x_bt, dy_bt, gs_128, tokens_last=True),
+            lambda: blockwise_t(x_bt, dy_bt, gs_128),
         )
         run("wgrad", "jaxmoe_bf16", lambda: bf_t(x, dy, gs))
         # 2d x 2d (ragged K): torch wants one scale per row of each operand *per group*; unit
