@@ -88,7 +88,7 @@ MXFP8 = Scaling("mxfp8", BLOCK_SIZE, jnp.dtype(jnp.uint8))
 FP8_BLOCKWISE = Scaling("fp8_blockwise", fp8_blockwise.BLOCK, jnp.dtype(jnp.float32))
 
 
-def _rowwise_layout(dtype, block=BLOCK_SIZE):
+def rowwise_layout(dtype, block=BLOCK_SIZE):
     """Register layout of a [tile, block] tile whose rows are blocks: block/v consecutive lanes
     hold a row as 16-byte vectors of v elements each; a warp holds r = 32v/block rows, the
     warpgroup 4r (tiling (4r, block) / (r, block) / (v,): warps, lanes (row, vector),
@@ -120,13 +120,13 @@ def _columnwise_layout(dtype):
     )
 
 
-def _block_amax_bits(bits, axis):
+def block_amax_bits(bits, axis):
     """max |x| over `axis` on the fp32 bits (monotone in |x|), NaNs counted as 0."""
     mag = bits & FP32_ABS_MASK
     return jnp.max(jnp.where(mag > FP32_INF_BITS, jnp.uint32(0), mag), axis=axis)
 
 
-def _encode(bits, e, axis, layout, fmt, arithmetic):
+def encode_blocks(bits, e, axis, layout, fmt, arithmetic):
     """fp8 elements of the fp32 bits `bits` (in `layout`) with the scale bytes `e` (int32, one
     per block: `bits` reduced along `axis`). Per-block values are computed before they are
     spread over the block's elements."""
@@ -147,12 +147,12 @@ def _quantize_tile(x_smem, data_smem, scale_smem, axis, layout, fmt, arithmetic,
     """Quantize the SMEM tile `x_smem` (blocks of scaling.block along `axis`) into `data_smem`
     (fp8, same shape) and `scale_smem` (one scale per block, in order)."""
     bits = float32_bits(plgpu.load(x_smem, layout=layout))
-    e = scaling.exponent(_block_amax_bits(bits, axis), fmt)
+    e = scaling.exponent(block_amax_bits(bits, axis), fmt)
     scale_smem[...] = scaling.stored(e)
-    data_smem[...] = _encode(bits, e, axis, layout, fmt, arithmetic)
+    data_smem[...] = encode_blocks(bits, e, axis, layout, fmt, arithmetic)
 
 
-def _problem(what, shape, dtype, needs, recipe="MXFP8") -> str | None:
+def kernel_problem(what, shape, dtype, needs, recipe="MXFP8") -> str | None:
     """The first unmet need of a kernel, as an error message, or None. `needs`: pairs
     (description, predicate on (M, K))."""
     needs = [
@@ -175,7 +175,7 @@ def rowwise_problem(shape, dtype, scaling=MXFP8) -> str | None:
     """Why `quantize_rowwise_pallas` (`quantize_1x128_pallas` for FP8_BLOCKWISE) cannot take an
     input of this shape/dtype (None: it can)."""
     b = scaling.block
-    return _problem(
+    return kernel_problem(
         "rowwise", shape, dtype, [(f"K % {b} == 0", lambda m, k: k % b == 0)], _recipe(scaling)
     )
 
@@ -187,7 +187,7 @@ def _recipe(scaling):
 def columnwise_problem(shape, dtype) -> str | None:
     """Why `quantize_columnwise_pallas` cannot take an input of this shape/dtype (None: it can).
     K % 16: the fp8 rows must be whole 16-byte chunks (TMA strides, clipped stores)."""
-    return _problem(
+    return kernel_problem(
         "columnwise",
         shape,
         dtype,
@@ -201,7 +201,7 @@ def columnwise_problem(shape, dtype) -> str | None:
 def columnwise_1x128_problem(shape, dtype) -> str | None:
     """Why `quantize_1x128_columnwise_pallas` cannot take an input of this shape/dtype (None:
     it can). K % 16: the fp8 rows must be whole 16-byte chunks (TMA strides, clipped stores)."""
-    return _problem(
+    return kernel_problem(
         "columnwise",
         shape,
         dtype,
@@ -218,7 +218,7 @@ def gather_problem(shape, dtype, num_rows, scaling=MXFP8) -> str | None:
     cannot gather num_rows rows of x of this shape/dtype (None: it can): a row must be whole
     blocks and a whole number of 128 bytes (`row_pipeline.gather_plan`)."""
     multiple = max(scaling.block, TMA_SMEM_ALIGN // jnp.dtype(dtype).itemsize)
-    return _problem(
+    return kernel_problem(
         "gather",
         shape,
         dtype,
@@ -230,7 +230,7 @@ def gather_problem(shape, dtype, num_rows, scaling=MXFP8) -> str | None:
     )
 
 
-def _check(problem, fmt, arithmetic):
+def check_kernel_call(problem, fmt, arithmetic):
     """Raise ValueError for a bad arithmetic or format, or for the kernel's `problem`."""
     if arithmetic not in ARITHMETIC:
         raise ValueError(
@@ -256,7 +256,7 @@ def quantize_1x128_pallas(x: jax.Array, fmt: str = "e4m3", *, arithmetic=None, i
 
 def _quantize_rowwise(x, fmt, arithmetic, interpret, scaling):
     arithmetic = arithmetic or default_arithmetic()
-    _check(rowwise_problem(x.shape, x.dtype, scaling), fmt, arithmetic)
+    check_kernel_call(rowwise_problem(x.shape, x.dtype, scaling), fmt, arithmetic)
     m, k = x.shape
     b = scaling.block
     num_blocks = m * k // b
@@ -289,7 +289,9 @@ def gather_quantize_1x128_pallas(
 
 def _gather_quantize_rowwise(x, row_token, fmt, arithmetic, interpret, scaling):
     arithmetic = arithmetic or default_arithmetic()
-    _check(gather_problem(x.shape, x.dtype, row_token.shape[0], scaling), fmt, arithmetic)
+    check_kernel_call(
+        gather_problem(x.shape, x.dtype, row_token.shape[0], scaling), fmt, arithmetic
+    )
     num_tokens, k = x.shape
     (m,) = row_token.shape
     b = scaling.block
@@ -327,7 +329,7 @@ def _rowwise_kernel(num_blocks, dtype, fmt_name, arithmetic, interpret, gather, 
         tile, segment = gather_plan(gather[2] * b, dtype, b)
     num_tiles = cdiv(num_blocks, tile)
     ctas = num_ctas(num_tiles)
-    layout = _rowwise_layout(dtype, b)
+    layout = rowwise_layout(dtype, b)
     # A TMA reads each slot: 128-byte aligned.
     scale_slot = round_up(tile * scaling.scale_dtype.itemsize, TMA_SMEM_ALIGN)
     scale_slot //= scaling.scale_dtype.itemsize
@@ -390,7 +392,7 @@ def quantize_columnwise_pallas(x: jax.Array, fmt: str = "e4m3", *, arithmetic=No
     """(data [M, K], scale [M/32, K] uint8) of x [M, K] (bf16/fp32) with blocks along M;
     M % 32 == 0 and K % 16 == 0."""
     arithmetic = arithmetic or default_arithmetic()
-    _check(columnwise_problem(x.shape, x.dtype), fmt, arithmetic)
+    check_kernel_call(columnwise_problem(x.shape, x.dtype), fmt, arithmetic)
     m, k = x.shape
     data, scale = _columnwise_kernel(m, k, jnp.dtype(x.dtype), fmt, arithmetic, interpret)(x)
     return data, scale[:, :k]
@@ -403,7 +405,7 @@ def quantize_1x128_columnwise_pallas(
     1 x 128 blocks along M (`jaxmoe.fp8_blockwise.quantize_1x128(x, 0)`'s bits: the weight
     gradient's copies along the tokens); M % 128 == 0 and K % 16 == 0."""
     arithmetic = arithmetic or default_arithmetic()
-    _check(columnwise_1x128_problem(x.shape, x.dtype), fmt, arithmetic)
+    check_kernel_call(columnwise_1x128_problem(x.shape, x.dtype), fmt, arithmetic)
     m, k = x.shape
     kernel = _columnwise_kernel(m, k, jnp.dtype(x.dtype), fmt, arithmetic, interpret, FP8_BLOCKWISE)
     data, scale_inv = kernel(x)
@@ -452,11 +454,13 @@ def _columnwise_kernel(m, k, dtype, fmt_name, arithmetic, interpret, scaling=MXF
                 return
             parts = [pl.ds(p * BLOCK_SIZE, BLOCK_SIZE) for p in range(block // BLOCK_SIZE)]
             bits = lambda part: float32_bits(plgpu.load(x_smem.at[slot, part], layout=layout))
-            amax = functools.reduce(jnp.maximum, [_block_amax_bits(bits(p), 0) for p in parts])
+            amax = functools.reduce(jnp.maximum, [block_amax_bits(bits(p), 0) for p in parts])
             e = scaling.exponent(amax, fmt)
             scale_smem.at[slot, 0][...] = scaling.stored(e)
             for part in parts:
-                data_smem.at[slot, part][...] = _encode(bits(part), e, 0, layout, fmt, arithmetic)
+                data_smem.at[slot, part][...] = encode_blocks(
+                    bits(part), e, 0, layout, fmt, arithmetic
+                )
 
         def store(t, slot):
             row, rows, cols = window(t)

@@ -54,16 +54,16 @@ from jaxmoe.ops.pallas.gmm_common import swizzled
 from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
 from jaxmoe.ops.pallas.quantize_hopper import (
     FP8_BLOCKWISE,
-    _block_amax_bits,
-    _check,
-    _encode,
-    _problem,
-    _rowwise_layout,
+    block_amax_bits,
+    check_kernel_call,
     default_arithmetic,
+    encode_blocks,
+    kernel_problem,
+    rowwise_layout,
 )
 from jaxmoe.ops.pallas.row_pipeline import num_ctas, pipeline
 
-_LAYOUT = _rowwise_layout(jnp.float32, BLOCK)  # a row a warp, 4 consecutive elements a lane
+_LAYOUT = rowwise_layout(jnp.float32, BLOCK)  # a row a warp, 4 consecutive elements a lane
 _PART = 32  # tile rows in registers at a time
 _PARTS = [pl.ds(p * _PART, _PART) for p in range(BLOCK // _PART)]
 _WGMMA_M = 64  # rows of a Hopper wgmma instruction
@@ -87,7 +87,7 @@ def weights_problem(shape, dtype) -> str | None:
             "FP8 blockwise 128x128 quantize kernel: needs a [G, K, N] array with G > 0, got "
             f"{tuple(shape)}"
         )
-    return _problem(
+    return kernel_problem(
         "128x128",
         shape[1:],
         dtype,
@@ -99,7 +99,7 @@ def weights_problem(shape, dtype) -> str | None:
 def transpose_problem(shape, dtype) -> str | None:
     """Why `quantize_1x128_with_transpose_pallas` and `quantize_1x128_transposed_pallas` cannot
     take x of this shape/dtype (None: they can)."""
-    return _problem(
+    return kernel_problem(
         "1x128 transpose",
         shape,
         dtype,
@@ -114,7 +114,7 @@ def quantize_128x128_pallas(w: jax.Array, fmt: str = "e4m3", *, arithmetic=None,
     bits and its data with the last two axes swapped (the K-major copy the fprop GEMM reads),
     both from one read of w."""
     arithmetic = arithmetic or default_arithmetic()
-    _check(weights_problem(w.shape, w.dtype), fmt, arithmetic)
+    check_kernel_call(weights_problem(w.shape, w.dtype), fmt, arithmetic)
     g, k, n = w.shape
     kernel = _weights_kernel(g, k, n, jnp.dtype(w.dtype), fmt, arithmetic, interpret)
     data, scale_inv, data_t = kernel(w.reshape(g * k, n))
@@ -151,7 +151,7 @@ def quantize_1x128_transposed_pallas(
 
 def _quantize_1x128_transpose(x, fmt, arithmetic, interpret, rowwise):
     arithmetic = arithmetic or default_arithmetic()
-    _check(transpose_problem(x.shape, x.dtype), fmt, arithmetic)
+    check_kernel_call(transpose_problem(x.shape, x.dtype), fmt, arithmetic)
     m, k = x.shape
     return _activations_kernel(m, k, jnp.dtype(x.dtype), fmt, arithmetic, interpret, rowwise)(x)
 
@@ -265,7 +265,7 @@ def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, interpret):
             scale_smem[slot] = FP8_BLOCKWISE.stored(e)
             e_columns = lax.broadcast_in_dim(e, (BLOCK,), ())  # as if a block a column
             for part in _PARTS:
-                encoded = _encode(_load_bits(x, part), e_columns, 0, _LAYOUT, fmt, arithmetic)
+                encoded = encode_blocks(_load_bits(x, part), e_columns, 0, _LAYOUT, fmt, arithmetic)
                 data_smem.at[slot, part][...] = encoded
                 c_smem.at[part][...] = _as_bytes(encoded)
             _store_transposed(identity, c_smem, t_smem.at[slot])
@@ -344,15 +344,15 @@ def _activations_kernel(m, k, dtype, fmt_name, arithmetic, interpret, rowwise):
                 bits = _load_bits(x, part)
                 maxima = _column_maxima(maxima, bits)
                 if rowwise:
-                    e = FP8_BLOCKWISE.exponent(_block_amax_bits(bits, 1), fmt)
+                    e = FP8_BLOCKWISE.exponent(block_amax_bits(bits, 1), fmt)
                     row_scales = rowwise_smem["row_scale_smem"].at[slot, 0, part]
                     row_scales[...] = FP8_BLOCKWISE.stored(e)
-                    encoded = _encode(bits, e, 1, _LAYOUT, fmt, arithmetic)
+                    encoded = encode_blocks(bits, e, 1, _LAYOUT, fmt, arithmetic)
                     rowwise_smem["data_smem"].at[slot, part][...] = encoded
             e = FP8_BLOCKWISE.exponent(jnp.max(maxima, axis=0), fmt)
             column_scale_smem.at[slot, 0][...] = FP8_BLOCKWISE.stored(e)
             for part in _PARTS:
-                encoded = _encode(_load_bits(x, part), e, 0, _LAYOUT, fmt, arithmetic)
+                encoded = encode_blocks(_load_bits(x, part), e, 0, _LAYOUT, fmt, arithmetic)
                 c_smem.at[part][...] = _as_bytes(encoded)
             _store_transposed(identity, c_smem, t_smem.at[slot])
 
