@@ -215,6 +215,20 @@ def _as_bytes(encoded):
     return lax.bitcast_convert_type(encoded, jnp.int8)
 
 
+def _tile_fetch(x_gmem, x_smem, input_window):
+    """The pipeline's loads: tile t is x_gmem's (rows, columns) = input_window(t), one TMA."""
+
+    def fetch(t):
+        rows, columns = input_window(t)
+
+        def issue(slot, barrier):
+            plgpu.copy_gmem_to_smem(x_gmem.at[rows, columns], x_smem.at[slot], barrier)
+
+        return issue
+
+    return fetch
+
+
 @functools.cache
 def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, interpret):
     """Kernel of `quantize_128x128_pallas` on w viewed as [G * K, N]: tile t is block row
@@ -248,13 +262,7 @@ def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, interpret):
     ):
         identity = _identity_halves()
 
-        def fetch(t):
-            rows, columns, _, _ = window(t)
-
-            def issue(slot, barrier):
-                plgpu.copy_gmem_to_smem(x_gmem.at[rows, columns], x_smem.at[slot], barrier)
-
-            return issue
+        fetch = _tile_fetch(x_gmem, x_smem, lambda t: window(t)[:2])
 
         def compute(slot):
             x = x_smem.at[slot]
@@ -329,13 +337,7 @@ def _activations_kernel(m, k, dtype, fmt_name, arithmetic, interpret, rowwise):
         *rowwise_gmem, data_t_gmem, column_scale_gmem = outputs
         identity = _identity_halves()
 
-        def fetch(t):
-            _, _, rows, columns = window(t)
-
-            def issue(slot, barrier):
-                plgpu.copy_gmem_to_smem(x_gmem.at[rows, columns], x_smem.at[slot], barrier)
-
-            return issue
+        fetch = _tile_fetch(x_gmem, x_smem, lambda t: window(t)[2:])
 
         def compute(slot):
             x = x_smem.at[slot]
