@@ -12,7 +12,11 @@ by every implementation), in one process:
              batch-invariant), jaxmoe_bf16_xla_dense (dense_impl "xla": router and shared
              expert on cuBLAS, not batch-invariant: the difference is the cost of batch
              invariance), jaxmoe_mxfp8 (`LayerShape.with_precision("mxfp8")`) and
-             jaxmoe_fp8_blockwise (`with_precision("fp8_blockwise")`: H and F multiples of 128)
+             jaxmoe_fp8_blockwise (`with_precision("fp8_blockwise")`: H and F multiples of 128);
+             jaxmoe_mxfp8_cached_weights and jaxmoe_fp8_blockwise_cached_weights: the same
+             with the experts' fp8 copies made before the step (`MoE.quantize_expert_weights`,
+             passed as `expert_weights=`): a micro-batch of an optimizer step that shares
+             them, as Transformer Engine caches fp8 weights across micro-batches
   competitors  torch_grouped_mm (`layer_competitors.torch_moe`, autograd), torch_compile (the
              same under torch.compile, default mode, compile time excluded) and jax_ragged_dot
              (`layer_competitors.jax_moe`); bf16. Each is checked against jaxmoe_bf16: relative
@@ -76,12 +80,24 @@ from jaxmoe.shapes import SHAPES, TINY_SHAPES, LayerShape  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 MODES = ("train", "inference")
-# jaxmoe variant: (precision, dense_impl)
+
+
+class Variant(NamedTuple):
+    """A jaxmoe implementation: its precision (`LayerShape.with_precision`), dense_impl, and
+    whether the step takes the experts' quantized copies made beforehand (`cached_weights`)."""
+
+    precision: str
+    dense_impl: str | None = None
+    cached_weights: bool = False
+
+
 JAXMOE = {
-    "jaxmoe_bf16": ("bf16", None),
-    "jaxmoe_bf16_xla_dense": ("bf16", "xla"),
-    "jaxmoe_mxfp8": ("mxfp8", None),
-    "jaxmoe_fp8_blockwise": ("fp8_blockwise", None),
+    "jaxmoe_bf16": Variant("bf16"),
+    "jaxmoe_bf16_xla_dense": Variant("bf16", "xla"),
+    "jaxmoe_mxfp8": Variant("mxfp8"),
+    "jaxmoe_fp8_blockwise": Variant("fp8_blockwise"),
+    "jaxmoe_mxfp8_cached_weights": Variant("mxfp8", cached_weights=True),
+    "jaxmoe_fp8_blockwise_cached_weights": Variant("fp8_blockwise", cached_weights=True),
 }
 COMPETITORS = ("torch_grouped_mm", "torch_compile", "jax_ragged_dot", "dense_gemms")
 UNCHECKED = ("dense_gemms",)  # no MoE outputs to compare
@@ -125,6 +141,19 @@ def jaxmoe_forward(graphdef, params, rest, x):
     """(y, aux loss, tokens per expert) of the jaxmoe layer."""
     y, aux = nnx.merge(graphdef, params, rest)(x)
     return y, aux.total_loss, aux.tokens_per_expert
+
+
+def jaxmoe_forward_cached_weights(graphdef, params, fixed, x):
+    """`jaxmoe_forward` on the experts' quantized copies made beforehand: fixed = (rest,
+    `MoE.quantize_expert_weights()`)."""
+    rest, copies = fixed
+    y, aux = nnx.merge(graphdef, params, rest)(x, expert_weights=copies)
+    return y, aux.total_loss, aux.tokens_per_expert
+
+
+def jaxmoe_expert_copies(graphdef, params, rest):
+    """The layer's `quantize_expert_weights()`: one optimizer step's fp8 expert copies."""
+    return nnx.merge(graphdef, params, rest).quantize_expert_weights()
 
 
 def jaxmoe_routing(graphdef, params, rest, x):
@@ -339,13 +368,17 @@ class ShapeBench:
         routing, for the competitors' routing check)."""
         shape, params, rest, x, dy = self.shape, self.params, self.rest, self.x, self.dy
         programs = {}
-        for impl, (precision, dense_impl) in JAXMOE.items():
+        for impl, variant in JAXMOE.items():
             if impl not in self.args.impls:
                 continue
-            graphdef = jaxmoe_graphdef(shape.with_precision(precision), dense_impl)
-            train, inference = jax_steps(functools.partial(jaxmoe_forward, graphdef))
-            programs[(impl, "train")] = (train, (params, rest, x, dy))
-            programs[(impl, "inference")] = (inference, (params, rest, x))
+            graphdef = jaxmoe_graphdef(shape.with_precision(variant.precision), variant.dense_impl)
+            forward, fixed = jaxmoe_forward, rest
+            if variant.cached_weights:  # made once here, outside the timed steps
+                copies = jax.jit(functools.partial(jaxmoe_expert_copies, graphdef))
+                forward, fixed = jaxmoe_forward_cached_weights, (rest, copies(params, rest))
+            train, inference = jax_steps(functools.partial(forward, graphdef))
+            programs[(impl, "train")] = (train, (params, fixed, x, dy))
+            programs[(impl, "inference")] = (inference, (params, fixed, x))
         if "jax_ragged_dot" in self.args.impls:
             train, inference = jax_steps(functools.partial(ragged_forward, shape))
             weights, fixed = flat_arrays(params), flat_arrays(rest)
@@ -525,7 +558,7 @@ class ShapeBench:
         )
 
     def _record(self, mode: str, impl: str, **fields) -> None:
-        precision = JAXMOE.get(impl, ("bf16",))[0]
+        precision = JAXMOE[impl].precision if impl in JAXMOE else "bf16"
         self.result["records"].append(
             dict(shape=self.shape.name, mode=mode, impl=impl, precision=precision, **fields)
         )
@@ -602,6 +635,8 @@ LABELS = dict(
             "xla_dense",
             "mxfp8",
             "fp8_block",
+            "mxfp8_cw",
+            "fp8_blk_cw",
             "torch",
             "torch.compile",
             "jax_ragged",

@@ -81,6 +81,23 @@ def test_every_implementation_is_timed(run):
     assert summary["non_gemm_floor_share"] == pytest.approx(share) and 0 < share < 1
 
 
+def test_cached_weights_give_the_same_step(tmp_path):
+    """The step on fp8 expert copies made beforehand (`MoE.quantize_expert_weights`) computes
+    what the step quantizing them itself does: the same deviations from jaxmoe_bf16, to the
+    last bit."""
+    impls = ("jaxmoe_bf16", "jaxmoe_mxfp8", "jaxmoe_mxfp8_cached_weights")
+    layer.main(
+        ["--shapes", "tiny", "--modes", "train", "--impls", ",".join(impls), "--no-profile"]
+        + ["--min-window", "0.01", "--repeats", "1", "--out", str(tmp_path)]
+    )
+    [path] = glob.glob(str(tmp_path / "layer_*[0-9].json"))
+    with open(path) as f:
+        records = {r["impl"]: r for r in json.load(f)["records"]}
+    assert all(records[impl]["ms"] > 0 for impl in impls)
+    errors = [records[impl]["max_rel_error"] for impl in impls[1:]]
+    assert errors[0] > 0 and errors[0] == errors[1]
+
+
 def test_unfused_stage_bytes_count_each_pass_once():
     """qwen3_30b: T = 8192 tokens, H = 2048, F = 768 (GLU: F1 = 1536), top-8: M = 65536 rows."""
     t, h, f, f1, m = 8192, 2048, 768, 1536, 65536
