@@ -423,11 +423,13 @@ def plot(record, shapes, path):
         [
             "jaxmoe_mxfp8",
             "jaxmoe_mxfp8_dequant",
+            "jaxmoe_fp8_blockwise",
             "jaxmoe_bf16",
             "torch_scaled_grouped_mm",
             "torch_grouped_mm",
+            "torch_scaled_mm_dense",
         ],
-        "MXFP8 vs bf16 grouped matmul on one H200",
+        "MXFP8 and FP8 blockwise vs bf16 grouped matmul on one H200",
         path,
     )
 
