@@ -143,25 +143,31 @@ def tgmm_fp8_blockwise(
         raise ValueError(
             f"tgmm_fp8_blockwise: {layout} must be BlockwiseTensors in 1x128 blocks along M"
         )
-    if not tokens_last:
-        lhs, rhs = (BlockwiseTensor(t.data.T, t.scale_inv.T, (1,), t.fmt) for t in (lhs, rhs))
-    (k, m), n = lhs.shape, rhs.shape[0]
+    m, k, n = lhs.shape[token_axis], lhs.shape[1 - token_axis], rhs.shape[1 - token_axis]
     check_group_sizes(group_sizes, None, m, "tgmm_fp8_blockwise", multiple=BLOCK)
     out_dtype = jnp.dtype(preferred_element_type)
     if m % BLOCK:  # whole blocks; the tokens added lie past the groups
-        pad = -(-m // BLOCK) * BLOCK - m
+        pad = [(0, 0), (0, 0)]
+        pad[token_axis] = (0, -(-m // BLOCK) * BLOCK - m)
         lhs, rhs = (
-            BlockwiseTensor(jnp.pad(t.data, ((0, 0), (0, pad))), t.scale_inv, (1,), t.fmt)
+            BlockwiseTensor(jnp.pad(t.data, pad), t.scale_inv, t.block_axes, t.fmt)
             for t in (lhs, rhs)
         )
     if registry.resolve("tgmm_fp8_blockwise", impl, k, n) == "xla":
-        lhs, rhs = (BlockwiseTensor(t.data.T, t.scale_inv.T, (0,), t.fmt) for t in (lhs, rhs))
+        if tokens_last:  # the reference takes the tokens first
+            lhs, rhs = (BlockwiseTensor(t.data.T, t.scale_inv.T, (0,), t.fmt) for t in (lhs, rhs))
         return tgmm_reference(lhs, rhs, group_sizes).astype(out_dtype)
+    # The kernel reads the data K-major (tokens last) and the scales tokens first.
+    if tokens_last:
+        operands = [(t.data, t.scale_inv.T) for t in (lhs, rhs)]
+    else:
+        operands = [(t.data.T, t.scale_inv) for t in (lhs, rhs)]
+    (lhs_data, lhs_scale), (rhs_data, rhs_scale) = operands
     return tgmm_fp8_blockwise_hopper.tgmm_fp8_blockwise_pallas(
-        lhs.data,
-        lhs.scale_inv.T,
-        rhs.data,
-        rhs.scale_inv.T,
+        lhs_data,
+        lhs_scale,
+        rhs_data,
+        rhs_scale,
         group_sizes,
         out_dtype=out_dtype,
         config=config,
