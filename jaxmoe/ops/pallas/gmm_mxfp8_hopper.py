@@ -196,53 +196,76 @@ def _multiply_scaled_tile(tile: TileContext, scale_block: int):
     """Per K step and scale block: an fp8 wgmma into a fresh accumulator, then
     acc += block product * (row scale * column scale), one fp32 rounding per block, in
     ascending K order (with power-of-two scales the scaling itself is exact). The scales are
-    read from GMEM (L2) straight into registers, issued before the block's wgmma so that their
-    latency passes while it runs (the fold waits for both). FP8 blockwise: the warpgroup's
-    columns share one weight scale, so the two scales' product is per row."""
+    read from GMEM (L2) straight into registers. MXFP8: issued before the block's wgmma so that
+    their latency passes while it runs (the fold waits for both). FP8 blockwise: the
+    warpgroup's columns share one weight scale, so the two scales' product is per row, and a
+    step's scales (a few registers) are loaded one K step ahead and carried: their latency
+    passes over a whole step instead of stalling the fold."""
     lhs_scale_gmem, rhs_scale_gmem = tile.inputs
     row_scales = lhs_scale_gmem.at[:, tile.rows]
     columns = column_block(scale_block)
-    if columns == 1:
-        column_scales = rhs_scale_gmem.at[tile.group, :, tile.columns]
-    else:  # one weight block, so one scale, spans this warpgroup's columns
-        weight_block = (tile.columns.start + tile.wg_columns.start) // columns
-        weight_scales = rhs_scale_gmem.at[tile.group, :, weight_block]
-
     blocks_per_step = tile.config.tile_k // scale_block
 
-    def mma(step, lhs_smem, rhs_smem, acc):
-        a, b = tile.operands(lhs_smem, rhs_smem)
-        for block in range(blocks_per_step):
-            ks = pl.ds(block * scale_block, scale_block)
-            kb = step[0] * blocks_per_step + block
-            row_scale = plgpu.load(
-                row_scales.at[kb, tile.wg_rows],
-                layout=plgpu.Layout.WGMMA.reduce(1),
-                optimized=False,
-            )
-            if columns == 1:
+    def load_row_scale(kb):
+        return plgpu.load(
+            row_scales.at[kb, tile.wg_rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False
+        )
+
+    def block_product(a, b, ks):
+        def product(part_ref):
+            plgpu.wgmma(part_ref, a.at[:, ks], b.at[ks, :])
+            plgpu.wgmma_wait(0)
+            return part_ref[...]
+
+        return pl.run_scoped(product, plgpu.ACC(tile.acc_shape))
+
+    if columns == 1:
+        column_scales = rhs_scale_gmem.at[tile.group, :, tile.columns]
+
+        def mma(step, lhs_smem, rhs_smem, acc):
+            a, b = tile.operands(lhs_smem, rhs_smem)
+            for block in range(blocks_per_step):
+                ks = pl.ds(block * scale_block, scale_block)
+                kb = step[0] * blocks_per_step + block
+                row_scale = load_row_scale(kb)
                 col_scale = plgpu.load(
                     column_scales.at[kb, tile.wg_columns],
                     layout=plgpu.Layout.WGMMA.reduce(0),
                     optimized=False,
                 )
-                scales = lambda: row_scale[:, None] * col_scale[None, :]
-            else:
-                row_scale = row_scale * weight_scales[kb]  # the same products, per row
-                scales = lambda: row_scale[:, None]
+                part = block_product(a, b, ks)
+                acc = acc + part * (row_scale[:, None] * col_scale[None, :])
+            return acc
 
-            def block_product(part_ref):
-                plgpu.wgmma(part_ref, a.at[:, ks], b.at[ks, :])
-                plgpu.wgmma_wait(0)
-                return part_ref[...]
+        tile.run_pipeline(
+            mma, lambda eval_pipeline: tile.store(eval_pipeline(zero_accumulator(*tile.acc_shape)))
+        )
+        return
 
-            part = pl.run_scoped(block_product, plgpu.ACC(tile.acc_shape))
-            acc = acc + part * scales()  # formed after the wgmma: fewer live registers
-        return acc
+    # one weight block, so one scale, spans this warpgroup's columns
+    weight_block = (tile.columns.start + tile.wg_columns.start) // columns
+    weight_scales = rhs_scale_gmem.at[tile.group, :, weight_block]
+    last_step = row_scales.shape[0] // blocks_per_step - 1
 
-    tile.run_pipeline(
-        mma, lambda eval_pipeline: tile.store(eval_pipeline(zero_accumulator(*tile.acc_shape)))
-    )
+    def step_scales(k_step):
+        """K step k_step's (row scales, weight scale) per block, as loads in flight."""
+        blocks = [k_step * blocks_per_step + block for block in range(blocks_per_step)]
+        return tuple((load_row_scale(kb), weight_scales[kb]) for kb in blocks)
+
+    def mma(step, lhs_smem, rhs_smem, carry):
+        acc, scales = carry
+        upcoming = step_scales(jnp.minimum(step[0] + 1, last_step))
+        a, b = tile.operands(lhs_smem, rhs_smem)
+        for block, (row_scale, weight_scale) in enumerate(scales):
+            part = block_product(a, b, pl.ds(block * scale_block, scale_block))
+            acc = acc + part * (row_scale * weight_scale)[:, None]  # the same products, per row
+        return acc, upcoming
+
+    def compute(eval_pipeline):
+        acc, _ = eval_pipeline((zero_accumulator(*tile.acc_shape), step_scales(0)))
+        tile.store(acc)
+
+    tile.run_pipeline(mma, compute)
 
 
 # Module-level tile functions (they key gmm_common's kernel cache), by scale block.
