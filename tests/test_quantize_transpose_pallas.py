@@ -20,6 +20,7 @@ from jaxmoe.ops import (
 from jaxmoe.ops.device import num_sms
 from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
 from jaxmoe.ops.pallas.quantize_transpose_hopper import (
+    TransposeQuantizeConfig,
     quantize_1x128_transposed_pallas,
     quantize_1x128_with_transpose_pallas,
     quantize_128x128_pallas,
@@ -30,6 +31,17 @@ from quantize_inputs import normal_range, tensor
 
 BLOCK = fp8_blockwise.BLOCK
 KINDS = ["weights", "with_transpose", "transposed"]
+# The activations kernels' alternatives to the default `TransposeQuantizeConfig` (which every
+# other test runs): each field away from its default at least once, two CTAs with one slot
+# and with a split ring (2 input slots, 1 output slot).
+VARIANTS = {
+    "in_place": TransposeQuantizeConfig(transpose="in_place"),
+    "registers": TransposeQuantizeConfig(column_source="registers"),
+    "two_ctas": TransposeQuantizeConfig(ctas_per_sm=2, transpose="in_place"),
+    "split_ring": TransposeQuantizeConfig(
+        ctas_per_sm=2, slots=2, output_slots=1, transpose="in_place", column_source="registers"
+    ),
+}
 
 
 def special_blocks(kind, x):
@@ -49,9 +61,9 @@ def special_blocks(kind, x):
     )
 
 
-def check_kernel(kind, x, fmt, arithmetic):
-    """Run one kernel on x and compare every output bit for bit with the reference, computed
-    on the host CPU."""
+def check_kernel(kind, x, fmt, arithmetic, config=None):
+    """Run one kernel on x (an activations kernel under `config`) and compare every output bit
+    for bit with the reference, computed on the host CPU."""
     host_x = np.asarray(x)
     with jax.default_device(jax.devices("cpu")[0]):
         if kind == "weights":
@@ -68,7 +80,7 @@ def check_kernel(kind, x, fmt, arithmetic):
         "with_transpose": quantize_1x128_with_transpose_pallas,
         "transposed": quantize_1x128_transposed_pallas,
     }[kind]
-    got = kernel(x, fmt, arithmetic=arithmetic)
+    got = kernel(x, fmt, arithmetic=arithmetic, **({} if config is None else dict(config=config)))
     for ours, theirs in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert_bitwise(np.asarray(ours), np.asarray(theirs))
 
@@ -106,6 +118,41 @@ def test_long_pipelines_reuse_every_slot(interpret, kind):
     tiles = 4 * num_sms() + 3
     shape = shape_of(kind, (2, -(-tiles // 2)))
     check_kernel(kind, tensor(shape, jnp.bfloat16, seed=12), "e4m3", "exact")
+
+
+@pytest.mark.parametrize(
+    "kind, variant",
+    [("with_transpose", name) for name in VARIANTS] + [("transposed", "split_ring")],
+)
+def test_variants_equal_the_reference_bitwise(interpret, kind, variant):
+    """Each config, specials included, over 3 tiles more than the interpreter's CTAs hold at
+    3 each: every input and output slot is reused, the split ring's at different steps."""
+    tiles = 3 * VARIANTS[variant].ctas_per_sm * num_sms() + 3
+    x = special_blocks(kind, tensor(shape_of(kind, (3, -(-tiles // 3))), jnp.bfloat16, seed=8))
+    check_kernel(kind, x, "e4m3", "exact", VARIANTS[variant])
+
+
+def test_configs_are_checked():
+    """Bad fields and rings that do not fit a CTA's shared memory raise clearly."""
+    for fields, match in [
+        (dict(ctas_per_sm=3), "ctas_per_sm must be one of"),
+        (dict(transpose="smem"), "transpose must be one of"),
+        (dict(column_source="l2"), "column_source must be one of"),
+        (dict(slots=0), "slots must be a positive int"),
+        (dict(output_slots=1.5), "output_slots must be a positive int"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            TransposeQuantizeConfig(**fields)
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    for config in [
+        TransposeQuantizeConfig(ctas_per_sm=2),  # fp32, two copies and C: no slot fits
+        TransposeQuantizeConfig(ctas_per_sm=2, slots=2, output_slots=1, transpose="in_place"),
+    ]:
+        with pytest.raises(ValueError, match="more than a CTA's 115712"):
+            kernel = functools.partial(quantize_1x128_with_transpose_pallas, config=config)
+            jax.eval_shape(kernel, x)
+    assert TransposeQuantizeConfig(output_slots=2).ring(32768, 16896, 19456) == (4, 2)
+    assert TransposeQuantizeConfig(ctas_per_sm=2).ring(32768, 33792, 3072) == (1, 1)
 
 
 def test_ops_return_the_references_blockwise_tensors(interpret):
@@ -177,6 +224,19 @@ def test_lowering_at_real_shapes(dtype, arithmetic):
             jax.jit(fn).trace(s(shape, dtype)).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variants_lower_at_real_shapes(variant):
+    """Each config of the activations kernels lowers for sm_90a at mixtral's activations and
+    fc1's output gradient (bf16), within its CTA's share of the SM's shared memory."""
+    config = VARIANTS[variant]
+    with artificial_shared_memory_limit(config.smem_budget):
+        for shape in [(16384, 4096), (16384, 2 * 14336)]:
+            for kernel in (quantize_1x128_with_transpose_pallas, quantize_1x128_transposed_pallas):
+                fn = functools.partial(kernel, arithmetic="float", config=config)
+                x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+                jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",))
+
+
 GPU_SHAPES = {
     "weights": (8, 1024, 2048),
     "with_transpose": (4096, 2048),
@@ -194,3 +254,12 @@ def test_gpu_kernels_equal_the_reference_bitwise(arithmetic):
             for kind, shape in GPU_SHAPES.items():
                 x = special_blocks(kind, tensor(shape, dtype, seed=3))
                 check_kernel(kind, x, fmt, arithmetic)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gpu_variants_equal_the_reference_bitwise(variant):
+    """Each config of the activations kernels on the H200 (bf16, the GPU's float arithmetic)."""
+    for kind in ("with_transpose", "transposed"):
+        x = special_blocks(kind, tensor(GPU_SHAPES[kind], jnp.bfloat16, seed=4))
+        check_kernel(kind, x, "e4m3", "float", VARIANTS[variant])

@@ -40,6 +40,7 @@ them back lets XLA cancel the two transposes); a weight tile's one scale is stor
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -51,7 +52,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxmoe.fp8_blockwise import BLOCK
 from jaxmoe.mxfp8 import FORMATS, FP32_ABS_MASK, FP32_INF_BITS, float32_bits
 from jaxmoe.ops.pallas.gmm_common import swizzled
-from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
+from jaxmoe.ops.pallas.hopper import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from jaxmoe.ops.pallas.quantize_hopper import (
     FP8_BLOCKWISE,
     block_amax_bits,
@@ -61,7 +62,7 @@ from jaxmoe.ops.pallas.quantize_hopper import (
     kernel_problem,
     rowwise_layout,
 )
-from jaxmoe.ops.pallas.row_pipeline import num_ctas, pipeline
+from jaxmoe.ops.pallas.row_pipeline import num_ctas, pipeline, split_pipeline
 
 _LAYOUT = rowwise_layout(jnp.float32, BLOCK)  # a row a warp, 4 consecutive elements a lane
 _PART = 32  # tile rows in registers at a time
@@ -78,6 +79,77 @@ _COMPILER_PARAMS = plgpu.CompilerParams(
 )
 _MAX_STAGES = 4
 _SMEM_SLACK = 1024  # barriers and the alignment of the allocations
+TRANSPOSES = ("separate", "in_place")
+COLUMN_SOURCES = ("smem", "registers")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransposeQuantizeConfig:
+    """How the activations' transposing kernels (`quantize_1x128_with_transpose_pallas`,
+    `quantize_1x128_transposed_pallas`) run; their bits never depend on it. The default is the
+    kernel as first measured (one CTA an SM, the byte tile C in its own buffer, the column
+    encode re-reading the tile from SMEM); docs/kernels.md describes each alternative.
+
+    ctas_per_sm    1 or 2 persistent CTAs of one warpgroup an SM. Two share the SM's shared
+                   memory (113 KB each) and its registers (255 a thread is still the most one
+                   thread can have, so registers never keep the second CTA out).
+    slots          input ring slots (tiles loading while one computes); None: as many as fit
+                   next to the output slots, at most 4.
+    output_slots   buffers for the outputs of a tile (stored by TMA while the next tiles
+                   compute); None: as many as `slots` (both None: equal, as many as fit).
+    transpose      "separate": the encoded bytes C have a buffer of their own; "in_place": C
+                   is written into the transposed output slot, both wgmma halves read it into
+                   registers, then D overwrites it (16 KB less SMEM a CTA).
+    column_source  "smem": the column encode loads the tile from SMEM again; "registers": the
+                   tile's four 32-row parts stay in registers from the first pass.
+    """
+
+    ctas_per_sm: int = 1
+    slots: int | None = None
+    output_slots: int | None = None
+    transpose: str = "separate"
+    column_source: str = "smem"
+
+    def __post_init__(self):
+        choices = dict(ctas_per_sm=(1, 2), transpose=TRANSPOSES, column_source=COLUMN_SOURCES)
+        for field, allowed in choices.items():
+            if getattr(self, field) not in allowed:
+                raise ValueError(
+                    f"TransposeQuantizeConfig.{field} must be one of {allowed}, got "
+                    f"{getattr(self, field)!r}"
+                )
+        for field in ("slots", "output_slots"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(
+                    f"TransposeQuantizeConfig.{field} must be a positive int or None, got {value!r}"
+                )
+
+    @property
+    def smem_budget(self) -> int:
+        """Bytes of shared memory one CTA may allocate."""
+        return SMEM_PER_SM // self.ctas_per_sm - SMEM_RESERVED_PER_CTA
+
+    def ring(self, input_bytes: int, output_bytes: int, fixed_bytes: int) -> tuple[int, int]:
+        """(slots, output_slots) for slots of `input_bytes`, output slots of `output_bytes` and
+        `fixed_bytes` more; ValueError where they do not fit `smem_budget`."""
+        free = self.smem_budget - fixed_bytes
+        slots, outputs = self.slots, self.output_slots
+        if slots is None and outputs is None:
+            slots = outputs = min(_MAX_STAGES, free // (input_bytes + output_bytes))
+        elif slots is None:
+            slots = min(_MAX_STAGES, (free - outputs * output_bytes) // input_bytes)
+        elif outputs is None:
+            outputs = slots
+        need = fixed_bytes + max(slots, 1) * input_bytes + max(outputs, 1) * output_bytes
+        if slots < 1 or outputs < 1 or need > self.smem_budget:
+            raise ValueError(
+                f"{self}: {max(slots, 1)} input slots of {input_bytes} bytes and "
+                f"{max(outputs, 1)} output slots of {output_bytes} (+{fixed_bytes}) need "
+                f"{need} bytes of shared memory, more than a CTA's {self.smem_budget} at "
+                f"{self.ctas_per_sm} CTA(s) an SM"
+            )
+        return slots, outputs
 
 
 def weights_problem(shape, dtype) -> str | None:
@@ -121,57 +193,80 @@ def quantize_128x128_pallas(w: jax.Array, fmt: str = "e4m3", *, arithmetic=None,
     return (
         data.reshape(g, k, n),
         scale_inv.reshape(g, k // BLOCK, n // BLOCK),
-        data_t.reshape(g, n, k),
+        _as_format(data_t, fmt).reshape(g, n, k),
     )
 
 
 def quantize_1x128_with_transpose_pallas(
-    x: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None
+    x: jax.Array,
+    fmt: str = "e4m3",
+    *,
+    arithmetic=None,
+    config: TransposeQuantizeConfig | None = None,
+    interpret=None,
 ):
     """((data [M, K], scale_inv [M, K/128]), (data_t [K, M], scale_inv_t [K, M/128])) of
     x [M, K] (bf16/fp32; M, K multiples of 128), from one read of x: the bits of
     `jaxmoe.fp8_blockwise.quantize_1x128(x, 1)` (the GEMM copy, blocks along K) and of
     `quantize_1x128(x.T, 1)` (blocks along M: `quantize_1x128(x, 0)` transposed, the K-major
-    copy the weight gradient reads)."""
+    copy the weight gradient reads). `config`: how the kernel runs (None: the default
+    `TransposeQuantizeConfig`); the bits are the same under every one."""
     data, scale_row, data_t, scale_column = _quantize_1x128_transpose(
-        x, fmt, arithmetic, interpret, rowwise=True
+        x, fmt, arithmetic, config, interpret, rowwise=True
     )
     return (data, scale_row.T), (data_t, scale_column.T)
 
 
 def quantize_1x128_transposed_pallas(
-    x: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None
+    x: jax.Array,
+    fmt: str = "e4m3",
+    *,
+    arithmetic=None,
+    config: TransposeQuantizeConfig | None = None,
+    interpret=None,
 ):
     """(data_t [K, M], scale_inv_t [K, M/128]) of x [M, K] (bf16/fp32; M, K multiples of 128):
     `jaxmoe.fp8_blockwise.quantize_1x128(x.T, 1)`'s bits, the transposed copy of
-    `quantize_1x128_with_transpose_pallas` alone."""
-    data_t, scale_column = _quantize_1x128_transpose(x, fmt, arithmetic, interpret, rowwise=False)
+    `quantize_1x128_with_transpose_pallas` alone (`config` as there)."""
+    data_t, scale_column = _quantize_1x128_transpose(
+        x, fmt, arithmetic, config, interpret, rowwise=False
+    )
     return data_t, scale_column.T
 
 
-def _quantize_1x128_transpose(x, fmt, arithmetic, interpret, rowwise):
+def _quantize_1x128_transpose(x, fmt, arithmetic, config, interpret, rowwise):
     arithmetic = arithmetic or default_arithmetic()
     check_kernel_call(transpose_problem(x.shape, x.dtype), fmt, arithmetic)
     m, k = x.shape
-    return _activations_kernel(m, k, jnp.dtype(x.dtype), fmt, arithmetic, interpret, rowwise)(x)
+    config = config or TransposeQuantizeConfig()
+    kernel = _activations_kernel(
+        m, k, jnp.dtype(x.dtype), fmt, arithmetic, config, interpret, rowwise
+    )
+    *outputs, data_t, scale_column = kernel(x)
+    return *outputs, _as_format(data_t, fmt), scale_column
 
 
-def _ring(dtype, fmt, output_bytes):
-    """(stages, SMEM scratch) of a kernel whose ring slots hold an input tile, its transposed
-    fp8 tile and `output_bytes` more: as many slots as fit one CTA next to the byte tile C and
-    the reduction scratch."""
+def _as_format(data, fmt):
+    """The kernels' int8 bytes as the format's fp8 (a bitcast)."""
+    return lax.bitcast_convert_type(data, FORMATS[fmt].dtype)
+
+
+def _ring(dtype, output_bytes, config):
+    """(slots, output slots, SMEM scratch) of a kernel whose input slots hold a tile and whose
+    output slots its transposed bytes and `output_bytes` more (`config.ring`), next to the
+    reduction scratch and, unless the transpose is in place, the byte tile C."""
     tile = BLOCK * BLOCK
-    fixed = tile + _REDUCTION_SCRATCH + _SMEM_SLACK
-    stages = min(
-        _MAX_STAGES, (MAX_SMEM_PER_CTA - fixed) // (tile * (dtype.itemsize + 1) + output_bytes)
+    separate = config.transpose == "separate"
+    fixed = separate * tile + _REDUCTION_SCRATCH + _SMEM_SLACK
+    slots, outputs = config.ring(tile * dtype.itemsize, tile + output_bytes, fixed)
+    scratch = dict(
+        x_smem=plgpu.SMEM((slots, BLOCK, BLOCK), dtype),
+        t_smem=plgpu.SMEM((outputs, BLOCK, BLOCK), jnp.int8, transforms=_BYTE_TILE),
+        loaded=plgpu.Barrier(num_barriers=slots),
     )
-    slots = (stages, BLOCK, BLOCK)
-    return stages, dict(
-        x_smem=plgpu.SMEM(slots, dtype),
-        t_smem=plgpu.SMEM(slots, fmt.dtype, transforms=_BYTE_TILE),
-        c_smem=plgpu.SMEM((BLOCK, BLOCK), jnp.int8, transforms=_BYTE_TILE),
-        loaded=plgpu.Barrier(num_barriers=stages),
-    )
+    if separate:
+        scratch["c_smem"] = plgpu.SMEM((BLOCK, BLOCK), jnp.int8, transforms=_BYTE_TILE)
+    return slots, outputs, scratch
 
 
 def _identity_halves():
@@ -184,10 +279,12 @@ def _identity_halves():
     return [(rows + h * _WGMMA_M == columns).astype(jnp.int8) for h in range(len(_HALVES))]
 
 
-def _store_transposed(identity, c_smem, t_smem):
-    """t_smem (fp8) = C^T for the byte tile C just written to c_smem (int8): D = I @ C^T on
-    the tensor core (module docstring), 64 rows at a time."""
+def _store_transposed(identity, c_smem, t_smem, in_place=False):
+    """t_smem = C^T for the byte tile C just written to c_smem (int8 both): D = I @ C^T on
+    the tensor core (module docstring), 64 rows at a time. `in_place` (c_smem is t_smem): each
+    half's D waits in registers until both halves have read C."""
     plgpu.commit_smem()  # C's stores, visible to the wgmma
+    held = []
     for a, rows in zip(identity, _HALVES):
 
         def product(acc):
@@ -195,8 +292,15 @@ def _store_transposed(identity, c_smem, t_smem):
             plgpu.wgmma_wait(0)
             return acc[...]
 
-        d = pl.run_scoped(product, plgpu.ACC((_WGMMA_M, BLOCK), jnp.int32))
-        t_smem.at[rows][...] = lax.bitcast_convert_type(d.astype(jnp.int8), t_smem.dtype)
+        d = pl.run_scoped(product, plgpu.ACC((_WGMMA_M, BLOCK), jnp.int32)).astype(jnp.int8)
+        if in_place:
+            held.append((rows, d))
+        else:
+            t_smem.at[rows][...] = d
+    if in_place:
+        plgpu.commit_smem()  # every warp's wgmma has read C before D overwrites it
+        for rows, d in held:
+            t_smem.at[rows][...] = d
 
 
 def _load_bits(x_smem, part):
@@ -239,7 +343,7 @@ def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, interpret):
     column_tiles = n // BLOCK
     num_tiles = g * k // BLOCK * column_tiles
     ctas = num_ctas(num_tiles, 1)
-    stages, scratch = _ring(dtype, fmt, BLOCK * BLOCK + 4)
+    stages, _, scratch = _ring(dtype, BLOCK * BLOCK + 4, TransposeQuantizeConfig())
 
     def window(t):
         row, nb = t // column_tiles, t % column_tiles
@@ -296,7 +400,7 @@ def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, interpret):
         out_type=(
             jax.ShapeDtypeStruct((g * k, n), fmt.dtype),
             jax.ShapeDtypeStruct((num_tiles,), jnp.float32),
-            jax.ShapeDtypeStruct((g * n, k), fmt.dtype),
+            jax.ShapeDtypeStruct((g * n, k), jnp.int8),
         ),
         grid=(ctas,),
         grid_names=("cta",),
@@ -311,80 +415,89 @@ def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, interpret):
 
 
 @functools.cache
-def _activations_kernel(m, k, dtype, fmt_name, arithmetic, interpret, rowwise):
-    """Kernel of the 1 x 128 transposing quantize of x [M, K]: tile t is block row
-    rb = t // (K/128), block column kb = t % (K/128). Outputs: with `rowwise`, data [M, K] and
-    its scales [K/128, M]; then data_t [K, M] and its scales [M/128, K]."""
+def _activations_kernel(m, k, dtype, fmt_name, arithmetic, config, interpret, rowwise):
+    """Kernel of the 1 x 128 transposing quantize of x [M, K] under `config`: tile t is block
+    row rb = t // (K/128), block column kb = t % (K/128). Outputs: with `rowwise`, data [M, K]
+    and its scales [K/128, M]; then data_t [K, M] (int8) and its scales [M/128, K]."""
     fmt = FORMATS[fmt_name]
     column_tiles = k // BLOCK
     num_tiles = m // BLOCK * column_tiles
-    ctas = num_ctas(num_tiles, 1)
+    ctas = num_ctas(num_tiles, config.ctas_per_sm)
     scale_row = BLOCK * 4  # a tile's 128 fp32 scales of one copy
-    stages, scratch = _ring(dtype, fmt, (BLOCK * BLOCK + 2 * scale_row) if rowwise else scale_row)
-    scale_slots = plgpu.SMEM((stages, 1, BLOCK), jnp.float32)
+    slots, output_slots, scratch = _ring(
+        dtype, (BLOCK * BLOCK + 2 * scale_row) if rowwise else scale_row, config
+    )
+    scale_slots = plgpu.SMEM((output_slots, 1, BLOCK), jnp.float32)
     scratch["column_scale_smem"] = scale_slots
     if rowwise:
-        scratch["data_smem"] = plgpu.SMEM((stages, BLOCK, BLOCK), fmt.dtype)
+        scratch["data_smem"] = plgpu.SMEM((output_slots, BLOCK, BLOCK), fmt.dtype)
         scratch["row_scale_smem"] = scale_slots
+    in_place = config.transpose == "in_place"
 
     def window(t):
         rb, kb = t // column_tiles, t % column_tiles
         return rb, kb, pl.ds(rb * BLOCK, BLOCK), pl.ds(kb * BLOCK, BLOCK)
 
     def quantize_1x128_transpose(
-        x_gmem, *outputs, x_smem, t_smem, c_smem, loaded, column_scale_smem, **rowwise_smem
+        x_gmem, *outputs, x_smem, t_smem, loaded, column_scale_smem, **more_smem
     ):
         *rowwise_gmem, data_t_gmem, column_scale_gmem = outputs
         identity = _identity_halves()
 
         fetch = _tile_fetch(x_gmem, x_smem, lambda t: window(t)[2:])
 
-        def compute(slot):
+        def compute(slot, out):
             x = x_smem.at[slot]
+            if config.column_source == "registers":  # as loaded: bf16 takes half the registers
+                held = [plgpu.load(x.at[part], layout=_LAYOUT) for part in _PARTS]
+                part_bits = lambda i: float32_bits(held[i])
+            else:
+                part_bits = lambda i: _load_bits(x, _PARTS[i])
             maxima = None
-            for part in _PARTS:
-                bits = _load_bits(x, part)
+            for i, part in enumerate(_PARTS):
+                bits = part_bits(i)
                 maxima = _column_maxima(maxima, bits)
                 if rowwise:
                     e = FP8_BLOCKWISE.exponent(block_amax_bits(bits, 1), fmt)
-                    row_scales = rowwise_smem["row_scale_smem"].at[slot, 0, part]
+                    row_scales = more_smem["row_scale_smem"].at[out, 0, part]
                     row_scales[...] = FP8_BLOCKWISE.stored(e)
                     encoded = encode_blocks(bits, e, 1, _LAYOUT, fmt, arithmetic)
-                    rowwise_smem["data_smem"].at[slot, part][...] = encoded
+                    more_smem["data_smem"].at[out, part][...] = encoded
             e = FP8_BLOCKWISE.exponent(jnp.max(maxima, axis=0), fmt)
-            column_scale_smem.at[slot, 0][...] = FP8_BLOCKWISE.stored(e)
-            for part in _PARTS:
-                encoded = encode_blocks(_load_bits(x, part), e, 0, _LAYOUT, fmt, arithmetic)
+            column_scale_smem.at[out, 0][...] = FP8_BLOCKWISE.stored(e)
+            c_smem = t_smem.at[out] if in_place else more_smem["c_smem"]
+            for i, part in enumerate(_PARTS):
+                encoded = encode_blocks(part_bits(i), e, 0, _LAYOUT, fmt, arithmetic)
                 c_smem.at[part][...] = _as_bytes(encoded)
-            _store_transposed(identity, c_smem, t_smem.at[slot])
+            _store_transposed(identity, c_smem, t_smem.at[out], in_place)
 
-        def store(t, slot):
+        def store(t, out):
             rb, kb, rows, columns = window(t)
             if rowwise:
                 data_gmem, row_scale_gmem = rowwise_gmem
                 plgpu.copy_smem_to_gmem(
-                    rowwise_smem["data_smem"].at[slot],
+                    more_smem["data_smem"].at[out],
                     data_gmem.at[rows, columns],
                     commit_group=False,
                 )
                 plgpu.copy_smem_to_gmem(
-                    rowwise_smem["row_scale_smem"].at[slot],
+                    more_smem["row_scale_smem"].at[out],
                     row_scale_gmem.at[pl.ds(kb, 1), rows],
                     commit_group=False,
                 )
             plgpu.copy_smem_to_gmem(
-                t_smem.at[slot], data_t_gmem.at[columns, rows], commit_group=False
+                t_smem.at[out], data_t_gmem.at[columns, rows], commit_group=False
             )
             plgpu.copy_smem_to_gmem(
-                column_scale_smem.at[slot],
+                column_scale_smem.at[out],
                 column_scale_gmem.at[pl.ds(rb, 1), columns],
                 commit_group=False,
             )
 
-        pipeline(num_tiles, ctas, loaded, fetch, compute, store, stages)
+        split_pipeline(num_tiles, ctas, loaded, fetch, compute, store, slots, output_slots)
 
     out_type = (
-        jax.ShapeDtypeStruct((k, m), fmt.dtype),
+        jax.ShapeDtypeStruct((k, m), jnp.int8),
         jax.ShapeDtypeStruct((m // BLOCK, k), jnp.float32),
     )
     if rowwise:

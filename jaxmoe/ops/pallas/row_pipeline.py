@@ -73,16 +73,34 @@ def pipeline(num_tiles, ctas, loaded, fetch, compute, store, stages=STAGES):
     computes, stores, then reuses the input slot for tile i + stages.
     `loaded`: stages barriers. No thread reads SMEM that another writes within a step, so the
     only warpgroup barriers needed are those of the waits and of commit_smem."""
+    split_pipeline(
+        num_tiles,
+        ctas,
+        loaded,
+        fetch,
+        lambda slot, out: compute(slot),
+        store,
+        stages,
+        stages,
+    )
+
+
+def split_pipeline(num_tiles, ctas, loaded, fetch, compute, store, stages, output_slots):
+    """`pipeline` with `output_slots` output buffers next to the `stages` input slots (fewer
+    outputs leave SMEM for more loads in flight): step i reads input slot i % stages into
+    output slot i % output_slots (compute(slot, out), then store(tile, out)), once the stores
+    of step i - output_slots have read that output slot."""
     tile, steps = _start(num_tiles, ctas, loaded, fetch, stages)
 
     def run_step(step, carry):
         slot = lax.rem(step, stages)
+        out = lax.rem(step, output_slots)
         issue_next = fetch(tile(step + stages))
         plgpu.barrier_wait(loaded.at[slot])
-        plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
-        compute(slot)
+        plgpu.wait_smem_to_gmem(output_slots - 1, wait_read_only=True)
+        compute(slot, out)
         plgpu.commit_smem()
-        store(tile(step), slot)
+        store(tile(step), out)
         plgpu.commit_smem_to_gmem_group()
         pl.when(step + stages < steps)(functools.partial(issue_next, slot, loaded.at[slot]))
         return carry
