@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import report  # noqa: E402
 from benchmarks.gmm import SHAPES, group_sizes_for  # noqa: E402
-from benchmarks.report import error_text, log  # noqa: E402
+from benchmarks.report import error_text, log, parse_variants  # noqa: E402
 from benchmarks.timing import device_seconds  # noqa: E402
 from jaxmoe.fp8_blockwise import quantize_1x128, quantize_128x128  # noqa: E402
 from jaxmoe.ops import gmm, tgmm  # noqa: E402
@@ -60,16 +60,6 @@ BF16 = jnp.bfloat16
 DEFAULT_VARIANTS = "wg_split_m:wg_split=m,tile_k=128;k256_wg_split_n:wg_split=n"
 DEFAULT_WGRAD_VARIANTS = "one_block_a_step:blocks_per_step=1;split_n:wg_split=n,blocks_per_step=1"
 BLOCK = 128
-
-
-def parse_variants(text: str) -> dict[str, dict]:
-    """ "name:field=value,...;..." -> {name: {field: value}} (ints where they parse)."""
-    variants = {}
-    for item in filter(None, text.split(";")):
-        name, _, fields = item.partition(":")
-        pairs = (f.split("=") for f in filter(None, fields.split(",")))
-        variants[name] = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in pairs}
-    return variants
 
 
 def problem(shape: str):

@@ -22,14 +22,27 @@ process, GEMMs on already-quantized operands:
   quantize               x rowwise and columnwise, and the fused gather + rowwise quantize
                          (dispatch_quantize), on XLA (the reference) and on the Pallas kernels,
                          MXFP8 and FP8 blockwise 1x128 rowwise (`_1x128`; its scales are as many
-                         bytes: an fp32 per 128 elements), vs a device-to-device copy of the same
-                         bytes (the bandwidth ceiling)
+                         bytes: an fp32 per 128 elements); the transposing FP8-blockwise kernels
+                         (`quantize_transpose_hopper`): the weights' 128x128 copies of W, and the
+                         activations' two copies (1x128_with_transpose) and transposed copy alone
+                         (1x128_transposed) of x and of dy (`[dy]`: fc1's output gradient at
+                         mixtral), under the default `TransposeQuantizeConfig` in both
+                         arithmetics and under each --quantize-variants config ("float"; each
+                         variant's bits compared with the default's: `bitwise_default`). Each
+                         against a device-to-device copy of the same bytes (the bandwidth
+                         ceiling: read the input, write every output and scale); the summary
+                         prints each one's share of its copy's bandwidth.
+
+    python benchmarks/gmm_mxfp8.py --ops quantize --shapes mixtral \
+        [--quantize-variants "name:field=value,...;..."]
+
 Writes gmm_mxfp8_<date>.json (+ .png) and prints TFLOP/s and the ratios the issue targets.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -45,8 +58,9 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gmm import SHAPES, bar_plot, cell, group_sizes_for  # noqa: E402
+from benchmarks.report import parse_variants  # noqa: E402
 from benchmarks.timing import device_seconds, sync, time_round_robin  # noqa: E402
-from jaxmoe.fp8_blockwise import quantize_1x128, quantize_128x128  # noqa: E402
+from jaxmoe.fp8_blockwise import BLOCK, quantize_1x128, quantize_128x128  # noqa: E402
 from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
 from jaxmoe.ops import (  # noqa: E402
     dispatch_quantize,
@@ -67,9 +81,40 @@ from jaxmoe.ops.pallas.quantize_hopper import (  # noqa: E402
     quantize_columnwise_pallas,
     quantize_rowwise_pallas,
 )
+from jaxmoe.ops.pallas.quantize_transpose_hopper import (  # noqa: E402
+    TransposeQuantizeConfig,
+    quantize_1x128_transposed_pallas,
+    quantize_1x128_with_transpose_pallas,
+    quantize_128x128_pallas,
+)
 
 BF16 = jnp.bfloat16
 QUANTIZE_COPIES = 8  # input copies per timed call of a quantize kernel (see `batched`)
+# The activations' transposing kernels under other `TransposeQuantizeConfig`s (docs/kernels.md):
+# C in the output slot; the tile kept in registers; two CTAs an SM (one slot each; two input
+# slots and one output slot); all of them.
+DEFAULT_QUANTIZE_VARIANTS = (
+    "in_place:transpose=in_place;"
+    "registers:column_source=registers;"
+    "two_ctas:ctas_per_sm=2,transpose=in_place;"
+    "two_ctas_split_ring:ctas_per_sm=2,slots=2,output_slots=1,transpose=in_place;"
+    "two_ctas_split_ring_registers:ctas_per_sm=2,slots=2,output_slots=1,transpose=in_place,"
+    "column_source=registers"
+)
+
+
+def quantize_configs(text: str) -> dict[str, TransposeQuantizeConfig]:
+    """--quantize-variants ("name:field=value,...;...") as `TransposeQuantizeConfig`s; ValueError
+    for an unknown field or a bad value."""
+    configs = {}
+    for name, fields in parse_variants(text).items():
+        unknown = set(fields) - {f.name for f in dataclasses.fields(TransposeQuantizeConfig)}
+        if unknown:
+            raise ValueError(
+                f"--quantize-variants {name}: no TransposeQuantizeConfig field {unknown}"
+            )
+        configs[name] = TransposeQuantizeConfig(**fields)
+    return configs
 
 
 def aligned_sizes(m: int, g: int) -> np.ndarray:
@@ -84,7 +129,14 @@ def torch_rowwise_fp8(torch, t, dim):
     return (t.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(dim)
 
 
-def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quantize")):
+def bench_shape(
+    name,
+    iters,
+    torch,
+    record,
+    ops=("fwd", "dgrad", "wgrad", "quantize"),
+    quantize_variants=DEFAULT_QUANTIZE_VARIANTS,
+):
     m, k, n, g = SHAPES[name]
     sizes = aligned_sizes(m, g)
     flops = 2.0 * float(sizes.sum()) * k * n
@@ -94,9 +146,13 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
     dy = jax.random.normal(kd, (m, n), BF16)
     gs = jnp.asarray(sizes)
 
-    def report(op, impl, seconds, work, unit):
+    def report(op, impl, seconds, work, unit, **fields):
         value = work / seconds / 1e12
-        record.append(dict(shape=name, op=op, impl=impl, ms=seconds * 1e3, **{unit: value}))
+        if unit == "tbps":
+            fields["bytes"] = work  # matched with the copy of as many bytes (`shares_of_copy`)
+        record.append(
+            dict(shape=name, op=op, impl=impl, ms=seconds * 1e3, **{unit: value}, **fields)
+        )
         print(
             f"  {name:10s} {op:8s} {impl:26s} {seconds * 1e3:8.3f} ms {value:8.1f} "
             f"{'TF/s' if unit == 'tflops' else 'TB/s'}",
@@ -111,15 +167,15 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
 
     pending = []  # this op's GEMM calls, timed together in turns by `time_pending`
 
-    def run(op, impl, fn, work=flops, unit="tflops", calls=None):
+    def run(op, impl, fn, work=flops, unit="tflops", calls=None, **fields):
         """A GEMM call (calls None): queued for `time_pending`; with `calls` (fn makes that many
         calls of the op, too short for the host clock): timed now from device records
-        (`device_seconds`). Seconds per call."""
+        (`device_seconds`), the record getting `fields`. Seconds per call."""
         if calls is None:
             pending.append((op, impl, fn, work, unit))
             return
         try:
-            report(op, impl, device_seconds(fn, calls=calls, iters=iters), work, unit)
+            report(op, impl, device_seconds(fn, calls=calls, iters=iters), work, unit, **fields)
         except Exception as e:
             failed(op, impl, e)
 
@@ -160,6 +216,8 @@ def bench_shape(name, iters, torch, record, ops=("fwd", "dgrad", "wgrad", "quant
 
     if "quantize" in ops:
         bench_quantize(x, run, torch)
+        configs = quantize_configs(quantize_variants)
+        bench_transposing_quantize(dict(x=x, dy=dy), w, run, torch, configs)
     if not {"fwd", "dgrad", "wgrad"} & set(ops):
         return
     # Quantized operands, each blocked along its GEMM's contraction dim (K-major for Hopper).
@@ -343,10 +401,15 @@ def bench_quantize(x, run, torch):
                 unit="tbps",
                 calls=QUANTIZE_COPIES,
             )
+    run_copy(run, torch, "d2d_copy_same_bytes", q_bytes)
+
+
+def run_copy(run, torch, impl, nbytes):
+    """Time QUANTIZE_COPIES device-to-device copies that read and write nbytes in all."""
     pairs = [
         (
-            torch.empty(q_bytes // 2, dtype=torch.uint8, device="cuda"),
-            torch.empty(q_bytes // 2, dtype=torch.uint8, device="cuda"),
+            torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda"),
+            torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda"),
         )
         for _ in range(QUANTIZE_COPIES)
     ]
@@ -356,7 +419,61 @@ def bench_quantize(x, run, torch):
             dst.copy_(src)
         return dst
 
-    run("quantize", "d2d_copy_same_bytes", copies, work=q_bytes, unit="tbps", calls=QUANTIZE_COPIES)
+    run("quantize", impl, copies, work=nbytes, unit="tbps", calls=QUANTIZE_COPIES)
+
+
+def transposing_bytes(kind, a):
+    """Bytes a transposing quantize kernel moves on input a: a read, every copy and scale
+    written (fp8 data, an fp32 scale per 128 x 128 weight block or per 128 activations)."""
+    elements, read = a.size, a.size * a.dtype.itemsize
+    return {
+        "128x128_with_transpose": read + 2 * elements + 4 * (elements // BLOCK**2),
+        "1x128_with_transpose": read + 2 * elements + 2 * 4 * (elements // BLOCK),
+        "1x128_transposed": read + elements + 4 * (elements // BLOCK),
+    }[kind]
+
+
+def bench_transposing_quantize(activations, w, run, torch, configs):
+    """The transposing FP8-blockwise kernels, each next to a copy of its bytes: the weights'
+    on w, the activations' on each of `activations` (name -> [M, K] array), in both
+    arithmetics under the default config, then under each of `configs` (name ->
+    `TransposeQuantizeConfig`) in the default arithmetic, whose output bits are compared with
+    the default's (`bitwise_default`)."""
+    inputs = [("128x128_with_transpose", quantize_128x128_pallas, "", w)]
+    for name, a in activations.items():
+        inputs += [
+            (kind, kernel, f"[{name}]", a)
+            for kind, kernel in [
+                ("1x128_with_transpose", quantize_1x128_with_transpose_pallas),
+                ("1x128_transposed", quantize_1x128_transposed_pallas),
+            ]
+        ]
+    for kind, kernel, suffix, a in inputs:
+        nbytes = transposing_bytes(kind, a)
+        for arithmetic in ARITHMETIC:
+            fn = functools.partial(kernel, arithmetic=arithmetic)
+            impl = f"pallas_{arithmetic}_quantize_{kind}{suffix}"
+            run("quantize", impl, batched(fn, a), work=nbytes, unit="tbps", calls=QUANTIZE_COPIES)
+        if kernel is not quantize_128x128_pallas:
+            default = jax.tree.leaves(jax.jit(kernel)(a))
+            for variant, config in configs.items():
+                fn = functools.partial(kernel, config=config)
+                try:
+                    same = all(map(jnp.array_equal, jax.tree.leaves(jax.jit(fn)(a)), default))
+                except ValueError as e:  # a config that does not fit this dtype
+                    print(f"  quantize {kind}{suffix} {variant}: {e}")
+                    continue
+                run(
+                    "quantize",
+                    f"pallas_{variant}_quantize_{kind}{suffix}",
+                    batched(fn, a),
+                    work=nbytes,
+                    unit="tbps",
+                    calls=QUANTIZE_COPIES,
+                    bitwise_default=bool(same),
+                )
+            del default
+        run_copy(run, torch, f"d2d_copy_for_{kind}{suffix}", nbytes)
 
 
 def summarize(record):
@@ -398,22 +515,37 @@ def summarize(record):
             f"{cell(ratio['mxfp8_vs_jaxmoe_bf16'], True)} "
             f"{cell(ratio['mxfp8_vs_torch_scaled'], True)}"
         )
-    bandwidth = {}
-    for r in record:
-        if "tbps" in r:
-            bandwidth.setdefault(r["shape"], {})[r["impl"]] = r["tbps"]
-    for shape, t in bandwidth.items():
-        copy = t.get("d2d_copy_same_bytes")
-        print(
-            f"\n{shape}: quantize TB/s (share of a device copy of {copy or float('nan'):.2f} TB/s)"
-        )
-        for impl, tbps in t.items():
-            if impl != "d2d_copy_same_bytes" and copy:
-                ratios.append(
-                    dict(shape=shape, op="quantize", impl=impl, share_of_copy=tbps / copy)
-                )
-                print(f"  {impl:34s} {tbps:6.2f} {tbps / copy:6.1%}")
+    shape = None
+    for share in shares_of_copy(record):
+        if share["shape"] != shape:
+            shape = share["shape"]
+            print(f"\n{shape}: quantize TB/s, share of a device copy of the same bytes")
+        ratios.append(dict(share, op="quantize"))
+        print(f"  {share['impl']:58s} {share['tbps']:6.2f} {share['share_of_copy']:6.1%}")
     return ratios
+
+
+def shares_of_copy(record):
+    """Each bandwidth record's (shape, impl, tbps, share_of_copy): its TB/s over that of the
+    device copy (impl d2d_copy_*) of as many bytes at the same shape; records without one are
+    left out."""
+    copies = {
+        (r["shape"], r["bytes"]): r["tbps"]
+        for r in record
+        if "tbps" in r and r["impl"].startswith("d2d_copy")
+    }
+    return [
+        dict(
+            shape=r["shape"],
+            impl=r["impl"],
+            tbps=r["tbps"],
+            share_of_copy=r["tbps"] / copies[r["shape"], r["bytes"]],
+        )
+        for r in record
+        if "tbps" in r
+        and not r["impl"].startswith("d2d_copy")
+        and (r["shape"], r["bytes"]) in copies
+    ]
 
 
 def plot(record, shapes, path):
@@ -443,15 +575,25 @@ def main(argv=None):
         default="fwd,dgrad,wgrad,quantize",
         help="subset to run; a subset's JSON gets the ops in its name",
     )
+    parser.add_argument(
+        "--quantize-variants",
+        default=DEFAULT_QUANTIZE_VARIANTS,
+        help="the activations' transposing kernels under these TransposeQuantizeConfigs too: "
+        '"name:field=value,...;..." ("" for none)',
+    )
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
+    try:
+        quantize_configs(args.quantize_variants)
+    except ValueError as e:
+        parser.error(str(e))
     import torch
 
     device = jax.devices()[0]
     shapes = args.shapes.split(",")
     record = []
     for name in shapes:
-        bench_shape(name, args.iters, torch, record, args.ops.split(","))
+        bench_shape(name, args.iters, torch, record, args.ops.split(","), args.quantize_variants)
     ratios = summarize(record)
     date = datetime.date.today().isoformat()
     os.makedirs(args.out, exist_ok=True)

@@ -1,5 +1,6 @@
-"""What the benchmark scripts share in their output: progress lines (`log`), one-line failure
-descriptions (`error_text`) and the environment block of their JSON (`environment`)."""
+"""What the benchmark scripts share in their input and output: the variants of a config given
+on the command line (`parse_variants`), progress lines (`log`), one-line failure descriptions
+(`error_text`) and the environment block of their JSON (`environment`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,17 @@ import flax
 import jax
 
 _START = time.perf_counter()
+
+
+def parse_variants(text: str) -> dict[str, dict]:
+    """ "name:field=value,...;..." -> {name: {field: value}} (ints where they parse), for
+    `dataclasses.replace` of a kernel config."""
+    variants = {}
+    for item in filter(None, text.split(";")):
+        name, _, fields = item.partition(":")
+        pairs = (f.split("=") for f in filter(None, fields.split(",")))
+        variants[name] = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in pairs}
+    return variants
 
 
 def log(message: str) -> None:
