@@ -91,15 +91,23 @@ from jaxmoe.ops.pallas.quantize_transpose_hopper import (  # noqa: E402
 BF16 = jnp.bfloat16
 QUANTIZE_COPIES = 8  # input copies per timed call of a quantize kernel (see `batched`)
 # The activations' transposing kernels under other `TransposeQuantizeConfig`s (docs/kernels.md):
-# C in the output slot; the tile kept in registers; two CTAs an SM (one slot each; two input
-# slots and one output slot); all of them.
-DEFAULT_QUANTIZE_VARIANTS = (
-    "in_place:transpose=in_place;"
-    "registers:column_source=registers;"
-    "two_ctas:ctas_per_sm=2,transpose=in_place;"
-    "two_ctas_split_ring:ctas_per_sm=2,slots=2,output_slots=1,transpose=in_place;"
-    "two_ctas_split_ring_registers:ctas_per_sm=2,slots=2,output_slots=1,transpose=in_place,"
-    "column_source=registers"
+# C in the output slot; the tile kept in registers; the rowwise copy encoded under the wgmma;
+# two CTAs an SM (one slot each; two input slots and one output slot, alone and with each of
+# the others); three and four CTAs (four: the transposed copy alone fits).
+DEFAULT_QUANTIZE_VARIANTS = ";".join(
+    [
+        "in_place:transpose=in_place",
+        "registers:column_source=registers",
+        "under_wgmma:rowwise_encode=under_wgmma",
+        "two_ctas:ctas_per_sm=2,transpose=in_place",
+        "two_ctas_split:ctas_per_sm=2,slots=2,output_slots=1,transpose=in_place",
+        "two_ctas_split_registers:ctas_per_sm=2,slots=2,output_slots=1,transpose=in_place,"
+        "column_source=registers",
+        "two_ctas_split_under_wgmma:ctas_per_sm=2,slots=2,output_slots=1,transpose=in_place,"
+        "rowwise_encode=under_wgmma",
+        "three_ctas:ctas_per_sm=3,transpose=in_place",
+        "four_ctas:ctas_per_sm=4,transpose=in_place",
+    ]
 )
 
 

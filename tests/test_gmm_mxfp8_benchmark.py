@@ -15,12 +15,12 @@ def test_quantize_variants_parse_into_configs():
         "two": TransposeQuantizeConfig(ctas_per_sm=2, transpose="in_place"),
         "plain": TransposeQuantizeConfig(),
     }
-    assert len(bench.quantize_configs(bench.DEFAULT_QUANTIZE_VARIANTS)) == 5
+    assert len(bench.quantize_configs(bench.DEFAULT_QUANTIZE_VARIANTS)) == 9
     assert bench.quantize_configs("") == {}
     with pytest.raises(ValueError, match="no TransposeQuantizeConfig field"):
         bench.quantize_configs("a:stages=2")
     with pytest.raises(ValueError, match="ctas_per_sm must be one of"):
-        bench.quantize_configs("a:ctas_per_sm=4")
+        bench.quantize_configs("a:ctas_per_sm=5")
     with pytest.raises(SystemExit):
         bench.main(["--quantize-variants", "a:transpose=never"])
 

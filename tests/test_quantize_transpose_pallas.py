@@ -33,13 +33,17 @@ BLOCK = fp8_blockwise.BLOCK
 KINDS = ["weights", "with_transpose", "transposed"]
 # The activations kernels' alternatives to the default `TransposeQuantizeConfig` (which every
 # other test runs): each field away from its default at least once, two CTAs with one slot
-# and with a split ring (2 input slots, 1 output slot).
+# and with a split ring (2 input slots, 1 output slot), three CTAs.
 VARIANTS = {
     "in_place": TransposeQuantizeConfig(transpose="in_place"),
     "registers": TransposeQuantizeConfig(column_source="registers"),
+    "under_wgmma": TransposeQuantizeConfig(rowwise_encode="under_wgmma"),
     "two_ctas": TransposeQuantizeConfig(ctas_per_sm=2, transpose="in_place"),
     "split_ring": TransposeQuantizeConfig(
         ctas_per_sm=2, slots=2, output_slots=1, transpose="in_place", column_source="registers"
+    ),
+    "three_ctas": TransposeQuantizeConfig(
+        ctas_per_sm=3, transpose="in_place", rowwise_encode="under_wgmma"
     ),
 }
 
@@ -135,7 +139,8 @@ def test_variants_equal_the_reference_bitwise(interpret, kind, variant):
 def test_configs_are_checked():
     """Bad fields and rings that do not fit a CTA's shared memory raise clearly."""
     for fields, match in [
-        (dict(ctas_per_sm=3), "ctas_per_sm must be one of"),
+        (dict(ctas_per_sm=5), "ctas_per_sm must be one of"),
+        (dict(rowwise_encode="later"), "rowwise_encode must be one of"),
         (dict(transpose="smem"), "transpose must be one of"),
         (dict(column_source="l2"), "column_source must be one of"),
         (dict(slots=0), "slots must be a positive int"),
@@ -151,6 +156,12 @@ def test_configs_are_checked():
         with pytest.raises(ValueError, match="more than a CTA's 115712"):
             kernel = functools.partial(quantize_1x128_with_transpose_pallas, config=config)
             jax.eval_shape(kernel, x)
+    four = functools.partial(
+        quantize_1x128_with_transpose_pallas,
+        config=TransposeQuantizeConfig(ctas_per_sm=4, transpose="in_place"),
+    )
+    with pytest.raises(ValueError, match="more than a CTA's 57344 at 4 CTA"):
+        jax.eval_shape(four, jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16))
     assert TransposeQuantizeConfig(output_slots=2).ring(32768, 16896, 19456) == (4, 2)
     assert TransposeQuantizeConfig(ctas_per_sm=2).ring(32768, 33792, 3072) == (1, 1)
 

@@ -81,6 +81,7 @@ _MAX_STAGES = 4
 _SMEM_SLACK = 1024  # barriers and the alignment of the allocations
 TRANSPOSES = ("separate", "in_place")
 COLUMN_SOURCES = ("smem", "registers")
+ROWWISE_ENCODES = ("first_pass", "under_wgmma")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +91,10 @@ class TransposeQuantizeConfig:
     kernel as first measured (one CTA an SM, the byte tile C in its own buffer, the column
     encode re-reading the tile from SMEM); docs/kernels.md describes each alternative.
 
-    ctas_per_sm    1 or 2 persistent CTAs of one warpgroup an SM. Two share the SM's shared
-                   memory (113 KB each) and its registers (255 a thread is still the most one
-                   thread can have, so registers never keep the second CTA out).
+    ctas_per_sm    1 to 4 persistent CTAs of one warpgroup an SM, sharing its shared memory
+                   (227, 113, 75, 56 KB a CTA: checked here) and its registers (255, 255, 170,
+                   128 a thread: not checked before ptxas allocates them; a CTA that does not
+                   fit runs in a second wave, which a benchmark shows as a slow variant).
     slots          input ring slots (tiles loading while one computes); None: as many as fit
                    next to the output slots, at most 4.
     output_slots   buffers for the outputs of a tile (stored by TMA while the next tiles
@@ -102,6 +104,11 @@ class TransposeQuantizeConfig:
                    registers, then D overwrites it (16 KB less SMEM a CTA).
     column_source  "smem": the column encode loads the tile from SMEM again; "registers": the
                    tile's four 32-row parts stay in registers from the first pass.
+    rowwise_encode (the two-copy kernel) "first_pass": the rowwise copy is encoded in the pass
+                   that takes the column amax; "under_wgmma": the first pass takes the column
+                   amax alone, and the rowwise copy is encoded while the transposing wgmma
+                   runs, the top half's 64 rows under the first instruction group, the bottom
+                   half's under the second.
     """
 
     ctas_per_sm: int = 1
@@ -109,9 +116,15 @@ class TransposeQuantizeConfig:
     output_slots: int | None = None
     transpose: str = "separate"
     column_source: str = "smem"
+    rowwise_encode: str = "first_pass"
 
     def __post_init__(self):
-        choices = dict(ctas_per_sm=(1, 2), transpose=TRANSPOSES, column_source=COLUMN_SOURCES)
+        choices = dict(
+            ctas_per_sm=(1, 2, 3, 4),
+            transpose=TRANSPOSES,
+            column_source=COLUMN_SOURCES,
+            rowwise_encode=ROWWISE_ENCODES,
+        )
         for field, allowed in choices.items():
             if getattr(self, field) not in allowed:
                 raise ValueError(
@@ -279,16 +292,18 @@ def _identity_halves():
     return [(rows + h * _WGMMA_M == columns).astype(jnp.int8) for h in range(len(_HALVES))]
 
 
-def _store_transposed(identity, c_smem, t_smem, in_place=False):
+def _store_transposed(identity, c_smem, t_smem, in_place=False, under_halves=None):
     """t_smem = C^T for the byte tile C just written to c_smem (int8 both): D = I @ C^T on
     the tensor core (module docstring), 64 rows at a time. `in_place` (c_smem is t_smem): each
-    half's D waits in registers until both halves have read C."""
+    half's D waits in registers until both halves have read C. under_halves: a function a half
+    to run while its wgmma does (touching neither C nor t_smem)."""
     plgpu.commit_smem()  # C's stores, visible to the wgmma
     held = []
-    for a, rows in zip(identity, _HALVES):
+    for a, rows, work in zip(identity, _HALVES, under_halves or [lambda: None] * len(_HALVES)):
 
         def product(acc):
             plgpu.wgmma(acc, a, c_smem.T)
+            work()
             plgpu.wgmma_wait(0)
             return acc[...]
 
@@ -433,6 +448,7 @@ def _activations_kernel(m, k, dtype, fmt_name, arithmetic, config, interpret, ro
         scratch["data_smem"] = plgpu.SMEM((output_slots, BLOCK, BLOCK), fmt.dtype)
         scratch["row_scale_smem"] = scale_slots
     in_place = config.transpose == "in_place"
+    rows_under_wgmma = config.rowwise_encode == "under_wgmma"
 
     def window(t):
         rb, kb = t // column_tiles, t % column_tiles
@@ -453,23 +469,40 @@ def _activations_kernel(m, k, dtype, fmt_name, arithmetic, config, interpret, ro
                 part_bits = lambda i: float32_bits(held[i])
             else:
                 part_bits = lambda i: _load_bits(x, _PARTS[i])
+
+            def encode_rows(i, bits):
+                """The rowwise copy of part i."""
+                part = _PARTS[i]
+                e = FP8_BLOCKWISE.exponent(block_amax_bits(bits, 1), fmt)
+                more_smem["row_scale_smem"].at[out, 0, part][...] = FP8_BLOCKWISE.stored(e)
+                encoded = encode_blocks(bits, e, 1, _LAYOUT, fmt, arithmetic)
+                more_smem["data_smem"].at[out, part][...] = encoded
+
             maxima = None
-            for i, part in enumerate(_PARTS):
+            for i in range(len(_PARTS)):
                 bits = part_bits(i)
                 maxima = _column_maxima(maxima, bits)
-                if rowwise:
-                    e = FP8_BLOCKWISE.exponent(block_amax_bits(bits, 1), fmt)
-                    row_scales = more_smem["row_scale_smem"].at[out, 0, part]
-                    row_scales[...] = FP8_BLOCKWISE.stored(e)
-                    encoded = encode_blocks(bits, e, 1, _LAYOUT, fmt, arithmetic)
-                    more_smem["data_smem"].at[out, part][...] = encoded
+                if rowwise and not rows_under_wgmma:
+                    encode_rows(i, bits)
             e = FP8_BLOCKWISE.exponent(jnp.max(maxima, axis=0), fmt)
             column_scale_smem.at[out, 0][...] = FP8_BLOCKWISE.stored(e)
             c_smem = t_smem.at[out] if in_place else more_smem["c_smem"]
             for i, part in enumerate(_PARTS):
                 encoded = encode_blocks(part_bits(i), e, 0, _LAYOUT, fmt, arithmetic)
                 c_smem.at[part][...] = _as_bytes(encoded)
-            _store_transposed(identity, c_smem, t_smem.at[out], in_place)
+            under_halves = None
+            if rowwise and rows_under_wgmma:
+                per_half = len(_PARTS) // len(_HALVES)
+
+                def rows_of_half(h):
+                    def encode():
+                        for i in range(h * per_half, (h + 1) * per_half):
+                            encode_rows(i, part_bits(i))
+
+                    return encode
+
+                under_halves = [rows_of_half(h) for h in range(len(_HALVES))]
+            _store_transposed(identity, c_smem, t_smem.at[out], in_place, under_halves)
 
         def store(t, out):
             rb, kb, rows, columns = window(t)
