@@ -8,13 +8,17 @@ the input, bitwise equal to `jaxmoe.fp8_blockwise`:
                                          `quantize_1x128(x.T, 1)` (x^T in 1 x 128 blocks along M)
   quantize_1x128_transposed_pallas       the second alone
 
-A persistent CTA (one warpgroup, one a SM) walks 128 x 128 input tiles through a TMA ring
+A persistent CTA (one warpgroup) walks 128 x 128 input tiles through a TMA ring
 (`row_pipeline.pipeline`): each tile is loaded once, quantized in registers with
 `quantize_hopper`'s helpers (the reference's integer scale rule; "exact" or "float" element
 arithmetic), and every output tile is stored once by TMA. The registers hold 32 rows at a time,
 a row a warp (4 elements a lane, whatever the input dtype: the per-column amax then crosses the
-warps in 128-bit pieces, as Mosaic's cross-warp reduction needs); the column encode reads the
-tile from SMEM a second time.
+warps in 128-bit pieces, as Mosaic's cross-warp reduction needs; a row's amax is one redux.sync).
+The weights' kernel runs one CTA an SM, its column encode reading the tile from SMEM a second
+time. The activations' kernels take a `TransposeQuantizeConfig`: by default the same, or up to 4
+CTAs an SM, fewer output slots than input slots (`row_pipeline.split_pipeline`), C in the
+output slot, the tile kept in registers for the column encode, the rowwise copy encoded while
+the wgmma transposes; the bits are the same under every one (docs/kernels.md: none measured yet).
 
 The transpose. TMA cannot transpose, Mosaic's register transposes (`WGMMA_TRANSPOSED_LAYOUT`,
 `FragmentedArray.to_layout`) are for 16- and 32-bit elements, and an SMEM access through a
@@ -25,12 +29,15 @@ bytes C, written row-major (int8) into 128-byte-swizzled SMEM, are the K-major B
 D[m, n] = sum_k I[m, k] C[n, k] = C[n, m], exact in the s32 accumulator, whose low bytes are
 C^T's bytes. An fp8 wgmma would not be exact: a NaN byte (0x7F) times 0 is NaN across a whole
 row of D, and -0 plus the +0 products is +0. Eight m64n128k32 instructions a tile, in two
-halves of 64 rows; each half's bytes are written to an fp8 SMEM tile (2-byte stores,
-conflict-free under the swizzle) that TMA stores to the transposed position. C has one SMEM
-buffer (the wgmma has read it when the half is done); the output tiles are ring slots.
-(Aliasing C and its output tile through a `plgpu.RefUnion` would save SMEM, but the
-interpreter's race detector checks a union's views against each other as wholes, so a ring
-slot's writes race with another slot's TMA store there.)
+halves of 64 rows; each half's bytes are written to an int8 SMEM tile (2-byte stores,
+conflict-free under the swizzle) that TMA stores to the transposed position (the wrappers
+bitcast the bytes to fp8). C has one SMEM buffer (the wgmma has read it when the half is done)
+and the output tiles are ring slots; or ("in_place") C is written into the output slot itself,
+both halves' D are held in registers (16 a thread each, as bytes) until a warpgroup barrier
+after both wgmmas, then written over C. (Aliasing C and its output tile through a
+`plgpu.RefUnion` instead does not pass the interpreter's race detector, which checks a union's
+views against each other as wholes, so a ring slot's writes race with another slot's TMA store
+there; C and D of one dtype in one slot need no union.)
 
 Scales: the kernels write the activation scales where they are contiguous per tile ([K/128, M]
 for the rowwise copy, [M/128, K] for the transposed one: the layouts the fprop/dgrad and wgrad
