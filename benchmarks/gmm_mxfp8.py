@@ -34,7 +34,7 @@ process, GEMMs on already-quantized operands:
                          prints each one's share of its copy's bandwidth.
 
     python benchmarks/gmm_mxfp8.py --ops quantize --shapes mixtral \
-        [--quantize-variants "name:field=value,...;..."]
+        [--quantize-variants "name:field=value,...;..."] [--quantize-inputs x,dy]
 
 Writes gmm_mxfp8_<date>.json (+ .png) and prints TFLOP/s and the ratios the issue targets.
 """
@@ -55,6 +55,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gmm import SHAPES, bar_plot, cell, group_sizes_for  # noqa: E402
@@ -144,6 +145,7 @@ def bench_shape(
     record,
     ops=("fwd", "dgrad", "wgrad", "quantize"),
     quantize_variants=DEFAULT_QUANTIZE_VARIANTS,
+    quantize_inputs=("x", "dy"),
 ):
     m, k, n, g = SHAPES[name]
     sizes = aligned_sizes(m, g)
@@ -225,7 +227,8 @@ def bench_shape(
     if "quantize" in ops:
         bench_quantize(x, run, torch)
         configs = quantize_configs(quantize_variants)
-        bench_transposing_quantize(dict(x=x, dy=dy), w, run, torch, configs)
+        activations = {a: v for a, v in dict(x=x, dy=dy).items() if a in quantize_inputs}
+        bench_transposing_quantize(activations, w, run, torch, configs)
     if not {"fwd", "dgrad", "wgrad"} & set(ops):
         return
     # Quantized operands, each blocked along its GEMM's contraction dim (K-major for Hopper).
@@ -441,6 +444,16 @@ def transposing_bytes(kind, a):
     }[kind]
 
 
+def same_bits(a, b) -> bool:
+    """Whether two arrays of one dtype hold the same bits (NaNs and signed zeros included)."""
+    unsigned = jnp.dtype(f"uint{a.dtype.itemsize * 8}")
+    return bool(
+        jnp.array_equal(
+            lax.bitcast_convert_type(a, unsigned), lax.bitcast_convert_type(b, unsigned)
+        )
+    )
+
+
 def bench_transposing_quantize(activations, w, run, torch, configs):
     """The transposing FP8-blockwise kernels, each next to a copy of its bytes: the weights'
     on w, the activations' on each of `activations` (name -> [M, K] array), in both
@@ -467,9 +480,9 @@ def bench_transposing_quantize(activations, w, run, torch, configs):
             for variant, config in configs.items():
                 fn = functools.partial(kernel, config=config)
                 try:
-                    same = all(map(jnp.array_equal, jax.tree.leaves(jax.jit(fn)(a)), default))
-                except ValueError as e:  # a config that does not fit this dtype
-                    print(f"  quantize {kind}{suffix} {variant}: {e}")
+                    same = all(map(same_bits, jax.tree.leaves(jax.jit(fn)(a)), default))
+                except Exception as e:  # a ring that does not fit (ValueError), or a compile error
+                    print(f"  quantize {kind}{suffix} {variant} FAILED {type(e).__name__}: {e}")
                     continue
                 run(
                     "quantize",
@@ -589,19 +602,35 @@ def main(argv=None):
         help="the activations' transposing kernels under these TransposeQuantizeConfigs too: "
         '"name:field=value,...;..." ("" for none)',
     )
+    parser.add_argument(
+        "--quantize-inputs",
+        default="x,dy",
+        help="the activations the transposing kernels quantize (x [M, K], dy [M, N])",
+    )
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
     try:
         quantize_configs(args.quantize_variants)
     except ValueError as e:
         parser.error(str(e))
+    quantize_inputs = [a for a in args.quantize_inputs.split(",") if a]
+    if set(quantize_inputs) - {"x", "dy"}:
+        parser.error(f"--quantize-inputs: x and/or dy, got {args.quantize_inputs!r}")
     import torch
 
     device = jax.devices()[0]
     shapes = args.shapes.split(",")
     record = []
     for name in shapes:
-        bench_shape(name, args.iters, torch, record, args.ops.split(","), args.quantize_variants)
+        bench_shape(
+            name,
+            args.iters,
+            torch,
+            record,
+            args.ops.split(","),
+            args.quantize_variants,
+            quantize_inputs,
+        )
     ratios = summarize(record)
     date = datetime.date.today().isoformat()
     os.makedirs(args.out, exist_ok=True)

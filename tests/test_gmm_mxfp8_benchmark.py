@@ -23,11 +23,13 @@ def test_quantize_variants_parse_into_configs():
         bench.quantize_configs("a:ctas_per_sm=5")
     with pytest.raises(SystemExit):
         bench.main(["--quantize-variants", "a:transpose=never"])
+    with pytest.raises(SystemExit):
+        bench.main(["--quantize-inputs", "x,w"])
 
 
-def test_bytes_and_shares_of_copy():
-    """Read once, every fp8 copy and fp32 scale written; shares against the copy of the same
-    bytes at the same shape, records without one left out."""
+def test_bytes_bits_and_shares_of_copy():
+    """Read once, every fp8 copy and fp32 scale written; bits compared as bits; shares against
+    the copy of the same bytes at the same shape, records without one left out."""
     a = jnp.zeros((256, 512), jnp.bfloat16)
     n = a.size
     assert bench.transposing_bytes("1x128_with_transpose", a) == 2 * n + 2 * n + 8 * n // 128
@@ -40,6 +42,8 @@ def test_bytes_and_shares_of_copy():
         dict(shape="t", impl="k", tbps=1.0, bytes=10),  # no copy at t
         dict(shape="s", impl="gemm", tflops=900.0),
     ]
+    assert bench.same_bits(jnp.array([0.0, jnp.nan]), jnp.array([0.0, jnp.nan]))
+    assert not bench.same_bits(jnp.array([0.0]), jnp.array([-0.0]))
     assert bench.shares_of_copy(record) == [dict(shape="s", impl="k", tbps=1.5, share_of_copy=0.5)]
 
 
