@@ -26,7 +26,7 @@ process, GEMMs on already-quantized operands:
                          (`quantize_transpose_hopper`): the weights' 128x128 copies of W, and the
                          activations' two copies (1x128_with_transpose) and transposed copy alone
                          (1x128_transposed) of x and of dy (`[dy]`: fc1's output gradient at
-                         mixtral), under the default `TransposeQuantizeConfig` in both
+                         mixtral), under `default_transpose_config` in both
                          arithmetics and under each --quantize-variants config ("float"; each
                          variant's bits compared with the default's: `bitwise_default`). Each
                          against a device-to-device copy of the same bytes (the bandwidth
@@ -91,21 +91,20 @@ from jaxmoe.ops.pallas.quantize_transpose_hopper import (  # noqa: E402
 
 BF16 = jnp.bfloat16
 QUANTIZE_COPIES = 8  # input copies per timed call of a quantize kernel (see `batched`)
-# The activations' transposing kernels under other `TransposeQuantizeConfig`s (docs/kernels.md):
-# C in the output slot; the tile kept in registers; the rowwise copy encoded under the wgmma;
-# two CTAs an SM (one slot each; two input slots and one output slot, alone and with each of
-# the others); three and four CTAs (four: the transposed copy alone fits).
+# The activations' transposing kernels under `TransposeQuantizeConfig`s other than their default
+# (`default_transpose_config`: two CTAs an SM, two input slots and one output slot, C in place,
+# the tile in registers; docs/kernels.md): the field defaults (one CTA, as first written), one
+# CTA with the tile in registers, the split ring with the column encode from SMEM and with the
+# rowwise copy under the wgmma, two CTAs with one slot each, three and four CTAs (four: the
+# transposed copy alone fits).
 DEFAULT_QUANTIZE_VARIANTS = ";".join(
     [
-        "in_place:transpose=in_place",
-        "registers:column_source=registers",
-        "under_wgmma:rowwise_encode=under_wgmma",
-        "two_ctas:ctas_per_sm=2,transpose=in_place",
-        "two_ctas_split:ctas_per_sm=2,slots=2,output_slots=1,transpose=in_place",
-        "two_ctas_split_registers:ctas_per_sm=2,slots=2,output_slots=1,transpose=in_place,"
-        "column_source=registers",
+        "one_cta:",
+        "one_cta_registers:column_source=registers",
+        "two_ctas_split_smem:ctas_per_sm=2,slots=2,output_slots=1,transpose=in_place",
         "two_ctas_split_under_wgmma:ctas_per_sm=2,slots=2,output_slots=1,transpose=in_place,"
-        "rowwise_encode=under_wgmma",
+        "column_source=registers,rowwise_encode=under_wgmma",
+        "two_ctas:ctas_per_sm=2,transpose=in_place,column_source=registers",
         "three_ctas:ctas_per_sm=3,transpose=in_place",
         "four_ctas:ctas_per_sm=4,transpose=in_place",
     ]
@@ -369,24 +368,10 @@ def bench_quantize(x, run, torch):
         "1x128_rowwise": functools.partial(quantize_1x128, axis=1),  # the XLA reference
     }
     for kind, fn in references.items():
-        run(
-            "quantize",
-            f"xla_quantize_{kind}",
-            batched(fn, x),
-            work=q_bytes,
-            unit="tbps",
-            calls=QUANTIZE_COPIES,
-        )
+        run_quantize(run, f"xla_quantize_{kind}", q_bytes, fn, x)
         for arithmetic in ARITHMETIC:
             fn = functools.partial(kernels[kind], arithmetic=arithmetic)
-            run(
-                "quantize",
-                f"pallas_{arithmetic}_quantize_{kind}",
-                batched(fn, x),
-                work=q_bytes,
-                unit="tbps",
-                calls=QUANTIZE_COPIES,
-            )
+            run_quantize(run, f"pallas_{arithmetic}_quantize_{kind}", q_bytes, fn, x)
     tokens = x[: m // 2]
     row_token = jax.random.permutation(jax.random.key(1), jnp.arange(m) % (m // 2))
     row_token = jnp.where(jax.random.uniform(jax.random.key(2), (m,)) < 0.05, m // 2, row_token)
@@ -394,25 +379,31 @@ def bench_quantize(x, run, torch):
     for suffix, kernel in gathers.items():
         recipe = "fp8_blockwise" if suffix else "mxfp8"
         fn = functools.partial(dispatch_quantize, recipe=recipe, impl="xla")
-        run(
-            "quantize",
-            f"xla_dispatch_quantize{suffix}",
-            batched(fn, tokens, row_token),
-            work=q_bytes,
-            unit="tbps",
-            calls=QUANTIZE_COPIES,
-        )
+        run_quantize(run, f"xla_dispatch_quantize{suffix}", q_bytes, fn, tokens, row_token)
         for arithmetic in ARITHMETIC:
             fn = functools.partial(kernel, arithmetic=arithmetic)
-            run(
-                "quantize",
+            run_quantize(
+                run,
                 f"pallas_{arithmetic}_dispatch_quantize{suffix}",
-                batched(fn, tokens, row_token),
-                work=q_bytes,
-                unit="tbps",
-                calls=QUANTIZE_COPIES,
+                q_bytes,
+                fn,
+                tokens,
+                row_token,
             )
     run_copy(run, torch, "d2d_copy_same_bytes", q_bytes)
+
+
+def run_quantize(run, impl, nbytes, fn, *args, **fields):
+    """Time fn over QUANTIZE_COPIES copies of args (`batched`) as a quantize that moves nbytes."""
+    run(
+        "quantize",
+        impl,
+        batched(fn, *args),
+        work=nbytes,
+        unit="tbps",
+        calls=QUANTIZE_COPIES,
+        **fields,
+    )
 
 
 def run_copy(run, torch, impl, nbytes):
@@ -474,7 +465,7 @@ def bench_transposing_quantize(activations, w, run, torch, configs):
         for arithmetic in ARITHMETIC:
             fn = functools.partial(kernel, arithmetic=arithmetic)
             impl = f"pallas_{arithmetic}_quantize_{kind}{suffix}"
-            run("quantize", impl, batched(fn, a), work=nbytes, unit="tbps", calls=QUANTIZE_COPIES)
+            run_quantize(run, impl, nbytes, fn, a)
         if kernel is not quantize_128x128_pallas:
             default = jax.tree.leaves(jax.jit(kernel)(a))
             for variant, config in configs.items():
@@ -484,13 +475,12 @@ def bench_transposing_quantize(activations, w, run, torch, configs):
                 except Exception as e:  # a ring that does not fit (ValueError), or a compile error
                     print(f"  quantize {kind}{suffix} {variant} FAILED {type(e).__name__}: {e}")
                     continue
-                run(
-                    "quantize",
+                run_quantize(
+                    run,
                     f"pallas_{variant}_quantize_{kind}{suffix}",
-                    batched(fn, a),
-                    work=nbytes,
-                    unit="tbps",
-                    calls=QUANTIZE_COPIES,
+                    nbytes,
+                    fn,
+                    a,
                     bitwise_default=bool(same),
                 )
             del default

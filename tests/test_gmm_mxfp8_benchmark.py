@@ -15,7 +15,7 @@ def test_quantize_variants_parse_into_configs():
         "two": TransposeQuantizeConfig(ctas_per_sm=2, transpose="in_place"),
         "plain": TransposeQuantizeConfig(),
     }
-    assert len(bench.quantize_configs(bench.DEFAULT_QUANTIZE_VARIANTS)) == 9
+    assert len(bench.quantize_configs(bench.DEFAULT_QUANTIZE_VARIANTS)) == 7
     assert bench.quantize_configs("") == {}
     with pytest.raises(ValueError, match="no TransposeQuantizeConfig field"):
         bench.quantize_configs("a:stages=2")

@@ -21,6 +21,7 @@ from jaxmoe.ops.device import num_sms
 from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
 from jaxmoe.ops.pallas.quantize_transpose_hopper import (
     TransposeQuantizeConfig,
+    default_transpose_config,
     quantize_1x128_transposed_pallas,
     quantize_1x128_with_transpose_pallas,
     quantize_128x128_pallas,
@@ -31,17 +32,15 @@ from quantize_inputs import normal_range, tensor
 
 BLOCK = fp8_blockwise.BLOCK
 KINDS = ["weights", "with_transpose", "transposed"]
-# The activations kernels' alternatives to the default `TransposeQuantizeConfig` (which every
-# other test runs): each field away from its default at least once, two CTAs with one slot
-# and with a split ring (2 input slots, 1 output slot), three CTAs.
+# The activations kernels' alternatives to `default_transpose_config` (which every other test
+# runs; for bf16 two CTAs with a split ring, C in place, the tile in registers): the field
+# defaults (one CTA), each field away from them at least once, two CTAs with one slot, three.
 VARIANTS = {
+    "one_cta": TransposeQuantizeConfig(),
     "in_place": TransposeQuantizeConfig(transpose="in_place"),
     "registers": TransposeQuantizeConfig(column_source="registers"),
     "under_wgmma": TransposeQuantizeConfig(rowwise_encode="under_wgmma"),
     "two_ctas": TransposeQuantizeConfig(ctas_per_sm=2, transpose="in_place"),
-    "split_ring": TransposeQuantizeConfig(
-        ctas_per_sm=2, slots=2, output_slots=1, transpose="in_place", column_source="registers"
-    ),
     "three_ctas": TransposeQuantizeConfig(
         ctas_per_sm=3, transpose="in_place", rowwise_encode="under_wgmma"
     ),
@@ -126,7 +125,7 @@ def test_long_pipelines_reuse_every_slot(interpret, kind):
 
 @pytest.mark.parametrize(
     "kind, variant",
-    [("with_transpose", name) for name in VARIANTS] + [("transposed", "split_ring")],
+    [("with_transpose", name) for name in VARIANTS] + [("transposed", "one_cta")],
 )
 def test_variants_equal_the_reference_bitwise(interpret, kind, variant):
     """Each config, specials included, over 3 tiles more than the interpreter's CTAs hold at
@@ -218,21 +217,24 @@ def test_auto_falls_back_and_pallas_refuses_clearly():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_lowering_at_real_shapes(dtype, arithmetic):
     """Mosaic GPU lowering (sm_90a) at mixtral's expert weights (fc1 [8, 4096, 2 x 14336], fc2
-    [8, 14336, 4096]) and activations, within a CTA's shared memory."""
-    s = jax.ShapeDtypeStruct
+    [8, 14336, 4096]) and activations, within a CTA's shared memory (the activations' kernels:
+    its share under `default_transpose_config`, two CTAs an SM for bf16)."""
+    activations_budget = default_transpose_config(dtype).smem_budget
+    assert activations_budget == (115712 if dtype == jnp.bfloat16 else MAX_SMEM_PER_CTA)
     calls = [
-        (quantize_128x128_pallas, (8, 4096, 2 * 14336)),
-        (quantize_128x128_pallas, (8, 14336, 4096)),
+        (quantize_128x128_pallas, (8, 4096, 2 * 14336), MAX_SMEM_PER_CTA),
+        (quantize_128x128_pallas, (8, 14336, 4096), MAX_SMEM_PER_CTA),
     ]
     for shape in [(16384, 4096), (16384, 2 * 14336)]:
         calls += [
-            (quantize_1x128_with_transpose_pallas, shape),
-            (quantize_1x128_transposed_pallas, shape),
+            (quantize_1x128_with_transpose_pallas, shape, activations_budget),
+            (quantize_1x128_transposed_pallas, shape, activations_budget),
         ]
-    with artificial_shared_memory_limit(MAX_SMEM_PER_CTA):
-        for kernel, shape in calls:
+    for kernel, shape, budget in calls:
+        with artificial_shared_memory_limit(budget):
             fn = functools.partial(kernel, arithmetic=arithmetic)
-            jax.jit(fn).trace(s(shape, dtype)).lower(lowering_platforms=("cuda",))
+            x = jax.ShapeDtypeStruct(shape, dtype)
+            jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

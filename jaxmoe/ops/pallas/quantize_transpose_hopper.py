@@ -15,10 +15,11 @@ arithmetic), and every output tile is stored once by TMA. The registers hold 32 
 a row a warp (4 elements a lane, whatever the input dtype: the per-column amax then crosses the
 warps in 128-bit pieces, as Mosaic's cross-warp reduction needs; a row's amax is one redux.sync).
 The weights' kernel runs one CTA an SM, its column encode reading the tile from SMEM a second
-time. The activations' kernels take a `TransposeQuantizeConfig`: by default the same, or up to 4
-CTAs an SM, fewer output slots than input slots (`row_pipeline.split_pipeline`), C in the
-output slot, the tile kept in registers for the column encode, the rowwise copy encoded while
-the wgmma transposes; the bits are the same under every one (docs/kernels.md: none measured yet).
+time. The activations' kernels take a `TransposeQuantizeConfig`: up to 4 CTAs an SM, fewer
+output slots than input slots (`row_pipeline.split_pipeline`), C in the output slot, the tile
+kept in registers for the column encode, the rowwise copy encoded while the wgmma transposes;
+the bits are the same under every one. `default_transpose_config` picks the fastest measured
+one that fits (docs/kernels.md).
 
 The transpose. TMA cannot transpose, Mosaic's register transposes (`WGMMA_TRANSPOSED_LAYOUT`,
 `FragmentedArray.to_layout`) are for 16- and 32-bit elements, and an SMEM access through a
@@ -94,9 +95,10 @@ ROWWISE_ENCODES = ("first_pass", "under_wgmma")
 @dataclasses.dataclass(frozen=True)
 class TransposeQuantizeConfig:
     """How the activations' transposing kernels (`quantize_1x128_with_transpose_pallas`,
-    `quantize_1x128_transposed_pallas`) run; their bits never depend on it. The default is the
-    kernel as first measured (one CTA an SM, the byte tile C in its own buffer, the column
-    encode re-reading the tile from SMEM); docs/kernels.md describes each alternative.
+    `quantize_1x128_transposed_pallas`) run; their bits never depend on it. The field defaults
+    are the kernel as first written (one CTA an SM, the byte tile C in its own buffer, the
+    column encode re-reading the tile from SMEM), which fits every input dtype; the kernels'
+    default is `default_transpose_config`. docs/kernels.md describes and measures each one.
 
     ctas_per_sm    1 to 4 persistent CTAs of one warpgroup an SM, sharing its shared memory
                    (227, 113, 75, 56 KB a CTA: checked here) and its registers (255, 255, 170,
@@ -172,6 +174,19 @@ class TransposeQuantizeConfig:
         return slots, outputs
 
 
+def default_transpose_config(dtype) -> TransposeQuantizeConfig:
+    """The config the activations' kernels run when given none. 2-byte inputs: two CTAs an SM,
+    two input slots and one output slot, C in place, the column encode from registers (H200,
+    mixtral's fc1 output gradient: 2.55 TB/s against the field defaults' 1.61 for both copies,
+    3.46 against 2.68 for the transposed copy alone; docs/kernels.md). fp32 tiles do not fit two
+    CTAs' shared memory: one CTA, the field defaults."""
+    if jnp.dtype(dtype).itemsize > 2:
+        return TransposeQuantizeConfig()
+    return TransposeQuantizeConfig(
+        ctas_per_sm=2, slots=2, output_slots=1, transpose="in_place", column_source="registers"
+    )
+
+
 def weights_problem(shape, dtype) -> str | None:
     """Why `quantize_128x128_pallas` cannot take weights of this shape/dtype (None: it can)."""
     if len(shape) != 3 or not shape[0]:
@@ -229,8 +244,8 @@ def quantize_1x128_with_transpose_pallas(
     x [M, K] (bf16/fp32; M, K multiples of 128), from one read of x: the bits of
     `jaxmoe.fp8_blockwise.quantize_1x128(x, 1)` (the GEMM copy, blocks along K) and of
     `quantize_1x128(x.T, 1)` (blocks along M: `quantize_1x128(x, 0)` transposed, the K-major
-    copy the weight gradient reads). `config`: how the kernel runs (None: the default
-    `TransposeQuantizeConfig`); the bits are the same under every one."""
+    copy the weight gradient reads). `config`: how the kernel runs (None:
+    `default_transpose_config(x.dtype)`); the bits are the same under every one."""
     data, scale_row, data_t, scale_column = _quantize_1x128_transpose(
         x, fmt, arithmetic, config, interpret, rowwise=True
     )
@@ -258,7 +273,7 @@ def _quantize_1x128_transpose(x, fmt, arithmetic, config, interpret, rowwise):
     arithmetic = arithmetic or default_arithmetic()
     check_kernel_call(transpose_problem(x.shape, x.dtype), fmt, arithmetic)
     m, k = x.shape
-    config = config or TransposeQuantizeConfig()
+    config = config or default_transpose_config(x.dtype)
     kernel = _activations_kernel(
         m, k, jnp.dtype(x.dtype), fmt, arithmetic, config, interpret, rowwise
     )
