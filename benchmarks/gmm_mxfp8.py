@@ -61,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gmm import SHAPES, bar_plot, cell, group_sizes_for  # noqa: E402
 from benchmarks.report import parse_variants  # noqa: E402
 from benchmarks.timing import device_seconds, sync, time_round_robin  # noqa: E402
-from jaxmoe.fp8_blockwise import BLOCK, quantize_1x128, quantize_128x128  # noqa: E402
+from jaxmoe.fp8_blockwise import BLOCK, BlockwiseTensor, quantize_1x128, quantize_128x128  # noqa: E402
 from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
 from jaxmoe.ops import (  # noqa: E402
     dispatch_quantize,
@@ -87,6 +87,7 @@ from jaxmoe.ops.pallas.quantize_transpose_hopper import (  # noqa: E402
     quantize_1x128_transposed_pallas,
     quantize_1x128_with_transpose_pallas,
     quantize_128x128_pallas,
+    requantize_1x128_transposed_pallas,
 )
 
 BF16 = jnp.bfloat16
@@ -345,7 +346,8 @@ def batched(fn, *args):
     """One jitted call that applies fn to QUANTIZE_COPIES distinct copies of args (rotating
     inputs, as separate steps would, and fewer host dispatches per kernel)."""
     many = jax.jit(lambda sets: [fn(*a) for a in sets])
-    sets = [[jnp.array(a, copy=True) for a in args] for _ in range(QUANTIZE_COPIES)]
+    copy = functools.partial(jax.tree.map, lambda a: jnp.array(a, copy=True))
+    sets = [[copy(a) for a in args] for _ in range(QUANTIZE_COPIES)]
     return lambda: many(sets)
 
 
@@ -425,14 +427,25 @@ def run_copy(run, torch, impl, nbytes):
 
 
 def transposing_bytes(kind, a):
-    """Bytes a transposing quantize kernel moves on input a: a read, every copy and scale
-    written (fp8 data, an fp32 scale per 128 x 128 weight block or per 128 activations)."""
-    elements, read = a.size, a.size * a.dtype.itemsize
+    """Bytes a transposing quantize kernel moves on input a: a read (a 1 x 128 copy: its fp8
+    data and scales), every copy and scale written (fp8 data, an fp32 scale per 128 x 128
+    weight block or per 128 activations)."""
+    if isinstance(a, BlockwiseTensor):
+        a, read = a.data, a.data.size + a.scale_inv.size * 4
+    else:
+        read = a.size * a.dtype.itemsize
+    elements = a.size
     return {
         "128x128_with_transpose": read + 2 * elements + 4 * (elements // BLOCK**2),
         "1x128_with_transpose": read + 2 * elements + 2 * 4 * (elements // BLOCK),
         "1x128_transposed": read + elements + 4 * (elements // BLOCK),
+        "1x128_requantize_transposed": read + elements + 4 * (elements // BLOCK),
     }[kind]
+
+
+def requantize_bf16(q, **kwargs):
+    """The wgrad copy of a dispatched 1 x 128 copy's bf16 values, from its fp8 bytes."""
+    return requantize_1x128_transposed_pallas(q.data, q.scale_inv, BF16, **kwargs)
 
 
 def same_bits(a, b) -> bool:
@@ -460,6 +473,8 @@ def bench_transposing_quantize(activations, w, run, torch, configs):
                 ("1x128_transposed", quantize_1x128_transposed_pallas),
             ]
         ]
+        copy = quantize_1x128(a, 1)  # the dispatched copy the layer requantizes
+        inputs.append(("1x128_requantize_transposed", requantize_bf16, f"[{name}]", copy))
     for kind, kernel, suffix, a in inputs:
         nbytes = transposing_bytes(kind, a)
         for arithmetic in ARITHMETIC:

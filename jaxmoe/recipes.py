@@ -214,8 +214,9 @@ class Fp8BlockwiseRecipe(Bf16Recipe):
     """Transformer Engine's FP8 blockwise recipe (`Float8BlockScaling`: 1x128 activations and
     gradients, 128x128 weights) for fc1 and fc2, forward and backward
     (`jaxmoe.ops.fp8_blockwise_gmm`); the rest as the bf16 recipe. fc1 takes dispatched 1x128
-    tokens (dispatch_dtype "fp8_blockwise") as they are; with dispatch_dtype "mxfp8" the rows
-    are the dequantized wire rows, quantized again in 1x128 blocks."""
+    tokens (dispatch_dtype "fp8_blockwise") as they are, and its wgrad copy is requantized from
+    their fp8 bytes (the rows' dequantized values are then never computed); with dispatch_dtype
+    "mxfp8" the rows are the dequantized wire rows, quantized again in 1x128 blocks."""
 
     name = "fp8_blockwise"
 
@@ -238,6 +239,7 @@ class Fp8BlockwiseRecipe(Bf16Recipe):
             kernel,
             route.group_sizes,
             lhs_quantized=lhs_quantized if isinstance(lhs_quantized, BlockwiseTensor) else None,
+            lhs_is_dequantized=isinstance(lhs_quantized, BlockwiseTensor),  # the wire rows
             rhs_quantized=copies,
             impl=impl,
             preferred_element_type=out_dtype,

@@ -283,17 +283,22 @@ def test_blockwise_experts_with_a_blockwise_wire(option):
 
 def test_fc1_takes_the_dispatched_copy_as_it_is(monkeypatch):
     """With dispatch_dtype "fp8_blockwise" the forward quantizes fc1's operand along K no more:
-    fc1 makes only the weight gradient's K-major copy of its rows (`quantize_1x128_transposed`),
-    fc2 both copies in one pass (`quantize_1x128_with_transpose`); with bf16 rows both GEMMs
-    make both."""
+    fc1 makes only the weight gradient's K-major copy, from the dispatched copy's fp8 bytes
+    (`requantize_1x128_transposed`), fc2 both copies in one pass
+    (`quantize_1x128_with_transpose`); with bf16 rows both GEMMs make both."""
     module = importlib.import_module("jaxmoe.ops.fp8_blockwise_gmm")  # not the function
     calls = []
-    for name in ("quantize_1x128_with_transpose", "quantize_1x128_transposed"):
+    names = (
+        "quantize_1x128_with_transpose",
+        "quantize_1x128_transposed",
+        "requantize_1x128_transposed",
+    )
+    for name in names:
         original = getattr(module, name)
 
-        def spy(x, fmt="e4m3", *, impl="auto", _name=name, _original=original):
+        def spy(*args, impl="auto", _name=name, _original=original, **kwargs):
             calls.append(_name)
-            return _original(x, fmt, impl="xla")
+            return _original(*args, impl="xla", **kwargs)
 
         monkeypatch.setattr(module, name, spy)
     x = tokens(32)[None]
@@ -304,7 +309,7 @@ def test_fc1_takes_the_dispatched_copy_as_it_is(monkeypatch):
         counts[wire] = sorted(calls)
     assert counts == {
         "bf16": ["quantize_1x128_with_transpose"] * 2,
-        "fp8_blockwise": ["quantize_1x128_transposed", "quantize_1x128_with_transpose"],
+        "fp8_blockwise": ["quantize_1x128_with_transpose", "requantize_1x128_transposed"],
     }
 
 

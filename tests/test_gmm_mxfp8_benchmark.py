@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import gmm_mxfp8 as bench
+from jaxmoe import fp8_blockwise
 from jaxmoe.ops.pallas.quantize_transpose_hopper import TransposeQuantizeConfig
 
 
@@ -34,6 +35,8 @@ def test_bytes_bits_and_shares_of_copy():
     n = a.size
     assert bench.transposing_bytes("1x128_with_transpose", a) == 2 * n + 2 * n + 8 * n // 128
     assert bench.transposing_bytes("1x128_transposed", a) == 2 * n + n + 4 * n // 128
+    q = fp8_blockwise.quantize_1x128(a, 1)  # read: its fp8 bytes and a scale per 128
+    assert bench.transposing_bytes("1x128_requantize_transposed", q) == 2 * (n + 4 * n // 128)
     w = jnp.zeros((2, 256, 384), jnp.float32)
     assert bench.transposing_bytes("128x128_with_transpose", w) == 4 * w.size + 2 * w.size + 4 * 12
     record = [
@@ -83,6 +86,11 @@ def test_transposing_kernels_run_with_each_config(interpret, monkeypatch):
         "pallas_float_quantize_1x128_transposed[x]",
         "pallas_registers_quantize_1x128_transposed[x]",
         "d2d_copy_for_1x128_transposed[x]",
+        "pallas_exact_quantize_1x128_requantize_transposed[x]",
+        "pallas_float_quantize_1x128_requantize_transposed[x]",
+        "pallas_split_quantize_1x128_requantize_transposed[x]",
+        "pallas_registers_quantize_1x128_requantize_transposed[x]",
+        "d2d_copy_for_1x128_requantize_transposed[x]",
     ]
     assert all(fields["bitwise_default"] for impl, _, fields in queued if "registers" in impl)
     assert {work for impl, work, _ in queued if "1x128_transposed" in impl} == {

@@ -16,6 +16,7 @@ from jaxmoe.ops import (
     quantize_1x128_transposed,
     quantize_1x128_with_transpose,
     quantize_128x128_with_transpose,
+    requantize_1x128_transposed,
 )
 from jaxmoe.ops.device import num_sms
 from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
@@ -25,12 +26,14 @@ from jaxmoe.ops.pallas.quantize_transpose_hopper import (
     quantize_1x128_transposed_pallas,
     quantize_1x128_with_transpose_pallas,
     quantize_128x128_pallas,
+    requantize_1x128_transposed_pallas,
 )
 
 from bitwise import assert_bitwise
 from quantize_inputs import normal_range, tensor
 
 BLOCK = fp8_blockwise.BLOCK
+BF16 = jnp.bfloat16
 KINDS = ["weights", "with_transpose", "transposed"]
 # The activations kernels' alternatives to `default_transpose_config` (which every other test
 # runs; for bf16 two CTAs with a split ring, C in place, the tile in registers): the field
@@ -276,3 +279,97 @@ def test_gpu_variants_equal_the_reference_bitwise(variant):
     for kind in ("with_transpose", "transposed"):
         x = special_blocks(kind, tensor(GPU_SHAPES[kind], jnp.bfloat16, seed=4))
         check_kernel(kind, x, "e4m3", "float", VARIANTS[variant])
+
+
+# ------------------------------------------------ the transposed copy of an fp8 copy's values
+def wire_copy(shape, fmt, seed, special=True):
+    """A 1 x 128 copy along K of a [M, K] tensor (specials, zero and denormal blocks when
+    `special`) with its last 128 rows as the dispatch pads them: zero data, zero multipliers."""
+    x = tensor(shape, jnp.float32, seed=seed)
+    if special:
+        x = special_blocks("transposed", x)
+    q = fp8_blockwise.quantize_1x128(x, 1, fmt)
+    return fp8_blockwise.BlockwiseTensor(
+        q.data.at[-BLOCK:].set(0), q.scale_inv.at[-BLOCK:].set(0), (1,), fmt
+    )
+
+
+def check_requantize(q, dtype, arithmetic, config=None):
+    """The kernel's transposed copy against the reference's bits: `quantize_1x128` (host CPU)
+    of `dequantize(q, dtype)` computed on the default device, whose float arithmetic the
+    kernel's shares (XLA:CPU, and the interpreter on it, flush subnormal products; GPUs keep
+    them)."""
+    values = np.asarray(fp8_blockwise.dequantize(q, dtype))
+    with jax.default_device(jax.devices("cpu")[0]):
+        ref = fp8_blockwise.quantize_1x128(jnp.asarray(values).T, 1, q.fmt)
+    kwargs = {} if config is None else dict(config=config)
+    got = requantize_1x128_transposed_pallas(
+        q.data, q.scale_inv, dtype, q.fmt, arithmetic=arithmetic, **kwargs
+    )
+    assert got[0].dtype == ref.data.dtype
+    assert_bitwise(np.asarray(got[0]), np.asarray(ref.data))
+    assert_bitwise(np.asarray(got[1]), np.asarray(ref.scale_inv))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_requantize_equals_the_reference_bitwise(interpret, dtype, fmt):
+    """Specials, zero and denormal blocks and padding rows (zero multipliers) in the copy; both
+    dequantized dtypes; 4 x 3 tiles."""
+    check_requantize(wire_copy((4 * BLOCK, 3 * BLOCK), fmt, seed=21), dtype, "exact")
+
+
+@pytest.mark.parametrize("variant", ["one_cta", "registers"])
+def test_requantize_variants_reuse_every_slot(interpret, variant):
+    """The default config and two others over 3 tiles more than the CTAs hold in their rings."""
+    config = VARIANTS[variant]
+    tiles = 3 * config.ctas_per_sm * num_sms() + 3
+    q = wire_copy((3 * BLOCK, -(-tiles // 3) * BLOCK), "e4m3", seed=22)
+    check_requantize(q, jnp.bfloat16, "float", config)
+
+
+def test_requantize_op_and_refusals(interpret):
+    """`jaxmoe.ops.requantize_1x128_transposed` on "pallas" equals "xla", which equals
+    `quantize_1x128_transposed` of the dequantized values; "auto" falls back for a copy the
+    kernel cannot take; bad copies are refused with the reason."""
+    q = wire_copy((2 * BLOCK, 2 * BLOCK), "e4m3", seed=23, special=False)
+    want = quantize_1x128_transposed(fp8_blockwise.dequantize(q, jnp.bfloat16), impl="xla")
+    for impl in ("pallas", "xla"):
+        got = requantize_1x128_transposed(q, jnp.bfloat16, impl=impl)
+        assert got.block_axes == (1,) and got.fmt == "e4m3"
+        assert_bitwise(np.asarray(got.data), np.asarray(want.data))
+        assert_bitwise(np.asarray(got.scale_inv), np.asarray(want.scale_inv))
+    partial = fp8_blockwise.quantize_1x128(tensor((200, 256), jnp.bfloat16, seed=24), 1)
+    fallback = requantize_1x128_transposed(partial, jnp.bfloat16)
+    assert fallback.shape == (256, 200)
+    with pytest.raises(ValueError, match="M, K multiples of 128"):
+        requantize_1x128_transposed(partial, jnp.bfloat16, impl="pallas")
+    with pytest.raises(ValueError, match="dequantized to bfloat16 or float32"):
+        requantize_1x128_transposed(q, jnp.float16, impl="pallas")
+    with pytest.raises(ValueError, match="1 x 128 blocks along axis 1"):
+        requantize_1x128_transposed(fp8_blockwise.quantize_1x128(jnp.ones((256, 128)), 0), BF16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_requantize_lowers_at_real_shapes(dtype):
+    """Lowering for sm_90a at the dispatched tokens of mixtral ([16384, 4096]) and dsv3_ep8
+    ([32768, 7168]) within the default config's share of shared memory."""
+    config = default_transpose_config(jnp.float8_e4m3fn)
+    s = jax.ShapeDtypeStruct
+    with artificial_shared_memory_limit(config.smem_budget):
+        for m, k in [(16384, 4096), (32768, 7168)]:
+            fn = functools.partial(
+                requantize_1x128_transposed_pallas, dequantized_dtype=dtype, arithmetic="float"
+            )
+            args = s((m, k), jnp.float8_e4m3fn), s((m, k // BLOCK), jnp.float32)
+            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arithmetic", ["float", "exact"])
+def test_gpu_requantize_equals_the_reference_bitwise(arithmetic):
+    """On the H200: both formats and dequantized dtypes, specials, denormal blocks (their
+    products subnormal in fp32, kept by the GPU's arithmetic and by XLA's reference on it)."""
+    for fmt in ("e4m3", "e5m2"):
+        for dtype in (jnp.bfloat16, jnp.float32):
+            check_requantize(wire_copy(GPU_SHAPES["transposed"], fmt, seed=25), dtype, arithmetic)

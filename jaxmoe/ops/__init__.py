@@ -25,6 +25,7 @@ from jaxmoe.ops.quantize import (
     quantize_1x128_transposed,
     quantize_1x128_with_transpose,
     quantize_128x128_with_transpose,
+    requantize_1x128_transposed,
 )
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "quantize_1x128",
     "quantize_1x128_with_transpose",
     "quantize_1x128_transposed",
+    "requantize_1x128_transposed",
     "quantize_128x128_with_transpose",
     "dispatch_quantize",
     "dispatch_rows",

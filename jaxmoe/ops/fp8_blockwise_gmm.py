@@ -34,6 +34,7 @@ from jaxmoe.ops.quantize import (
     quantize_1x128_transposed,
     quantize_1x128_with_transpose,
     quantize_128x128_with_transpose,
+    requantize_1x128_transposed,
 )
 
 
@@ -200,6 +201,7 @@ def fp8_blockwise_gmm(
     group_sizes: jax.Array,
     *,
     lhs_quantized: BlockwiseTensor | None = None,
+    lhs_is_dequantized: bool = False,
     rhs_quantized: BlockwiseWeights | None = None,
     impl: str = "auto",
     preferred_element_type=jnp.float32,
@@ -220,7 +222,10 @@ def fp8_blockwise_gmm(
     of 128 (no 1x128 block along the rows mixes two groups; rows past the groups must be zeros,
     as the plan makes them). lhs_quantized: the fprop copy of lhs quantized elsewhere (the
     dispatched 1x128 copy of the tokens, dispatch_dtype "fp8_blockwise"); it must equal
-    `quantize_1x128(lhs, 1)` in value; None: quantize here. rhs_quantized:
+    `quantize_1x128(lhs, 1)` in value; None: quantize here. lhs_is_dequantized: lhs holds
+    `dequantize(lhs_quantized, lhs.dtype)` (the layer's dispatched rows): the wgrad's copy is
+    then made from lhs_quantized's fp8 bytes (`requantize_1x128_transposed`, the same bits) and
+    lhs's values are never read, so XLA need not compute them. rhs_quantized:
     `quantize_blockwise_weights(rhs)` made earlier in the step (None: quantize here). Neither
     carries a gradient; lhs and rhs do. Result in `preferred_element_type`."""
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
@@ -250,6 +255,8 @@ def fp8_blockwise_gmm(
             "fp8_blockwise_gmm: lhs_quantized must be a BlockwiseTensor of lhs's shape "
             f"{lhs.shape} in 1x128 blocks along K (axis 1)"
         )
+    if lhs_is_dequantized and lhs_quantized is None:
+        raise ValueError("fp8_blockwise_gmm: lhs_is_dequantized needs lhs_quantized")
     if rhs_quantized is not None and (
         not isinstance(rhs_quantized, BlockwiseWeights) or rhs_quantized.weights.shape != rhs.shape
     ):
@@ -268,6 +275,7 @@ def fp8_blockwise_gmm(
         jnp.dtype(lhs.dtype),
         jnp.dtype(rhs.dtype),
         groups_per_weight,
+        bool(lhs_is_dequantized),
     )
 
 
@@ -278,23 +286,56 @@ def _sizes_per_weight(group_sizes, groups_per_weight):
     return group_sizes.reshape(-1, groups_per_weight).sum(axis=1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
 def _fp8_blockwise_gmm(
-    lhs, rhs, group_sizes, lhs_quantized, rhs_quantized, out_dtype, impl, dtype, rhs_dtype, n
+    lhs,
+    rhs,
+    group_sizes,
+    lhs_quantized,
+    rhs_quantized,
+    out_dtype,
+    impl,
+    dtype,
+    rhs_dtype,
+    n,
+    lhs_is_dequantized,
 ):
     return _fp8_blockwise_gmm_fwd(
-        lhs, rhs, group_sizes, lhs_quantized, rhs_quantized, out_dtype, impl, dtype, rhs_dtype, n
+        lhs,
+        rhs,
+        group_sizes,
+        lhs_quantized,
+        rhs_quantized,
+        out_dtype,
+        impl,
+        dtype,
+        rhs_dtype,
+        n,
+        lhs_is_dequantized,
     )[0]
 
 
 def _fp8_blockwise_gmm_fwd(
-    lhs, rhs, group_sizes, lhs_quantized, rhs_quantized, out_dtype, impl, dtype, rhs_dtype, n
+    lhs,
+    rhs,
+    group_sizes,
+    lhs_quantized,
+    rhs_quantized,
+    out_dtype,
+    impl,
+    dtype,
+    rhs_dtype,
+    n,
+    lhs_is_dequantized,
 ):
     copies = rhs_quantized
     if copies is None:
-        copies = quantize_blockwise_weights(rhs.astype(lhs.dtype), impl=impl)
+        copies = quantize_blockwise_weights(rhs.astype(dtype), impl=impl)
     if lhs_quantized is None:
         lhs_rowwise, lhs_t = quantize_1x128_with_transpose(lhs, impl=impl)
+    elif lhs_is_dequantized:
+        lhs_rowwise = lhs_quantized
+        lhs_t = requantize_1x128_transposed(lhs_quantized, dtype, impl=impl)
     else:
         lhs_rowwise, lhs_t = lhs_quantized, quantize_1x128_transposed(lhs, impl=impl)
     out = gmm_fp8_blockwise(
@@ -308,7 +349,7 @@ def _fp8_blockwise_gmm_fwd(
     return out, (lhs_t, copies.weights, group_sizes)
 
 
-def _fp8_blockwise_gmm_bwd(out_dtype, impl, dtype, rhs_dtype, n, residuals, grad):
+def _fp8_blockwise_gmm_bwd(out_dtype, impl, dtype, rhs_dtype, n, _, residuals, grad):
     lhs_t, weights, group_sizes = residuals
     grad_rowwise, grad_t = quantize_1x128_with_transpose(grad.astype(dtype), impl=impl)
     d_lhs = gmm_fp8_blockwise(

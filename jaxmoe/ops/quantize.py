@@ -2,7 +2,8 @@
 `quantize_1x128` (1 x 128 blocks along any axis), `dispatch_quantize` (gather the expert
 buffer's rows and quantize them in one pass, either recipe), and the FP8-blockwise copies with
 their K-major transposes made in one pass (`quantize_1x128_with_transpose`,
-`quantize_1x128_transposed`, `quantize_128x128_with_transpose`).
+`quantize_1x128_transposed`, `quantize_128x128_with_transpose`; `requantize_1x128_transposed`
+from a 1 x 128 copy's fp8 bytes instead of its dequantized values).
 
   impl "xla"     the TE-exact references `jaxmoe.mxfp8.quantize` and
                  `jaxmoe.fp8_blockwise.quantize_1x128` / `quantize_128x128` (the transposed
@@ -16,7 +17,8 @@ their K-major transposes made in one pass (`quantize_1x128_with_transpose`,
                  (bf16) / 32 (fp32) (FP8 blockwise: 128); the transposing FP8-blockwise
                  kernels (ops/pallas/quantize_transpose_hopper.py) on [M, K] activations and
                  [G, K, N] weights whose last two axes are multiples of 128; bf16 or fp32
-                 input, not empty. Other problems raise ValueError.
+                 input, not empty (the requantize: a float8 [M, K] copy, M and K multiples
+                 of 128). Other problems raise ValueError.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
 
 Gradients: a quantized tensor carries none (its data is fp8, its scales are integers or powers
@@ -56,6 +58,8 @@ from jaxmoe.ops.pallas.quantize_transpose_hopper import (
     quantize_1x128_transposed_pallas,
     quantize_1x128_with_transpose_pallas,
     quantize_128x128_pallas,
+    requantize_1x128_transposed_pallas,
+    requantize_problem,
     transpose_problem,
     weights_problem,
 )
@@ -113,6 +117,13 @@ def _transpose_kernel_problem(x) -> str | None:
     return _dtype_problem(x) or transpose_problem(x.shape, x.dtype)
 
 
+def _requantize_kernel_problem(x: BlockwiseTensor, dtype) -> str | None:
+    """Why the requantize kernel cannot make the transposed copy of x's values (None: it can)."""
+    return requantize_problem(
+        x.data.shape, x.data.dtype, x.scale_inv.shape, x.scale_inv.dtype, dtype
+    )
+
+
 def _weights_kernel_problem(w) -> str | None:
     """Why the transposing 128 x 128 kernel cannot quantize w (None when it can)."""
     return _dtype_problem(w) or weights_problem(w.shape, w.dtype)
@@ -124,6 +135,7 @@ registry.register("dispatch_quantize", "pallas", problem=_gather_kernel_problem)
 registry.register("quantize_1x128_with_transpose", "pallas", problem=_transpose_kernel_problem)
 registry.register("quantize_1x128_transposed", "pallas", problem=_transpose_kernel_problem)
 registry.register("quantize_128x128_with_transpose", "pallas", problem=_weights_kernel_problem)
+registry.register("requantize_1x128_transposed", "pallas", problem=_requantize_kernel_problem)
 
 
 def quantize(x: jax.Array, axis: int = -1, fmt: str = "e4m3", *, impl: str = "auto") -> MXTensor:
@@ -246,6 +258,26 @@ def quantize_1x128_transposed(
     if registry.resolve("quantize_1x128_transposed", impl, x) == "xla":
         return fp8_blockwise.quantize_1x128(x.T, 1, fmt)
     data_t, scale_inv_t = quantize_1x128_transposed_pallas(x, fmt)
+    return BlockwiseTensor(data_t, scale_inv_t, (1,), fmt)
+
+
+def requantize_1x128_transposed(
+    x: BlockwiseTensor, dtype, fmt: str = "e4m3", *, impl: str = "auto"
+) -> BlockwiseTensor:
+    """`quantize_1x128(dequantize(x, dtype).T, 1, fmt)` of a copy x [M, K] in 1 x 128 blocks
+    along K (same bits): the K-major copy of x's values transposed, in 1 x 128 blocks along M,
+    as `quantize_1x128_transposed` makes it from those values in `dtype` (bf16 or fp32); on
+    "pallas" read from x's fp8 bytes, without its values in `dtype` in memory. No gradient
+    flows through it (module docstring)."""
+    if not isinstance(x, BlockwiseTensor) or x.ndim != 2 or x.block_axes != (1,):
+        raise ValueError(
+            "requantize_1x128_transposed: x must be a 2-D BlockwiseTensor in 1 x 128 blocks "
+            f"along axis 1, got {x!r}"
+        )
+    x = jax.tree.map(jax.lax.stop_gradient, x)
+    if registry.resolve("requantize_1x128_transposed", impl, x, dtype) == "xla":
+        return fp8_blockwise.quantize_1x128(fp8_blockwise.dequantize(x, dtype).T, 1, fmt)
+    data_t, scale_inv_t = requantize_1x128_transposed_pallas(x.data, x.scale_inv, dtype, fmt)
     return BlockwiseTensor(data_t, scale_inv_t, (1,), fmt)
 
 

@@ -7,6 +7,8 @@ the input, bitwise equal to `jaxmoe.fp8_blockwise`:
   quantize_1x128_with_transpose_pallas   activations x [M, K]: `quantize_1x128(x, 1)` and
                                          `quantize_1x128(x.T, 1)` (x^T in 1 x 128 blocks along M)
   quantize_1x128_transposed_pallas       the second alone
+  requantize_1x128_transposed_pallas     the second of an fp8 copy's values (1 x 128 blocks
+                                         along K, e.g. the dispatched tokens), read as fp8
 
 A persistent CTA (one warpgroup) walks 128 x 128 input tiles through a TMA ring
 (`row_pipeline.pipeline`): each tile is loaded once, quantized in registers with
@@ -86,6 +88,8 @@ _COMPILER_PARAMS = plgpu.CompilerParams(
     reduction_scratch_bytes=_REDUCTION_SCRATCH,
 )
 _MAX_STAGES = 4
+_FP8_INPUTS = tuple(jnp.dtype(f.dtype) for f in FORMATS.values())
+_DEQUANTIZED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _SMEM_SLACK = 1024  # barriers and the alignment of the allocations
 TRANSPOSES = ("separate", "in_place")
 COLUMN_SOURCES = ("smem", "registers")
@@ -215,6 +219,67 @@ def transpose_problem(shape, dtype) -> str | None:
     )
 
 
+def requantize_problem(shape, dtype, scale_shape, scale_dtype, dequantized_dtype) -> str | None:
+    """Why `requantize_1x128_transposed_pallas` cannot take a copy of this shape/dtype with
+    these multipliers (None: it can)."""
+    if (
+        len(shape) != 2
+        or jnp.dtype(dtype) not in _FP8_INPUTS
+        or shape[0] <= 0
+        or shape[0] % BLOCK
+        or shape[1] <= 0
+        or shape[1] % BLOCK
+        or tuple(scale_shape) != (shape[0], shape[1] // BLOCK)
+        or jnp.dtype(scale_dtype) != jnp.float32
+        or jnp.dtype(dequantized_dtype) not in _DEQUANTIZED_DTYPES
+    ):
+        return (
+            "FP8 blockwise 1x128 requantize kernel: needs a float8 [M, K] copy in 1 x 128 blocks "
+            f"along K (M, K multiples of {BLOCK}) with fp32 multipliers [M, K/{BLOCK}], "
+            f"dequantized to bfloat16 or float32; got {tuple(shape)} {jnp.dtype(dtype).name}, "
+            f"multipliers {tuple(scale_shape)} {jnp.dtype(scale_dtype).name}, "
+            f"{jnp.dtype(dequantized_dtype).name}"
+        )
+    return None
+
+
+def requantize_1x128_transposed_pallas(
+    data: jax.Array,
+    scale_inv: jax.Array,
+    dequantized_dtype,
+    fmt: str = "e4m3",
+    *,
+    arithmetic=None,
+    config: TransposeQuantizeConfig | None = None,
+    interpret=None,
+):
+    """(data_t [K, M], scale_inv_t [K, M/128]) of the copy x = (data [M, K] float8, scale_inv
+    [M, K/128] fp32 multipliers) in 1 x 128 blocks along K: the bits of
+    `quantize_1x128(dequantize(x, dequantized_dtype).T, 1)`, the copy of x^T in 1 x 128 blocks
+    along M, from one read of the copy (1 byte an element, not the 2 or 4 of its dequantized
+    values). `config` as `quantize_1x128_transposed_pallas`'s."""
+    arithmetic = arithmetic or default_arithmetic()
+    problem = requantize_problem(
+        data.shape, data.dtype, scale_inv.shape, scale_inv.dtype, dequantized_dtype
+    )
+    check_kernel_call(problem, fmt, arithmetic)
+    m, k = data.shape
+    config = config or default_transpose_config(data.dtype)
+    kernel = _activations_kernel(
+        m,
+        k,
+        jnp.dtype(data.dtype),
+        fmt,
+        arithmetic,
+        config,
+        interpret,
+        rowwise=False,
+        dequantized_dtype=jnp.dtype(dequantized_dtype),
+    )
+    data_t, scale_column = kernel(data, scale_inv.T)
+    return _as_format(data_t, fmt), scale_column.T
+
+
 def quantize_128x128_pallas(w: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None):
     """(data [G, K, N], scale_inv [G, K/128, N/128] fp32, data_t [G, N, K]) of the weights
     w [G, K, N] (bf16/fp32; K, N multiples of 128): `jaxmoe.fp8_blockwise.quantize_128x128(w)`'s
@@ -286,19 +351,23 @@ def _as_format(data, fmt):
     return lax.bitcast_convert_type(data, FORMATS[fmt].dtype)
 
 
-def _ring(dtype, output_bytes, config):
-    """(slots, output slots, SMEM scratch) of a kernel whose input slots hold a tile and whose
-    output slots its transposed bytes and `output_bytes` more (`config.ring`), next to the
-    reduction scratch and, unless the transpose is in place, the byte tile C."""
+def _ring(dtype, output_bytes, config, with_row_scales=False):
+    """(slots, output slots, SMEM scratch) of a kernel whose input slots hold a tile (and, with
+    `with_row_scales`, its rows' 128 fp32 scales) and whose output slots its transposed bytes
+    and `output_bytes` more (`config.ring`), next to the reduction scratch and, unless the
+    transpose is in place, the byte tile C."""
     tile = BLOCK * BLOCK
     separate = config.transpose == "separate"
     fixed = separate * tile + _REDUCTION_SCRATCH + _SMEM_SLACK
-    slots, outputs = config.ring(tile * dtype.itemsize, tile + output_bytes, fixed)
+    input_bytes = tile * dtype.itemsize + with_row_scales * BLOCK * 4
+    slots, outputs = config.ring(input_bytes, tile + output_bytes, fixed)
     scratch = dict(
         x_smem=plgpu.SMEM((slots, BLOCK, BLOCK), dtype),
         t_smem=plgpu.SMEM((outputs, BLOCK, BLOCK), jnp.int8, transforms=_BYTE_TILE),
-        loaded=plgpu.Barrier(num_barriers=slots),
+        loaded=plgpu.Barrier(num_arrivals=1 + with_row_scales, num_barriers=slots),
     )
+    if with_row_scales:
+        scratch["input_scale_smem"] = plgpu.SMEM((slots, 1, BLOCK), jnp.float32)
     if separate:
         scratch["c_smem"] = plgpu.SMEM((BLOCK, BLOCK), jnp.int8, transforms=_BYTE_TILE)
     return slots, outputs, scratch
@@ -368,6 +437,31 @@ def _tile_fetch(x_gmem, x_smem, input_window):
         return issue
 
     return fetch
+
+
+def _with_row_scales(fetch, scale_gmem, scale_smem, window):
+    """`fetch` that also loads the tile's rows' scales (row rb's block kb of the transposed
+    multipliers [K/128, M]) into the slot's row of scale_smem, on the same barrier."""
+
+    def fetch_both(t):
+        issue_tile = fetch(t)
+        rb, kb, rows, _ = window(t)
+
+        def issue(slot, barrier):
+            issue_tile(slot, barrier)
+            plgpu.copy_gmem_to_smem(scale_gmem.at[pl.ds(kb, 1), rows], scale_smem.at[slot], barrier)
+
+        return issue
+
+    return fetch_both
+
+
+def _dequantized_bits(scale_smem, dtype, values, i):
+    """fp32 bits of part i of a float8 tile times its rows' scales (scale_smem [1, 128]), in
+    fp32 and rounded to dtype: `fp8_blockwise.dequantize`'s values."""
+    scale = plgpu.load(scale_smem.at[0, _PARTS[i]], layout=_LAYOUT.reduce(1))
+    scale = plgpu.layout_cast(lax.broadcast_in_dim(scale, values.shape, (0,)), _LAYOUT)
+    return float32_bits((values.astype(jnp.float32) * scale).astype(dtype))
 
 
 @functools.cache
@@ -452,17 +546,23 @@ def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, interpret):
 
 
 @functools.cache
-def _activations_kernel(m, k, dtype, fmt_name, arithmetic, config, interpret, rowwise):
+def _activations_kernel(
+    m, k, dtype, fmt_name, arithmetic, config, interpret, rowwise, dequantized_dtype=None
+):
     """Kernel of the 1 x 128 transposing quantize of x [M, K] under `config`: tile t is block
     row rb = t // (K/128), block column kb = t % (K/128). Outputs: with `rowwise`, data [M, K]
-    and its scales [K/128, M]; then data_t [K, M] (int8) and its scales [M/128, K]."""
+    and its scales [K/128, M]; then data_t [K, M] (int8) and its scales [M/128, K].
+    `dequantized_dtype` (transposed copy only): x is a float8 copy in 1 x 128 blocks along K,
+    with a second input, its multipliers transposed [K/128, M]; the kernel quantizes its values
+    dequantized in fp32 and rounded to `dequantized_dtype`, as `fp8_blockwise.dequantize`."""
     fmt = FORMATS[fmt_name]
     column_tiles = k // BLOCK
     num_tiles = m // BLOCK * column_tiles
     ctas = num_ctas(num_tiles, config.ctas_per_sm)
     scale_row = BLOCK * 4  # a tile's 128 fp32 scales of one copy
+    dequantizing = dequantized_dtype is not None
     slots, output_slots, scratch = _ring(
-        dtype, (BLOCK * BLOCK + 2 * scale_row) if rowwise else scale_row, config
+        dtype, (BLOCK * BLOCK + 2 * scale_row) if rowwise else scale_row, config, dequantizing
     )
     scale_slots = plgpu.SMEM((output_slots, 1, BLOCK), jnp.float32)
     scratch["column_scale_smem"] = scale_slots
@@ -477,20 +577,30 @@ def _activations_kernel(m, k, dtype, fmt_name, arithmetic, config, interpret, ro
         return rb, kb, pl.ds(rb * BLOCK, BLOCK), pl.ds(kb * BLOCK, BLOCK)
 
     def quantize_1x128_transpose(
-        x_gmem, *outputs, x_smem, t_smem, loaded, column_scale_smem, **more_smem
+        x_gmem, *inputs_and_outputs, x_smem, t_smem, loaded, column_scale_smem, **more_smem
     ):
+        input_scale_gmem = inputs_and_outputs[0] if dequantizing else None
+        outputs = inputs_and_outputs[dequantizing:]
         *rowwise_gmem, data_t_gmem, column_scale_gmem = outputs
         identity = _identity_halves()
 
         fetch = _tile_fetch(x_gmem, x_smem, lambda t: window(t)[2:])
+        if dequantizing:
+            fetch = _with_row_scales(fetch, input_scale_gmem, more_smem["input_scale_smem"], window)
 
         def compute(slot, out):
             x = x_smem.at[slot]
+            load = lambda part: plgpu.load(x.at[part], layout=_LAYOUT)
+            as_bits = lambda values, _: float32_bits(values)
+            if dequantizing:
+                as_bits = functools.partial(
+                    _dequantized_bits, more_smem["input_scale_smem"].at[slot], dequantized_dtype
+                )
             if config.column_source == "registers":  # as loaded: bf16 takes half the registers
-                held = [plgpu.load(x.at[part], layout=_LAYOUT) for part in _PARTS]
-                part_bits = lambda i: float32_bits(held[i])
+                held = [load(part) for part in _PARTS]
+                part_bits = lambda i: as_bits(held[i], i)
             else:
-                part_bits = lambda i: _load_bits(x, _PARTS[i])
+                part_bits = lambda i: as_bits(load(_PARTS[i]), i)
 
             def encode_rows(i, bits):
                 """The rowwise copy of part i."""
@@ -563,7 +673,13 @@ def _activations_kernel(m, k, dtype, fmt_name, arithmetic, config, interpret, ro
         )
     return plgpu.kernel(
         quantize_1x128_transpose,
-        kernel_name="quantize_1x128_transpose" if rowwise else "quantize_1x128_transposed",
+        kernel_name=(
+            "quantize_1x128_transpose"
+            if rowwise
+            else "requantize_1x128_transposed"
+            if dequantizing
+            else "quantize_1x128_transposed"
+        ),
         out_type=out_type,
         grid=(ctas,),
         grid_names=("cta",),
