@@ -16,11 +16,12 @@ The token-level options ("mxfp8" or "fp8_blockwise", `jaxmoe.wire`) work with ev
     along the tokens for fc1's weight gradient (a copy derived from the wire format, as
     Transformer Engine's MXFP8 all-to-all does); other experts take the rows as their input.
   * combine_bwd_dtype: the gradient of y is quantized along H at token level, before it is
-    dispatched back to the rows, and only that copy is dispatched. MXFP8 experts use an MXFP8
-    copy as fc2's dgrad operand as it is (so fc2 and the combine share one custom VJP) and
-    quantize its dequantized rows columnwise for fc2's weight gradient; the other experts take
-    the dequantized rows as their output gradient (FP8-blockwise experts quantize them again in
-    1x128 blocks along H: the same values as the copy, so the same products).
+    dispatched back to the rows, and only that copy is dispatched. Experts of the copy's format
+    use it as fc2's dgrad operand as it is (so fc2 and the combine share one custom VJP,
+    `_fc2_and_combine`): MXFP8 experts quantize its dequantized rows columnwise for fc2's
+    weight gradient, FP8-blockwise experts requantize that copy from its fp8 bytes (the same
+    bits); the other experts take the dequantized rows as their output gradient
+    (FP8-blockwise experts quantize an MXFP8 copy's rows again in 1x128 blocks along H).
 Quantizers are the identity for the gradient (straight-through), as in Transformer Engine.
 """
 
@@ -39,9 +40,13 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.fp8_blockwise import BlockwiseTensor
 from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops import fp8_blockwise_gmm, gmm
-from jaxmoe.ops.fp8_blockwise_gmm import BlockwiseWeights, quantize_blockwise_weights
+from jaxmoe.ops.fp8_blockwise_gmm import (
+    BlockwiseWeights,
+    fp8_blockwise_gmm_backward,
+    fp8_blockwise_gmm_forward,
+    quantize_blockwise_weights,
+)
 from jaxmoe.ops.mxfp8_gmm import (
-    Mxfp8GmmResiduals,
     QuantizedWeights,
     mxfp8_gmm,
     mxfp8_gmm_backward,
@@ -192,17 +197,39 @@ class Mxfp8Recipe(ExpertRecipe):
         )
 
     def fc2_and_combine(self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl):
+        fc2_weights = None if weights is None else weights.fc2
         if kernel is None:  # inference on the stored fprop copy alone
-            return _mxfp8_fc2_then_combine(a, None, row_bias, route, weights.fc2, impl)
-        return _mxfp8_fc2_and_combine(
-            a,
-            kernel,
-            row_bias,
-            route,
-            None if weights is None else weights.fc2,
-            combine_bwd_dtype,
-            impl,
+            with jax.named_scope("fc2"):
+                out, _ = self.fc2_forward(a, None, route, fc2_weights, impl)
+                out = add_row_bias(out, row_bias)
+            with jax.named_scope("combine"):
+                return out, route.to_tokens(out)
+        return _fc2_and_combine(
+            a, kernel, row_bias, route, fc2_weights, combine_bwd_dtype, impl, self
         )
+
+    def fc2_forward(self, a, kernel, route, fc2_weights, impl):
+        """(fc2's output rows in a.dtype, residuals for `fc2_backward`) (`_fc2_and_combine`)."""
+        if kernel is None:
+            out = mxfp8_gmm(
+                a,
+                None,
+                route.group_sizes,
+                impl=impl,
+                rhs_quantized=fc2_weights,
+                preferred_element_type=a.dtype,
+                groups_per_weight=route.groups_per_weight,
+            )
+            return out, None
+        return mxfp8_gmm_forward(
+            a, kernel, route.group_sizes, None, a.dtype, impl, fc2_weights, route.groups_per_weight
+        )
+
+    def fc2_backward(self, residuals, d_rows, grad_quantized):
+        """(d a, d kernel) of fc2 for the row gradient d_rows; grad_quantized: the combine
+        gradient's wire copy (its dequantized values are d_rows), or None."""
+        grad_rowwise = grad_quantized if isinstance(grad_quantized, MXTensor) else None
+        return mxfp8_gmm_backward(residuals, d_rows, grad_rowwise)
 
     def quantize_weights(self, fc1_kernel, fc2_kernel, impl):
         return ExpertWeightsMx(
@@ -226,6 +253,31 @@ class Fp8BlockwiseRecipe(Bf16Recipe):
                 "grouped_mlp: expert_weights must be this layer's quantize_expert_weights() "
                 "(fp8_blockwise copies)"
             )
+
+    def fc2_and_combine(self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl):
+        self.check_copies(weights)
+        fc2_weights = None if weights is None else weights.fc2
+        return _fc2_and_combine(
+            a, kernel, row_bias, route, fc2_weights, combine_bwd_dtype, impl, self
+        )
+
+    def fc2_forward(self, a, kernel, route, fc2_weights, impl):
+        """As `Mxfp8Recipe.fc2_forward`, in FP8 blockwise."""
+        return fp8_blockwise_gmm_forward(
+            a,
+            kernel,
+            route.group_sizes,
+            rhs_quantized=fc2_weights,
+            out_dtype=a.dtype,
+            impl=impl,
+            groups_per_weight=route.groups_per_weight,
+        )
+
+    def fc2_backward(self, residuals, d_rows, grad_quantized):
+        """As `Mxfp8Recipe.fc2_backward`: a 1x128 wire copy is fc2's dgrad operand as it is and
+        its fp8 bytes give the weight gradient's copy (`fp8_blockwise_gmm_backward`)."""
+        wire = grad_quantized if isinstance(grad_quantized, BlockwiseTensor) else None
+        return fp8_blockwise_gmm_backward(residuals, d_rows, wire)
 
     def quantize_weights(self, fc1_kernel, fc2_kernel, impl):
         return ExpertWeightsBlockwise(
@@ -290,59 +342,37 @@ _combine_with_quantized_gradient.defvjp(
 
 @struct.dataclass
 class _Fc2CombineResiduals:
-    gemm: Mxfp8GmmResiduals
+    gemm: Any  # the recipe's fc2 residuals
     route: Any
     has_bias: bool = struct.field(pytree_node=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _mxfp8_fc2_and_combine(
-    a, fc2_kernel, row_bias, route, fc2_weights, combine_bwd_dtype, gmm_impl
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _fc2_and_combine(
+    a, fc2_kernel, row_bias, route, fc2_weights, combine_bwd_dtype, gmm_impl, recipe
 ):
-    """(out, route.to_tokens(out)) with out = MXFP8 fc2 of the activation a (+ the per-row
-    bias).
+    """(out, route.to_tokens(out)) with out = the recipe's fc2 of the activation a (+ the
+    per-row bias; `recipe.fc2_forward`).
 
     One custom VJP for both, so that the backward can quantize the token-level gradient before
-    dispatching it and hand an MXFP8 copy to fc2's dgrad (combine_bwd_dtype "mxfp8"; an
-    "fp8_blockwise" copy reaches fc2 as its dequantized rows)."""
-    return _mxfp8_fc2_then_combine(a, fc2_kernel, row_bias, route, fc2_weights, gmm_impl)
-
-
-def _mxfp8_fc2_then_combine(a, fc2_kernel, row_bias, route, fc2_weights, gmm_impl):
+    dispatching it and hand that copy to fc2's backward (`recipe.fc2_backward`), which uses it
+    as it is where it is of the recipe's own format (combine_bwd_dtype "mxfp8" for MXFP8
+    experts, "fp8_blockwise" for FP8-blockwise ones) and takes the dequantized rows otherwise."""
     with jax.named_scope("fc2"):
-        out = add_row_bias(
-            mxfp8_gmm(
-                a,
-                fc2_kernel,
-                route.group_sizes,
-                impl=gmm_impl,
-                rhs_quantized=fc2_weights,
-                preferred_element_type=a.dtype,
-                groups_per_weight=route.groups_per_weight,
-            ),
-            row_bias,
-        )
+        out, _ = recipe.fc2_forward(a, fc2_kernel, route, fc2_weights, gmm_impl)
+        out = add_row_bias(out, row_bias)
     with jax.named_scope("combine"):
         return out, route.to_tokens(out)
 
 
-def _mxfp8_fc2_and_combine_fwd(
-    a, fc2_kernel, row_bias, route, fc2_weights, combine_bwd_dtype, gmm_impl
+def _fc2_and_combine_fwd(
+    a, fc2_kernel, row_bias, route, fc2_weights, combine_bwd_dtype, gmm_impl, recipe
 ):
     a, fc2_kernel, row_bias, route, fc2_weights = custom_vjp_primal_tree_values(
         (a, fc2_kernel, row_bias, route, fc2_weights)
     )
     with jax.named_scope("fc2"):
-        out, gemm_residuals = mxfp8_gmm_forward(
-            a,
-            fc2_kernel,
-            route.group_sizes,
-            None,
-            a.dtype,
-            gmm_impl,
-            fc2_weights,
-            route.groups_per_weight,
-        )
+        out, gemm_residuals = recipe.fc2_forward(a, fc2_kernel, route, fc2_weights, gmm_impl)
         out = add_row_bias(out, row_bias)
     residuals = _Fc2CombineResiduals(
         gemm=gemm_residuals, route=route, has_bias=row_bias is not None
@@ -352,7 +382,7 @@ def _mxfp8_fc2_and_combine_fwd(
     return (out, combined), residuals
 
 
-def _mxfp8_fc2_and_combine_bwd(combine_bwd_dtype, gmm_impl, residuals, cotangents):
+def _fc2_and_combine_bwd(combine_bwd_dtype, gmm_impl, recipe, residuals, cotangents):
     d_out, d_combined = cotangents
     route = residuals.route
     if isinstance(d_combined, SymbolicZero):  # only the fc2_output stage is used
@@ -364,18 +394,13 @@ def _mxfp8_fc2_and_combine_bwd(combine_bwd_dtype, gmm_impl, residuals, cotangent
             # longer the whole row gradient, so the sum is quantized on the compute side.
             d_rows = route.to_experts(d_combined) + d_out
         elif combine_bwd_dtype != "bf16":
-            grad_quantized, d_rows = _gradient_rows(
-                route, d_combined, combine_bwd_dtype, residuals.gemm.impl
-            )
+            grad_quantized, d_rows = _gradient_rows(route, d_combined, combine_bwd_dtype, gmm_impl)
         else:
             d_rows = route.to_experts(d_combined)
     with jax.named_scope("fc2"):
-        grad_rowwise = grad_quantized if isinstance(grad_quantized, MXTensor) else None
-        d_a, d_kernel = mxfp8_gmm_backward(residuals.gemm, d_rows, grad_rowwise)
+        d_a, d_kernel = recipe.fc2_backward(residuals.gemm, d_rows, grad_quantized)
     d_row_bias = d_rows.astype(F32) if residuals.has_bias else None
     return d_a, d_kernel, d_row_bias, None, None
 
 
-_mxfp8_fc2_and_combine.defvjp(
-    _mxfp8_fc2_and_combine_fwd, _mxfp8_fc2_and_combine_bwd, symbolic_zeros=True
-)
+_fc2_and_combine.defvjp(_fc2_and_combine_fwd, _fc2_and_combine_bwd, symbolic_zeros=True)

@@ -18,6 +18,7 @@ high-precision operands.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -272,8 +273,6 @@ def fp8_blockwise_gmm(
         rhs_quantized,
         jnp.dtype(preferred_element_type),
         impl,
-        jnp.dtype(lhs.dtype),
-        jnp.dtype(rhs.dtype),
         groups_per_weight,
         bool(lhs_is_dequantized),
     )
@@ -286,48 +285,36 @@ def _sizes_per_weight(group_sizes, groups_per_weight):
     return group_sizes.reshape(-1, groups_per_weight).sum(axis=1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
-def _fp8_blockwise_gmm(
+@struct.dataclass
+class Fp8BlockwiseGmmResiduals:
+    """What `fp8_blockwise_gmm`'s backward keeps from its forward: lhs's copy for the weight
+    gradient (lhs^T in 1 x 128 blocks along the rows), the weights' 128 x 128 copy for dgrad,
+    the group sizes and static settings."""
+
+    lhs_t: BlockwiseTensor
+    weights: BlockwiseTensor
+    group_sizes: jax.Array
+    dtype: Any = struct.field(pytree_node=False)  # compute dtype of lhs and the gradients
+    rhs_dtype: Any = struct.field(pytree_node=False)
+    impl: str = struct.field(pytree_node=False)
+    groups_per_weight: int = struct.field(pytree_node=False)
+
+
+def fp8_blockwise_gmm_forward(
     lhs,
     rhs,
     group_sizes,
-    lhs_quantized,
-    rhs_quantized,
+    *,
+    lhs_quantized=None,
+    lhs_is_dequantized=False,
+    rhs_quantized=None,
     out_dtype,
     impl,
-    dtype,
-    rhs_dtype,
-    n,
-    lhs_is_dequantized,
-):
-    return _fp8_blockwise_gmm_fwd(
-        lhs,
-        rhs,
-        group_sizes,
-        lhs_quantized,
-        rhs_quantized,
-        out_dtype,
-        impl,
-        dtype,
-        rhs_dtype,
-        n,
-        lhs_is_dequantized,
-    )[0]
-
-
-def _fp8_blockwise_gmm_fwd(
-    lhs,
-    rhs,
-    group_sizes,
-    lhs_quantized,
-    rhs_quantized,
-    out_dtype,
-    impl,
-    dtype,
-    rhs_dtype,
-    n,
-    lhs_is_dequantized,
-):
+    groups_per_weight=1,
+) -> tuple[jax.Array, Fp8BlockwiseGmmResiduals]:
+    """`fp8_blockwise_gmm`'s forward rule (no argument checks): the output and the residuals
+    for `fp8_blockwise_gmm_backward`. Public for ops that fuse the GEMM with their neighbours."""
+    dtype = jnp.dtype(lhs.dtype)
     copies = rhs_quantized
     if copies is None:
         copies = quantize_blockwise_weights(rhs.astype(dtype), impl=impl)
@@ -341,29 +328,87 @@ def _fp8_blockwise_gmm_fwd(
     out = gmm_fp8_blockwise(
         lhs_rowwise,
         copies.transposed,
-        _sizes_per_weight(group_sizes, n),
+        _sizes_per_weight(group_sizes, groups_per_weight),
         transpose_rhs=True,
         impl=impl,
         preferred_element_type=out_dtype,
     )
-    return out, (lhs_t, copies.weights, group_sizes)
+    residuals = Fp8BlockwiseGmmResiduals(
+        lhs_t=lhs_t,
+        weights=copies.weights,
+        group_sizes=group_sizes,
+        dtype=dtype,
+        rhs_dtype=jnp.dtype(rhs.dtype),
+        impl=impl,
+        groups_per_weight=groups_per_weight,
+    )
+    return out, residuals
 
 
-def _fp8_blockwise_gmm_bwd(out_dtype, impl, dtype, rhs_dtype, n, _, residuals, grad):
-    lhs_t, weights, group_sizes = residuals
-    grad_rowwise, grad_t = quantize_1x128_with_transpose(grad.astype(dtype), impl=impl)
+def fp8_blockwise_gmm_backward(
+    residuals: Fp8BlockwiseGmmResiduals,
+    grad: jax.Array,
+    grad_quantized: BlockwiseTensor | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`fp8_blockwise_gmm`'s backward rule: (d_lhs, d_rhs) for the output gradient grad
+    [M, N], rounded to the compute dtype and quantized in 1 x 128 blocks along N (dgrad) and
+    along the rows (wgrad). grad_quantized: a 1 x 128 copy along N whose dequantized values in
+    the compute dtype are grad (the combine gradient's wire copy): dgrad takes it as it is (the
+    same values as grad's copy, so the same products) and wgrad's copy is requantized from its
+    fp8 bytes; grad's values are then never read."""
+    dtype, impl, n = residuals.dtype, residuals.impl, residuals.groups_per_weight
+    if grad_quantized is None:
+        grad_rowwise, grad_t = quantize_1x128_with_transpose(grad.astype(dtype), impl=impl)
+    else:
+        grad_rowwise = grad_quantized
+        grad_t = requantize_1x128_transposed(grad_quantized, dtype, impl=impl)
     d_lhs = gmm_fp8_blockwise(
         grad_rowwise,
-        weights,
-        _sizes_per_weight(group_sizes, n),
+        residuals.weights,
+        _sizes_per_weight(residuals.group_sizes, n),
         transpose_rhs=True,
         impl=impl,
         preferred_element_type=dtype,
     )
     partials = tgmm_fp8_blockwise(
-        lhs_t, grad_t, group_sizes, tokens_last=True, impl=impl, preferred_element_type=dtype
+        residuals.lhs_t,
+        grad_t,
+        residuals.group_sizes,
+        tokens_last=True,
+        impl=impl,
+        preferred_element_type=dtype,
     )  # each group's partial rounded to the compute dtype, as `jaxmoe.ops.gmm`'s
-    return d_lhs, sum_group_partials(partials, n, rhs_dtype), None, None, None
+    return d_lhs, sum_group_partials(partials, n, residuals.rhs_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _fp8_blockwise_gmm(
+    lhs, rhs, group_sizes, lhs_quantized, rhs_quantized, out_dtype, impl, n, lhs_is_dequantized
+):
+    return _fp8_blockwise_gmm_fwd(
+        lhs, rhs, group_sizes, lhs_quantized, rhs_quantized, out_dtype, impl, n, lhs_is_dequantized
+    )[0]
+
+
+def _fp8_blockwise_gmm_fwd(
+    lhs, rhs, group_sizes, lhs_quantized, rhs_quantized, out_dtype, impl, n, lhs_is_dequantized
+):
+    return fp8_blockwise_gmm_forward(
+        lhs,
+        rhs,
+        group_sizes,
+        lhs_quantized=lhs_quantized,
+        lhs_is_dequantized=lhs_is_dequantized,
+        rhs_quantized=rhs_quantized,
+        out_dtype=out_dtype,
+        impl=impl,
+        groups_per_weight=n,
+    )
+
+
+def _fp8_blockwise_gmm_bwd(out_dtype, impl, n, lhs_is_dequantized, residuals, grad):
+    d_lhs, d_rhs = fp8_blockwise_gmm_backward(residuals, grad)
+    return d_lhs, d_rhs, None, None, None
 
 
 _fp8_blockwise_gmm.defvjp(_fp8_blockwise_gmm_fwd, _fp8_blockwise_gmm_bwd)
