@@ -596,7 +596,10 @@ def _activations_kernel(
                 as_bits = functools.partial(
                     _dequantized_bits, more_smem["input_scale_smem"].at[slot], dequantized_dtype
                 )
-            if config.column_source == "registers":  # as loaded: bf16 takes half the registers
+            if config.column_source == "registers" and dequantizing:  # dequantized once
+                held = [as_bits(load(part), i) for i, part in enumerate(_PARTS)]
+                part_bits = lambda i: held[i]
+            elif config.column_source == "registers":  # as loaded: bf16 takes half the registers
                 held = [load(part) for part in _PARTS]
                 part_bits = lambda i: as_bits(held[i], i)
             else:
