@@ -257,24 +257,30 @@ def layer_step(config, x):
     return dict(y=y, d_x=d_x, **flat_gradients(d_model))
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("option", ["dispatch_dtype", "combine_bwd_dtype"])
-def test_blockwise_experts_with_a_blockwise_wire(option):
+def test_blockwise_experts_with_a_blockwise_wire(option, bias):
     """FP8-blockwise experts with an FP8-blockwise wire: the wire copy is what the recipe would
-    quantize (fc1's fprop operand; in value, fc2's dgrad operand), so y, d x and every gradient
-    but that GEMM's weight gradient have the bits of the bf16 wire; the weight gradient's copy
-    along the tokens comes from the dequantized wire rows, as TE derives it, and differs.
+    quantize (fc1's fprop operand; in value, fc2's dgrad operand, which takes it as it is), so
+    y, d x and every gradient but that GEMM's weight gradient have the bits of the bf16 wire;
+    the weight gradient's copy along the tokens comes from the wire copy's values, as TE
+    derives it, and differs (with biases, fc2's bias gradient, a sum of the wire rows, too).
     Control: for bf16 experts the same wire changes y (dispatch) or d x (combine)."""
     x = spread_tokens(48).reshape(2, 24, H)
-    bf16_wire = layer_step(CONFIG, x)
-    blockwise_wire = layer_step(CONFIG.replace(**{option: "fp8_blockwise"}), x)
-    changed = "experts/fc1_kernel" if option == "dispatch_dtype" else "experts/fc2_kernel"
+    config = CONFIG.replace(add_bias_linear=bias)
+    bf16_wire = layer_step(config, x)
+    blockwise_wire = layer_step(config.replace(**{option: "fp8_blockwise"}), x)
+    changed = {"experts/fc1_kernel"} if option == "dispatch_dtype" else {"experts/fc2_kernel"}
+    if bias and option == "combine_bwd_dtype":
+        changed.add("experts/fc2_bias")
+    assert changed <= set(bf16_wire)
     for name, value in bf16_wire.items():
-        if name == changed:
+        if name in changed:
             assert differs(blockwise_wire[name], value), name
         else:
             assert_bitwise(blockwise_wire[name], value)
     control = "y" if option == "dispatch_dtype" else "d_x"
-    bf16_experts = CONFIG.replace(expert_precision="bf16")
+    bf16_experts = config.replace(expert_precision="bf16")
     assert differs(
         layer_step(bf16_experts.replace(**{option: "fp8_blockwise"}), x)[control],
         layer_step(bf16_experts, x)[control],
