@@ -58,15 +58,10 @@ def dispatch(x: jax.Array | QuantizedRows, plan: Plan, impl: str = "auto"):
 
 
 def _dispatch_bits(a: jax.Array, plan: Plan, impl: str) -> jax.Array:
-    """A quantized copy's data or scale rows gathered bit for bit, on the dispatch kernel where
-    it takes them (impl "pallas" or "auto"; the kernel copies bytes, so 1-byte data moves as
-    pairs of bytes viewed as bf16), else on XLA."""
-    impl = "xla" if impl == "xla" else "auto"
-    if a.dtype.itemsize == 1 and a.shape[1] % 2 == 0:
-        pairs = jax.lax.bitcast_convert_type(a.reshape(a.shape[0], -1, 2), jnp.bfloat16)
-        moved = _dispatch(pairs, plan, impl)
-        return jax.lax.bitcast_convert_type(moved, a.dtype).reshape(moved.shape[0], -1)
-    return _dispatch(a, plan, impl)
+    """A quantized copy's data or scale rows gathered bit for bit: on the dispatch kernel where
+    it takes them (impl "pallas" or "auto": the float8 data rows; the scale rows of a few bytes
+    stay on XLA), else on XLA."""
+    return _dispatch(a, plan, "xla" if impl == "xla" else "auto")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -61,10 +61,16 @@ def xla_combine(rows, slots, out_dtype):
 
 @pytest.mark.parametrize(
     "dtype,num_tokens,h,num_rows",
-    [(jnp.bfloat16, 8, 128, 300), (jnp.float32, 16, 64, 40), (jnp.float16, 24, 256, 173)],
+    [
+        (jnp.bfloat16, 8, 128, 300),
+        (jnp.float32, 16, 64, 40),
+        (jnp.float16, 24, 256, 173),
+        (jnp.float8_e4m3fn, 12, 256, 90),
+    ],
 )
 def test_dispatch_kernel_equals_the_reference(interpret, dtype, num_tokens, h, num_rows):
-    """Partial last tiles (row counts that are no multiple of the tile), padding rows, specials."""
+    """Partial last tiles (row counts that are no multiple of the tile), padding rows, specials;
+    float8 (a quantized copy's data rows) too."""
     x = values((num_tokens, h), dtype)
     rows = row_tokens(num_tokens, num_rows)
     out = dispatch_pallas(x, rows)
@@ -181,9 +187,10 @@ def test_lowering_at_real_shapes(num_tokens, h, k):
         jax.jit(combine_pallas).trace(
             s((num_rows, h), jnp.bfloat16), s((num_tokens, k), jnp.int32)
         ).lower(lowering_platforms=("cuda",))
-        jax.jit(dispatch_pallas).trace(
-            s((num_tokens, h), jnp.bfloat16), s((num_rows,), jnp.int32)
-        ).lower(lowering_platforms=("cuda",))
+        for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+            jax.jit(dispatch_pallas).trace(
+                s((num_tokens, h), dtype), s((num_rows,), jnp.int32)
+            ).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.gpu
@@ -202,6 +209,9 @@ def test_gpu_kernels_equal_the_reference(num_tokens, h, k):
         np.asarray(dispatch_rows(x, rows, impl="xla")),
     )
     assert_bitwise(np.asarray(dispatch_rows(x, rows, impl="pallas")), xla_dispatch(x, rows))
+    if h % 128 == 0:  # float8 rows: a quantized copy's data
+        x8 = values((num_tokens, h), jnp.float8_e4m3fn, seed=14)
+        assert_bitwise(np.asarray(dispatch_rows(x8, rows, impl="pallas")), xla_dispatch(x8, rows))
     buffer = values((num_rows, h), jnp.bfloat16, seed=12)
     slots = token_rows(num_tokens, k, num_rows, seed=13)
     ours = np.asarray(combine_rows(buffer, slots, impl="pallas"))

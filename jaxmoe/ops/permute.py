@@ -4,8 +4,9 @@ back into its token row). Both are bitwise equal on every impl.
 
   impl "xla"     the references below (gathers from the array with one zero row appended).
   impl "pallas"  the Hopper kernels (ops/pallas/dispatch_hopper.py, combine_hopper.py), TMA
-                 copies bound by HBM bandwidth: bf16 / fp16 / fp32 rows of a multiple of 128
-                 bytes and 32 elements. Other problems raise ValueError.
+                 copies bound by HBM bandwidth: bf16 / fp16 / fp32 rows (the dispatch also
+                 float8 rows) of a multiple of 128 bytes and 32 elements. Other problems raise
+                 ValueError.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
 
 Neither has a differentiation rule of its own: `jaxmoe.dispatch` pairs them as each other's

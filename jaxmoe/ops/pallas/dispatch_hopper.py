@@ -23,17 +23,20 @@ from jaxmoe.ops.pallas.row_pipeline import (
     num_ctas,
 )
 
-_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+_DTYPES = tuple(
+    jnp.dtype(d)
+    for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2)
+)  # the copy moves bytes; float8: a quantized copy's data rows
 
 
 def dispatch_problem(shape, dtype, num_rows) -> str | None:
     """Why `dispatch_pallas` cannot gather num_rows rows of an x of this shape / dtype (None: it
-    can): x must be a non-empty 2-D bf16 / fp16 / fp32 array whose rows are whole multiples of
-    128 bytes and of 32 elements (the TMA segments of `row_pipeline.gather_plan`)."""
+    can): x must be a non-empty 2-D bf16 / fp16 / fp32 / float8 array whose rows are whole
+    multiples of 128 bytes and of 32 elements (the TMA segments of `row_pipeline.gather_plan`)."""
     dtype = jnp.dtype(dtype)
     if len(shape) != 2 or dtype not in _DTYPES or 0 in shape:
         return (
-            f"dispatch kernel: needs a non-empty 2-D bf16/fp16/fp32 array, got "
+            f"dispatch kernel: needs a non-empty 2-D bf16/fp16/fp32/float8 array, got "
             f"{tuple(shape)} {dtype.name}"
         )
     multiple = max(BLOCK_SIZE, TMA_SMEM_ALIGN // dtype.itemsize)
