@@ -199,11 +199,7 @@ class Mxfp8Recipe(ExpertRecipe):
     def fc2_and_combine(self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl):
         fc2_weights = None if weights is None else weights.fc2
         if kernel is None:  # inference on the stored fprop copy alone
-            with jax.named_scope("fc2"):
-                out, _ = self.fc2_forward(a, None, route, fc2_weights, impl)
-                out = add_row_bias(out, row_bias)
-            with jax.named_scope("combine"):
-                return out, route.to_tokens(out)
+            return _fc2_then_combine(a, None, row_bias, route, fc2_weights, impl, self)
         return _fc2_and_combine(
             a, kernel, row_bias, route, fc2_weights, combine_bwd_dtype, impl, self
         )
@@ -358,6 +354,11 @@ def _fc2_and_combine(
     dispatching it and hand that copy to fc2's backward (`recipe.fc2_backward`), which uses it
     as it is where it is of the recipe's own format (combine_bwd_dtype "mxfp8" for MXFP8
     experts, "fp8_blockwise" for FP8-blockwise ones) and takes the dequantized rows otherwise."""
+    return _fc2_then_combine(a, fc2_kernel, row_bias, route, fc2_weights, gmm_impl, recipe)
+
+
+def _fc2_then_combine(a, fc2_kernel, row_bias, route, fc2_weights, gmm_impl, recipe):
+    """`_fc2_and_combine` without its VJP (also MXFP8 inference on the stored fprop copy)."""
     with jax.named_scope("fc2"):
         out, _ = recipe.fc2_forward(a, fc2_kernel, route, fc2_weights, gmm_impl)
         out = add_row_bias(out, row_bias)
