@@ -15,7 +15,11 @@ from flax import nnx
 from jaxmoe import MoE, MoEConfig
 from jaxmoe import fp8_blockwise as fb
 from jaxmoe.ops import fp8_blockwise_gmm, gmm_fp8_blockwise, tgmm
-from jaxmoe.ops.fp8_blockwise_gmm import tgmm_fp8_blockwise
+from jaxmoe.ops.fp8_blockwise_gmm import (
+    fp8_blockwise_gmm_backward,
+    fp8_blockwise_gmm_forward,
+    tgmm_fp8_blockwise,
+)
 from jaxmoe.shapes import SHAPES
 
 from bitwise import assert_bitwise, differs
@@ -135,6 +139,45 @@ def test_negative_control_blocks_along_tokens_are_batch_variant():
     assert differs(along_tokens[:1], alone)
     along_k = fb.dequantize(fb.quantize_1x128(rows, 1), BF16)
     assert_bitwise(along_k[:1], fb.dequantize(fb.quantize_1x128(rows[:1], 1), BF16))
+
+
+def test_copies_routes_give_the_default_routes_bits():
+    """`fp8_blockwise_gmm(lhs_is_dequantized=True)` on lhs = a 1x128 copy's dequantized rows,
+    and `fp8_blockwise_gmm_backward` given the output gradient's copy (grad_quantized), have the
+    bits of the default routes (which quantize those values again) in the output and both
+    gradients, without reading lhs's or the gradient's values (zeros passed instead); controls:
+    the default routes on those zeros differ."""
+    rng = np.random.default_rng(4)
+    spread = 2.0 ** rng.integers(-6, 6, (384, 256))
+    copy = fb.quantize_1x128(jnp.asarray(rng.normal(size=(384, 256)) * spread, BF16), 1)
+    lhs = fb.dequantize(copy, BF16)
+    rhs = jnp.asarray(rng.normal(size=(2, 256, 128)), BF16)
+    grad_copy = fb.quantize_1x128(jnp.asarray(rng.normal(size=(384, 128)) * 2.0**-3, BF16), 1)
+    grad = fb.dequantize(grad_copy, BF16)
+    sizes = jnp.array([256, 128])
+
+    def step(a, **route):
+        out, vjp = jax.vjp(
+            lambda a, b: fp8_blockwise_gmm(a, b, sizes, preferred_element_type=BF16, **route),
+            a,
+            rhs,
+        )
+        return (out, *vjp(grad))
+
+    default = step(lhs)
+    for ours, want in zip(
+        step(jnp.zeros_like(lhs), lhs_quantized=copy, lhs_is_dequantized=True), default, strict=True
+    ):
+        assert_bitwise(ours, want)
+    assert differs(step(jnp.zeros_like(lhs), lhs_quantized=copy)[2], default[2])
+    _, residuals = fp8_blockwise_gmm_forward(lhs, rhs, sizes, out_dtype=BF16, impl="xla")
+    want = fp8_blockwise_gmm_backward(residuals, grad)
+    ours = fp8_blockwise_gmm_backward(residuals, jnp.zeros_like(grad), grad_copy)
+    for a, b in zip(ours, want, strict=True):
+        assert_bitwise(a, b)
+    assert differs(fp8_blockwise_gmm_backward(residuals, jnp.zeros_like(grad))[1], want[1])
+    with pytest.raises(ValueError, match="lhs_is_dequantized needs lhs_quantized"):
+        fp8_blockwise_gmm(lhs, rhs, sizes, lhs_is_dequantized=True)
 
 
 def test_refusals():
@@ -261,10 +304,10 @@ def layer_step(config, x):
 @pytest.mark.parametrize("option", ["dispatch_dtype", "combine_bwd_dtype"])
 def test_blockwise_experts_with_a_blockwise_wire(option, bias):
     """FP8-blockwise experts with an FP8-blockwise wire: the wire copy is what the recipe would
-    quantize (fc1's fprop operand; in value, fc2's dgrad operand, which takes it as it is), so
-    y, d x and every gradient but that GEMM's weight gradient have the bits of the bf16 wire;
-    the weight gradient's copy along the tokens comes from the wire copy's values, as TE
-    derives it, and differs (with biases, fc2's bias gradient, a sum of the wire rows, too).
+    quantize (fc1's fprop operand; in value, fc2's dgrad operand), so y, d x and every
+    gradient but that GEMM's weight gradient have the bits of the bf16 wire; the weight
+    gradient's copy along the tokens comes from the wire copy's values, as TE derives it, and
+    differs (with biases, fc2's bias gradient, a sum of the wire rows, too).
     Control: for bf16 experts the same wire changes y (dispatch) or d x (combine)."""
     x = spread_tokens(48).reshape(2, 24, H)
     config = CONFIG.replace(add_bias_linear=bias)
@@ -289,9 +332,9 @@ def test_blockwise_experts_with_a_blockwise_wire(option, bias):
 
 def test_fc1_takes_the_dispatched_copy_as_it_is(monkeypatch):
     """With dispatch_dtype "fp8_blockwise" the forward quantizes fc1's operand along K no more:
-    fc1 makes only the weight gradient's K-major copy, from the dispatched copy's fp8 bytes
-    (`requantize_1x128_transposed`), fc2 both copies in one pass
-    (`quantize_1x128_with_transpose`); with bf16 rows both GEMMs make both."""
+    fc1 makes only the weight gradient's K-major copy of its rows (`quantize_1x128_transposed`),
+    fc2 both copies in one pass (`quantize_1x128_with_transpose`); with bf16 rows both GEMMs
+    make both."""
     module = importlib.import_module("jaxmoe.ops.fp8_blockwise_gmm")  # not the function
     calls = []
     names = (
@@ -315,7 +358,7 @@ def test_fc1_takes_the_dispatched_copy_as_it_is(monkeypatch):
         counts[wire] = sorted(calls)
     assert counts == {
         "bf16": ["quantize_1x128_with_transpose"] * 2,
-        "fp8_blockwise": ["quantize_1x128_with_transpose", "requantize_1x128_transposed"],
+        "fp8_blockwise": ["quantize_1x128_transposed", "quantize_1x128_with_transpose"],
     }
 
 
