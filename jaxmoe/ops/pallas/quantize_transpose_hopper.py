@@ -445,7 +445,7 @@ def _with_row_scales(fetch, scale_gmem, scale_smem, window):
 
     def fetch_both(t):
         issue_tile = fetch(t)
-        rb, kb, rows, _ = window(t)
+        _, kb, rows, _ = window(t)
 
         def issue(slot, barrier):
             issue_tile(slot, barrier)
