@@ -460,8 +460,9 @@ def same_bits(a, b) -> bool:
 
 def bench_transposing_quantize(activations, w, run, torch, configs):
     """The transposing FP8-blockwise kernels, each next to a copy of its bytes: the weights'
-    on w, the activations' on each of `activations` (name -> [M, K] array), in both
-    arithmetics under the default config, then under each of `configs` (name ->
+    on w, the activations' on each of `activations` (name -> [M, K] array) and the requantize
+    on its 1 x 128 copy, in both arithmetics under the default config, then under each of
+    `configs` (name ->
     `TransposeQuantizeConfig`) in the default arithmetic, whose output bits are compared with
     the default's (`bitwise_default`)."""
     inputs = [("128x128_with_transpose", quantize_128x128_pallas, "", w)]
@@ -481,24 +482,23 @@ def bench_transposing_quantize(activations, w, run, torch, configs):
             fn = functools.partial(kernel, arithmetic=arithmetic)
             impl = f"pallas_{arithmetic}_quantize_{kind}{suffix}"
             run_quantize(run, impl, nbytes, fn, a)
-        if kernel is not quantize_128x128_pallas:
-            default = jax.tree.leaves(jax.jit(kernel)(a))
-            for variant, config in configs.items():
-                fn = functools.partial(kernel, config=config)
-                try:
-                    same = all(map(same_bits, jax.tree.leaves(jax.jit(fn)(a)), default))
-                except Exception as e:  # a ring that does not fit (ValueError), or a compile error
-                    print(f"  quantize {kind}{suffix} {variant} FAILED {type(e).__name__}: {e}")
-                    continue
-                run_quantize(
-                    run,
-                    f"pallas_{variant}_quantize_{kind}{suffix}",
-                    nbytes,
-                    fn,
-                    a,
-                    bitwise_default=bool(same),
-                )
-            del default
+        default = jax.tree.leaves(jax.jit(kernel)(a))
+        for variant, config in configs.items():
+            fn = functools.partial(kernel, config=config)
+            try:
+                same = all(map(same_bits, jax.tree.leaves(jax.jit(fn)(a)), default))
+            except Exception as e:  # a ring that does not fit (ValueError), or a compile error
+                print(f"  quantize {kind}{suffix} {variant} FAILED {type(e).__name__}: {e}")
+                continue
+            run_quantize(
+                run,
+                f"pallas_{variant}_quantize_{kind}{suffix}",
+                nbytes,
+                fn,
+                a,
+                bitwise_default=bool(same),
+            )
+        del default
         run_copy(run, torch, f"d2d_copy_for_{kind}{suffix}", nbytes)
 
 

@@ -77,6 +77,8 @@ def test_transposing_kernels_run_with_each_config(interpret, monkeypatch):
     assert impls == [
         "pallas_exact_quantize_128x128_with_transpose",
         "pallas_float_quantize_128x128_with_transpose",
+        "pallas_split_quantize_128x128_with_transpose",
+        "pallas_registers_quantize_128x128_with_transpose",
         "d2d_copy_for_128x128_with_transpose",
         "pallas_exact_quantize_1x128_with_transpose[x]",
         "pallas_float_quantize_1x128_with_transpose[x]",

@@ -128,13 +128,15 @@ def test_long_pipelines_reuse_every_slot(interpret, kind):
 
 @pytest.mark.parametrize(
     "kind, variant",
-    [("with_transpose", name) for name in VARIANTS] + [("transposed", "one_cta")],
+    [("with_transpose", name) for name in VARIANTS]
+    + [("transposed", "one_cta"), ("weights", "two_ctas"), ("weights", "registers")],
 )
 def test_variants_equal_the_reference_bitwise(interpret, kind, variant):
     """Each config, specials included, over 3 tiles more than the interpreter's CTAs hold at
     3 each: every input and output slot is reused, the split ring's at different steps."""
     tiles = 3 * VARIANTS[variant].ctas_per_sm * num_sms() + 3
-    x = special_blocks(kind, tensor(shape_of(kind, (3, -(-tiles // 3))), jnp.bfloat16, seed=8))
+    rows = 4 if kind == "weights" else 3  # the weights: two experts of whole blocks
+    x = special_blocks(kind, tensor(shape_of(kind, (rows, -(-tiles // rows))), BF16, seed=8))
     check_kernel(kind, x, "e4m3", "exact", VARIANTS[variant])
 
 
@@ -242,15 +244,20 @@ def test_lowering_at_real_shapes(dtype, arithmetic):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_variants_lower_at_real_shapes(variant):
-    """Each config of the activations kernels lowers for sm_90a at mixtral's activations and
-    fc1's output gradient (bf16), within its CTA's share of the SM's shared memory."""
+    """Each config lowers for sm_90a within its CTA's share of the SM's shared memory: the
+    activations kernels at mixtral's activations and fc1's output gradient, the weights' at
+    fc2's weights (bf16)."""
     config = VARIANTS[variant]
+    calls = [
+        (kernel, shape)
+        for shape in [(16384, 4096), (16384, 2 * 14336)]
+        for kernel in (quantize_1x128_with_transpose_pallas, quantize_1x128_transposed_pallas)
+    ] + [(quantize_128x128_pallas, (8, 14336, 4096))]
     with artificial_shared_memory_limit(config.smem_budget):
-        for shape in [(16384, 4096), (16384, 2 * 14336)]:
-            for kernel in (quantize_1x128_with_transpose_pallas, quantize_1x128_transposed_pallas):
-                fn = functools.partial(kernel, arithmetic="float", config=config)
-                x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-                jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",))
+        for kernel, shape in calls:
+            fn = functools.partial(kernel, arithmetic="float", config=config)
+            x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+            jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",))
 
 
 GPU_SHAPES = {
@@ -275,8 +282,8 @@ def test_gpu_kernels_equal_the_reference_bitwise(arithmetic):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_gpu_variants_equal_the_reference_bitwise(variant):
-    """Each config of the activations kernels on the H200 (bf16, the GPU's float arithmetic)."""
-    for kind in ("with_transpose", "transposed"):
+    """Each config of the three kernels on the H200 (bf16, the GPU's float arithmetic)."""
+    for kind in ("with_transpose", "transposed", "weights"):
         x = special_blocks(kind, tensor(GPU_SHAPES[kind], jnp.bfloat16, seed=4))
         check_kernel(kind, x, "e4m3", "float", VARIANTS[variant])
 

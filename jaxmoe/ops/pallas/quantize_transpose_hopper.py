@@ -11,17 +11,18 @@ the input, bitwise equal to `jaxmoe.fp8_blockwise`:
                                          along K, e.g. the dispatched tokens), read as fp8
 
 A persistent CTA (one warpgroup) walks 128 x 128 input tiles through a TMA ring
-(`row_pipeline.pipeline`): each tile is loaded once, quantized in registers with
+(`row_pipeline.split_pipeline`): each tile is loaded once, quantized in registers with
 `quantize_hopper`'s helpers (the reference's integer scale rule; "exact" or "float" element
 arithmetic), and every output tile is stored once by TMA. The registers hold 32 rows at a time,
 a row a warp (4 elements a lane, whatever the input dtype: the per-column amax then crosses the
 warps in 128-bit pieces, as Mosaic's cross-warp reduction needs; a row's amax is one redux.sync).
-The weights' kernel runs one CTA an SM, its column encode reading the tile from SMEM a second
-time. The activations' kernels take a `TransposeQuantizeConfig`: up to 4 CTAs an SM, fewer
-output slots than input slots (`row_pipeline.split_pipeline`), C in the output slot, the tile
-kept in registers for the column encode, the rowwise copy encoded while the wgmma transposes;
-the bits are the same under every one. `default_transpose_config` picks the fastest measured
-one that fits (docs/kernels.md).
+Every kernel takes a `TransposeQuantizeConfig`: up to 4 CTAs an SM, fewer output slots than
+input slots (`row_pipeline.split_pipeline`), C in the output slot, the tile kept in registers
+for the column encode, and for the activations' two-copy kernel the rowwise copy encoded while
+the wgmma transposes; the bits are the same under every one. The activations' kernels run
+`default_transpose_config`, the fastest measured one that fits (docs/kernels.md); the weights'
+kernel the field defaults (one CTA an SM, its column encode reading the tile from SMEM a second
+time) until its variants are measured.
 
 The transpose. TMA cannot transpose, Mosaic's register transposes (`WGMMA_TRANSPOSED_LAYOUT`,
 `FragmentedArray.to_layout`) are for 16- and 32-bit elements, and an SMEM access through a
@@ -72,7 +73,7 @@ from jaxmoe.ops.pallas.quantize_hopper import (
     kernel_problem,
     rowwise_layout,
 )
-from jaxmoe.ops.pallas.row_pipeline import num_ctas, pipeline, split_pipeline
+from jaxmoe.ops.pallas.row_pipeline import num_ctas, split_pipeline
 
 _LAYOUT = rowwise_layout(jnp.float32, BLOCK)  # a row a warp, 4 consecutive elements a lane
 _PART = 32  # tile rows in registers at a time
@@ -280,15 +281,25 @@ def requantize_1x128_transposed_pallas(
     return _as_format(data_t, fmt), scale_column.T
 
 
-def quantize_128x128_pallas(w: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None):
+def quantize_128x128_pallas(
+    w: jax.Array,
+    fmt: str = "e4m3",
+    *,
+    arithmetic=None,
+    config: TransposeQuantizeConfig | None = None,
+    interpret=None,
+):
     """(data [G, K, N], scale_inv [G, K/128, N/128] fp32, data_t [G, N, K]) of the weights
     w [G, K, N] (bf16/fp32; K, N multiples of 128): `jaxmoe.fp8_blockwise.quantize_128x128(w)`'s
     bits and its data with the last two axes swapped (the K-major copy the fprop GEMM reads),
-    both from one read of w."""
+    both from one read of w. config: how the kernel runs (`TransposeQuantizeConfig`, its
+    rowwise_encode aside: a tile's one scale needs the whole tile's amax first; None: the field
+    defaults, one CTA an SM); the bits are the same under every one."""
     arithmetic = arithmetic or default_arithmetic()
     check_kernel_call(weights_problem(w.shape, w.dtype), fmt, arithmetic)
     g, k, n = w.shape
-    kernel = _weights_kernel(g, k, n, jnp.dtype(w.dtype), fmt, arithmetic, interpret)
+    config = config or TransposeQuantizeConfig()
+    kernel = _weights_kernel(g, k, n, jnp.dtype(w.dtype), fmt, arithmetic, config, interpret)
     data, scale_inv, data_t = kernel(w.reshape(g * k, n))
     return (
         data.reshape(g, k, n),
@@ -465,16 +476,17 @@ def _dequantized_bits(scale_smem, dtype, values, i):
 
 
 @functools.cache
-def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, interpret):
-    """Kernel of `quantize_128x128_pallas` on w viewed as [G * K, N]: tile t is block row
-    t // (N/128) (expert e, block row kb of its K), block column nb = t % (N/128); outputs
-    data [G * K, N], scale_inv [G * K/128 * N/128] (tile t's scale at t) and data_t [G * N, K]
-    (tile t at block row e * N/128 + nb, block column kb)."""
+def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, config, interpret):
+    """Kernel of `quantize_128x128_pallas` on w viewed as [G * K, N] under `config`: tile t is
+    block row t // (N/128) (expert e, block row kb of its K), block column nb = t % (N/128);
+    outputs data [G * K, N], scale_inv [G * K/128 * N/128] (tile t's scale at t) and data_t
+    [G * N, K] (tile t at block row e * N/128 + nb, block column kb)."""
     fmt = FORMATS[fmt_name]
     column_tiles = n // BLOCK
     num_tiles = g * k // BLOCK * column_tiles
-    ctas = num_ctas(num_tiles, 1)
-    stages, _, scratch = _ring(dtype, BLOCK * BLOCK + 4, TransposeQuantizeConfig())
+    ctas = num_ctas(num_tiles, config.ctas_per_sm)
+    slots, output_slots, scratch = _ring(dtype, BLOCK * BLOCK + 4, config)
+    in_place = config.transpose == "in_place"
 
     def window(t):
         row, nb = t // column_tiles, t % column_tiles
@@ -483,47 +495,44 @@ def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, interpret):
         return block(row), block(nb), block(expert * column_tiles + nb), block(kb)
 
     def quantize_128x128(
-        x_gmem,
-        data_gmem,
-        scale_gmem,
-        data_t_gmem,
-        *,
-        x_smem,
-        t_smem,
-        c_smem,
-        loaded,
-        data_smem,
-        scale_smem,
+        x_gmem, data_gmem, scale_gmem, data_t_gmem, *, x_smem, t_smem, loaded, **more_smem
     ):
+        data_smem, scale_smem = more_smem["data_smem"], more_smem["scale_smem"]
         identity = _identity_halves()
 
         fetch = _tile_fetch(x_gmem, x_smem, lambda t: window(t)[:2])
 
-        def compute(slot):
+        def compute(slot, out):
             x = x_smem.at[slot]
+            if config.column_source == "registers":  # as loaded: bf16 takes half the registers
+                held = [plgpu.load(x.at[part], layout=_LAYOUT) for part in _PARTS]
+                part_bits = lambda i: float32_bits(held[i])
+            else:
+                part_bits = lambda i: _load_bits(x, _PARTS[i])
             maxima = None
-            for part in _PARTS:
-                maxima = _column_maxima(maxima, _load_bits(x, part))
+            for i in range(len(_PARTS)):
+                maxima = _column_maxima(maxima, part_bits(i))
             e = FP8_BLOCKWISE.exponent(jnp.max(jnp.max(maxima, axis=0)), fmt)
-            scale_smem[slot] = FP8_BLOCKWISE.stored(e)
+            scale_smem[out] = FP8_BLOCKWISE.stored(e)
             e_columns = lax.broadcast_in_dim(e, (BLOCK,), ())  # as if a block a column
-            for part in _PARTS:
-                encoded = encode_blocks(_load_bits(x, part), e_columns, 0, _LAYOUT, fmt, arithmetic)
-                data_smem.at[slot, part][...] = encoded
+            c_smem = t_smem.at[out] if in_place else more_smem["c_smem"]
+            for i, part in enumerate(_PARTS):
+                encoded = encode_blocks(part_bits(i), e_columns, 0, _LAYOUT, fmt, arithmetic)
+                data_smem.at[out, part][...] = encoded
                 c_smem.at[part][...] = _as_bytes(encoded)
-            _store_transposed(identity, c_smem, t_smem.at[slot])
+            _store_transposed(identity, c_smem, t_smem.at[out], in_place)
 
-        def store(t, slot):
+        def store(t, out):
             rows, columns, t_rows, t_columns = window(t)
-            scale_gmem[t] = scale_smem[slot]
+            scale_gmem[t] = scale_smem[out]
             plgpu.copy_smem_to_gmem(
-                data_smem.at[slot], data_gmem.at[rows, columns], commit_group=False
+                data_smem.at[out], data_gmem.at[rows, columns], commit_group=False
             )
             plgpu.copy_smem_to_gmem(
-                t_smem.at[slot], data_t_gmem.at[t_rows, t_columns], commit_group=False
+                t_smem.at[out], data_t_gmem.at[t_rows, t_columns], commit_group=False
             )
 
-        pipeline(num_tiles, ctas, loaded, fetch, compute, store, stages)
+        split_pipeline(num_tiles, ctas, loaded, fetch, compute, store, slots, output_slots)
 
     return plgpu.kernel(
         quantize_128x128,
@@ -536,8 +545,8 @@ def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, interpret):
         grid=(ctas,),
         grid_names=("cta",),
         scratch_types=dict(
-            data_smem=plgpu.SMEM((stages, BLOCK, BLOCK), fmt.dtype),
-            scale_smem=plgpu.SMEM((stages,), jnp.float32),
+            data_smem=plgpu.SMEM((output_slots, BLOCK, BLOCK), fmt.dtype),
+            scale_smem=plgpu.SMEM((output_slots,), jnp.float32),
             **scratch,
         ),
         compiler_params=_COMPILER_PARAMS,
