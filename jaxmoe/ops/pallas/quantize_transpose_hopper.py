@@ -420,8 +420,19 @@ def _store_transposed(identity, c_smem, t_smem, in_place=False, under_halves=Non
             t_smem.at[rows][...] = d
 
 
-def _load_bits(x_smem, part):
-    return float32_bits(plgpu.load(x_smem.at[part], layout=_LAYOUT))
+def _tile_parts(x_smem, config, as_bits=None, convert_once=False):
+    """part_bits(i): the fp32 bits (as_bits(values, i); None: the values widened) of part i
+    (`_PARTS`) of the SMEM tile x_smem, loaded again at each call, or with
+    `column_source="registers"` loaded once and held (converted once with `convert_once`)."""
+    as_bits = as_bits or (lambda values, _: float32_bits(values))
+    load = lambda part: plgpu.load(x_smem.at[part], layout=_LAYOUT)
+    if config.column_source != "registers":
+        return lambda i: as_bits(load(_PARTS[i]), i)
+    if convert_once:
+        held = [as_bits(load(part), i) for i, part in enumerate(_PARTS)]
+        return lambda i: held[i]
+    held = [load(part) for part in _PARTS]  # as loaded: bf16 takes half the registers
+    return lambda i: as_bits(held[i], i)
 
 
 def _column_maxima(running, bits):
@@ -503,12 +514,7 @@ def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, config, interpret):
         fetch = _tile_fetch(x_gmem, x_smem, lambda t: window(t)[:2])
 
         def compute(slot, out):
-            x = x_smem.at[slot]
-            if config.column_source == "registers":  # as loaded: bf16 takes half the registers
-                held = [plgpu.load(x.at[part], layout=_LAYOUT) for part in _PARTS]
-                part_bits = lambda i: float32_bits(held[i])
-            else:
-                part_bits = lambda i: _load_bits(x, _PARTS[i])
+            part_bits = _tile_parts(x_smem.at[slot], config)
             maxima = None
             for i in range(len(_PARTS)):
                 maxima = _column_maxima(maxima, part_bits(i))
@@ -598,21 +604,12 @@ def _activations_kernel(
             fetch = _with_row_scales(fetch, input_scale_gmem, more_smem["input_scale_smem"], window)
 
         def compute(slot, out):
-            x = x_smem.at[slot]
-            load = lambda part: plgpu.load(x.at[part], layout=_LAYOUT)
-            as_bits = lambda values, _: float32_bits(values)
+            as_bits = None
             if dequantizing:
                 as_bits = functools.partial(
                     _dequantized_bits, more_smem["input_scale_smem"].at[slot], dequantized_dtype
                 )
-            if config.column_source == "registers" and dequantizing:  # dequantized once
-                held = [as_bits(load(part), i) for i, part in enumerate(_PARTS)]
-                part_bits = lambda i: held[i]
-            elif config.column_source == "registers":  # as loaded: bf16 takes half the registers
-                held = [load(part) for part in _PARTS]
-                part_bits = lambda i: as_bits(held[i], i)
-            else:
-                part_bits = lambda i: as_bits(load(_PARTS[i]), i)
+            part_bits = _tile_parts(x_smem.at[slot], config, as_bits, convert_once=dequantizing)
 
             def encode_rows(i, bits):
                 """The rowwise copy of part i."""
