@@ -53,8 +53,15 @@ def dispatch(x: jax.Array | QuantizedRows, plan: Plan, impl: str = "auto"):
     zero row would have scale 1, so only its data and its value (0) agree.
     Differentiable for arrays only (the VJP is `combine`)."""
     if isinstance(x, QuantizedRows):
-        return move_rows(x, lambda a: _dispatch(a, plan, "xla"))
+        return move_rows(x, lambda a: _dispatch_bits(a, plan, impl))
     return _dispatch_array(x, plan, impl)
+
+
+def _dispatch_bits(a: jax.Array, plan: Plan, impl: str) -> jax.Array:
+    """A quantized copy's data or scale rows gathered bit for bit: on the dispatch kernel where
+    it takes them (impl "pallas" or "auto": the float8 data rows; the scale rows of a few bytes
+    stay on XLA), else on XLA."""
+    return _dispatch(a, plan, "xla" if impl == "xla" else "auto")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

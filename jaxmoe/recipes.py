@@ -16,12 +16,12 @@ The token-level options ("mxfp8" or "fp8_blockwise", `jaxmoe.wire`) work with ev
     along the tokens for fc1's weight gradient (a copy derived from the wire format, as
     Transformer Engine's MXFP8 all-to-all does); other experts take the rows as their input.
   * combine_bwd_dtype: the gradient of y is quantized along H at token level, before it is
-    dispatched back to the rows, and only that copy is dispatched. MXFP8 experts use an MXFP8
-    copy as fc2's dgrad operand as it is (so fc2 and the combine share one custom VJP,
-    `_fc2_and_combine`) and quantize its dequantized rows columnwise for fc2's weight gradient;
-    the other experts take the dequantized rows as their output gradient (FP8-blockwise experts
-    quantize them again in 1x128 blocks along H: the same values as the copy, so the same
-    products).
+    dispatched back to the rows, and only that copy is dispatched. Experts of the copy's format
+    use it as fc2's dgrad operand as it is (so fc2 and the combine share one custom VJP,
+    `_fc2_and_combine`): MXFP8 experts quantize its dequantized rows columnwise for fc2's
+    weight gradient, FP8-blockwise experts requantize that copy from its fp8 bytes (the same
+    bits); the other experts take the dequantized rows as their output gradient
+    (FP8-blockwise experts quantize an MXFP8 copy's rows again in 1x128 blocks along H).
 Quantizers are the identity for the gradient (straight-through), as in Transformer Engine.
 """
 
@@ -40,7 +40,12 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.fp8_blockwise import BlockwiseTensor
 from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops import fp8_blockwise_gmm, gmm
-from jaxmoe.ops.fp8_blockwise_gmm import BlockwiseWeights, quantize_blockwise_weights
+from jaxmoe.ops.fp8_blockwise_gmm import (
+    BlockwiseWeights,
+    fp8_blockwise_gmm_backward,
+    fp8_blockwise_gmm_forward,
+    quantize_blockwise_weights,
+)
 from jaxmoe.ops.mxfp8_gmm import (
     QuantizedWeights,
     mxfp8_gmm,
@@ -232,8 +237,9 @@ class Fp8BlockwiseRecipe(Bf16Recipe):
     """Transformer Engine's FP8 blockwise recipe (`Float8BlockScaling`: 1x128 activations and
     gradients, 128x128 weights) for fc1 and fc2, forward and backward
     (`jaxmoe.ops.fp8_blockwise_gmm`); the rest as the bf16 recipe. fc1 takes dispatched 1x128
-    tokens (dispatch_dtype "fp8_blockwise") as they are; with dispatch_dtype "mxfp8" the rows
-    are the dequantized wire rows, quantized again in 1x128 blocks."""
+    tokens (dispatch_dtype "fp8_blockwise") as they are, and its wgrad copy is requantized from
+    their fp8 bytes (the rows' dequantized values are then never computed); with dispatch_dtype
+    "mxfp8" the rows are the dequantized wire rows, quantized again in 1x128 blocks."""
 
     name = "fp8_blockwise"
 
@@ -243,6 +249,31 @@ class Fp8BlockwiseRecipe(Bf16Recipe):
                 "grouped_mlp: expert_weights must be this layer's quantize_expert_weights() "
                 "(fp8_blockwise copies)"
             )
+
+    def fc2_and_combine(self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl):
+        self.check_copies(weights)
+        fc2_weights = None if weights is None else weights.fc2
+        return _fc2_and_combine(
+            a, kernel, row_bias, route, fc2_weights, combine_bwd_dtype, impl, self
+        )
+
+    def fc2_forward(self, a, kernel, route, fc2_weights, impl):
+        """As `Mxfp8Recipe.fc2_forward`, in FP8 blockwise."""
+        return fp8_blockwise_gmm_forward(
+            a,
+            kernel,
+            route.group_sizes,
+            rhs_quantized=fc2_weights,
+            out_dtype=a.dtype,
+            impl=impl,
+            groups_per_weight=route.groups_per_weight,
+        )
+
+    def fc2_backward(self, residuals, d_rows, grad_quantized):
+        """As `Mxfp8Recipe.fc2_backward`: a 1x128 wire copy is fc2's dgrad operand as it is and
+        its fp8 bytes give the weight gradient's copy (`fp8_blockwise_gmm_backward`)."""
+        wire = grad_quantized if isinstance(grad_quantized, BlockwiseTensor) else None
+        return fp8_blockwise_gmm_backward(residuals, d_rows, wire)
 
     def quantize_weights(self, fc1_kernel, fc2_kernel, impl):
         return ExpertWeightsBlockwise(
@@ -256,6 +287,7 @@ class Fp8BlockwiseRecipe(Bf16Recipe):
             kernel,
             route.group_sizes,
             lhs_quantized=lhs_quantized if isinstance(lhs_quantized, BlockwiseTensor) else None,
+            lhs_is_dequantized=isinstance(lhs_quantized, BlockwiseTensor),  # the wire rows
             rhs_quantized=copies,
             impl=impl,
             preferred_element_type=out_dtype,

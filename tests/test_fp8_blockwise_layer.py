@@ -304,10 +304,10 @@ def layer_step(config, x):
 @pytest.mark.parametrize("option", ["dispatch_dtype", "combine_bwd_dtype"])
 def test_blockwise_experts_with_a_blockwise_wire(option, bias):
     """FP8-blockwise experts with an FP8-blockwise wire: the wire copy is what the recipe would
-    quantize (fc1's fprop operand; in value, fc2's dgrad operand), so y, d x and every
-    gradient but that GEMM's weight gradient have the bits of the bf16 wire; the weight
-    gradient's copy along the tokens comes from the wire copy's values, as TE derives it, and
-    differs (with biases, fc2's bias gradient, a sum of the wire rows, too).
+    quantize (fc1's fprop operand; in value, fc2's dgrad operand, which takes it as it is), so
+    y, d x and every gradient but that GEMM's weight gradient have the bits of the bf16 wire;
+    the weight gradient's copy along the tokens comes from the wire copy's values, as TE
+    derives it, and differs (with biases, fc2's bias gradient, a sum of the wire rows, too).
     Control: for bf16 experts the same wire changes y (dispatch) or d x (combine)."""
     x = spread_tokens(48).reshape(2, 24, H)
     config = CONFIG.replace(add_bias_linear=bias)
@@ -332,9 +332,9 @@ def test_blockwise_experts_with_a_blockwise_wire(option, bias):
 
 def test_fc1_takes_the_dispatched_copy_as_it_is(monkeypatch):
     """With dispatch_dtype "fp8_blockwise" the forward quantizes fc1's operand along K no more:
-    fc1 makes only the weight gradient's K-major copy of its rows (`quantize_1x128_transposed`),
-    fc2 both copies in one pass (`quantize_1x128_with_transpose`); with bf16 rows both GEMMs
-    make both."""
+    fc1 makes only the weight gradient's K-major copy, from the dispatched copy's fp8 bytes
+    (`requantize_1x128_transposed`), fc2 both copies in one pass
+    (`quantize_1x128_with_transpose`); with bf16 rows both GEMMs make both."""
     module = importlib.import_module("jaxmoe.ops.fp8_blockwise_gmm")  # not the function
     calls = []
     names = (
@@ -358,7 +358,7 @@ def test_fc1_takes_the_dispatched_copy_as_it_is(monkeypatch):
         counts[wire] = sorted(calls)
     assert counts == {
         "bf16": ["quantize_1x128_with_transpose"] * 2,
-        "fp8_blockwise": ["quantize_1x128_transposed", "quantize_1x128_with_transpose"],
+        "fp8_blockwise": ["quantize_1x128_with_transpose", "requantize_1x128_transposed"],
     }
 
 
