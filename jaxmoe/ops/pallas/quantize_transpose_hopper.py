@@ -19,10 +19,8 @@ warps in 128-bit pieces, as Mosaic's cross-warp reduction needs; a row's amax is
 Every kernel takes a `TransposeQuantizeConfig`: up to 4 CTAs an SM, fewer output slots than
 input slots (`row_pipeline.split_pipeline`), C in the output slot, the tile kept in registers
 for the column encode, and for the activations' two-copy kernel the rowwise copy encoded while
-the wgmma transposes; the bits are the same under every one. The activations' kernels run
-`default_transpose_config`, the fastest measured one that fits (docs/kernels.md); the weights'
-kernel the field defaults (one CTA an SM, its column encode reading the tile from SMEM a second
-time) until its variants are measured.
+the wgmma transposes; the bits are the same under every one. Every kernel runs
+`default_transpose_config` when given none, the fastest measured one that fits (docs/kernels.md).
 
 The transpose. TMA cannot transpose, Mosaic's register transposes (`WGMMA_TRANSPOSED_LAYOUT`,
 `FragmentedArray.to_layout`) are for 16- and 32-bit elements, and an SMEM access through a
@@ -180,10 +178,11 @@ class TransposeQuantizeConfig:
 
 
 def default_transpose_config(dtype) -> TransposeQuantizeConfig:
-    """The config the activations' kernels run when given none. 2-byte inputs: two CTAs an SM,
+    """The config every kernel runs when given none. 2-byte inputs: two CTAs an SM,
     two input slots and one output slot, C in place, the column encode from registers (H200,
     mixtral's fc1 output gradient: 2.55 TB/s against the field defaults' 1.61 for both copies,
-    3.46 against 2.68 for the transposed copy alone; docs/kernels.md). fp32 tiles do not fit two
+    3.46 against 2.68 for the transposed copy alone; mixtral's fc2 weights: 3.59 against 3.30;
+    docs/kernels.md). fp32 tiles do not fit two
     CTAs' shared memory: one CTA, the field defaults."""
     if jnp.dtype(dtype).itemsize > 2:
         return TransposeQuantizeConfig()
@@ -293,12 +292,12 @@ def quantize_128x128_pallas(
     w [G, K, N] (bf16/fp32; K, N multiples of 128): `jaxmoe.fp8_blockwise.quantize_128x128(w)`'s
     bits and its data with the last two axes swapped (the K-major copy the fprop GEMM reads),
     both from one read of w. config: how the kernel runs (`TransposeQuantizeConfig`, its
-    rowwise_encode aside: a tile's one scale needs the whole tile's amax first; None: the field
-    defaults, one CTA an SM); the bits are the same under every one."""
+    rowwise_encode aside: a tile's one scale needs the whole tile's amax first; None:
+    `default_transpose_config(w.dtype)`); the bits are the same under every one."""
     arithmetic = arithmetic or default_arithmetic()
     check_kernel_call(weights_problem(w.shape, w.dtype), fmt, arithmetic)
     g, k, n = w.shape
-    config = config or TransposeQuantizeConfig()
+    config = config or default_transpose_config(w.dtype)
     kernel = _weights_kernel(g, k, n, jnp.dtype(w.dtype), fmt, arithmetic, config, interpret)
     data, scale_inv, data_t = kernel(w.reshape(g * k, n))
     return (
