@@ -57,11 +57,8 @@ from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import (  # noqa: E402
 from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import tgmm_fp8_blockwise_pallas  # noqa: E402
 
 BF16 = jnp.bfloat16
-DEFAULT_VARIANTS = "turns_issue:mma_turns=issue;turns_complete:mma_turns=complete"
-DEFAULT_WGRAD_VARIANTS = (
-    "turns_issue:mma_turns=issue;turns_complete:mma_turns=complete;"
-    "one_block_a_step:blocks_per_step=1;split_n:wg_split=n,blocks_per_step=1"
-)
+DEFAULT_VARIANTS = "wg_split_m:wg_split=m,tile_k=128;k256_wg_split_n:wg_split=n"
+DEFAULT_WGRAD_VARIANTS = "one_block_a_step:blocks_per_step=1;split_n:wg_split=n,blocks_per_step=1"
 BLOCK = 128
 
 

@@ -19,8 +19,7 @@ from test_gmm_mxfp8_pallas import SMALL  # the fp8 kernel's interpreter tiling
 from jaxmoe import fp8_blockwise as fb
 from jaxmoe.ops import gmm_fp8_blockwise, on_hopper
 from jaxmoe.ops.fp8_blockwise_gmm import tgmm_fp8_blockwise
-from jaxmoe.ops.pallas.gmm_mxfp8_hopper import default_fp8_blockwise_config
-from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import MMA_TURNS, BlockwiseTgmmConfig
+from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import BlockwiseTgmmConfig
 from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import default_config as default_tgmm_config
 
 F32, BF16 = np.float32, ml_dtypes.bfloat16
@@ -268,31 +267,14 @@ def test_tgmm_reference_is_exact_on_exact_operands():
 
 
 @pytest.mark.parametrize(
-    "transpose_rhs,wg_split,tile_k,mma_turns",
-    [
-        (False, "m", 128, "free"),
-        (False, "m", 256, "free"),
-        (True, "m", 128, "free"),
-        (True, "n", 128, "free"),
-        (False, "m", 256, "issue"),
-        (True, "n", 128, "complete"),
-    ],
-    ids=[
-        "fprop",
-        "fprop-two-blocks-a-step",
-        "dgrad",
-        "dgrad-wg_n",
-        "fprop-turns-at-issue",
-        "dgrad-turns-at-completion",
-    ],
+    "transpose_rhs,wg_split,tile_k",
+    [(False, "m", 128), (False, "m", 256), (True, "m", 128), (True, "n", 128)],
+    ids=["fprop", "fprop-two-blocks-a-step", "dgrad", "dgrad-wg_n"],
 )
-def test_kernel_equals_the_reference_on_exact_operands(
-    interpret, transpose_rhs, wg_split, tile_k, mma_turns
-):
+def test_kernel_equals_the_reference_on_exact_operands(interpret, transpose_rhs, wg_split, tile_k):
     """The 128-wide scale blocks' kernel (one fp8 wgmma per block, folded with the product of
     its scales; a warpgroup's columns share one weight block's scale, whichever way the
-    warpgroups split the tile; one or two blocks a K step, the default tiling's two; the
-    warpgroups free or taking turns at the tensor core) against
+    warpgroups split the tile; one or two blocks a K step, the default tiling's two) against
     the reference: equal where every partial is exact (the
     weight blocks' scales differ), zeros past the groups, empty groups; control: the reference
     with one lhs block's scale moved differs."""
@@ -305,20 +287,11 @@ def test_kernel_equals_the_reference_on_exact_operands(
     # wg_split "n": 128 output columns a warpgroup (dgrad's 256), so the two warpgroups read
     # different weight blocks' scales
     tile_n = 128 if wg_split == "n" else SMALL.tile_n
-    k, n = lhs.shape[1], (rhs.shape[1] if transpose_rhs else rhs.shape[2])
-    config = None  # on the H200: the default tiling, with the turns asked for
-    if mma_turns != "free":
-        config = default_fp8_blockwise_config(lhs.shape[0], k, n, 3, jnp.float32)
-        config = dataclasses.replace(config, mma_turns=mma_turns)
+    config = None
     if not on_hopper():
-        steps = min(SMALL.max_concurrent_steps, k // tile_k)
+        steps = min(SMALL.max_concurrent_steps, lhs.shape[1] // tile_k)
         config = dataclasses.replace(
-            SMALL,
-            wg_split=wg_split,
-            tile_n=tile_n,
-            tile_k=tile_k,
-            max_concurrent_steps=steps,
-            mma_turns=mma_turns,
+            SMALL, wg_split=wg_split, tile_n=tile_n, tile_k=tile_k, max_concurrent_steps=steps
         )
     got = gmm_fp8_blockwise(
         lq, rq, sizes, transpose_rhs=transpose_rhs, impl="pallas", config=config
@@ -367,18 +340,12 @@ def test_gmm_refuses_bad_operands():
         gmm_fp8_blockwise(lq, odd, jnp.array([16, 16]), impl="pallas")
 
 
-@pytest.mark.parametrize("mma_turns", MMA_TURNS)
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fprop", "dgrad"])
-def test_kernel_lowers_at_real_shapes(transpose_rhs, mma_turns):
-    """Pallas -> Mosaic GPU lowering on CPU at the mixtral and dsv3 expert shapes (the
-    default tiling, its warpgroups free or taking turns)."""
+def test_kernel_lowers_at_real_shapes(transpose_rhs):
+    """Pallas -> Mosaic GPU lowering on CPU at the mixtral and dsv3 expert shapes."""
     s = jax.ShapeDtypeStruct
     for m, k, n, g in [(16384, 4096, 14336, 8), (32768, 7168, 2048, 32)]:
         c = n if transpose_rhs else k
-        out_n = k if transpose_rhs else n
-        config = dataclasses.replace(
-            default_fp8_blockwise_config(m, c, out_n, g, jnp.bfloat16), mma_turns=mma_turns
-        )
 
         def run(ld, ls, rd, rs, sizes):
             lq = fb.BlockwiseTensor(ld, ls, (1,))
@@ -390,7 +357,6 @@ def test_kernel_lowers_at_real_shapes(transpose_rhs, mma_turns):
                 transpose_rhs=transpose_rhs,
                 impl="pallas",
                 preferred_element_type=jnp.bfloat16,
-                config=config,  # noqa: B023
             )
 
         jax.jit(run).trace(
@@ -418,26 +384,19 @@ def exact_token_operands(m, k, n, seed):
     return x.astype(F32), dy.astype(F32)
 
 
-# (wg_split, blocks_per_step, mma_turns)
-WGRAD_TILINGS = [("n", 1, "free"), ("k", 1, "free"), ("k", 2, "free"), ("k", 2, "issue")]
-WGRAD_TILINGS += [("n", 1, "complete")]
-WGRAD_TILING_FIELDS = "wg_split, blocks_per_step, mma_turns"
+WGRAD_TILINGS = [("n", 1), ("k", 1), ("k", 2)]
 
 
-@pytest.mark.parametrize(WGRAD_TILING_FIELDS, WGRAD_TILINGS)
-def test_wgrad_kernel_equals_the_reference_on_exact_operands(
-    interpret, wg_split, blocks_per_step, mma_turns
-):
+@pytest.mark.parametrize("wg_split, blocks_per_step", WGRAD_TILINGS)
+def test_wgrad_kernel_equals_the_reference_on_exact_operands(interpret, wg_split, blocks_per_step):
     """out[g] = x_g^T dy_g from the 1 x 128-along-tokens copies: the kernel (its warpgroups
-    side by side along N or K; one or two blocks a ring slot; free or taking turns at the
-    tensor core), the reference and the exact product agree bitwise, with an empty group, groups
-    of odd block counts, rows past the groups and M not a multiple of 128, or groups up to M;
-    control: the reference with one block's scales moved differs."""
+    side by side along N or K; one or two blocks a ring slot), the reference and the exact
+    product agree bitwise, with an empty group, groups of odd block counts, rows past the groups
+    and M not a multiple of 128, or groups up to M; control: the reference with one block's
+    scales moved differs."""
     x, dy = exact_token_operands(640, 128, 256, seed=3)
     base = default_tgmm_config(128, 256) if on_hopper() else WGRAD_SMALL
-    config = dataclasses.replace(
-        base, wg_split=wg_split, blocks_per_step=blocks_per_step, mma_turns=mma_turns
-    )
+    config = dataclasses.replace(base, wg_split=wg_split, blocks_per_step=blocks_per_step)
     for rows, group_sizes in [(600, [256, 0, 128, 128]), (640, [256, 0, 256, 128])]:
         xq = fb.quantize_1x128(jnp.asarray(x[:rows]), 0)
         dq = fb.quantize_1x128(jnp.asarray(dy[:rows]), 0)
@@ -491,8 +450,8 @@ def test_wgrad_refuses_bad_operands():
         )
 
 
-@pytest.mark.parametrize(WGRAD_TILING_FIELDS, WGRAD_TILINGS)
-def test_wgrad_kernel_lowers_at_real_shapes(wg_split, blocks_per_step, mma_turns):
+@pytest.mark.parametrize("wg_split, blocks_per_step", WGRAD_TILINGS)
+def test_wgrad_kernel_lowers_at_real_shapes(wg_split, blocks_per_step):
     """Pallas -> Mosaic GPU lowering on CPU at mixtral's and dsv3's fc1 weight gradients."""
     s = jax.ShapeDtypeStruct
     for m, k, n, g in [(16384, 4096, 28672, 8), (32768, 7168, 4096, 32)]:
@@ -500,7 +459,6 @@ def test_wgrad_kernel_lowers_at_real_shapes(wg_split, blocks_per_step, mma_turns
             default_tgmm_config(k, n, jnp.bfloat16),
             wg_split=wg_split,
             blocks_per_step=blocks_per_step,
-            mma_turns=mma_turns,
         ).with_fitting_slots(jnp.bfloat16)
 
         def run(xd, xs, dd, ds, sizes):
@@ -523,14 +481,12 @@ def test_wgrad_kernel_lowers_at_real_shapes(wg_split, blocks_per_step, mma_turns
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mma_turns", MMA_TURNS)
-def test_gpu_wgrad_kernel_equals_the_reference_on_exact_operands(mma_turns):
+def test_gpu_wgrad_kernel_equals_the_reference_on_exact_operands():
     """On the H200, at a size with many items per CTA: the kernel equals the exact products."""
     x, dy = exact_token_operands(4096, 512, 1024, seed=5)
     xq, dq = fb.quantize_1x128(jnp.asarray(x), 0), fb.quantize_1x128(jnp.asarray(dy), 0)
     sizes = jnp.array([1024, 0, 2048, 640, 384])  # the last group's odd blocks end at M
-    config = dataclasses.replace(default_tgmm_config(512, 1024), mma_turns=mma_turns)
-    got = np.asarray(tgmm_fp8_blockwise(xq, dq, sizes, impl="pallas", config=config))
+    got = np.asarray(tgmm_fp8_blockwise(xq, dq, sizes, impl="pallas"))
     bounds = np.concatenate([[0], np.cumsum(np.asarray(sizes))])
     exact = np.stack([x[a:b].astype(np.float64).T @ dy[a:b] for a, b in zip(bounds, bounds[1:])])
     np.testing.assert_array_equal(got, exact)

@@ -26,11 +26,11 @@ def test_tilings_give_the_heuristics_bits(tmp_path, monkeypatch, interpret):
             "--shapes",
             "tiny,tiny:dgrad",
             "--variants",
-            "steps1:max_concurrent_steps=1,num_sms=3;turns:mma_turns=issue,num_sms=3",
+            "steps1:max_concurrent_steps=1,num_sms=3;wg_n:wg_split=n,tile_k=128,num_sms=3",
             "--wgrad-shapes",
             "tiny",
             "--wgrad-variants",
-            "k128:tile_k=128,tile_n=64,num_sms=3;turns:mma_turns=complete,num_sms=3",
+            "k128:tile_k=128,tile_n=64,num_sms=3;slots2:slots=2,num_sms=3",
             "--out",
             str(tmp_path),
         ]

@@ -36,56 +36,6 @@ COMPUTE_REGISTERS = (
     (REGISTERS_PER_SM // WARPGROUP_THREADS - MEMORY_REGISTERS) // NUM_COMPUTE_WGS // 8 * 8
 )
 ROW_ALIGN = SWIZZLE_ROWS  # row offsets of lhs tile loads
-MMA_TURNS = ("free", "issue", "complete")
-
-
-class MmaTurns(NamedTuple):
-    """The two compute warpgroups taking turns at the tensor core (a kernel's `mma_turns`).
-
-    "free": each issues its wgmmas as its operands arrive; both then tend to multiply at once
-    and fold their block products at once, leaving the tensor core idle meanwhile. "issue" /
-    "complete": they issue their block products in turns (warpgroup 0, 1, 0, ...), each
-    passing the turn once its wgmma is issued / complete, so that one folds while the other
-    multiplies. Both warpgroups must issue the same number of products. `barriers`: two
-    single-arrival barriers (the turn of warpgroup w arrives at barriers[w]), None when free."""
-
-    mode: str
-    barriers: object
-    wg: jax.Array
-
-    def start(self):
-        """Before the warpgroups' first product: warpgroup 0 has the first turn."""
-        if self.mode != "free":
-
-            @pl.when(self.wg == 1)
-            def _():
-                plgpu.barrier_arrive(self.barriers.at[0])
-
-    def take(self):
-        """Before issuing a product: wait for this warpgroup's turn."""
-        if self.mode != "free":
-            plgpu.barrier_wait(self.barriers.at[self.wg])
-
-    def pass_on(self, when: str):
-        """After a product is issued ("issue") or complete ("complete"): the other's turn."""
-        if self.mode == when:
-            plgpu.barrier_arrive(self.barriers.at[NUM_COMPUTE_WGS - 1 - self.wg])
-
-    def finish(self):
-        """After the last product: warpgroup 0 takes the last pass, so that every barrier
-        ends as many phases as it began."""
-        if self.mode != "free":
-
-            @pl.when(self.wg == 0)
-            def _():
-                plgpu.barrier_wait(self.barriers.at[0])
-
-
-def mma_turn_barriers(mode: str):
-    """The `MmaTurns` barriers to allocate (pl.run_scoped) for this mode."""
-    if mode not in MMA_TURNS:
-        raise ValueError(f"mma_turns must be one of {MMA_TURNS}, got {mode!r}")
-    return None if mode == "free" else plgpu.Barrier(num_arrivals=1, num_barriers=NUM_COMPUTE_WGS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +48,7 @@ class GmmConfig:
     epilogue's SMEM tile, so a column chunk is written while the previous one is stored.
     grid_tile_width: width (in column tiles) of the bands of the work order (`tiles.work_list`).
     cluster_n=2 pairs the CTAs along N, multicasting the lhs tile; the work items then cover
-    column-tile pairs. mma_turns: whether the compute warpgroups take turns issuing their
-    block products (`MmaTurns`; the block-scaled fp8 kernels only). None of these change the
-    K-reduction order."""
+    column-tile pairs. None of these change the K-reduction order."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -113,7 +61,6 @@ class GmmConfig:
     epilogue_slots: int = 1
     cluster_n: int = 1
     num_sms: int = NUM_SMS
-    mma_turns: str = "free"
 
     @property
     def cta_m(self) -> int:
@@ -165,10 +112,6 @@ class GmmConfig:
             )
         if self.wg_split not in ("n", "m"):
             raise ValueError(f"gmm pallas: wg_split must be 'n' or 'm', got {self.wg_split!r}")
-        if self.mma_turns not in MMA_TURNS:
-            raise ValueError(
-                f"gmm pallas: mma_turns must be one of {MMA_TURNS}, got {self.mma_turns!r}"
-            )
         if self.tile_k % 64:
             raise ValueError(f"gmm pallas: tile_k={self.tile_k} must be a multiple of 64")
         if self.tile_m not in (64, 128) or self.tile_n % 8 or not 8 <= self.tile_n <= 256:
@@ -263,8 +206,7 @@ class TileContext(NamedTuple):
     config: the kernel's config; acc_shape: (tile_m, tile_n), this warpgroup's accumulator.
     release_delay: K steps an SMEM slot is kept after its step (`gmm_kernel_call`).
     inputs: the kernel's extra GMEM inputs (`gmm_kernel_call`).
-    scratch: this warpgroup's SMEM scratch buffers (`gmm_kernel_call`'s scratch).
-    turns: the compute warpgroups' `MmaTurns` (config.mma_turns)."""
+    scratch: this warpgroup's SMEM scratch buffers (`gmm_kernel_call`'s scratch)."""
 
     run_pipeline: Callable
     operands: Callable
@@ -280,7 +222,6 @@ class TileContext(NamedTuple):
     release_delay: int
     inputs: tuple
     scratch: tuple = ()
-    turns: MmaTurns | None = None
 
 
 TileMatmul = Callable[[TileContext], None]
@@ -428,12 +369,10 @@ def _build_kernel(
                 plgpu.SMEM((NUM_COMPUTE_WGS, *b.shape), b.dtype, transforms=b.transforms)
                 for b in scratch
             ],
-            turn_barriers=mma_turn_barriers(config.mma_turns),
             collective_axes="wg",
         )
-        def _scope(allocations, out_smem, scratch_smem, turn_barriers):
+        def _scope(allocations, out_smem, scratch_smem):
             wg = lax.axis_index("wg")
-            turns = MmaTurns(config.mma_turns, turn_barriers, wg)
             cluster = lax.axis_index("sm")  # one cluster of cluster_n CTAs per work lane
             cta_in_cluster = lax.axis_index("cluster")
             wg_rows = pl.ds(wg * tile_m, tile_m) if split_m else pl.ds(0, tile_m)
@@ -553,7 +492,6 @@ def _build_kernel(
                         release_delay=release_delay,
                         inputs=tuple(inputs),
                         scratch=tuple(buffer.at[wg] for buffer in scratch_smem),
-                        turns=turns,
                     )
                 )
 
@@ -562,9 +500,7 @@ def _build_kernel(
             num_matmul, num_zero = counts_gmem[0], counts_gmem[1]
             mine = jnp.maximum(num_matmul - cluster + num_clusters - 1, 0) // num_clusters
             item_of = lambda j: cluster + j * num_clusters
-            turns.start()
             run_items(mine, lambda j, state: matmul_item(item_of(j), state), chained)
-            turns.finish()
 
             mine_zero = jnp.maximum(num_zero - cluster + num_clusters - 1, 0) // num_clusters
 

@@ -213,11 +213,8 @@ def _multiply_scaled_tile(tile: TileContext, scale_block: int):
 
     def block_product(a, b, ks):
         def product(part_ref):
-            tile.turns.take()
             plgpu.wgmma(part_ref, a.at[:, ks], b.at[ks, :])
-            tile.turns.pass_on("issue")
             plgpu.wgmma_wait(0)
-            tile.turns.pass_on("complete")
             return part_ref[...]
 
         return pl.run_scoped(product, plgpu.ACC(tile.acc_shape))

@@ -31,10 +31,7 @@ from jaxmoe.ops.device import num_sms
 from jaxmoe.ops.pallas.gmm_common import (
     COMPUTE_REGISTERS,
     MEMORY_REGISTERS,
-    MMA_TURNS,
     NUM_COMPUTE_WGS,
-    MmaTurns,
-    mma_turn_barriers,
     swizzled,
 )
 from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
@@ -47,8 +44,7 @@ class BlockwiseTgmmConfig:
     """Tiling: each compute warpgroup owns tile_k x tile_n outputs, the two side by side along
     N (wg_split "n": CTA tile tile_k x 2 * tile_n) or along K ("k": 2 * tile_k x tile_n);
     `slots` ring slots of `blocks_per_step` (1 or 2) 128-row blocks of both operands and
-    their scales; the epilogue stores epilogue_n columns at a time. mma_turns: whether the
-    compute warpgroups take turns issuing their block products (`gmm_common.MmaTurns`)."""
+    their scales; the epilogue stores epilogue_n columns at a time."""
 
     tile_k: int = 64
     tile_n: int = 128
@@ -57,7 +53,6 @@ class BlockwiseTgmmConfig:
     num_sms: int = 132
     wg_split: str = "k"
     blocks_per_step: int = 2
-    mma_turns: str = "free"
 
     @property
     def cta_k(self) -> int:
@@ -86,10 +81,6 @@ class BlockwiseTgmmConfig:
         if self.blocks_per_step not in (1, 2):
             raise ValueError(
                 f"tgmm fp8 blockwise: blocks_per_step must be 1 or 2, got {self.blocks_per_step}"
-            )
-        if self.mma_turns not in MMA_TURNS:
-            raise ValueError(
-                f"tgmm fp8 blockwise: mma_turns must be one of {MMA_TURNS}, got {self.mma_turns!r}"
             )
         if self.wg_split not in ("n", "k"):
             raise ValueError(
@@ -215,18 +206,10 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
             out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, tile_k, epi_n), out_dtype),
             produced=plgpu.Barrier(num_arrivals=4, num_barriers=slots),  # operands and scales
             consumed=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
-            turn_barriers=mma_turn_barriers(config.mma_turns),
             collective_axes="wg",
         )
         def _scope(
-            lhs_ring,
-            rhs_ring,
-            lhs_scale_ring,
-            rhs_scale_ring,
-            out_smem,
-            produced,
-            consumed,
-            turn_barriers,
+            lhs_ring, rhs_ring, lhs_scale_ring, rhs_scale_ring, out_smem, produced, consumed
         ):
             wg = lax.axis_index("wg")
 
@@ -291,16 +274,12 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                     )
                     return row_scale, col_scale
 
-                turns = MmaTurns(config.mma_turns, turn_barriers, wg)
-
                 def issue(part_ref, slot, b):
-                    turns.take()
                     plgpu.wgmma(
                         part_ref,
                         lhs_ring.at[slot].at[wg_rows, pl.ds(b * BLOCK, BLOCK)],
                         rhs_ring.at[slot].at[wg_columns, pl.ds(b * BLOCK, BLOCK)].transpose((1, 0)),
                     )
-                    turns.pass_on("issue")
 
                 def folded(acc, part, scales):
                     row_scale, col_scale = scales
@@ -315,7 +294,6 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                             issue(part_ref, slot, b)  # noqa: B023
                             scales = scales_of(slot, b)  # noqa: B023  read while it runs
                             plgpu.wgmma_wait(0)
-                            turns.pass_on("complete")
                             return part_ref[...], scales
 
                         part, scales = pl.run_scoped(block_product, plgpu.ACC((tile_k, tile_n)))
@@ -351,9 +329,7 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                         )
                     return done + item_steps(blocks)
 
-                turns.start()
                 lax.fori_loop(0, num_mine, matmul_item, jnp.int32(0))
-                turns.finish()
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             lax.cond(wg == NUM_COMPUTE_WGS, memory_warpgroup, compute_warpgroup)
