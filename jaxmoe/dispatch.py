@@ -61,7 +61,8 @@ def _dispatch_bits(a: jax.Array, plan: Plan, impl: str) -> jax.Array:
     """A quantized copy's data or scale rows gathered bit for bit: on the dispatch kernel where
     it takes them (impl "pallas" or "auto": the float8 data rows; the scale rows of a few bytes
     stay on XLA), else on XLA."""
-    return _dispatch(a, plan, "xla" if impl == "xla" else "auto")
+    on_kernel = impl != "xla" and jnp.dtype(a.dtype).itemsize == 1
+    return _dispatch(a, plan, "auto" if on_kernel else "xla")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -66,11 +66,15 @@ def xla_combine(rows, slots, out_dtype):
         (jnp.float32, 16, 64, 40),
         (jnp.float16, 24, 256, 173),
         (jnp.float8_e4m3fn, 12, 256, 90),
+        (jnp.bfloat16, 6, 2048, 20),
     ],
 )
 def test_dispatch_kernel_equals_the_reference(interpret, dtype, num_tokens, h, num_rows):
     """Partial last tiles (row counts that are no multiple of the tile), padding rows, specials;
-    float8 (a quantized copy's data rows) too."""
+    float8 (a quantized copy's data rows) too. Short rows make tiles of many TMA loads, issued
+    by a loop; 2048 bf16 a tile of a few, unrolled."""
+    tile, segment = row_pipeline.gather_plan(h, dtype)
+    assert (tile // segment > row_pipeline.UNROLLED_GATHER_LOADS) == (h < 2048)
     x = values((num_tokens, h), dtype)
     rows = row_tokens(num_tokens, num_rows)
     out = dispatch_pallas(x, rows)

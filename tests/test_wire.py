@@ -2,6 +2,8 @@
 is its recipe's rowwise quantizer; a copy moves its data and scale rows together; bad inputs
 are refused with the reason."""
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,3 +44,29 @@ def test_bad_inputs_are_refused():
     assert not is_token_rows(along_tokens)
     with pytest.raises(ValueError, match="blocks along H"):
         move_rows(along_tokens, lambda a: a)
+
+
+@pytest.mark.parametrize("impl", ["auto", "pallas", "xla"])
+def test_dispatch_moves_the_float8_data_on_the_kernel_and_the_scales_on_xla(monkeypatch, impl):
+    """A copy's float8 data rows go to the dispatch kernel where one is asked for ("auto" keeps
+    the fallback), its scale rows (a few bytes a row) to XLA's gather; the rows are the copy's."""
+    dispatch_module = importlib.import_module("jaxmoe.dispatch")  # the package exports a function
+    gather = dispatch_module.dispatch_rows
+    calls = []
+
+    def recording(x, row_token, *, impl):
+        calls.append((jnp.dtype(x.dtype).itemsize, impl))
+        return gather(x, row_token, impl="xla")  # the kernel itself: tests/test_permute.py
+
+    monkeypatch.setattr(dispatch_module, "dispatch_rows", recording)
+
+    class TwoRows:  # the plan's one method the gather reads
+        def row_token(self):
+            return jnp.array([3, 6], jnp.int32)  # 6: past the tokens, a padding row
+
+    copy = quantize_tokens(TOKENS, "fp8_blockwise", impl="xla")
+    moved = dispatch_module.dispatch(copy, TwoRows(), impl)
+    data_impl = "xla" if impl == "xla" else "auto"
+    assert sorted(calls) == sorted([(1, data_impl), (4, "xla")])
+    want = np.asarray(copy.dequantize(jnp.float32))[3]
+    assert_bitwise(np.asarray(dequantize_rows(moved, jnp.float32))[0], want)

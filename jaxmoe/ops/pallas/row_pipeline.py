@@ -24,6 +24,7 @@ from jaxmoe.ops.pallas.hopper import SMEM_PER_SM, SMEM_RESERVED_PER_CTA, TMA_SME
 # the grid assumes; TILE_BYTES a multiple of 16 KB (the columnwise quantize layout's span).
 TILE_BYTES = 16 * 1024  # input bytes per tile
 STAGES = 4  # SMEM ring slots per CTA: tiles in flight
+UNROLLED_GATHER_LOADS = 8  # a gather tile of more TMA loads issues them in a loop
 CTAS_PER_SM = 2  # persistent CTAs per SM
 SMEM_PER_CTA = SMEM_PER_SM // CTAS_PER_SM - SMEM_RESERVED_PER_CTA  # one CTA's share of the SM
 # No automatic warpgroup barriers around SMEM accesses: the pipelines place the ones they need.
@@ -154,26 +155,40 @@ def gather_fetch(token_gmem, x_gmem, x_smem, tile, segment, gather):
     """Gather loads: output blocks [t * tile, (t + 1) * tile) as tile / segment TMAs of
     `segment` blocks, each inside one output row r, read from row row_token[r] of x ([T * R, B]
     blocks, R per row); gather = (T, M, R). Rows past M and padding rows (token T) read past the
-    end of x: the TMA fills them with zeros."""
+    end of x: the TMA fills them with zeros. Up to UNROLLED_GATHER_LOADS loads a tile are
+    unrolled, their tokens read before the slot is free; more (short rows: a tile of many
+    rows) are issued by a loop, so that the kernel's size does not grow with them."""
     num_tokens, num_rows, row_blocks = gather
+    loads = tile // segment
+
+    def source(t, j):
+        block = t * tile + j * segment
+        row = block // row_blocks
+        token = jnp.where(row < num_rows, token_gmem[jnp.minimum(row, num_rows - 1)], num_tokens)
+        return token * row_blocks + block % row_blocks
+
+    def load(j, source, slot, barrier):
+        plgpu.copy_gmem_to_smem(
+            x_gmem.at[pl.ds(source, segment)],
+            x_smem.at[slot, pl.ds(j * segment, segment)],
+            barrier,
+        )
 
     def fetch(t):
-        sources = []
-        for j in range(tile // segment):
-            block = t * tile + j * segment
-            row = block // row_blocks
-            token = jnp.where(
-                row < num_rows, token_gmem[jnp.minimum(row, num_rows - 1)], num_tokens
-            )
-            sources.append(token * row_blocks + block % row_blocks)
+        if loads > UNROLLED_GATHER_LOADS:
+
+            def issue_looped(slot, barrier):
+                @pl.loop(0, loads)
+                def _(j):
+                    load(j, source(t, j), slot, barrier)
+
+            return issue_looped
+
+        sources = [source(t, j) for j in range(loads)]
 
         def issue(slot, barrier):
-            for j, source in enumerate(sources):
-                plgpu.copy_gmem_to_smem(
-                    x_gmem.at[pl.ds(source, segment)],
-                    x_smem.at[slot, pl.ds(j * segment, segment)],
-                    barrier,
-                )
+            for j, s in enumerate(sources):
+                load(j, s, slot, barrier)
 
         return issue
 
