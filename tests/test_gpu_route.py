@@ -1,0 +1,119 @@
+"""The route "auto" takes on an H200, checked on the CPU: `jaxmoe.ops.device` is made to answer
+for a simulated H200 while the training step is traced at real shapes (abstract weights, so
+nothing is allocated or run). The step's Pallas kernels, by name and count, are the ones
+docs/kernels.md describes; no matmul is left to XLA (on the GPU: cuBLAS, whose kernel choice
+depends on the batch); the dispatch kernel moves only whole token rows (a wire copy's scale
+rows stay on XLA's gather). The GPU suite runs these routes; this catches a changed route
+before it reaches the GPU."""
+
+import collections
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.extend import core
+
+import jaxmoe.ops.device
+from jaxmoe.moe import MoE
+from jaxmoe.shapes import SHAPES
+
+KERNEL_PRIMITIVE = "mpmd_map"  # how a Pallas Mosaic GPU kernel appears in a jaxpr
+
+
+class SimulatedH200:
+    platform = "gpu"
+    compute_capability = "9.0"
+    core_count = 132
+
+
+@pytest.fixture
+def simulated_h200(monkeypatch):
+    monkeypatch.setattr(
+        jaxmoe.ops.device, "jax", types.SimpleNamespace(devices=lambda *_: [SimulatedH200()])
+    )
+    assert jaxmoe.ops.device.on_hopper() and jaxmoe.ops.device.num_sms() == 132
+
+
+def equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it, a kernel's body excepted."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name == KERNEL_PRIMITIVE:
+            continue
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                if isinstance(sub, core.ClosedJaxpr):
+                    yield from equations(sub.jaxpr)
+                elif isinstance(sub, core.Jaxpr):
+                    yield from equations(sub)
+
+
+TOKENS = 512
+
+
+def training_step(shape_name, precision):
+    """The equations of d(sum(y) + aux losses)/d(params, x) for TOKENS tokens."""
+    shape = SHAPES[shape_name].with_precision(precision)
+    model = nnx.eval_shape(
+        lambda: MoE(shape.config, shape.hidden_size, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    )
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, x, rest):
+        y, aux = nnx.merge(graphdef, params, rest)(x)
+        return jnp.sum(y.astype(jnp.float32)) + aux.total_loss
+
+    x = jax.ShapeDtypeStruct((1, TOKENS, shape.hidden_size), jnp.bfloat16)
+    step = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x, rest)
+    return list(equations(step.jaxpr))
+
+
+Kernels = collections.Counter
+# The router's matmul: forward and d x, d weight; with fp32 logits (router_dtype "fp32") d x
+# and d weight take the output gradient as three exact bf16 pieces, a product each.
+ROUTER = {"bf16": Kernels(gmm=2, tgmm=1), "fp32": Kernels(gmm=4, tgmm=3)}
+SHARED_GATED = Kernels(gmm=6, tgmm=3)  # fc1, fc2 and the gate: forward, d x; d weight
+PERMUTES = Kernels(dispatch=2, combine=2)  # each the other's transpose
+EXPERTS = {
+    "bf16": Kernels(gmm=4, tgmm=2, weighted_swiglu_backward=1),  # fc1, fc2: fwd, dgrad; wgrad
+    "fp8_blockwise": Kernels(
+        gmm_fp8_blockwise=4,  # fc1 and fc2: fprop and dgrad
+        tgmm_fp8_blockwise=2,
+        quantize_128x128_transpose=2,  # each weight's two copies
+        quantize_rowwise_1x128=2,  # the wire copies: the tokens, fc2's output gradient
+        requantize_1x128_transposed=2,  # their wgrad copies, from their bytes
+        quantize_1x128_transpose=2,  # fc2's input, fc1's output gradient
+        weighted_swiglu_backward=1,
+    ),
+}
+STEPS = {  # (shape, precision): the kernels of its training step
+    ("mixtral", "bf16"): ROUTER["bf16"] + PERMUTES + EXPERTS["bf16"],
+    ("mixtral", "fp8_blockwise"): ROUTER["bf16"] + PERMUTES + EXPERTS["fp8_blockwise"],
+    ("dsv3_ep8", "fp8_blockwise"): ROUTER["bf16"] + PERMUTES + EXPERTS["fp8_blockwise"],
+    ("deepseek_v3_style", "bf16"): ROUTER["fp32"] + SHARED_GATED + PERMUTES + EXPERTS["bf16"],
+    ("deepseek_v3_style", "fp8_blockwise"): ROUTER["fp32"]
+    + SHARED_GATED
+    + PERMUTES
+    + EXPERTS["fp8_blockwise"],
+}
+
+
+@pytest.mark.parametrize("shape_name, precision", list(STEPS))
+def test_training_step_on_an_h200_takes_these_kernels(simulated_h200, shape_name, precision):
+    eqns = training_step(shape_name, precision)
+    kernels = Kernels(e.params["name"] for e in eqns if e.primitive.name == KERNEL_PRIMITIVE)
+    assert kernels == STEPS[shape_name, precision]
+    assert not [e for e in eqns if e.primitive.name in ("dot_general", "ragged_dot_general")]
+    token_rows = (TOKENS * SHAPES[shape_name].hidden_size // 32, 32)  # as 32-element blocks
+    for e in eqns:
+        if e.primitive.name == KERNEL_PRIMITIVE and e.params["name"] == "dispatch":
+            assert e.invars[1].aval.shape == token_rows
+
+
+def test_without_the_simulated_h200_the_step_takes_no_kernel():
+    """Control: on this CPU "auto" takes XLA everywhere (and the matmuls are XLA's)."""
+    eqns = training_step("mixtral", "fp8_blockwise")
+    assert not [e for e in eqns if e.primitive.name == KERNEL_PRIMITIVE]
+    assert [e for e in eqns if e.primitive.name == "dot_general"]
