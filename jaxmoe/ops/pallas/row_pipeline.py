@@ -167,9 +167,9 @@ def gather_fetch(token_gmem, x_gmem, x_smem, tile, segment, gather):
         token = jnp.where(row < num_rows, token_gmem[jnp.minimum(row, num_rows - 1)], num_tokens)
         return token * row_blocks + block % row_blocks
 
-    def load(j, source, slot, barrier):
+    def load(j, start, slot, barrier):
         plgpu.copy_gmem_to_smem(
-            x_gmem.at[pl.ds(source, segment)],
+            x_gmem.at[pl.ds(start, segment)],
             x_smem.at[slot, pl.ds(j * segment, segment)],
             barrier,
         )
@@ -187,8 +187,8 @@ def gather_fetch(token_gmem, x_gmem, x_smem, tile, segment, gather):
         sources = [source(t, j) for j in range(loads)]
 
         def issue(slot, barrier):
-            for j, s in enumerate(sources):
-                load(j, s, slot, barrier)
+            for j, start in enumerate(sources):
+                load(j, start, slot, barrier)
 
         return issue
 
