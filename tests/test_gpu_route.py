@@ -1,10 +1,10 @@
 """The route "auto" takes on an H200, checked on the CPU: `jaxmoe.ops.device` is made to answer
-for a simulated H200 while the training step is traced at real shapes (abstract weights, so
-nothing is allocated or run). The step's Pallas kernels, by name and count, are the ones
-docs/kernels.md describes; no matmul is left to XLA (on the GPU: cuBLAS, whose kernel choice
-depends on the batch); the dispatch kernel moves only whole token rows (a wire copy's scale
-rows stay on XLA's gather). The GPU suite runs these routes; this catches a changed route
-before it reaches the GPU."""
+for a simulated H200 while the training step and the MXFP8 inference forward are traced at
+real shapes (abstract weights, so nothing is allocated or run). Their Pallas kernels, by name
+and count, are the ones docs/kernels.md describes; no matmul is left to XLA (on the GPU:
+cuBLAS, whose kernel choice depends on the batch); the dispatch kernel moves only whole token
+rows (a wire copy's scale rows stay on XLA's gather). The GPU suite runs these routes; this
+catches a changed route before it reaches the GPU."""
 
 import collections
 import types
@@ -16,10 +16,12 @@ from flax import nnx
 from jax.extend import core
 
 import jaxmoe.ops.device
+from jaxmoe.inference import mxfp8_inference
 from jaxmoe.moe import MoE
 from jaxmoe.shapes import SHAPES
 
 KERNEL_PRIMITIVE = "mpmd_map"  # how a Pallas Mosaic GPU kernel appears in a jaxpr
+Kernels = collections.Counter  # kernel name -> calls
 
 
 class SimulatedH200:
@@ -50,27 +52,55 @@ def equations(jaxpr):
                     yield from equations(sub)
 
 
-TOKENS = 512
+TRAINING_TOKENS = 512
+
+
+def model(shape_name, precision, inference=False):
+    """(graphdef, params, rest) of an abstract layer of this shape (`mxfp8_inference`'s copy
+    with `inference`)."""
+    shape = SHAPES[shape_name].with_precision(precision)
+
+    def build():
+        layer = MoE(shape.config, shape.hidden_size, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        return mxfp8_inference(layer) if inference else layer
+
+    return nnx.split(nnx.eval_shape(build), nnx.Param, ...)
+
+
+def tokens(shape_name, count):
+    return jax.ShapeDtypeStruct((1, count, SHAPES[shape_name].hidden_size), jnp.bfloat16)
 
 
 def training_step(shape_name, precision):
-    """The equations of d(sum(y) + aux losses)/d(params, x) for TOKENS tokens."""
-    shape = SHAPES[shape_name].with_precision(precision)
-    model = nnx.eval_shape(
-        lambda: MoE(shape.config, shape.hidden_size, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    )
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    """The equations of d(sum(y) + aux losses)/d(params, x) for TRAINING_TOKENS tokens."""
+    graphdef, params, rest = model(shape_name, precision)
 
     def loss(params, x, rest):
         y, aux = nnx.merge(graphdef, params, rest)(x)
         return jnp.sum(y.astype(jnp.float32)) + aux.total_loss
 
-    x = jax.ShapeDtypeStruct((1, TOKENS, shape.hidden_size), jnp.bfloat16)
-    step = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x, rest)
-    return list(equations(step.jaxpr))
+    x = tokens(shape_name, TRAINING_TOKENS)
+    return list(equations(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x, rest).jaxpr))
 
 
-Kernels = collections.Counter
+def inference_forward(shape_name, count):
+    """The equations of the MXFP8 inference forward (`mxfp8_inference`) of `count` tokens."""
+    graphdef, params, rest = model(shape_name, "mxfp8", inference=True)
+    forward = lambda params, x, rest: nnx.merge(graphdef, params, rest)(x)[0]  # noqa: E731
+    return list(equations(jax.make_jaxpr(forward)(params, tokens(shape_name, count), rest).jaxpr))
+
+
+def check_route(eqns, kernels, shape_name, count):
+    """eqns take exactly `kernels`, no XLA matmul, and dispatch whole rows of `count` tokens."""
+    taken = Kernels(e.params["name"] for e in eqns if e.primitive.name == KERNEL_PRIMITIVE)
+    assert taken == kernels
+    assert not [e for e in eqns if e.primitive.name in ("dot_general", "ragged_dot_general")]
+    token_rows = (count * SHAPES[shape_name].hidden_size // 32, 32)  # as 32-element blocks
+    for e in eqns:
+        if e.primitive.name == KERNEL_PRIMITIVE and e.params["name"] == "dispatch":
+            assert e.invars[1].aval.shape == token_rows
+
+
 # The router's matmul: forward and d x, d weight; with fp32 logits (router_dtype "fp32") d x
 # and d weight take the output gradient as three exact bf16 pieces, a product each.
 ROUTER = {"bf16": Kernels(gmm=2, tgmm=1), "fp32": Kernels(gmm=4, tgmm=3)}
@@ -78,6 +108,13 @@ SHARED_GATED = Kernels(gmm=6, tgmm=3)  # fc1, fc2 and the gate: forward, d x; d 
 PERMUTES = Kernels(dispatch=2, combine=2)  # each the other's transpose
 EXPERTS = {
     "bf16": Kernels(gmm=4, tgmm=2, weighted_swiglu_backward=1),  # fc1, fc2: fwd, dgrad; wgrad
+    # The bf16 GEMM kernels on dequantized copies. Rowwise copies: the wire copies (the
+    # tokens, fc2's output gradient), the weights' fprop copies, fc2's input, fc1's output
+    # gradient; columnwise: the weights' dgrad copies, the wgrad copies of both GEMMs' inputs
+    # and output gradients.
+    "mxfp8": Kernels(
+        gmm=4, tgmm=2, weighted_swiglu_backward=1, quantize_rowwise=6, quantize_columnwise=6
+    ),
     "fp8_blockwise": Kernels(
         gmm_fp8_blockwise=4,  # fc1 and fc2: fprop and dgrad
         tgmm_fp8_blockwise=2,
@@ -90,6 +127,7 @@ EXPERTS = {
 }
 STEPS = {  # (shape, precision): the kernels of its training step
     ("mixtral", "bf16"): ROUTER["bf16"] + PERMUTES + EXPERTS["bf16"],
+    ("mixtral", "mxfp8"): ROUTER["bf16"] + PERMUTES + EXPERTS["mxfp8"],
     ("mixtral", "fp8_blockwise"): ROUTER["bf16"] + PERMUTES + EXPERTS["fp8_blockwise"],
     ("dsv3_ep8", "fp8_blockwise"): ROUTER["bf16"] + PERMUTES + EXPERTS["fp8_blockwise"],
     ("deepseek_v3_style", "bf16"): ROUTER["fp32"] + SHARED_GATED + PERMUTES + EXPERTS["bf16"],
@@ -98,18 +136,33 @@ STEPS = {  # (shape, precision): the kernels of its training step
     + PERMUTES
     + EXPERTS["fp8_blockwise"],
 }
+# MXFP8 inference: the router, the tokens' wire copy, dispatch and combine, and the experts'
+# GEMMs: at up to 64 rows an expert on the decode kernel (fc2's input quantized by XLA, which
+# fuses it with the activation), above on the bf16 kernel with dequantized weight copies
+# (fc2's input on the quantize kernel).
+FORWARD = Kernels(gmm=1, quantize_rowwise=1, dispatch=1, combine=1)
+DECODE = FORWARD + Kernels(gmm_decode=2)
+DEQUANTIZE = FORWARD + Kernels(gmm=2, quantize_rowwise=1)
+SHARED_GATED_FORWARD = Kernels(gmm=3)
+FORWARDS = {  # (shape, tokens): the kernels of the MXFP8 inference forward
+    ("qwen3_30b", 1): DECODE,
+    ("mixtral", 64): DECODE,
+    ("deepseek_v3_style", 64): DECODE + SHARED_GATED_FORWARD,
+    ("mixtral", 512): DEQUANTIZE,  # 128 rows an expert
+}
 
 
 @pytest.mark.parametrize("shape_name, precision", list(STEPS))
 def test_training_step_on_an_h200_takes_these_kernels(simulated_h200, shape_name, precision):
     eqns = training_step(shape_name, precision)
-    kernels = Kernels(e.params["name"] for e in eqns if e.primitive.name == KERNEL_PRIMITIVE)
-    assert kernels == STEPS[shape_name, precision]
-    assert not [e for e in eqns if e.primitive.name in ("dot_general", "ragged_dot_general")]
-    token_rows = (TOKENS * SHAPES[shape_name].hidden_size // 32, 32)  # as 32-element blocks
-    for e in eqns:
-        if e.primitive.name == KERNEL_PRIMITIVE and e.params["name"] == "dispatch":
-            assert e.invars[1].aval.shape == token_rows
+    check_route(eqns, STEPS[shape_name, precision], shape_name, TRAINING_TOKENS)
+
+
+@pytest.mark.parametrize("shape_name, count", list(FORWARDS))
+def test_mxfp8_inference_on_an_h200_takes_these_kernels(simulated_h200, shape_name, count):
+    check_route(
+        inference_forward(shape_name, count), FORWARDS[shape_name, count], shape_name, count
+    )
 
 
 def test_without_the_simulated_h200_the_step_takes_no_kernel():
