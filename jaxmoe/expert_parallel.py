@@ -81,8 +81,11 @@ def expert_parallel_forward(
     tokens = P(mesh.axis_names)
     route_for = functools.partial(ExchangedRoute.build, num_ranks=ep, axis_name=expert_axis)
 
+    row_alignment = expert_parallel_row_alignment(model)
+
     def rank_forward(params, rest, x, padding_mask):
         local = nnx.merge(graphdef, jax.tree.map(lambda p: p[0], params), rest)
+        local.row_alignment = row_alignment
         y, aux, _ = local.forward_with_stages(x, padding_mask=padding_mask, route_for=route_for)
         return y, jax.tree.map(lambda a: a[None], aux)
 
@@ -99,6 +102,24 @@ def expert_parallel_forward(
     return sharded(
         copies(params), placed(rest, rest_specs), placed(x, tokens), placed(padding_mask, tokens)
     )
+
+
+# A weight-gradient GEMM's reduction order depends on where its group starts: modulo 16 rows in
+# the Pallas kernel (ops/pallas/tgmm_hopper.py), modulo 32 in XLA:CPU's ragged dot (measured,
+# tests/test_gmm.py). Blocks that start on multiples of 32 sum their rows the same way wherever
+# the exchange puts them.
+GROUP_START_ALIGNMENT = 32
+
+
+def expert_parallel_row_alignment(model: MoE) -> int:
+    """The expert buffer's row alignment under `expert_parallel_forward`, at every degree:
+    `model.row_alignment` rounded up to a multiple of GROUP_START_ALIGNMENT when the routed
+    experts have trainable parameters, so that each (expert, source) block's weight-gradient
+    partial has the same bits at every degree; forward-only experts (`mxfp8_inference`) keep
+    theirs (a row's outputs do not depend on it)."""
+    if not jax.tree.leaves(nnx.state(model.experts, nnx.Param)):
+        return model.row_alignment
+    return math.lcm(model.row_alignment, GROUP_START_ALIGNMENT)
 
 
 def _in_experts(path) -> bool:

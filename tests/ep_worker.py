@@ -1,12 +1,16 @@
 """One process of tests/test_expert_parallel_multiprocess.py (a helper, not a test module).
 
-    python tests/ep_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npz
+    python tests/ep_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npz [cpu|gpu]
 
-Joins `jax.distributed` (each process with the host devices that XLA_FLAGS gives it), runs the
-layer and loss of tests/test_expert_parallel.py (`make`, `step`: the same model, x and
-cotangent) with `expert_parallel_forward` over meshes of all processes' devices, and process 0
-writes y, the auxiliary losses, d x and every parameter gradient, gathered to the host, to
-OUT.npz (`save`; read back with `load`): one entry "<precision>/<mesh>/<key path>" an array.
+Joins `jax.distributed` and runs the layer's training step with `expert_parallel_forward` over
+meshes of all processes' devices; process 0 writes y, the auxiliary losses, d x and every
+parameter gradient, gathered to the host, to OUT.npz (`save`; read back with `load`).
+  cpu (default)  each process with the host devices that XLA_FLAGS gives it; the layer and
+                 loss of tests/test_expert_parallel.py (`make`, `step`); entries
+                 "<precision>/<mesh>/<key path>"
+  gpu            one GPU per process (process i takes local GPU i); the cases of
+                 tests/test_gpu_expert_parallel.py's `MULTIPROCESS_CASES` at ep = 2 and 1;
+                 entries "<case>/ep<degree>/<key path>"
 """
 
 import os
@@ -97,11 +101,29 @@ def load(path: str) -> dict[str, np.ndarray]:
 RUNS = {"bf16": ("1x8", "4x2_placed"), "mxfp8": ("4x2_placed",)}
 
 
-def main(coordinator: str, num_processes: int, process_id: int, out: str):
-    jax.distributed.initialize(coordinator, num_processes, process_id)
+def gpu_suite() -> dict[str, np.ndarray]:
+    """tests/test_gpu_expert_parallel.py's multi-process cases, on a mesh of every process's
+    GPU."""
+    from test_gpu_expert_parallel import MULTIPROCESS_CASES, compiled_step, make, outputs
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    results = {}
+    for case in MULTIPROCESS_CASES:
+        model, x, dy = make(case)
+        for ep in (2, 1):
+            mesh = jax.make_mesh((len(devices) // ep, ep), ("data", "ep"), devices=devices)
+            step, params = compiled_step(model, mesh)
+            got = step(params, *(global_tokens(np.asarray(a), mesh) for a in (x, dy)))
+            for key, value in outputs(multihost_utils.process_allgather(got, tiled=True)).items():
+                results[f"{case}/ep{ep}/{key}"] = value
+    return results
+
+
+def cpu_suite() -> dict[str, np.ndarray]:
+    """tests/test_expert_parallel.py's layer over `RUNS`' meshes of 8 host devices."""
     from test_expert_parallel import CONFIGS, make, step
 
-    assert jax.process_count() == num_processes and jax.device_count() == 8
+    assert jax.device_count() == 8
     results = {}
     for precision, names in RUNS.items():
         model, x, cotangent = make(CONFIGS[precision])
@@ -113,13 +135,21 @@ def main(coordinator: str, num_processes: int, process_id: int, out: str):
             on_host = multihost_utils.process_allgather(outputs, tiled=True)
             for key, value in flat(on_host).items():
                 results[f"{precision}/{name}/{key}"] = value
+    return results
+
+
+def main(coordinator: str, num_processes: int, process_id: int, out: str, suite: str = "cpu"):
+    local = dict(local_device_ids=[process_id]) if suite == "gpu" else {}
+    jax.distributed.initialize(coordinator, num_processes, process_id, **local)
+    assert jax.process_count() == num_processes
+    results = {"cpu": cpu_suite, "gpu": gpu_suite}[suite]()
     if process_id == 0:
         save(out, results)
 
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:6])
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()

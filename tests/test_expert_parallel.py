@@ -13,9 +13,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jaxmoe.expert_parallel
 from jaxmoe import MoE, MoEConfig, mxfp8_inference
 from jaxmoe.exchange import ExchangedRoute
-from jaxmoe.expert_parallel import expert_parallel_forward, place_on_mesh
+from jaxmoe.expert_parallel import (
+    expert_parallel_forward,
+    expert_parallel_row_alignment,
+    place_on_mesh,
+)
 from jaxmoe.ordered import sum_in_order
 
 from bitwise import assert_bitwise, differs
@@ -221,6 +226,26 @@ def test_control_one_group_per_expert_changes_the_gradient_bits(monkeypatch):
     )
 
 
+def test_same_bits_with_many_rows_per_expert(monkeypatch):
+    """256 tokens a rank (64 rows an expert from each source, blocks at many starts): the same
+    bits at ep = 1, 2 and 8 for bf16 experts (row alignment 1, raised to 32 under expert
+    parallelism). Control: with the blocks at the config's alignment, the expert weight
+    gradients depend on where the exchange puts them."""
+    model, _, _ = make(BF16)
+    x = jax.random.normal(jax.random.key(3), (8, 256, H)).astype(jnp.bfloat16)
+    cotangent = jax.random.normal(jax.random.key(4), (8, 256, H))
+    assert expert_parallel_row_alignment(model) == 32
+    assert_same_bits_at_every_degree(model, x, cotangent, degrees=(1, 2, 8))
+    monkeypatch.setattr(
+        jaxmoe.expert_parallel, "expert_parallel_row_alignment", lambda m: m.row_alignment
+    )
+    grads = {ep: step(model, x, cotangent, mesh_for(ep))[3]["experts"] for ep in (1, 8)}
+    assert any(
+        differs(np.asarray(grads[8][name][...]), np.asarray(grads[1][name][...]))
+        for name in ("fc1_kernel", "fc2_kernel")
+    )
+
+
 def single_device_gradients(model, x, cotangent):
     """The parameter gradients of the same loss on one device: each rank's tokens a call."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -256,6 +281,7 @@ def test_parameter_gradients_are_the_ranks_single_device_gradients_summed_in_ord
     same holds at every degree. (The rows themselves, padding included, are checked in
     tests/test_exchange.py: MXFP8's scale is nearly invisible in a gradient.)"""
     model, x, cotangent = make(CONFIGS.get(precision, MXFP8_EXPERTS))
+    model.row_alignment = expert_parallel_row_alignment(model)  # the blocks' layout over a mesh
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     @jax.jit

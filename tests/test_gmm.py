@@ -12,6 +12,8 @@ import pytest
 
 from jaxmoe.ops import gmm, tgmm
 
+from bitwise import assert_bitwise, differs
+
 
 @pytest.fixture(autouse=True)
 def on_host_cpu():
@@ -70,6 +72,27 @@ def test_tgmm_matches_loop():
     out = tgmm(lhs, rhs, jnp.asarray(sizes, jnp.int32))
     np.testing.assert_allclose(out, loop_tgmm(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(out)[1] == 0)
+
+
+def test_tgmm_group_bits_depend_on_its_start_modulo_32_only():
+    """XLA:CPU's ragged dot sums a group's rows in an order fixed by the group's start modulo 32
+    (what `jaxmoe.expert_parallel.GROUP_START_ALIGNMENT` relies on): the same rows give the
+    same bits at starts 0, 32, 96, 2080, and other bits at 8 or 16 (the control)."""
+    rng = np.random.default_rng(3)
+    rows, total = 517, 4096
+    lhs = jnp.asarray(rng.standard_normal((rows, 128)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((rows, 256)), jnp.bfloat16)
+    run = jax.jit(lambda a, b, sizes: tgmm(a, b, sizes, impl="xla")[1])
+
+    def at(start):
+        place = lambda x: jnp.zeros((total, x.shape[1]), x.dtype).at[start : start + rows].set(x)
+        sizes = jnp.array([start, rows, total - start - rows], jnp.int32)
+        return np.asarray(run(place(lhs), place(rhs), sizes))
+
+    first = at(0)
+    for start in (32, 96, 2080):
+        assert_bitwise(at(start), first)
+    assert differs(at(8), first) and differs(at(16), first)
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
