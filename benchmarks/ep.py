@@ -4,7 +4,7 @@ layer's weak scaling.
 
     PYTHONPATH=. python benchmarks/ep.py [--shape qwen3_30b] [--tokens-per-device T]
         [--ep 1,2] [--dispatch bf16,mxfp8] [--experts bf16] [--parts exchange,layer]
-        [--iters 1] [--min-window 0.1] [--repeats 5] [--tag TAG] [--out DIR]
+        [--iters 1] [--min-window 0.1] [--repeats 5] [--profile] [--tag TAG] [--out DIR]
 
 On N devices (2 H200s: `--ep` defaults to every power of two up to the device count), for each
 expert-parallel degree R in --ep, on a ("data", "ep") = (1, R) mesh of the first R devices, in
@@ -73,7 +73,9 @@ The JSON: the environment (device, versions, `on_cpu`, `method`), `shape`, `degr
             ms_runs, busbw_GBps and payload_GBps (null at ep 1: nothing leaves), ratio_to_dense
   layer     one record per step: impl (single_device / expert_parallel), ep, devices,
             dispatch, experts, expert_row_alignment, tokens_per_device, compile_s, ms, ms_runs,
-            tokens_per_s_per_device, tokens_per_s, efficiency
+            tokens_per_s_per_device, tokens_per_s, efficiency; with --profile, `profile`
+            (`op_profile`: the first device's busy and span ms per step, the NCCL kernels' ms,
+            the top kernels by time; on CPU the XLA op records)
 (a case that failed has `error` instead of its times).
 """
 
@@ -101,7 +103,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import report  # noqa: E402
 from benchmarks.report import error_text, log  # noqa: E402
-from benchmarks.timing import sync, timed_runs  # noqa: E402
+from benchmarks.timing import gpu_stream_events, profile_events, sync, timed_runs  # noqa: E402
 from jaxmoe import MoE, MoEConfig  # noqa: E402
 from jaxmoe.config import MXFP8_ALIGNMENTS  # noqa: E402
 from jaxmoe.exchange import exchange_plan, return_rows, send_tokens  # noqa: E402
@@ -514,6 +516,59 @@ def layer_rates(records: list[dict]) -> None:
         r["efficiency"] = reference / r["ms"] if reference else None
 
 
+PROFILE_STEPS = 3
+PROFILE_TOP = 30
+
+
+def op_profile(call: Callable, steps: int = PROFILE_STEPS) -> dict:
+    """Where one device's time goes in a step: from a JAX profile of `steps` calls, the records
+    of the first device's GPU streams (on CPU: its XLA op records) per step: busy ms (summed
+    records, streams may overlap), span ms (first start to last end, over `steps`), the
+    collectives' share (NCCL kernels), and the PROFILE_TOP kernels by time (name, HLO op,
+    calls and ms per step)."""
+    events = profile_events(call, runs=steps)
+    events = gpu_stream_events(events) or [e for e in events if "hlo_op" in e.args]  # CPU: ops
+    first = min(e.process for e in events)
+    mine = [e for e in events if e.process == first]
+    per_step = 1e-3 / steps
+    by_name = {}
+    for e in mine:
+        key = (e.name[:120], str(e.args.get("hlo_op", ""))[:80])
+        calls, us = by_name.get(key, (0, 0.0))
+        by_name[key] = (calls + 1, us + e.dur_us)
+    nccl = sum(e.dur_us for e in mine if "nccl" in e.name.lower())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:PROFILE_TOP]
+    return dict(
+        device=first,
+        steps=steps,
+        busy_ms=sum(e.dur_us for e in mine) * per_step,
+        span_ms=(max(e.start_us + e.dur_us for e in mine) - min(e.start_us for e in mine))
+        * per_step,
+        collectives_ms=nccl * per_step,
+        streams=sorted({e.thread for e in mine}),
+        top=[
+            dict(name=name, hlo_op=op, calls_per_step=calls / steps, ms=us * per_step)
+            for (name, op), (calls, us) in top
+        ],
+    )
+
+
+def profile_cases(cases: list[dict]) -> None:
+    """`op_profile` of every timed case, into its record's `profile` (or `profile_error`)."""
+    for case in cases:
+        if "ms" not in case["record"]:
+            continue
+        try:
+            case["record"]["profile"] = op_profile(case["call"])
+            p = case["record"]["profile"]
+            log(
+                f"  {case['label']:32s} profile: busy {p['busy_ms']:.3f} ms/step, span "
+                f"{p['span_ms']:.3f}, collectives {p['collectives_ms']:.3f}"
+            )
+        except Exception as e:  # the timings stand without it
+            case["record"]["profile_error"] = error_text(e)
+
+
 # -------------------------------------------------------------------------------- reporting
 def environment() -> dict:
     """Device, versions and date of the run."""
@@ -745,6 +800,11 @@ def main(argv=None) -> dict:
         "--min-window", type=float, default=0.1, help="seconds: the shortest timed run"
     )
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile each layer step: the first device's kernels by time (`op_profile`)",
+    )
     parser.add_argument("--tag", default="", help="added to the result file name")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
@@ -804,6 +864,8 @@ def main(argv=None) -> dict:
         log("layer: single device")
         cases = layer_cases(shape, weights, None, tokens_per_device, args)
         warm_and_time(cases, args)
+        if args.profile:
+            profile_cases(cases)
         result["layer"] += [c["record"] for c in cases]
         del cases
         write(result, path)
@@ -833,6 +895,8 @@ def main(argv=None) -> dict:
             try:
                 cases = layer_cases(shape, weights, mesh, tokens_per_device, args)
                 warm_and_time(cases, args)
+                if args.profile:
+                    profile_cases(cases)
                 result["layer"] += [c["record"] for c in cases]
             except Exception as e:
                 result["errors"].append(dict(ep=degree, part="layer", error=error_text(e)))

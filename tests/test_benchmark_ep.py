@@ -42,6 +42,7 @@ def positive(value) -> bool:
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep")
     argv = ["--shape", "tiny", "--ep", "1,2", "--repeats", str(REPEATS), "--min-window", "0.005"]
+    argv.append("--profile")
     returned = ep_benchmark.main(argv + ["--tag", "test", "--out", str(out)])
     assert os.path.basename(returned["path"]).startswith("ep_")
     with open(returned["path"]) as f:
@@ -137,6 +138,16 @@ def test_the_layer_is_timed_at_every_degree_with_its_efficiency(result):
         if impl == "single_device":
             assert r["efficiency"] == 1.0
     assert records[("expert_parallel", 2, "mxfp8")]["expert_row_alignment"] == 32
+
+
+def test_every_layer_step_is_profiled(result):
+    """--profile: each step's first device, its busy and span time and top ops."""
+    for r in result["layer"]:
+        profile = r["profile"]
+        assert positive(profile["busy_ms"]) and positive(profile["span_ms"]), r
+        assert 0 <= profile["collectives_ms"] <= profile["busy_ms"]
+        assert 0 < len(profile["top"]) <= ep_benchmark.PROFILE_TOP
+        assert all(positive(op["ms"]) and op["calls_per_step"] > 0 for op in profile["top"])
 
 
 def test_the_plot_is_recorded_or_skipped(result):
