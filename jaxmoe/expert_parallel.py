@@ -141,7 +141,10 @@ class _OrderedCopies:
     rounded once to the parameter's dtype. Rank g = its linear index over the copy axes, so the
     tree is the same for every split of the ranks (docs/expert_parallel.md). The routed
     experts' parameters are copied over the data axes and split over the expert axis, the
-    others copied over every axis."""
+    others copied over every axis. A parameter with n = 1 (the routed experts without data
+    axes) is passed on as it is, [1, ...]: its one cotangent, which the expert GEMMs round once
+    from their fp32 sum of the sources' partials, is its gradient (the same bits as through an
+    fp32 copy, without converting every expert weight and gradient)."""
 
     def __init__(self, mesh: Mesh, expert_axis: str):
         self.mesh, self.expert_axis = mesh, expert_axis
@@ -163,12 +166,21 @@ class _OrderedCopies:
         axes, dims = self.layout(path)
         return P(axes, *dims)
 
+    def count(self, path) -> int:
+        """How many copies of a parameter there are (the ranks of its copy axes)."""
+        axes, _ = self.layout(path)
+        return math.prod(self.mesh.shape[a] for a in axes)
+
     def _copies(self, params):
         def copy(path, p):
-            axes, dims = self.layout(path)
-            n = math.prod(self.mesh.shape[a] for a in axes)
+            _, dims = self.layout(path)
             p = jax.device_put(p, NamedSharding(self.mesh, P(*dims)))  # onto the mesh first
-            spread = jnp.broadcast_to(p.astype(jnp.float32)[None], (n,) + p.shape)
+            n = self.count(path)
+            # One copy (the routed experts without data axes): the parameter itself; its
+            # gradient needs no sum across ranks (the GEMM rounds its partials' sum once).
+            spread = (
+                p[None] if n == 1 else jnp.broadcast_to(p.astype(jnp.float32)[None], (n,) + p.shape)
+            )
             return jax.device_put(spread, NamedSharding(self.mesh, self.spec(path)))
 
         return jax.tree_util.tree_map_with_path(copy, params)
@@ -176,9 +188,12 @@ class _OrderedCopies:
     def _sum(self, dtypes, cotangents):
         def total(path, g, like):
             axes, dims = self.layout(path)
+            n = self.count(path)
 
             def rank_sum(local):
-                every = jax.lax.all_gather(local[0], axes, axis=0) if axes else local
+                if n == 1:
+                    return local[0].astype(like.dtype)
+                every = jax.lax.all_gather(local[0], axes, axis=0)
                 return sum_in_order(every.astype(jnp.float32), axis=0).astype(like.dtype)
 
             return jax.shard_map(
