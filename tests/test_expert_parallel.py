@@ -246,6 +246,20 @@ def test_same_bits_with_many_rows_per_expert(monkeypatch):
     )
 
 
+def test_experts_without_data_axes_are_used_as_they_are():
+    """Each rank computes with fp32 copies of the parameters that are summed across ranks; the
+    routed experts at ep = 8 of 8 ranks (no data axes: one copy) are used as they are, bf16
+    (nothing to convert; the same bits, test_same_bits_at_every_degree). At ep = 4 of 8 they
+    have two copies, fp32; the router and shared expert always have eight."""
+    model, _, _ = make(BF16)
+    params = nnx.split(model, nnx.Param, ...)[1]
+    for ep, experts_dtype in ((8, jnp.bfloat16), (4, jnp.float32)):
+        copies = jaxmoe.expert_parallel._OrderedCopies(mesh_for(ep), "ep")(params)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(copies):
+            routed = jax.tree_util.keystr(path).startswith("['experts']")
+            assert leaf.dtype == (experts_dtype if routed else jnp.float32), path
+
+
 def single_device_gradients(model, x, cotangent):
     """The parameter gradients of the same loss on one device: each rank's tokens a call."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
