@@ -102,7 +102,7 @@ RUNS = {"bf16": ("1x8", "4x2_placed"), "mxfp8": ("4x2_placed",)}
 
 
 def gpu_suite() -> dict[str, np.ndarray]:
-    """tests/test_gpu_expert_parallel.py's multi-process cases, on a mesh of every process's
+    """tests/test_gpu_expert_parallel.py's multi-process case, on meshes of every process's
     GPU."""
     from test_gpu_expert_parallel import MULTIPROCESS_CASE, compiled_step, make, outputs
 
