@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ep_worker import flat, load
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -91,8 +92,7 @@ def tokens_on(mesh, *arrays):
 def outputs(grads_and_values) -> dict[str, np.ndarray]:
     """{key path: host array} of ((d x, d params), (y, aux))."""
     (d_x, d_params), (y, aux) = grads_and_values
-    leaves, _ = jax.tree_util.tree_flatten_with_path(dict(y=y, aux=aux, d_x=d_x, d_params=d_params))
-    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+    return flat(dict(y=y, aux=aux, d_x=d_x, d_params=d_params))
 
 
 def assert_same_outputs(got: dict, want: dict):
@@ -195,8 +195,6 @@ def test_one_process_per_gpu_gives_the_bits_of_one(tmp_path):
             for i in range(GPUS)
         )
         pytest.fail(f"jax.distributed workers: exit codes {codes}\n{logs}")
-    from ep_worker import load
-
     results = load(str(out))
     model, x, dy = make(MULTIPROCESS_CASE)
     for ep in (2, 1):
