@@ -7,10 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoe.ops import dense
+from jaxmoe.ops import dense, gmm, tgmm
 from jaxmoe.ops.dense import _row_chunks, bf16_pieces
+from jaxmoe.ordered import sum_in_order
 
 from bitwise import assert_bitwise, differs
+from jaxprs import equations
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -162,3 +164,60 @@ def test_refuses_bad_operands():
         dense(x, w, impl="cuda")
     with pytest.raises(ValueError, match="bf16 or fp16"):
         dense(x.astype(F32), w.astype(F32), impl="pallas")
+
+
+# Integer ops that XLA runs as kernels of their own (it does not fold them on constants).
+METADATA_KERNEL_OPS = {"reduce_sum", "reduce_max", "reduce_min", "cumsum", "sort", "concatenate"}
+
+
+def metadata_kernel_ops(fn, *args) -> list[str]:
+    """The integer-valued `METADATA_KERNEL_OPS` of fn's jaxpr and the jaxprs inside it: on the
+    kernel path, tile metadata that would be computed at run time."""
+    return [
+        e.primitive.name
+        for e in equations(jax.make_jaxpr(fn)(*args).jaxpr)
+        if e.primitive.name in METADATA_KERNEL_OPS
+        and all(jnp.issubdtype(v.aval.dtype, jnp.integer) for v in e.outvars)
+    ]
+
+
+def test_kernel_tile_metadata_is_computed_at_trace_time():
+    """The one group's size and the weight gradient's row chunks are known on the host, so the
+    kernels' tile metadata are constants of the executable, with no reduction left to run on
+    the device (on the H200 at 64 tokens XLA ran four small kernels and a copy for them).
+    Control: the same kernel with the group size traced computes them at run time."""
+    x, w, bias, dy = operands(64, 128, 64)
+
+    def step(x, w, bias):
+        return jax.grad(
+            lambda *a: jnp.sum(dense(*a, out_dtype=F32, impl="pallas") * dy), argnums=(0, 1, 2)
+        )(x, w, bias)
+
+    assert metadata_kernel_ops(step, x, w, bias) == []
+    traced = metadata_kernel_ops(
+        lambda x, w, sizes: gmm(x, w[None], sizes, impl="pallas"), x, w, np.array([64], np.int32)
+    )
+    assert "reduce_sum" in traced
+
+
+def test_host_group_sizes_give_the_bits_of_traced_ones(interpret):
+    """The kernels with their tile metadata computed at trace time (dense) give the bits of
+    the same kernels with the group sizes traced (metadata computed on the device): forward,
+    d x and the chunked d w, at a decode size and a row count that is no multiple of 8."""
+    for t in (64, 37):
+        x, w, _, dy = operands(t, 256, 128, seed=t)
+        dy = dy.astype(BF16)
+        y, vjp = jax.vjp(lambda x, w: dense(x, w, impl="pallas"), x, w)
+        d_x, d_w = vjp(dy)
+        chunks = _row_chunks(t, 256, 128)
+
+        @jax.jit
+        def traced(x, w, dy, one_group, chunks):
+            y, vjp = jax.vjp(
+                lambda x: gmm(x, w[None], one_group, impl="pallas", preferred_element_type=BF16), x
+            )
+            d_w = sum_in_order(tgmm(x, dy, chunks, impl="pallas", preferred_element_type=F32))
+            return y, vjp(dy)[0], d_w.astype(BF16)
+
+        for got, want in zip((y, d_x, d_w), traced(x, w, dy, np.array([t], np.int32), chunks)):
+            assert_bitwise(np.asarray(got), np.asarray(want))

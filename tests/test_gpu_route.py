@@ -13,14 +13,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.extend import core
 
 import jaxmoe.ops.device
 from jaxmoe.inference import mxfp8_inference
 from jaxmoe.moe import MoE
 from jaxmoe.shapes import SHAPES
 
-KERNEL_PRIMITIVE = "mpmd_map"  # how a Pallas Mosaic GPU kernel appears in a jaxpr
+from jaxprs import KERNEL_PRIMITIVE, equations
+
 Kernels = collections.Counter  # kernel name -> calls
 
 
@@ -36,20 +36,6 @@ def simulated_h200(monkeypatch):
         jaxmoe.ops.device, "jax", types.SimpleNamespace(devices=lambda *_: [SimulatedH200()])
     )
     assert jaxmoe.ops.device.on_hopper() and jaxmoe.ops.device.num_sms() == 132
-
-
-def equations(jaxpr):
-    """Every equation of a jaxpr and of the jaxprs inside it, a kernel's body excepted."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        if eqn.primitive.name == KERNEL_PRIMITIVE:
-            continue
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                if isinstance(sub, core.ClosedJaxpr):
-                    yield from equations(sub.jaxpr)
-                elif isinstance(sub, core.Jaxpr):
-                    yield from equations(sub)
 
 
 TRAINING_TOKENS = 512

@@ -25,10 +25,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmoe.ops import registry
-from jaxmoe.ops.gmm import KERNEL_DTYPES, KERNEL_MULTIPLE, gmm, tgmm
-from jaxmoe.ops.pallas.tgmm_hopper import default_tgmm_config
+from jaxmoe.ops.gmm import KERNEL_DTYPES, KERNEL_MULTIPLE, kernel_rows, pad_rows
+from jaxmoe.ops.pallas.gmm_hopper import gmm_pallas
+from jaxmoe.ops.pallas.tgmm_hopper import default_tgmm_config, tgmm_pallas
 from jaxmoe.ordered import sum_in_order
 
 F32 = jnp.float32
@@ -73,18 +75,26 @@ def _pad_to_kernel(a: jax.Array, axis: int) -> jax.Array:
     return jnp.pad(a, widths)
 
 
-def _one_group(x: jax.Array) -> jax.Array:
-    return jnp.full((1,), x.shape[0], jnp.int32)
+def _one_group_product(lhs, rhs, *, transpose_rhs: bool, out_dtype) -> jax.Array:
+    """lhs [T, K] @ rhs[0] ([1, K, N], or [1, N, K] with transpose_rhs) -> [T, N] on the
+    grouped-matmul kernel, its one group's size given on the host, so that the kernel's tile
+    metadata is a constant of the executable (`tiles.metadata_scope`)."""
+    num_rows = lhs.shape[0]
+    out = gmm_pallas(
+        pad_rows(lhs, kernel_rows(num_rows)),
+        rhs,
+        np.array([num_rows], np.int32),
+        transpose_rhs=transpose_rhs,
+        out_dtype=out_dtype,
+    )
+    return out[:num_rows]
 
 
 def _product(x, w, out_dtype):
     """x @ w on the kernel, K and N padded to its multiples, result [T, N] in out_dtype."""
-    out = gmm(
-        _pad_to_kernel(x, 1),
-        _pad_to_kernel(_pad_to_kernel(w, 0), 1)[None],
-        _one_group(x),
-        impl="pallas",
-        preferred_element_type=out_dtype,
+    w_padded = _pad_to_kernel(_pad_to_kernel(w, 0), 1)[None]
+    out = _one_group_product(
+        _pad_to_kernel(x, 1), w_padded, transpose_rhs=False, out_dtype=out_dtype
     )
     return out[:, : w.shape[1]]
 
@@ -116,8 +126,8 @@ def _dense_pallas_fwd(x, w, bias, out_dtype):
     return _dense_pallas(x, w, bias, out_dtype), (x, w, bias)
 
 
-def _row_chunks(num_rows: int, k: int, n: int) -> jax.Array:
-    """Chunk sizes [C] splitting the batch for the weight gradient: enough chunks that the
+def _row_chunks(num_rows: int, k: int, n: int) -> np.ndarray:
+    """Chunk sizes [C] (on the host) splitting the batch for the weight gradient: enough chunks that the
     kernel's (chunk, K tile, N tile) items fill the SMs, each a multiple of 512 rows but the
     last, at least one."""
     config = default_tgmm_config(num_rows, k, n)
@@ -125,7 +135,7 @@ def _row_chunks(num_rows: int, k: int, n: int) -> jax.Array:
     chunks = max(1, min(-(-config.num_sms // items), num_rows // 512))
     size = -(-num_rows // chunks // 512) * 512
     chunks = -(-num_rows // size)
-    return jnp.array([size] * (chunks - 1) + [num_rows - size * (chunks - 1)], jnp.int32)
+    return np.array([size] * (chunks - 1) + [num_rows - size * (chunks - 1)], np.int32)
 
 
 def _dense_pallas_bwd(out_dtype, residuals, grad):
@@ -139,16 +149,10 @@ def _dense_pallas_bwd(out_dtype, residuals, grad):
     d_x_dtype = x.dtype if len(pieces) == 1 else F32
     for piece in pieces:
         piece = _pad_to_kernel(piece, 1)
-        part_x = gmm(
-            piece,
-            w_padded,
-            _one_group(x),
-            transpose_rhs=True,
-            impl="pallas",
-            preferred_element_type=d_x_dtype,
-        )
+        part_x = _one_group_product(piece, w_padded, transpose_rhs=True, out_dtype=d_x_dtype)
+        rows = kernel_rows(x.shape[0])
         part_w = sum_in_order(
-            tgmm(x_padded, piece, chunks, impl="pallas", preferred_element_type=F32)
+            tgmm_pallas(pad_rows(x_padded, rows), pad_rows(piece, rows), chunks, out_dtype=F32)
         )
         d_x = part_x if d_x is None else d_x + part_x
         d_w = part_w if d_w is None else d_w + part_w

@@ -26,7 +26,7 @@ from jaxmoe.ops.pallas.hopper import (
     TMA_SMEM_ALIGN,
     WARPGROUP_THREADS,
 )
-from jaxmoe.ops.pallas.tiles import row_tiles, work_list
+from jaxmoe.ops.pallas.tiles import metadata_scope, row_tiles, work_list
 
 NUM_COMPUTE_WGS = 2  # compute warpgroups per CTA; one more warpgroup issues the TMA loads
 MEMORY_REGISTERS = 40  # registers per thread of the TMA warpgroup (setmaxnreg)
@@ -254,8 +254,11 @@ def gmm_kernel_call(
     buffers (`plgpu.SMEM(shape, dtype, transforms=...)`) each compute warpgroup gets for
     itself (`TileContext.scratch`)."""
     num_rows, k = lhs.shape
-    tiles = row_tiles(group_sizes, num_rows, config.cta_m, ROW_ALIGN)
-    work = work_list(tiles, n // (config.cta_n * config.cluster_n), config.grid_tile_width)
+    with metadata_scope(group_sizes):
+        tiles = row_tiles(group_sizes, num_rows, config.cta_m, ROW_ALIGN)
+        work = work_list(tiles, n // (config.cta_n * config.cluster_n), config.grid_tile_width)
+        # The tiles' rhs index (past the last: never read), first rows and row counts.
+        tile_inputs = (tiles.group // groups_per_weight, tiles.start, tiles.count)
     kernel = _build_kernel(
         tile_matmul,
         kernel_name,
@@ -275,9 +278,7 @@ def gmm_kernel_call(
         work.counts,
         work.tile,
         work.column,
-        tiles.group // groups_per_weight,  # the tiles' rhs index (past the last: never read)
-        tiles.start,
-        tiles.count,
+        *tile_inputs,
         lhs,
         rhs,
         *extra_inputs,

@@ -51,7 +51,7 @@ from jaxmoe.ops.pallas.gmm_common import (
     zero_accumulator,
 )
 from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
-from jaxmoe.ops.pallas.tiles import COUNT, GROUP, START, row_tiles
+from jaxmoe.ops.pallas.tiles import COUNT, GROUP, START, metadata_scope, row_tiles
 
 _FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 _BF16 = jnp.bfloat16
@@ -194,7 +194,8 @@ def gmm_decode_pallas(
     config.validate(rows, k, n, out_dtype)
     if small_scales and rhs.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"gmm decode: small_scales needs e4m3 weights, got {rhs.dtype}")
-    tiles = row_tiles(group_sizes, rows, config.tile_rows, ROW_ALIGN)
+    with metadata_scope(group_sizes):
+        tiles = row_tiles(group_sizes, rows, config.tile_rows, ROW_ALIGN)
     kernel = _build_kernel(
         rows,
         k,

@@ -28,6 +28,7 @@ from jaxmoe.ops.pallas.gmm_common import (
     swizzled,
 )
 from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA, NUM_SMS
+from jaxmoe.ops.pallas.tiles import metadata_scope
 
 MIN_EPILOGUE_BYTES = 32  # narrowest epilogue row (bytes): one 32-byte swizzle span
 
@@ -285,33 +286,35 @@ def tgmm_pallas(
         )
     config = config or default_tgmm_config(num_rows, k, n, out_dtype)
     config.validate(num_rows, k, n, lhs.dtype, out_dtype)
-    sizes = group_sizes.astype(jnp.int32)
-    starts = jnp.cumsum(sizes) - sizes
-    ends = starts + sizes
-    anchors = starts - starts % ROW_ALIGN
-    num_blocks = jnp.where(sizes > 0, cdiv(ends - anchors, config.tile_rows), 0)
-    # Work items are (group, K tile, N tile), group by group in this order. Items of one group
-    # cost the same, so with the groups by decreasing size each round of num_sms consecutive
-    # items is nearly uniform, and dealing alternate rounds in reverse evens out the rest.
-    order = (
-        jnp.argsort(-num_blocks, stable=True).astype(jnp.int32)
-        if config.balanced_schedule
-        else jnp.arange(sizes.shape[0], dtype=jnp.int32)
-    )
-    walk = jnp.stack(
-        GroupWalk(
-            group=order,
-            start=starts[order],
-            end=ends[order],
-            anchor=anchors[order],
-            blocks=num_blocks[order],
+    with metadata_scope(group_sizes):
+        sizes = group_sizes.astype(jnp.int32)
+        starts = jnp.cumsum(sizes) - sizes
+        ends = starts + sizes
+        anchors = starts - starts % ROW_ALIGN
+        num_blocks = jnp.where(sizes > 0, cdiv(ends - anchors, config.tile_rows), 0)
+        # Work items are (group, K tile, N tile), group by group in this order. Items of one group
+        # cost the same, so with the groups by decreasing size each round of num_sms consecutive
+        # items is nearly uniform, and dealing alternate rounds in reverse evens out the rest.
+        order = (
+            jnp.argsort(-num_blocks, stable=True).astype(jnp.int32)
+            if config.balanced_schedule
+            else jnp.arange(sizes.shape[0], dtype=jnp.int32)
         )
-    )
-    bounds = (starts, ends, anchors, config.piece_rows)
+        walk = jnp.stack(
+            GroupWalk(
+                group=order,
+                start=starts[order],
+                end=ends[order],
+                anchor=anchors[order],
+                blocks=num_blocks[order],
+            )
+        )
+        bounds = (starts, ends, anchors, config.piece_rows)
+        pieces = boundary_pieces(lhs, *bounds), boundary_pieces(rhs, *bounds)
     kernel = _build_kernel(
         num_rows, k, n, sizes.shape[0], lhs.dtype, jnp.dtype(out_dtype), config, interpret
     )
-    return kernel(walk, lhs, rhs, boundary_pieces(lhs, *bounds), boundary_pieces(rhs, *bounds))
+    return kernel(walk, lhs, rhs, *pieces)
 
 
 def last_piece_row(start, end, anchor, piece_rows: int):
