@@ -333,27 +333,23 @@ def kernel_breakdown(call, copies: int, runs: int = 2, top: int = 40) -> dict:
 
 
 def summarize(records: list) -> list:
-    """Per shape, token count and part: each implementation's time over jaxmoe bf16's."""
+    """Per shape, token count and part: jaxmoe bf16's time over each other implementation's
+    (`speedup_over_bf16`), and, where --profile measured it, the same of device time alone
+    (`device_speedup_over_bf16`: without the time between kernels, which moves by tens of
+    microseconds a call from machine to machine)."""
     summary = []
     reference = {"layer": "jaxmoe_bf16", "gmm": "gmm_bf16"}
     cases = sorted({(r["shape"], r["tokens"], r["part"]) for r in records if "us" in r})
     for shape, tokens, part in cases:
-        times = {
-            r["impl"]: r["us"]
-            for r in records
-            if (r["shape"], r["tokens"], r["part"]) == (shape, tokens, part) and "us" in r
-        }
-        ref = times.get(reference[part])
-        summary.append(
-            dict(
-                shape=shape,
-                tokens=tokens,
-                part=part,
-                speedup_over_bf16={
-                    i: ref / t for i, t in times.items() if ref and i != reference[part]
-                },
-            )
-        )
+        case = [r for r in records if (r["shape"], r["tokens"], r["part"]) == (shape, tokens, part)]
+        entry = dict(shape=shape, tokens=tokens, part=part)
+        for key, field in (("speedup_over_bf16", "us"), ("device_speedup_over_bf16", "device_us")):
+            times = {r["impl"]: r[field] for r in case if field in r}
+            ref = times.get(reference[part])
+            if ref:
+                entry[key] = {i: ref / t for i, t in times.items() if i != reference[part]}
+        entry.setdefault("speedup_over_bf16", {})
+        summary.append(entry)
     return summary
 
 

@@ -83,3 +83,17 @@ def test_floors_count_the_active_experts_weights(result):
         per_weight = 2.0 if precision == "bf16" else 1 + 1 / 32
         assert r["floor_us"] == pytest.approx(weights * per_weight / bandwidth * 1e6)
         assert r["share_of_floor"] == pytest.approx(r["floor_us"] / r["us"])
+
+
+def test_summary_gives_both_ratios_where_device_time_was_measured():
+    records = [
+        dict(shape="s", tokens=64, part="layer", impl="jaxmoe_bf16", us=300.0, device_us=240.0),
+        dict(shape="s", tokens=64, part="layer", impl="jaxmoe_mxfp8", us=200.0, device_us=160.0),
+        dict(shape="s", tokens=8, part="gmm", impl="gmm_bf16", us=90.0),
+        dict(shape="s", tokens=8, part="gmm", impl="gmm_mxfp8_decode", us=60.0),
+    ]
+    layer, gmm = sorted(decode.summarize(records), key=lambda s: s["part"] != "layer")
+    assert layer["speedup_over_bf16"] == {"jaxmoe_mxfp8": 1.5}
+    assert layer["device_speedup_over_bf16"] == {"jaxmoe_mxfp8": 1.5}
+    assert gmm["speedup_over_bf16"] == {"gmm_mxfp8_decode": 1.5}
+    assert "device_speedup_over_bf16" not in gmm
