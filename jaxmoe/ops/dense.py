@@ -127,9 +127,9 @@ def _dense_pallas_fwd(x, w, bias, out_dtype):
 
 
 def _row_chunks(num_rows: int, k: int, n: int) -> np.ndarray:
-    """Chunk sizes [C] (on the host) splitting the batch for the weight gradient: enough chunks that the
-    kernel's (chunk, K tile, N tile) items fill the SMs, each a multiple of 512 rows but the
-    last, at least one."""
+    """Chunk sizes [C] (on the host) splitting the batch for the weight gradient: enough chunks
+    that the kernel's (chunk, K tile, N tile) items fill the SMs, each a multiple of 512 rows
+    but the last, at least one."""
     config = default_tgmm_config(num_rows, k, n)
     items = (k // config.cta_k) * (n // config.cta_n)
     chunks = max(1, min(-(-config.num_sms // items), num_rows // 512))
@@ -143,6 +143,8 @@ def _dense_pallas_bwd(out_dtype, residuals, grad):
     x_padded = _pad_to_kernel(x, 1)
     w_padded = _pad_to_kernel(_pad_to_kernel(w, 0), 1)[None]
     chunks = _row_chunks(x.shape[0], x_padded.shape[1], w_padded.shape[2])
+    rows = kernel_rows(x.shape[0])  # the weight-gradient kernel's row windows
+    x_rows = pad_rows(x_padded, rows)
     d_x = d_w = None
     pieces = bf16_pieces(grad, x.dtype)
     # One piece: the kernel rounds its fp32 sums to x.dtype itself (what astype would do).
@@ -150,10 +152,7 @@ def _dense_pallas_bwd(out_dtype, residuals, grad):
     for piece in pieces:
         piece = _pad_to_kernel(piece, 1)
         part_x = _one_group_product(piece, w_padded, transpose_rhs=True, out_dtype=d_x_dtype)
-        rows = kernel_rows(x.shape[0])
-        part_w = sum_in_order(
-            tgmm_pallas(pad_rows(x_padded, rows), pad_rows(piece, rows), chunks, out_dtype=F32)
-        )
+        part_w = sum_in_order(tgmm_pallas(x_rows, pad_rows(piece, rows), chunks, out_dtype=F32))
         d_x = part_x if d_x is None else d_x + part_x
         d_w = part_w if d_w is None else d_w + part_w
     d_x = d_x[:, : x.shape[1]].astype(x.dtype)
