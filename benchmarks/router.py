@@ -7,8 +7,10 @@ batch-invariant) in the same run.
         [--tokens 64,256] [--iters 20] [--tag TAG] [--out DIR]
 
 Per shape and token count: `dense` (the default config), `kernel[tile_k=..,tile_n=..]` (the
-same kernel with those `GmmConfig` fields; `same_bits` checks each against `dense`: a config
-never changes the reduction order) and `xla_dot`. Device time per call from a JAX profile
+same kernel with those `GmmConfig` fields, 64-row warpgroup tiles stacked along M; with
+`wg_split=n` side by side along N, so that 64 rows fill the CTA and fewer tokens are padded
+only to 64; `same_bits` checks each against `dense`: a config never changes the reduction
+order) and `xla_dot`. Device time per call from a JAX profile
 (`benchmarks.timing.device_seconds`; host time off the GPU, for the CPU smoke test), median of
 three turns. Writes router_<date>[_tag].json.
 """
@@ -45,27 +47,29 @@ def candidates(tokens: int, hidden: int, experts: int):
         "dense": jax.jit(lambda x, w: dense(x, w, impl="pallas")),
         "xla_dot": jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)),
     }
-    # The kernel on the operands as `dense` pads them: rows to the kernel's, E to its multiple.
-    rows, n = kernel_rows(tokens), -(-experts // KERNEL_MULTIPLE) * KERNEL_MULTIPLE
-    base = default_config(rows, hidden, n, 1)
+    # The kernel on the operands as `dense` pads them: rows to the kernel's, E to its multiple;
+    # the warpgroups side by side along N (a 64-row CTA) take rows padded to 64 only.
+    n = -(-experts // KERNEL_MULTIPLE) * KERNEL_MULTIPLE
+    base = default_config(kernel_rows(tokens), hidden, n, 1)
     for tile_k in (64, 128):
-        for tile_n in sorted({64, n}):
-            fields = dict(tile_k=tile_k, tile_n=tile_n)
+        for tile_n, wg_split in sorted({(64, "m"), (n, "m"), (64, "n")}):
             config = dataclasses.replace(
                 base,
-                **fields,
+                tile_k=tile_k,
+                tile_n=tile_n,
                 tile_m=64,
-                wg_split="m",
+                wg_split=wg_split,
                 epilogue_slots=1,
                 epilogue_tile_n=min(base.epilogue_tile_n, tile_n),
                 max_concurrent_steps=min(4, hidden // tile_k),
             ).with_fitting_stages(BF16, BF16)
+            rows = kernel_rows(tokens) if wg_split == "m" else max(-(-tokens // 8) * 8, 64)
             try:
                 config.validate(rows, hidden, n)
             except ValueError:
                 continue
 
-            def kernel(x, w, config=config):
+            def kernel(x, w, config=config, rows=rows):
                 padded_x = jnp.pad(x, ((0, rows - tokens), (0, 0)))
                 padded_w = jnp.pad(w, ((0, 0), (0, n - experts)))[None]
                 sizes = jnp.full((1,), tokens, jnp.int32)
@@ -74,6 +78,9 @@ def candidates(tokens: int, hidden: int, experts: int):
                 )
                 return out[:tokens, :experts]
 
+            fields = dict(tile_k=tile_k, tile_n=tile_n) | (
+                {"wg_split": "n"} if wg_split == "n" else {}
+            )
             name = ",".join(f"{f}={v}" for f, v in fields.items())
             calls[f"kernel[{name}]"] = jax.jit(kernel)
     return calls, (x, w)

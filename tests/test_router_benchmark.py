@@ -20,3 +20,12 @@ def test_router_benchmark_times_every_config_with_the_same_bits(interpret, tmp_p
     assert set(impls) == {"dense", "xla_dot", "kernel[tile_k=64,tile_n=64]"}
     assert all(r["us"] > 0 for r in impls.values())
     assert impls["kernel[tile_k=64,tile_n=64]"]["same_bits"] and impls["dense"]["same_bits"]
+
+
+def test_side_by_side_warpgroups_give_the_dense_bits(interpret):
+    """The variant with the warpgroups side by side along N (rows padded to 64, not 128) at a
+    size where it applies: the same bits as the layer's dense."""
+    calls, operands = router.candidates(8, 128, 128)
+    name = "kernel[tile_k=64,tile_n=64,wg_split=n]"
+    assert name in calls
+    assert (calls[name](*operands) == calls["dense"](*operands)).all()
