@@ -28,9 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.ops import registry
-from jaxmoe.ops.gmm import KERNEL_DTYPES, KERNEL_MULTIPLE, kernel_rows, pad_rows
-from jaxmoe.ops.pallas.gmm_hopper import gmm_pallas
-from jaxmoe.ops.pallas.tgmm_hopper import default_tgmm_config, tgmm_pallas
+from jaxmoe.ops.gmm import KERNEL_DTYPES, KERNEL_MULTIPLE, gmm_product, tgmm_product
+from jaxmoe.ops.pallas.tgmm_hopper import default_tgmm_config
 from jaxmoe.ordered import sum_in_order
 
 F32 = jnp.float32
@@ -78,16 +77,9 @@ def _pad_to_kernel(a: jax.Array, axis: int) -> jax.Array:
 def _one_group_product(lhs, rhs, *, transpose_rhs: bool, out_dtype) -> jax.Array:
     """lhs [T, K] @ rhs[0] ([1, K, N], or [1, N, K] with transpose_rhs) -> [T, N] on the
     grouped-matmul kernel, its one group's size given on the host, so that the kernel's tile
-    metadata is a constant of the executable (`tiles.metadata_scope`)."""
-    num_rows = lhs.shape[0]
-    out = gmm_pallas(
-        pad_rows(lhs, kernel_rows(num_rows)),
-        rhs,
-        np.array([num_rows], np.int32),
-        transpose_rhs=transpose_rhs,
-        out_dtype=out_dtype,
-    )
-    return out[:num_rows]
+    metadata is a constant of the executable."""
+    one_group = np.array([lhs.shape[0]], np.int32)
+    return gmm_product(lhs, rhs, one_group, transpose_rhs, out_dtype, "pallas")
 
 
 def _product(x, w, out_dtype):
@@ -143,8 +135,6 @@ def _dense_pallas_bwd(out_dtype, residuals, grad):
     x_padded = _pad_to_kernel(x, 1)
     w_padded = _pad_to_kernel(_pad_to_kernel(w, 0), 1)[None]
     chunks = _row_chunks(x.shape[0], x_padded.shape[1], w_padded.shape[2])
-    rows = kernel_rows(x.shape[0])  # the weight-gradient kernel's row windows
-    x_rows = pad_rows(x_padded, rows)
     d_x = d_w = None
     pieces = bf16_pieces(grad, x.dtype)
     # One piece: the kernel rounds its fp32 sums to x.dtype itself (what astype would do).
@@ -152,7 +142,7 @@ def _dense_pallas_bwd(out_dtype, residuals, grad):
     for piece in pieces:
         piece = _pad_to_kernel(piece, 1)
         part_x = _one_group_product(piece, w_padded, transpose_rhs=True, out_dtype=d_x_dtype)
-        part_w = sum_in_order(tgmm_pallas(x_rows, pad_rows(piece, rows), chunks, out_dtype=F32))
+        part_w = sum_in_order(tgmm_product(x_padded, piece, chunks, F32, "pallas"))
         d_x = part_x if d_x is None else d_x + part_x
         d_w = part_w if d_w is None else d_w + part_w
     d_x = d_x[:, : x.shape[1]].astype(x.dtype)

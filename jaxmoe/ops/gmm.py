@@ -139,13 +139,17 @@ def tgmm(
     check_floating("tgmm", lhs=lhs, rhs=rhs)
     check_group_sizes(group_sizes, None, lhs.shape[0], "tgmm")
     resolved = registry.resolve("tgmm", impl, lhs.dtype, rhs.dtype, lhs.shape[1], rhs.shape[1])
-    return _tgmm(
+    return tgmm_product(
         lhs, rhs, group_sizes.astype(jnp.int32), jnp.dtype(preferred_element_type), resolved, config
     )
 
 
-def _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config=None, groups_per_weight=1):
-    """Forward product on the chosen implementation (no argument checks)."""
+def gmm_product(
+    lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config=None, groups_per_weight=1
+):
+    """`gmm`'s product on the resolved implementation `impl` ("pallas" or "xla"): no argument
+    checks, not differentiable. Group sizes known on the host (numpy) give the kernel's tile
+    metadata at trace time (`jaxmoe.ops.pallas.tiles.metadata_scope`)."""
     rhs = rhs.astype(lhs.dtype)
     if impl == "pallas":
         num_rows = lhs.shape[0]
@@ -166,8 +170,8 @@ def _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config=None, gro
     return out.astype(out_dtype)
 
 
-def _tgmm(lhs, rhs, group_sizes, out_dtype, impl, config=None):
-    """Weight-gradient product on the chosen implementation (no argument checks)."""
+def tgmm_product(lhs, rhs, group_sizes, out_dtype, impl, config=None):
+    """`tgmm`'s product on the resolved implementation `impl`, as `gmm_product` is `gmm`'s."""
     if impl == "pallas":
         # TMA loads the row windows of both operands: zero rows up to the kernels' multiple of
         # 8 (rows past the groups add nothing).
@@ -194,11 +198,15 @@ def _tgmm(lhs, rhs, group_sizes, out_dtype, impl, config=None):
 def _gmm_differentiable(
     lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight
 ):
-    return _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight)
+    return gmm_product(
+        lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight
+    )
 
 
 def _gmm_fwd(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight):
-    out = _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight)
+    out = gmm_product(
+        lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight
+    )
     return out, (lhs, rhs, group_sizes)
 
 
@@ -206,13 +214,13 @@ def _gmm_bwd(transpose_rhs, out_dtype, impl, config, groups_per_weight, residual
     lhs, rhs, group_sizes = residuals
     grad = grad.astype(lhs.dtype)
     # dgrad: d lhs = grad @ rhs[g]^T, i.e. a gmm against the other orientation of rhs.
-    d_lhs = _gmm(
+    d_lhs = gmm_product(
         grad, rhs, group_sizes, not transpose_rhs, lhs.dtype, impl, None, groups_per_weight
     )
     if transpose_rhs:
-        partials = _tgmm(grad, lhs, group_sizes, lhs.dtype, impl)
+        partials = tgmm_product(grad, lhs, group_sizes, lhs.dtype, impl)
     else:
-        partials = _tgmm(lhs, grad, group_sizes, lhs.dtype, impl)
+        partials = tgmm_product(lhs, grad, group_sizes, lhs.dtype, impl)
     return d_lhs, sum_group_partials(partials, groups_per_weight, rhs.dtype), None
 
 
