@@ -6,8 +6,10 @@ batch-invariant) in the same run.
     PYTHONPATH=. python benchmarks/router.py [--shapes qwen3_30b,mixtral,dsv3_ep8]
         [--tokens 64,256] [--iters 20] [--tag TAG] [--out DIR]
 
-Per shape and token count: `dense` (the default config), `kernel[tile_k=..,tile_n=..]` (the
-same kernel with those `GmmConfig` fields, 64-row warpgroup tiles stacked along M; with
+Per shape and token count: `dense` (the layer's op: at these sizes the narrow-tile kernel,
+`dense_narrow_hopper.py`), `narrow[tile_n=..]` (that kernel with other column tiles),
+`kernel[tile_k=..,tile_n=..]` (the grouped-matmul kernel with one group, dense's kernel before
+2026-12-04, with those `GmmConfig` fields, 64-row warpgroup tiles stacked along M; with
 `wg_split=n` side by side along N, so that 64 rows fill the CTA and fewer tokens are padded
 only to 64; `same_bits` checks each against `dense`: a config never changes the reduction
 order) and `xla_dot`. Device time per call from a JAX profile
@@ -31,6 +33,11 @@ from benchmarks.report import environment, error_text, log, result_path, write_r
 from benchmarks.timing import device_seconds, time_it  # noqa: E402
 from jaxmoe.ops.dense import dense  # noqa: E402
 from jaxmoe.ops.gmm import KERNEL_MULTIPLE, kernel_rows  # noqa: E402
+from jaxmoe.ops.pallas.dense_narrow_hopper import ROWS as NARROW_ROWS  # noqa: E402
+from jaxmoe.ops.pallas.dense_narrow_hopper import (  # noqa: E402
+    default_narrow_config,
+    dense_narrow_pallas,
+)
 from jaxmoe.ops.pallas.gmm_hopper import default_config, gmm_pallas  # noqa: E402
 from jaxmoe.shapes import SHAPES, TINY_SHAPES  # noqa: E402
 
@@ -50,6 +57,17 @@ def candidates(tokens: int, hidden: int, experts: int):
     # The kernel on the operands as `dense` pads them: rows to the kernel's, E to its multiple;
     # the warpgroups side by side along N (a 64-row CTA) take rows padded to 64 only.
     n = -(-experts // KERNEL_MULTIPLE) * KERNEL_MULTIPLE
+    narrow_rows = -(-tokens // NARROW_ROWS) * NARROW_ROWS
+    for tile_n in (16, 32, 64):
+        config = dataclasses.replace(default_narrow_config(hidden), tile_n=tile_n)
+
+        def narrow(x, w, config=config):
+            padded_x = jnp.pad(x, ((0, narrow_rows - tokens), (0, 0)))
+            padded_w = jnp.pad(w, ((0, 0), (0, n - experts)))
+            out = dense_narrow_pallas(padded_x, padded_w, out_dtype=BF16, config=config)
+            return out[:tokens, :experts]
+
+        calls[f"narrow[tile_n={tile_n}]"] = jax.jit(narrow)
     base = default_config(kernel_rows(tokens), hidden, n, 1)
     for tile_k in (64, 128):
         for tile_n, wg_split in sorted({(64, "m"), (n, "m"), (64, "n")}):

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops.permute import combine_rows, dispatch_rows
 from jaxmoe.plan import Plan
 from jaxmoe.wire import QuantizedRows, dequantize_rows, move_rows
@@ -52,15 +53,22 @@ def dispatch(x: jax.Array | QuantizedRows, plan: Plan, impl: str = "auto"):
     quantizing the dispatched rows bitwise (a zero block's scale byte is 0); an FP8-blockwise
     zero row would have scale 1, so only its data and its value (0) agree.
     Differentiable for arrays only (the VJP is `combine`)."""
+    if isinstance(x, MXTensor):
+        # Every reader of a dispatched MXFP8 copy dequantizes it with XLA, which fuses this
+        # gather into the dequantization: on the H200 faster than the dispatch kernel's copy
+        # followed by the dequantization at every size measured, 1 to 235 MB of rows
+        # (benchmarks/results/wire_gather_*.json).
+        return move_rows(x, lambda a: _dispatch(a, plan, "xla"))
     if isinstance(x, QuantizedRows):
         return move_rows(x, lambda a: _dispatch_bits(a, plan, impl))
     return _dispatch_array(x, plan, impl)
 
 
 def _dispatch_bits(a: jax.Array, plan: Plan, impl: str) -> jax.Array:
-    """A quantized copy's data or scale rows gathered bit for bit: on the dispatch kernel where
-    it takes them (impl "pallas" or "auto": the float8 data rows; the scale rows of a few bytes
-    stay on XLA), else on XLA."""
+    """An FP8-blockwise copy's data or scale rows gathered bit for bit: the float8 data rows,
+    which the fp8 GEMM kernels read as they are, on the dispatch kernel where it takes them
+    (impl "pallas" or "auto"); the scale rows of a few bytes, and everything with impl "xla",
+    on XLA."""
     on_kernel = impl != "xla" and jnp.dtype(a.dtype).itemsize == 1
     return _dispatch(a, plan, "auto" if on_kernel else "xla")
 

@@ -87,11 +87,20 @@ def check_route(eqns, kernels, shape_name, count):
             assert e.invars[1].aval.shape == token_rows
 
 
-# The router's matmul: forward and d x, d weight; with fp32 logits (router_dtype "fp32") d x
-# and d weight take the output gradient as three exact bf16 pieces, a product each.
-ROUTER = {"bf16": Kernels(gmm=2, tgmm=1), "fp32": Kernels(gmm=4, tgmm=3)}
-SHARED_GATED = Kernels(gmm=6, tgmm=3)  # fc1, fc2 and the gate: forward, d x; d weight
+# The router's matmul: forward (at these token counts on the narrow-tile kernel) and d x,
+# d weight; with fp32 logits (router_dtype "fp32") d x and d weight take the output gradient
+# as three exact bf16 pieces, a product each.
+ROUTER = {
+    "bf16": Kernels(dense_narrow=1, gmm=1, tgmm=1),
+    "fp32": Kernels(dense_narrow=1, gmm=3, tgmm=3),
+}
+# fc1, fc2 and the gate: forward (the gate's single column on the narrow-tile kernel), d x;
+# d weight.
+SHARED_GATED = Kernels(gmm=5, dense_narrow=1, tgmm=3)
 PERMUTES = Kernels(dispatch=2, combine=2)  # each the other's transpose
+# With MXFP8 wire copies (the mixtral MXFP8 step sends the tokens and the combine's gradient
+# so) both dispatches gather on XLA, fused into the copies' dequantization.
+PERMUTES_MXFP8_WIRE = Kernels(combine=2)
 EXPERTS = {
     "bf16": Kernels(gmm=4, tgmm=2, weighted_swiglu_backward=1),  # fc1, fc2: fwd, dgrad; wgrad
     # The bf16 GEMM kernels on dequantized copies. Rowwise copies: the wire copies (the
@@ -113,7 +122,7 @@ EXPERTS = {
 }
 STEPS = {  # (shape, precision): the kernels of its training step
     ("mixtral", "bf16"): ROUTER["bf16"] + PERMUTES + EXPERTS["bf16"],
-    ("mixtral", "mxfp8"): ROUTER["bf16"] + PERMUTES + EXPERTS["mxfp8"],
+    ("mixtral", "mxfp8"): ROUTER["bf16"] + PERMUTES_MXFP8_WIRE + EXPERTS["mxfp8"],
     ("mixtral", "fp8_blockwise"): ROUTER["bf16"] + PERMUTES + EXPERTS["fp8_blockwise"],
     ("dsv3_ep8", "fp8_blockwise"): ROUTER["bf16"] + PERMUTES + EXPERTS["fp8_blockwise"],
     ("deepseek_v3_style", "bf16"): ROUTER["fp32"] + SHARED_GATED + PERMUTES + EXPERTS["bf16"],
@@ -122,14 +131,14 @@ STEPS = {  # (shape, precision): the kernels of its training step
     + PERMUTES
     + EXPERTS["fp8_blockwise"],
 }
-# MXFP8 inference: the router, the tokens' wire copy, dispatch and combine, and the experts'
-# GEMMs: at up to 64 rows an expert on the decode kernel (fc2's input quantized by XLA, which
-# fuses it with the activation), above on the bf16 kernel with dequantized weight copies
-# (fc2's input on the quantize kernel).
-FORWARD = Kernels(gmm=1, quantize_rowwise=1, dispatch=1, combine=1)
+# MXFP8 inference: the router (the narrow-tile kernel), the tokens' wire copy (dispatched by XLA's gather, fused into
+# its dequantization), the combine, and the experts' GEMMs: at up to 64 rows an expert on the
+# decode kernel (fc2's input quantized by XLA, which fuses it with the activation), above on
+# the bf16 kernel with dequantized weight copies (fc2's input on the quantize kernel).
+FORWARD = Kernels(dense_narrow=1, quantize_rowwise=1, combine=1)
 DECODE = FORWARD + Kernels(gmm_decode=2)
 DEQUANTIZE = FORWARD + Kernels(gmm=2, quantize_rowwise=1)
-SHARED_GATED_FORWARD = Kernels(gmm=3)
+SHARED_GATED_FORWARD = Kernels(dense_narrow=3)  # at 64 tokens
 FORWARDS = {  # (shape, tokens): the kernels of the MXFP8 inference forward
     ("qwen3_30b", 1): DECODE,
     ("mixtral", 64): DECODE,

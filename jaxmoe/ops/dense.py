@@ -7,9 +7,13 @@ the GPU does not promise that: cuBLAS picks its kernel and split by the number o
 Implementations (`impl=`):
   "xla"    `jnp.dot` with fp32 accumulation, differentiated by JAX (the reference). On XLA:CPU a
            row's result does not depend on the other rows once T >= 2 (tested).
-  "pallas" the grouped-matmul kernel with one group (`ops/pallas/gmm_hopper.py`), whose
-           reduction order depends only on K: batch-invariant. K and N are zero-padded to
-           multiples of 64 where needed (zero products leave every sum unchanged). Backward:
+  "pallas" the grouped-matmul kernel with one group (`ops/pallas/gmm_hopper.py`), or, for a
+           product too small to fill the GPU with that kernel's tiles (the router and the
+           shared expert at decode sizes: at most one 64 x 64 tile an SM), the narrow-tile
+           kernel (`ops/pallas/dense_narrow_hopper.py`: many CTAs of 64 rows, the same bits).
+           Both reduce in an order that depends only on K: batch-invariant. Rows, K and N are
+           zero-padded to the kernels' multiples where needed (zero products leave every sum
+           unchanged). Backward:
            d x on the same kernel (batch-invariant per token); d w on the weight-gradient
            kernel (`ops/pallas/tgmm_hopper.py`) over row chunks of the batch, summed in fp32 in
            a fixed order (`jaxmoe.ordered.sum_in_order`: the same bits in every compilation,
@@ -27,8 +31,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmoe.ints import round_up
 from jaxmoe.ops import registry
-from jaxmoe.ops.gmm import KERNEL_DTYPES, KERNEL_MULTIPLE, gmm_product, tgmm_product
+from jaxmoe.ops.device import num_sms
+from jaxmoe.ops.gmm import KERNEL_DTYPES, KERNEL_MULTIPLE, gmm_product, pad_rows, tgmm_product
+from jaxmoe.ops.pallas.dense_narrow_hopper import ROWS as NARROW_ROWS
+from jaxmoe.ops.pallas.dense_narrow_hopper import (
+    default_narrow_config,
+    dense_narrow_pallas,
+    fits_one_wave,
+)
 from jaxmoe.ops.pallas.tgmm_hopper import default_tgmm_config
 from jaxmoe.ordered import sum_in_order
 
@@ -83,11 +95,20 @@ def _one_group_product(lhs, rhs, *, transpose_rhs: bool, out_dtype) -> jax.Array
 
 
 def _product(x, w, out_dtype):
-    """x @ w on the kernel, K and N padded to its multiples, result [T, N] in out_dtype."""
-    w_padded = _pad_to_kernel(_pad_to_kernel(w, 0), 1)[None]
-    out = _one_group_product(
-        _pad_to_kernel(x, 1), w_padded, transpose_rhs=False, out_dtype=out_dtype
-    )
+    """x @ w on a kernel, K and N padded to its multiples, result [T, N] in out_dtype: the
+    narrow-tile kernel where the product fits one wave of its 64 x 64 tiles, else the
+    grouped-matmul kernel."""
+    num_rows = x.shape[0]
+    x_padded, w_padded = _pad_to_kernel(x, 1), _pad_to_kernel(_pad_to_kernel(w, 0), 1)
+    if fits_one_wave(num_rows, w_padded.shape[1], num_sms()):
+        out = dense_narrow_pallas(
+            pad_rows(x_padded, round_up(num_rows, NARROW_ROWS)),
+            w_padded,
+            out_dtype=out_dtype,
+            config=default_narrow_config(w_padded.shape[0]),
+        )
+        return out[:num_rows, : w.shape[1]]
+    out = _one_group_product(x_padded, w_padded[None], transpose_rhs=False, out_dtype=out_dtype)
     return out[:, : w.shape[1]]
 
 

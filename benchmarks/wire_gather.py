@@ -1,0 +1,116 @@
+"""The dispatch of an MXFP8 wire copy, as its readers consume it, on one GPU: the copy's rows
+gathered into the expert buffer and dequantized to bf16 (what fc1 and the experts' rows read),
+either with the data rows on the dispatch kernel and XLA's dequantization after it
+(`kernel`), or with XLA's gather, which XLA fuses into the dequantization (`xla`, the layer's
+route since 2026-12-04). Both give the same bits.
+
+    PYTHONPATH=. python benchmarks/wire_gather.py [--shapes dsv3_ep8,qwen3_30b]
+        [--tokens 64,256,1024,4096] [--iters 20] [--tag TAG] [--out DIR]
+
+Tokens routed to top-k distinct experts (a fixed draw); device time per call from a JAX
+profile (host time off the GPU, for the CPU smoke test), median of three turns. Writes
+wire_gather_<date>[_tag].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.report import environment, log, result_path, write_result  # noqa: E402
+from benchmarks.timing import device_seconds, time_it  # noqa: E402
+from jaxmoe import mxfp8  # noqa: E402
+from jaxmoe.ops.permute import dispatch_rows  # noqa: E402
+from jaxmoe.ops.quantize import quantize  # noqa: E402
+from jaxmoe.shapes import SHAPES, TINY_SHAPES  # noqa: E402
+
+BF16 = jnp.bfloat16
+ROUTES = ("kernel", "xla")
+
+
+def gathered_rows(copy: mxfp8.MXTensor, row_token: jax.Array, route: str) -> jax.Array:
+    """The dispatched copy's rows in bf16: its data rows on the dispatch kernel ("kernel")
+    or XLA's gather ("xla"); the scale rows on XLA's gather either way."""
+    data_impl = "pallas" if route == "kernel" else "xla"
+    moved = mxfp8.MXTensor(
+        data=dispatch_rows(copy.data, row_token, impl=data_impl),
+        scale=dispatch_rows(copy.scale, row_token, impl="xla"),
+        axis=copy.axis,
+        fmt=copy.fmt,
+    )
+    return mxfp8.dequantize(moved, BF16)
+
+
+def operands(shape_name: str, tokens: int):
+    """(MXFP8 copy of x [T, H], row_token [T * k]): each token's k experts distinct, rows in
+    expert order (the plan's layout without padding)."""
+    shape = (SHAPES | TINY_SHAPES)[shape_name]
+    config = shape.config
+    rng = np.random.default_rng(tokens)
+    experts = np.stack(
+        [rng.permutation(config.num_experts)[: config.top_k] for _ in range(tokens)]
+    )
+    row_token = np.argsort(experts.ravel(), kind="stable") // config.top_k
+    x = jax.random.normal(jax.random.key(tokens), (tokens, shape.hidden_size), BF16)
+    copy = jax.jit(lambda x: quantize(x, axis=1, impl="auto"))(x)
+    return copy, jnp.asarray(row_token, jnp.int32)
+
+
+def main(argv=None) -> dict:
+    """Parse the command line (`argv`: None for sys.argv), time both routes at every shape and
+    token count, writing the JSON after each; returns the result (with `path`)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="dsv3_ep8,qwen3_30b")
+    parser.add_argument("--tokens", default="64,256,1024,4096")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args(argv)
+    path = result_path(args.out, "wire_gather", args.tag)
+    result = environment("wire_gather", command=" ".join(sys.argv), records=[])
+    on_gpu = jax.devices()[0].platform == "gpu"
+    calls = {
+        route: jax.jit(lambda c, r, route=route: gathered_rows(c, r, route)) for route in ROUTES
+    }
+    for shape_name in args.shapes.split(","):
+        for tokens in map(int, args.tokens.split(",")):
+            copy, row_token = operands(shape_name, tokens)
+            outs = {route: call(copy, row_token) for route, call in calls.items()}
+            same_bits = bool(
+                jnp.array_equal(
+                    jax.lax.bitcast_convert_type(outs["kernel"], jnp.uint16),
+                    jax.lax.bitcast_convert_type(outs["xla"], jnp.uint16),
+                )
+            )
+            times = {route: [] for route in ROUTES}
+            for _ in range(3):
+                for route, call in calls.items():
+                    run = lambda call=call: call(copy, row_token)
+                    seconds = (device_seconds if on_gpu else time_it)(run, iters=args.iters)
+                    times[route].append(seconds * 1e6)
+            record = dict(
+                shape=shape_name,
+                tokens=tokens,
+                fp8_row_bytes=int(row_token.shape[0]) * copy.shape[1],
+                same_bits=same_bits,
+                **{f"{route}_us": statistics.median(times[route]) for route in ROUTES},
+            )
+            result["records"].append(record)
+            log(
+                f"{shape_name} T={tokens:5d} {record['fp8_row_bytes'] / 2**20:8.1f} MiB of rows: "
+                f"kernel {record['kernel_us']:8.2f} us, xla {record['xla_us']:8.2f} us, "
+                f"same_bits={same_bits}"
+            )
+            write_result(result, path)
+    return dict(result, path=path)
+
+
+if __name__ == "__main__":
+    main()

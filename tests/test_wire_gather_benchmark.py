@@ -1,0 +1,22 @@
+"""CPU smoke test of the wire-gather benchmark (benchmarks/wire_gather.py) at a tiny size, so
+that it cannot rot between GPU runs: both routes (the dispatch kernel in the interpreter, and
+XLA's gather) are timed and give the same bits."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import wire_gather  # noqa: E402
+
+
+def test_wire_gather_benchmark_times_both_routes_with_the_same_bits(interpret, tmp_path):
+    result = wire_gather.main(
+        ["--shapes", "qwen3_30b", "--tokens", "1", "--iters", "1", "--out", str(tmp_path)]
+    )
+    with open(result["path"]) as f:
+        assert json.load(f)["records"] == result["records"]
+    (record,) = result["records"]
+    assert record["fp8_row_bytes"] == 1 * 8 * 2048
+    assert record["same_bits"]
+    assert record["kernel_us"] > 0 and record["xla_us"] > 0
