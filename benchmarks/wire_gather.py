@@ -54,9 +54,7 @@ def operands(shape_name: str, tokens: int):
     shape = (SHAPES | TINY_SHAPES)[shape_name]
     config = shape.config
     rng = np.random.default_rng(tokens)
-    experts = np.stack(
-        [rng.permutation(config.num_experts)[: config.top_k] for _ in range(tokens)]
-    )
+    experts = np.stack([rng.permutation(config.num_experts)[: config.top_k] for _ in range(tokens)])
     row_token = np.argsort(experts.ravel(), kind="stable") // config.top_k
     x = jax.random.normal(jax.random.key(tokens), (tokens, shape.hidden_size), BF16)
     copy = jax.jit(lambda x: quantize(x, axis=1, impl="auto"))(x)

@@ -69,7 +69,7 @@ def fits_one_wave(num_rows: int, n: int, sms: int) -> bool:
 def default_narrow_config(k: int) -> NarrowConfig:
     """64 columns a CTA (on the H200 at the qwen3_30b, mixtral and dsv3_ep8 routers at 64 and
     256 tokens the fastest or within 5% of it; 16 columns, whose tiles' 32-byte rows the TMA
-    reads slowly, 1.4-1.6x slower), 128-wide K steps where K allows, four ring slots (fewer
+    reads slowly, 1.5-1.7x slower), 128-wide K steps where K allows, four ring slots (fewer
     when K has fewer steps)."""
     tile_k = 128 if k % 128 == 0 else 64
     return NarrowConfig(tile_n=64, tile_k=tile_k, max_concurrent_steps=min(4, k // tile_k))

@@ -32,10 +32,11 @@ def default_config(
     128 x 256 CTA tile of two 64 x 256 warpgroup tiles stacked along M with a double-buffered
     epilogue when N is a multiple of 256, else warpgroups along M with the widest column tile
     dividing N; as many pipeline stages (up to 4) as shared memory holds. A dense product
-    (one group) with too few tiles to fill half the SMs, such as the router at decode sizes,
-    takes 64-column tiles (more CTAs) and 128-wide K steps (half the steps in each CTA's
-    chain): on the H200 at 64 tokens, 16.2 us instead of 19.7 for the qwen3_30b router, 27.6
-    instead of 33.1 at dsv3_ep8 (benchmarks/results/router_2026-12-03_s27.json)."""
+    (one group) with too few tiles to fill half the SMs takes 64-column tiles (more CTAs) and
+    128-wide K steps (half the steps in each CTA's chain): on the H200 at 64 tokens, 16.2 us
+    instead of 19.7 for the qwen3_30b router, 27.6 instead of 33.1 at dsv3_ep8
+    (benchmarks/results/router_2026-12-03_s27.json). `dense` now runs such forwards on the
+    narrow-tile kernel (`dense_narrow_hopper.py`); its d x at decode sizes still comes here."""
     if k % 64 or n % 64:
         raise ValueError(f"gmm pallas: K={k} and N={n} must be multiples of 64")
     if num_groups == 1 and cdiv(num_rows, 128) * (n // 64) <= num_sms() // 2:
