@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import report  # noqa: E402
-from benchmarks.report import log  # noqa: E402
+from benchmarks.report import add_output_arguments, log  # noqa: E402
 from benchmarks.timing import device_seconds  # noqa: E402
 from jaxmoe import ordered  # noqa: E402
 from jaxmoe.experts import weighted_activation  # noqa: E402
@@ -125,8 +125,7 @@ def main(argv=None):
     writing the JSON after each."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--tag", default="")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
     result = report.environment("activation", layouts=LAYOUTS, shapes={})
     path = report.result_path(args.out, "activation", args.tag)

@@ -61,7 +61,7 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import report  # noqa: E402
 from benchmarks.layer_competitors import torch_moe  # noqa: E402
-from benchmarks.report import error_text, log  # noqa: E402
+from benchmarks.report import add_output_arguments, error_text, log  # noqa: E402
 from benchmarks.timing import (  # noqa: E402
     gpu_stream_events,
     memory_bandwidths,
@@ -410,8 +410,7 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--min-window", type=float, default=0.1, help="seconds per timed run")
-    parser.add_argument("--tag", default="", help="added to the result file name")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
     known = {**SHAPES, **TINY_SHAPES}
     shapes = [s for s in args.shapes.split(",") if s]

@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import report  # noqa: E402
-from benchmarks.report import error_text, log  # noqa: E402
+from benchmarks.report import add_output_arguments, error_text, log  # noqa: E402
 from benchmarks.timing import device_seconds  # noqa: E402
 from jaxmoe.ops.pallas.gmm_common import NUM_COMPUTE_WGS  # noqa: E402
 from jaxmoe.ops.pallas.gmm_decode_hopper import (  # noqa: E402
@@ -183,8 +183,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--gemms", default="fc1,fc2")
     parser.add_argument("--tokens", default="64")
     parser.add_argument("--small-scales", action="store_true")
-    parser.add_argument("--tag", default="")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
     if jax.devices()[0].platform != "gpu":
         parser.error("the Mosaic profiler runs on a GPU only")

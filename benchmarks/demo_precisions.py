@@ -20,7 +20,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import report  # noqa: E402
-from benchmarks.report import log  # noqa: E402
+from benchmarks.report import add_output_arguments, log  # noqa: E402
 from jaxmoe import demo  # noqa: E402
 
 CONTROL = "bf16_pad128"
@@ -69,8 +69,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--precisions", default=f"mxfp8,fp8_blockwise,{CONTROL}")
     parser.add_argument("--seeds", default="0-5")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--tag", default="")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
     precisions = [p for p in args.precisions.split(",") if p and p != "bf16"]
     unknown = set(precisions) - set(demo.PRECISIONS) - {CONTROL}

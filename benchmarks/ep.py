@@ -102,7 +102,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import report  # noqa: E402
-from benchmarks.report import error_text, log  # noqa: E402
+from benchmarks.report import add_output_arguments, error_text, log  # noqa: E402
 from benchmarks.timing import gpu_stream_events, profile_events, sync, timed_runs  # noqa: E402
 from jaxmoe import MoE, MoEConfig  # noqa: E402
 from jaxmoe.config import MXFP8_ALIGNMENTS  # noqa: E402
@@ -805,8 +805,7 @@ def main(argv=None) -> dict:
         action="store_true",
         help="also profile each layer step: the first device's kernels by time (`op_profile`)",
     )
-    parser.add_argument("--tag", default="", help="added to the result file name")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
     shape = ALL_SHAPES[args.shape]
     tokens_per_device = args.tokens_per_device or shape.num_tokens

@@ -39,6 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.report import add_output_arguments  # noqa: E402
 from benchmarks.timing import sync, time_it, time_round_robin, timed_runs  # noqa: E402
 from jaxmoe.ops import gmm, tgmm  # noqa: E402
 from jaxmoe.ops.pallas.gmm_hopper import default_config  # noqa: E402
@@ -446,8 +447,7 @@ def main(argv=None):
     )
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-ops", default="fwd,dgrad,wgrad")
-    parser.add_argument("--tag", default="", help="added to the result file names")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
     import torch
 

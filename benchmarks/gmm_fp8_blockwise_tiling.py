@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import report  # noqa: E402
 from benchmarks.gmm import SHAPES, group_sizes_for  # noqa: E402
-from benchmarks.report import error_text, log, parse_variants  # noqa: E402
+from benchmarks.report import add_output_arguments, error_text, log, parse_variants  # noqa: E402
 from benchmarks.timing import device_seconds  # noqa: E402
 from jaxmoe.fp8_blockwise import quantize_1x128, quantize_128x128  # noqa: E402
 from jaxmoe.ops import gmm, tgmm  # noqa: E402
@@ -189,8 +189,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--wgrad-variants", default=DEFAULT_WGRAD_VARIANTS)
     parser.add_argument("--iters", type=int, default=10, help="calls per device-time record")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of the calls in turns")
-    parser.add_argument("--tag", default="")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
     shapes = [entry for entry in args.shapes.split(",") if entry]
     wgrad_shapes = [entry for entry in args.wgrad_shapes.split(",") if entry]

@@ -59,7 +59,7 @@ from jax import lax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gmm import SHAPES, bar_plot, cell, group_sizes_for  # noqa: E402
-from benchmarks.report import parse_variants  # noqa: E402
+from benchmarks.report import add_output_arguments, parse_variants  # noqa: E402
 from benchmarks.timing import device_seconds, sync, time_round_robin  # noqa: E402
 from jaxmoe.fp8_blockwise import BLOCK, BlockwiseTensor, quantize_1x128, quantize_128x128  # noqa: E402
 from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
@@ -612,7 +612,7 @@ def main(argv=None):
         default="x,dy",
         help="the activations the transposing kernels quantize (x [M, K], dy [M, N])",
     )
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    add_output_arguments(parser, tag=False)
     args = parser.parse_args(argv)
     try:
         quantize_configs(args.quantize_variants)

@@ -73,7 +73,7 @@ from benchmarks.layer_competitors import (  # noqa: E402
     torch_moe,
 )
 from benchmarks.layer_stages import STAGES, describe_profile, stage_breakdown  # noqa: E402
-from benchmarks.report import error_text, log  # noqa: E402
+from benchmarks.report import add_output_arguments, error_text, log  # noqa: E402
 from benchmarks.timing import memory_bandwidths, profile_events, sync, timed_runs  # noqa: E402
 from jaxmoe import MoE  # noqa: E402
 from jaxmoe.shapes import SHAPES, TINY_SHAPES, LayerShape  # noqa: E402
@@ -856,8 +856,7 @@ def main(argv=None):
         help="seconds: the shortest timed run of back-to-back calls",
     )
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tag", default="", help="added to the result file names")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     args.impls = [

@@ -57,6 +57,7 @@ PALLAS_KERNEL_KINDS = {
     "tgmm_fp8_blockwise": "gemm",
     "gmm_decode": "gemm",
     "gmm_dequantize": "gemm",
+    "dense_narrow": "gemm",
     "quantize_rowwise": "quantize",
     "quantize_columnwise": "quantize",
     "dispatch_quantize": "quantize",

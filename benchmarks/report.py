@@ -56,6 +56,17 @@ def environment(benchmark: str, **extra) -> dict:
     )
 
 
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def add_output_arguments(parser, tag: bool = True) -> None:
+    """The options of where a benchmark writes its JSON: --out (the folder, default
+    benchmarks/results) and, with `tag`, --tag (added to the file name)."""
+    if tag:
+        parser.add_argument("--tag", default="", help="added to the result file name")
+    parser.add_argument("--out", default=RESULTS_DIR, help="the folder of the result files")
+
+
 def result_path(out_dir: str, benchmark: str, tag: str = "") -> str:
     """out_dir/<benchmark>_<date>[_<tag>].json (out_dir created)."""
     os.makedirs(out_dir, exist_ok=True)

@@ -29,7 +29,14 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.report import environment, error_text, log, result_path, write_result  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    add_output_arguments,
+    environment,
+    error_text,
+    log,
+    result_path,
+    write_result,
+)
 from benchmarks.timing import device_seconds, time_it  # noqa: E402
 from jaxmoe.ops.dense import dense  # noqa: E402
 from jaxmoe.ops.gmm import KERNEL_MULTIPLE, kernel_rows  # noqa: E402
@@ -111,8 +118,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
     parser.add_argument("--tokens", default="64,256")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--tag", default="")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
     path = result_path(args.out, "router", args.tag)
     result = environment("router", command=" ".join(sys.argv), records=[])

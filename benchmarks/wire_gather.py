@@ -24,7 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.report import environment, log, result_path, write_result  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    add_output_arguments,
+    environment,
+    log,
+    result_path,
+    write_result,
+)
 from benchmarks.timing import device_seconds, time_it  # noqa: E402
 from jaxmoe import mxfp8  # noqa: E402
 from jaxmoe.ops.permute import dispatch_rows  # noqa: E402
@@ -68,8 +74,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--shapes", default="dsv3_ep8,qwen3_30b")
     parser.add_argument("--tokens", default="64,256,1024,4096")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--tag", default="")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
     path = result_path(args.out, "wire_gather", args.tag)
     result = environment("wire_gather", command=" ".join(sys.argv), records=[])
