@@ -88,14 +88,11 @@ def dense_narrow_pallas(
             f"dense narrow: x and w must both be bf16 or fp16, got {x.dtype}, {w.dtype}"
         )
     config.validate(num_rows, k, n)
-    kernel = _build_kernel(
-        num_rows, k, n, jnp.dtype(x.dtype), jnp.dtype(out_dtype), config, interpret
-    )
-    return kernel(x, w)
+    return _build_kernel(num_rows, k, n, jnp.dtype(out_dtype), config, interpret)(x, w)
 
 
 @functools.cache
-def _build_kernel(num_rows, k, n, dtype, out_dtype, config: NarrowConfig, interpret):
+def _build_kernel(num_rows, k, n, out_dtype, config: NarrowConfig, interpret):
     tile_n, tile_k = config.tile_n, config.tile_k
     k_steps = k // tile_k
     # A step's slot is released one step late, so that its wgmma runs while the next one is
