@@ -255,7 +255,7 @@ def gmm_kernel_call(
     itself (`TileContext.scratch`)."""
     num_rows, k = lhs.shape
     with metadata_scope(group_sizes):
-        tiles = row_tiles(group_sizes, num_rows, config.cta_m, ROW_ALIGN)
+        tiles = row_tiles(group_sizes, num_rows, config.cta_m, ROW_ALIGN, interpret=interpret)
         work = work_list(tiles, n // (config.cta_n * config.cluster_n), config.grid_tile_width)
         # The tiles' rhs index (past the last: never read), first rows and row counts.
         tile_inputs = (tiles.group // groups_per_weight, tiles.start, tiles.count)

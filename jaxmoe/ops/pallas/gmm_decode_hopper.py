@@ -195,7 +195,7 @@ def gmm_decode_pallas(
     if small_scales and rhs.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"gmm decode: small_scales needs e4m3 weights, got {rhs.dtype}")
     with metadata_scope(group_sizes):
-        tiles = row_tiles(group_sizes, rows, config.tile_rows, ROW_ALIGN)
+        tiles = row_tiles(group_sizes, rows, config.tile_rows, ROW_ALIGN, interpret=interpret)
     kernel = _build_kernel(
         rows,
         k,

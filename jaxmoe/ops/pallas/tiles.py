@@ -1,9 +1,11 @@
-"""Tile metadata for grouped matmuls, computed with XLA ops outside the kernels.
+"""Tile metadata for grouped matmuls, computed outside the matmul kernels.
 
 Kernels stay small: they read, per tile, which group it belongs to and which rows it covers, from
 a few int32 arrays. No Python loop over groups is traced, so 256 experts compile as fast as 8.
 Group sizes known on the host (numpy, e.g. a dense product's one group) give metadata computed
-at trace time (`metadata_scope`): constants of the executable, no kernels at run time.
+at trace time (`metadata_scope`): constants of the executable, no kernels at run time. On a
+GPU the row tiles of traced group sizes come from one small kernel (`row_tiles_hopper`), off
+it from XLA ops.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from flax import struct
 
 from jaxmoe.ints import cdiv
 from jaxmoe.ops.checks import known_on_host
+from jaxmoe.ops.device import compiled_for_gpu, on_gpu
+from jaxmoe.ops.pallas import row_tiles_hopper
 from jaxmoe.ops.pallas.hopper import SWIZZLE_ROWS
 
 
@@ -48,7 +52,10 @@ class RowTiles:
     """
 
     fields: jax.Array  # [3, num_tiles] int32: each tile's group, first row, number of rows
-    bounds: jax.Array  # [G + 2] int32: tiles before group g (g = G: the zero region; G + 1: all)
+    # [>= G + 2] int32: tiles before group g (g = G: the zero region; G + 1: all); entries past
+    # G + 1 unspecified
+    bounds: jax.Array
+    num_groups: int = struct.field(pytree_node=False)
 
     @property
     def group(self) -> jax.Array:
@@ -65,8 +72,8 @@ class RowTiles:
     @property
     def counts(self) -> jax.Array:
         """[2] int32: matmul tiles, zero-region tiles."""
-        num_groups = self.bounds.shape[0] - 2
-        return self.bounds[num_groups:] - jnp.stack([0, self.bounds[num_groups]])
+        matmul, through_zero = self.bounds[self.num_groups], self.bounds[self.num_groups + 1]
+        return jnp.stack([matmul, through_zero - matmul])
 
     @property
     def num_tiles(self) -> int:
@@ -77,15 +84,44 @@ def max_row_tiles(
     num_rows: int, num_groups: int, tile_m: int, row_align: int = SWIZZLE_ROWS
 ) -> int:
     """Static upper bound on the number of tiles of `row_tiles`: each of the G groups and the
-    zero region may start misaligned and end in a partial tile."""
-    return cdiv(num_rows + (row_align - 1) * (num_groups + 1), tile_m) + num_groups + 1
+    zero region may start misaligned and end in a partial tile; rounded up to whole TMA stores
+    of the list (`row_tiles_hopper.STORE_ALIGN`)."""
+    bound = cdiv(num_rows + (row_align - 1) * (num_groups + 1), tile_m) + num_groups + 1
+    return cdiv(bound, row_tiles_hopper.STORE_ALIGN) * row_tiles_hopper.STORE_ALIGN
 
 
 def row_tiles(
-    group_sizes: jax.Array, num_rows: int, tile_m: int, row_align: int = SWIZZLE_ROWS
+    group_sizes: jax.Array,
+    num_rows: int,
+    tile_m: int,
+    row_align: int = SWIZZLE_ROWS,
+    *,
+    interpret=None,
 ) -> RowTiles:
     """Split every group (and the zero region past the groups) into tiles of at most tile_m
     rows on a tile_m grid anchored at the group's start rounded down to row_align.
+
+    Traced group sizes on a GPU (`interpret` as the kernels that read the tiles take it): one
+    `row_tiles_hopper` kernel where it supports the sizes; otherwise `row_tiles_xla`."""
+    num_groups = group_sizes.shape[0]
+    num_tiles = max_row_tiles(num_rows, num_groups, tile_m, row_align)
+    if (
+        not known_on_host(group_sizes)
+        and on_gpu()
+        and compiled_for_gpu(interpret)
+        and row_tiles_hopper.supported(num_groups, tile_m, row_align)
+    ):
+        fields, bounds = row_tiles_hopper.row_tiles_pallas(
+            group_sizes, num_rows, tile_m, row_align, num_tiles
+        )
+        return RowTiles(fields=fields, bounds=bounds, num_groups=num_groups)
+    return row_tiles_xla(group_sizes, num_rows, tile_m, row_align)
+
+
+def row_tiles_xla(
+    group_sizes: jax.Array, num_rows: int, tile_m: int, row_align: int = SWIZZLE_ROWS
+) -> RowTiles:
+    """`row_tiles` in XLA ops, on any device and at trace time.
 
     Written for XLA's fusion on the GPU: three reductions, each of a comparison of every
     position with every group summed along the groups (no prefix-sum kernel, search or
@@ -119,7 +155,7 @@ def row_tiles(
         jnp.broadcast_arrays(jnp.minimum(bound, num_groups), jnp.where(used, first_row, 0), count)
     )
     fields = jnp.sum(jnp.where(owner, per_owner, 0), axis=2)
-    return RowTiles(fields=fields, bounds=bounds)
+    return RowTiles(fields=fields, bounds=bounds, num_groups=num_groups)
 
 
 @struct.dataclass
