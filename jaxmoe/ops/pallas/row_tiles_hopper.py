@@ -28,7 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.ints import cdiv
 
-POSITIONS = 64  # the rows of a pass's tile: a wgmma layout's 64 rows
+CHUNK = 64  # positions and owners of a pass's tile in registers: a wgmma layout's 64 rows
 STORE_ALIGN = 4  # int32 elements in the 16 bytes a TMA store of the results moves at least
 _STARTS, _ENDS, _ANCHORS, _TILES, _BOUNDS = range(5)  # rows of the per-owner table
 
@@ -69,28 +69,35 @@ def row_tiles_pallas(
 @functools.cache
 def _build_kernel(num_groups, num_rows, tile_m, row_align, num_tiles, interpret):
     owners = num_groups + 2  # the groups, the zero region, "unused"
-    columns = _round_up(owners, 8)  # a pass's tile: [POSITIONS, columns]
-    positions = _round_up(owners, POSITIONS)
-    table_width = max(positions, columns + 8)  # room for the bounds read one owner ahead
+    owners_len = _round_up(owners, CHUNK)  # positions and columns of the per-owner passes
+    table_width = owners_len + CHUNK  # room for the bounds read one owner ahead
     bounds_len = _round_up(owners, STORE_ALIGN)
-    tiles_len = _round_up(num_tiles, POSITIONS)
+    tiles_len = _round_up(num_tiles, CHUNK)
     tile_layout = plgpu.Layout.WGMMA
     per_position = tile_layout.reduce(1)
     per_column = tile_layout.reduce(0)
     i32 = jnp.int32
 
-    def column_values(ref, offset=0):
-        """[POSITIONS, columns]: entry (p, o) = ref[offset + o]."""
-        v = plgpu.load(ref.at[pl.ds(offset, columns)], layout=per_column, optimized=False)
-        return jnp.broadcast_to(v[None, :], (POSITIONS, columns))
+    def column_values(ref, offset):
+        """[CHUNK, CHUNK]: entry (p, o) = ref[offset + o]."""
+        v = plgpu.load(ref.at[pl.ds(offset, CHUNK)], layout=per_column, optimized=False)
+        return jnp.broadcast_to(v[None, :], (CHUNK, CHUNK))
 
-    def iotas(first):
-        position = first + plgpu.broadcasted_iota(i32, (POSITIONS, columns), 0, layout=tile_layout)
-        column = plgpu.broadcasted_iota(i32, (POSITIONS, columns), 1, layout=tile_layout)
-        return position, column
+    def sums_over_owners(first, terms, width):
+        """For the CHUNK positions from `first`: the sums over the owners o < width of each of
+        terms(position, owner, first owner) ([CHUNK, CHUNK] arrays of one chunk of owners), a
+        chunk of owners at a time so that a thread holds few registers."""
+        shape = (CHUNK, CHUNK)
+        position = first + plgpu.broadcasted_iota(i32, shape, 0, layout=tile_layout)
+        sums = None
+        for first_owner in range(0, width, CHUNK):
+            owner = first_owner + plgpu.broadcasted_iota(i32, shape, 1, layout=tile_layout)
+            parts = [jnp.sum(t, axis=1) for t in terms(position, owner, first_owner)]
+            sums = parts if sums is None else [a + b for a, b in zip(sums, parts)]
+        return sums
 
-    def masked_sum(mask, values):
-        return jnp.sum(jnp.where(mask, values, 0), axis=1)
+    def positions_of(first):
+        return first + plgpu.broadcasted_iota(i32, (CHUNK,), 0, layout=per_position)
 
     def body(
         sizes_gmem, fields_gmem, bounds_gmem, sizes_smem, table, fields_smem, bounds_smem, barrier
@@ -98,15 +105,18 @@ def _build_kernel(num_groups, num_rows, tile_m, row_align, num_tiles, interpret)
         plgpu.copy_gmem_to_smem(sizes_gmem, sizes_smem.at[pl.ds(0, num_groups)], barrier)
         plgpu.barrier_wait(barrier)
 
-        # 1. Per owner p: first row, end row, anchor, tiles.
-        for first in range(0, positions, POSITIONS):
-            p, h = iotas(first)
-            sizes = jnp.where(h < num_groups, column_values(sizes_smem), 0)
-            starts = masked_sum(h < p, sizes)
-            own = masked_sum(h == p, sizes)
-            p = first + plgpu.broadcasted_iota(i32, (POSITIONS,), 0, layout=per_position)
+        @pl.loop(0, owners_len, step=CHUNK)
+        def _per_owner(first):
+            """1. Owner p's first row, end row, tile-grid anchor and number of tiles."""
+
+            def terms(p, h, first_h):
+                sizes = jnp.where(h < num_groups, column_values(sizes_smem, first_h), 0)
+                return jnp.where(h < p, sizes, 0), jnp.where(h == p, sizes, 0)
+
+            starts, own = sums_over_owners(first, terms, owners_len)
+            p = positions_of(first)
             ends = jnp.where(p < num_groups, starts + own, num_rows)
-            anchors = starts - lax.rem(starts, row_align)
+            anchors = starts - lax.rem(starts, i32(row_align))
             used = (p <= num_groups) & (ends > starts)
             tiles = jnp.where(used, lax.div(ends - anchors + tile_m - 1, i32(tile_m)), 0)
             for row, value in (
@@ -115,35 +125,47 @@ def _build_kernel(num_groups, num_rows, tile_m, row_align, num_tiles, interpret)
                 (_ANCHORS, anchors),
                 (_TILES, tiles),
             ):
-                table.at[row, pl.ds(first, POSITIONS)][...] = value
+                table.at[row, pl.ds(first, CHUNK)][...] = value
+
         plgpu.commit_smem()
 
-        # 2. Tiles before each owner.
-        for first in range(0, positions, POSITIONS):
-            p, g = iotas(first)
-            bounds = masked_sum(g < p, column_values(table.at[_TILES]))
-            table.at[_BOUNDS, pl.ds(first, POSITIONS)][...] = bounds
+        @pl.loop(0, owners_len, step=CHUNK)
+        def _bounds(first):
+            """2. The tiles before owner p."""
+
+            def terms(p, g, first_g):
+                return (jnp.where(g < p, column_values(table.at[_TILES], first_g), 0),)
+
+            (bounds,) = sums_over_owners(first, terms, owners_len)
+            table.at[_BOUNDS, pl.ds(first, CHUNK)][...] = bounds
+
         plgpu.commit_smem()
 
-        # 3. Each tile's owner o and its fields; owner G + 1 ("unused") takes the tiles past
-        # all others and gives (G, 0, 0).
-        first_tile = column_values(table.at[_BOUNDS])
-        last_tile = column_values(table.at[_BOUNDS], 1)
-        starts = column_values(table.at[_STARTS])
-        ends = column_values(table.at[_ENDS])
-        anchors = column_values(table.at[_ANCHORS])
-        for first in range(0, tiles_len, POSITIONS):
-            t, o = iotas(first)
-            last = jnp.where(o == num_groups + 1, num_tiles, last_tile)
-            owner = (first_tile <= t) & (t < last) & (o < owners)
-            real = owner & (o <= num_groups)
-            grid_row = anchors + (t - first_tile) * tile_m
-            first_row = jnp.maximum(starts, grid_row)
-            count = jnp.clip(jnp.minimum(ends, grid_row + tile_m) - first_row, 0, tile_m)
-            rows = pl.ds(first, POSITIONS)
-            fields_smem.at[0, rows][...] = masked_sum(owner, jnp.minimum(o, num_groups))
-            fields_smem.at[1, rows][...] = masked_sum(real, first_row)
-            fields_smem.at[2, rows][...] = masked_sum(real, count)
+        @pl.loop(0, tiles_len, step=CHUNK)
+        def _per_tile(first):
+            """3. Tile t's owner o and its fields; owner G + 1 ("unused") takes the tiles past
+            all others and gives (G, 0, 0)."""
+
+            def terms(t, o, first_o):
+                first_tile = column_values(table.at[_BOUNDS], first_o)
+                last_tile = jnp.where(
+                    o == num_groups + 1, num_tiles, column_values(table.at[_BOUNDS], first_o + 1)
+                )
+                owner = (first_tile <= t) & (t < last_tile) & (o < owners)
+                real = owner & (o <= num_groups)
+                grid_row = column_values(table.at[_ANCHORS], first_o) + (t - first_tile) * tile_m
+                first_row = jnp.maximum(column_values(table.at[_STARTS], first_o), grid_row)
+                end_row = jnp.minimum(column_values(table.at[_ENDS], first_o), grid_row + tile_m)
+                count = jnp.clip(end_row - first_row, 0, tile_m)
+                return (
+                    jnp.where(owner, jnp.minimum(o, num_groups), 0),
+                    jnp.where(real, first_row, 0),
+                    jnp.where(real, count, 0),
+                )
+
+            for row, value in enumerate(sums_over_owners(first, terms, owners_len)):
+                fields_smem.at[row, pl.ds(first, CHUNK)][...] = value
+
         bounds_smem[...] = plgpu.load(table.at[_BOUNDS, pl.ds(0, bounds_len)], optimized=False)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(fields_smem.at[:, pl.ds(0, num_tiles)], fields_gmem)
@@ -158,8 +180,8 @@ def _build_kernel(num_groups, num_rows, tile_m, row_align, num_tiles, interpret)
             jax.ShapeDtypeStruct((bounds_len,), i32),
         ),
         scratch_types=(
-            plgpu.SMEM((table_width,), i32),
-            plgpu.SMEM((5, table_width + 8), i32),
+            plgpu.SMEM((owners_len,), i32),
+            plgpu.SMEM((5, table_width), i32),
             plgpu.SMEM((3, tiles_len), i32),
             plgpu.SMEM((bounds_len,), i32),
             plgpu.Barrier(),
