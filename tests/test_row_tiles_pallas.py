@@ -58,10 +58,10 @@ def test_kernel_equals_xla(interpret, num_groups, num_rows, tile_m, row_align, k
 
 
 def test_refuses_what_it_does_not_support():
-    assert not row_tiles_hopper.supported(6, 16, 8)  # G not a multiple of 4
-    assert not row_tiles_hopper.supported(8, 24, 8)  # tile_m not a power of two
+    assert not row_tiles_hopper.supported(24, 8)  # tile_m not a power of two
+    assert not row_tiles_hopper.supported(16, 3)
     with pytest.raises(ValueError, match="not supported"):
-        row_tiles_pallas(jnp.zeros(6, jnp.int32), 64, 16, 8, 32)
+        row_tiles_pallas(jnp.zeros(8, jnp.int32), 64, 24, 8, 32)
     with pytest.raises(ValueError, match="not supported"):
         row_tiles_pallas(jnp.zeros(8, jnp.int32), 64, 16, 8, 30)
 

@@ -30,6 +30,7 @@ from jaxmoe.ints import cdiv
 
 CHUNK = 64  # positions and owners of a pass's tile in registers: a wgmma layout's 64 rows
 STORE_ALIGN = 4  # int32 elements in the 16 bytes a TMA store of the results moves at least
+LOAD_ALIGN = 32  # int32 elements in the 128 bytes (a byte a thread) a Lane-semantics TMA load
 _STARTS, _ENDS, _ANCHORS, _TILES, _BOUNDS = range(5)  # rows of the per-owner table
 
 
@@ -37,11 +38,10 @@ def _round_up(x: int, multiple: int) -> int:
     return cdiv(x, multiple) * multiple
 
 
-def supported(num_groups: int, tile_m: int, row_align: int) -> bool:
-    """Whether the kernel takes these tiles: group sizes a multiple of STORE_ALIGN (the TMA
-    load), powers of two for tile_m and row_align."""
+def supported(tile_m: int, row_align: int) -> bool:
+    """Whether the kernel takes these tiles: powers of two for tile_m and row_align."""
     power_of_two = lambda x: x > 0 and x & (x - 1) == 0  # noqa: E731
-    return num_groups % STORE_ALIGN == 0 and power_of_two(tile_m) and power_of_two(row_align)
+    return power_of_two(tile_m) and power_of_two(row_align)
 
 
 def row_tiles_pallas(
@@ -54,22 +54,28 @@ def row_tiles_pallas(
     interpret=None,
 ) -> tuple[jax.Array, jax.Array]:
     """(fields [3, num_tiles], bounds [round_up(G + 2, STORE_ALIGN)]) of `tiles.row_tiles` for
-    int32 group_sizes [G] (`supported` must hold; num_tiles a multiple of STORE_ALIGN). The
-    entries of bounds past G + 1 are unspecified."""
+    integer group_sizes [G] (`supported` must hold; num_tiles a multiple of STORE_ALIGN). The
+    entries of bounds past G + 1 are unspecified. G not a multiple of LOAD_ALIGN costs an XLA
+    pad of the sizes."""
     (num_groups,) = group_sizes.shape
-    if not supported(num_groups, tile_m, row_align) or num_tiles % STORE_ALIGN:
+    if not supported(tile_m, row_align) or num_tiles % STORE_ALIGN:
         raise ValueError(
-            f"row tiles pallas: G={num_groups}, tile_m={tile_m}, row_align={row_align}, "
-            f"num_tiles={num_tiles} not supported"
+            f"row tiles pallas: tile_m={tile_m}, row_align={row_align}, num_tiles={num_tiles} "
+            "not supported"
         )
+    sizes = group_sizes.astype(jnp.int32)
+    sizes = jnp.pad(sizes, (0, _round_up(num_groups, LOAD_ALIGN) - num_groups))
     kernel = _build_kernel(num_groups, num_rows, tile_m, row_align, num_tiles, interpret)
-    return kernel(group_sizes.astype(jnp.int32))
+    return kernel(sizes)
 
 
 @functools.cache
 def _build_kernel(num_groups, num_rows, tile_m, row_align, num_tiles, interpret):
     owners = num_groups + 2  # the groups, the zero region, "unused"
-    owners_len = _round_up(owners, CHUNK)  # positions and columns of the per-owner passes
+    loaded = _round_up(num_groups, LOAD_ALIGN)
+    owners_len = _round_up(
+        max(owners, loaded), CHUNK
+    )  # positions and columns of the per-owner passes
     table_width = owners_len + CHUNK  # room for the bounds read one owner ahead
     bounds_len = _round_up(owners, STORE_ALIGN)
     tiles_len = _round_up(num_tiles, CHUNK)
@@ -81,7 +87,7 @@ def _build_kernel(num_groups, num_rows, tile_m, row_align, num_tiles, interpret)
     def column_values(ref, offset):
         """[CHUNK, CHUNK]: entry (p, o) = ref[offset + o]."""
         v = plgpu.load(ref.at[pl.ds(offset, CHUNK)], layout=per_column, optimized=False)
-        return jnp.broadcast_to(v[None, :], (CHUNK, CHUNK))
+        return lax.broadcast_in_dim(v, (CHUNK, CHUNK), (1,))
 
     def sums_over_owners(first, terms, width):
         """For the CHUNK positions from `first`: the sums over the owners o < width of each of
@@ -99,10 +105,8 @@ def _build_kernel(num_groups, num_rows, tile_m, row_align, num_tiles, interpret)
     def positions_of(first):
         return first + plgpu.broadcasted_iota(i32, (CHUNK,), 0, layout=per_position)
 
-    def body(
-        sizes_gmem, fields_gmem, bounds_gmem, sizes_smem, table, fields_smem, bounds_smem, barrier
-    ):
-        plgpu.copy_gmem_to_smem(sizes_gmem, sizes_smem.at[pl.ds(0, num_groups)], barrier)
+    def body(sizes_gmem, fields_gmem, bounds_gmem, sizes_smem, table, fields_smem, barrier):
+        plgpu.copy_gmem_to_smem(sizes_gmem, sizes_smem.at[pl.ds(0, loaded)], barrier)
         plgpu.barrier_wait(barrier)
 
         @pl.loop(0, owners_len, step=CHUNK)
@@ -166,15 +170,18 @@ def _build_kernel(num_groups, num_rows, tile_m, row_align, num_tiles, interpret)
             for row, value in enumerate(sums_over_owners(first, terms, owners_len)):
                 fields_smem.at[row, pl.ds(first, CHUNK)][...] = value
 
-        bounds_smem[...] = plgpu.load(table.at[_BOUNDS, pl.ds(0, bounds_len)], optimized=False)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(fields_smem.at[:, pl.ds(0, num_tiles)], fields_gmem)
-        plgpu.copy_smem_to_gmem(bounds_smem, bounds_gmem)
+        for row in range(3):
+            plgpu.copy_smem_to_gmem(fields_smem.at[row, pl.ds(0, num_tiles)], fields_gmem.at[row])
+        plgpu.copy_smem_to_gmem(table.at[_BOUNDS, pl.ds(0, bounds_len)], bounds_gmem)
         plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
         body,
         kernel_name="row_tiles",
+        # Lane semantics: the layouts are the ones given here (Warpgroup semantics' layout
+        # inference did not finish on this kernel in minutes).
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         out_type=(
             jax.ShapeDtypeStruct((3, num_tiles), i32),
             jax.ShapeDtypeStruct((bounds_len,), i32),
@@ -183,7 +190,6 @@ def _build_kernel(num_groups, num_rows, tile_m, row_align, num_tiles, interpret)
             plgpu.SMEM((owners_len,), i32),
             plgpu.SMEM((5, table_width), i32),
             plgpu.SMEM((3, tiles_len), i32),
-            plgpu.SMEM((bounds_len,), i32),
             plgpu.Barrier(),
         ),
         interpret=interpret,

@@ -109,7 +109,7 @@ def row_tiles(
         not known_on_host(group_sizes)
         and on_gpu()
         and compiled_for_gpu(interpret)
-        and row_tiles_hopper.supported(num_groups, tile_m, row_align)
+        and row_tiles_hopper.supported(tile_m, row_align)
     ):
         fields, bounds = row_tiles_hopper.row_tiles_pallas(
             group_sizes, num_rows, tile_m, row_align, num_tiles
