@@ -31,7 +31,9 @@ from jaxmoe.ints import cdiv
 CHUNK = 64  # positions and owners of a pass's tile in registers: a wgmma layout's 64 rows
 STORE_ALIGN = 4  # int32 elements in the 16 bytes a TMA store of the results moves at least
 LOAD_ALIGN = 32  # int32 elements in the 128 bytes (a byte a thread) a Lane-semantics TMA load
-_STARTS, _ENDS, _ANCHORS, _TILES, _BOUNDS = range(5)  # rows of the per-owner table
+# Rows of the per-owner table; _THROUGH: the tiles up to and including the owner's (the next
+# owner's bounds, computed rather than read one element ahead: a misaligned vector load).
+_STARTS, _ENDS, _ANCHORS, _TILES, _BOUNDS, _THROUGH = range(6)
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -76,7 +78,6 @@ def _build_kernel(num_groups, num_rows, tile_m, row_align, num_tiles, interpret)
     owners_len = _round_up(
         max(owners, loaded), CHUNK
     )  # positions and columns of the per-owner passes
-    table_width = owners_len + CHUNK  # room for the bounds read one owner ahead
     bounds_len = _round_up(owners, STORE_ALIGN)
     tiles_len = _round_up(num_tiles, CHUNK)
     tile_layout = plgpu.Layout.WGMMA
@@ -138,10 +139,12 @@ def _build_kernel(num_groups, num_rows, tile_m, row_align, num_tiles, interpret)
             """2. The tiles before owner p."""
 
             def terms(p, g, first_g):
-                return (jnp.where(g < p, column_values(table.at[_TILES], first_g), 0),)
+                tiles = column_values(table.at[_TILES], first_g)
+                return jnp.where(g < p, tiles, 0), jnp.where(g <= p, tiles, 0)
 
-            (bounds,) = sums_over_owners(first, terms, owners_len)
+            bounds, through = sums_over_owners(first, terms, owners_len)
             table.at[_BOUNDS, pl.ds(first, CHUNK)][...] = bounds
+            table.at[_THROUGH, pl.ds(first, CHUNK)][...] = through
 
         plgpu.commit_smem()
 
@@ -153,7 +156,7 @@ def _build_kernel(num_groups, num_rows, tile_m, row_align, num_tiles, interpret)
             def terms(t, o, first_o):
                 first_tile = column_values(table.at[_BOUNDS], first_o)
                 last_tile = jnp.where(
-                    o == num_groups + 1, num_tiles, column_values(table.at[_BOUNDS], first_o + 1)
+                    o == num_groups + 1, num_tiles, column_values(table.at[_THROUGH], first_o)
                 )
                 owner = (first_tile <= t) & (t < last_tile) & (o < owners)
                 real = owner & (o <= num_groups)
@@ -188,7 +191,7 @@ def _build_kernel(num_groups, num_rows, tile_m, row_align, num_tiles, interpret)
         ),
         scratch_types=(
             plgpu.SMEM((owners_len,), i32),
-            plgpu.SMEM((5, table_width), i32),
+            plgpu.SMEM((6, owners_len), i32),
             plgpu.SMEM((3, tiles_len), i32),
             plgpu.Barrier(),
         ),
