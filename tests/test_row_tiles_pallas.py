@@ -1,7 +1,7 @@
 """The row-tiles kernel (`jaxmoe/ops/pallas/row_tiles_hopper.py`): `row_tiles_xla`'s arrays to
 the bit, in the CPU interpreter (race detector on) and, marked `gpu`, on an H100/H200 where
-`row_tiles` takes it for traced group sizes, at the decode and training tilings of the benchmark
-shapes; its refusals."""
+`row_tiles` takes it for traced group sizes (decode tilings of mixtral and dsv3_ep8) and
+where it does not (qwen3_30b's 128 groups, training tilings); its refusals."""
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +35,9 @@ def assert_equal_tiles(got, want):
     np.testing.assert_array_equal(np.asarray(got.counts), np.asarray(want.counts))
 
 
-# (G, M, tile_m, row_align): qwen3_30b, mixtral and dsv3_ep8 at 64 tokens in decode tiles, more
-# groups than one pass's 64 positions, a row alignment of 1.
-INTERPRETED = [(128, 512, 16, 8), (8, 128, 32, 8), (32, 512, 32, 8), (68, 200, 8, 1)]
+# (G, M, tile_m, row_align): mixtral and dsv3_ep8 at 64 tokens in decode tiles, the most groups
+# and tiles the kernel takes with a row alignment of 1, a few groups in 8-row tiles.
+INTERPRETED = [(8, 128, 32, 8), (32, 512, 32, 8), (60, 64, 32, 1), (4, 64, 8, 8)]
 
 
 @pytest.mark.parametrize("kind", ["random", "empty", "last"])
@@ -57,26 +57,36 @@ def test_kernel_equals_xla(interpret, num_groups, num_rows, tile_m, row_align, k
     assert not np.array_equal(np.asarray(changed), np.asarray(want.fields))
 
 
-def test_refuses_what_it_does_not_support():
-    assert not row_tiles_hopper.supported(24, 8)  # tile_m not a power of two
-    assert not row_tiles_hopper.supported(16, 3)
+def test_takes_one_pass_of_owners_and_tiles_only():
+    assert row_tiles_hopper.supported(62, 64, 16, 8)
+    assert not row_tiles_hopper.supported(63, 64, 16, 8)  # 65 owners
+    assert not row_tiles_hopper.supported(8, 68, 16, 8)  # 68 tiles
+    assert not row_tiles_hopper.supported(8, 30, 16, 8)  # not whole 16-byte stores
+    assert not row_tiles_hopper.supported(8, 32, 24, 8)  # tile_m not a power of two
+    assert not row_tiles_hopper.supported(8, 32, 16, 3)
+    assert max_row_tiles(128, 8, 32) % row_tiles_hopper.STORE_ALIGN == 0
     with pytest.raises(ValueError, match="not supported"):
         row_tiles_pallas(jnp.zeros(8, jnp.int32), 64, 24, 8, 32)
     with pytest.raises(ValueError, match="not supported"):
-        row_tiles_pallas(jnp.zeros(8, jnp.int32), 64, 16, 8, 30)
+        row_tiles_pallas(jnp.zeros(128, jnp.int32), 512, 16, 8, 220)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["random", "empty", "last"])
 @pytest.mark.parametrize(
-    "num_groups,num_rows,tile_m",
-    [(128, 512, 16), (8, 128, 32), (32, 512, 32), (256, 65536, 128), (128, 16384, 64)],
+    "num_groups,num_rows,tile_m,kernel",
+    [
+        (8, 128, 32, True),
+        (32, 512, 32, True),
+        (60, 64, 32, True),
+        (128, 512, 16, False),
+        (256, 65536, 128, False),
+    ],
 )
-def test_gpu_row_tiles_of_traced_sizes_come_from_the_kernel(num_groups, num_rows, tile_m, kind):
-    """On an H100/H200, `row_tiles` of traced sizes runs the kernel (its name in the lowered
-    module) and gives `row_tiles_xla`'s arrays, at decode tiles and at training tiles of 256
-    experts."""
+def test_gpu_row_tiles_of_traced_sizes(num_groups, num_rows, tile_m, kernel, kind):
+    """On an H100/H200, `row_tiles` of traced sizes runs the kernel where it takes them (its
+    name in the lowered module), XLA elsewhere, with `row_tiles_xla`'s arrays either way."""
     sizes = jnp.asarray(group_sizes(kind, num_groups, num_rows, seed=7))
     traced = jax.jit(lambda s: row_tiles(s, num_rows, tile_m))
-    assert "row_tiles" in traced.lower(sizes).as_text()
+    assert ("row_tiles" in traced.lower(sizes).as_text()) == kernel
     assert_equal_tiles(traced(sizes), row_tiles_xla(sizes, num_rows, tile_m))

@@ -102,14 +102,15 @@ def row_tiles(
     rows on a tile_m grid anchored at the group's start rounded down to row_align.
 
     Traced group sizes on a GPU (`interpret` as the kernels that read the tiles take it): one
-    `row_tiles_hopper` kernel where it supports the sizes; otherwise `row_tiles_xla`."""
+    `row_tiles_hopper` kernel where it takes them (few groups and tiles: decode sizes of up to
+    62 experts); otherwise `row_tiles_xla`."""
     num_groups = group_sizes.shape[0]
     num_tiles = max_row_tiles(num_rows, num_groups, tile_m, row_align)
     if (
         not known_on_host(group_sizes)
         and on_gpu()
         and compiled_for_gpu(interpret)
-        and row_tiles_hopper.supported(tile_m, row_align)
+        and row_tiles_hopper.supported(num_groups, num_tiles, tile_m, row_align)
     ):
         fields, bounds = row_tiles_hopper.row_tiles_pallas(
             group_sizes, num_rows, tile_m, row_align, num_tiles
