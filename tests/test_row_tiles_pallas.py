@@ -78,7 +78,7 @@ def test_takes_one_pass_of_owners_and_tiles_only():
     [
         (8, 128, 32, True),
         (32, 512, 32, True),
-        (60, 64, 32, True),
+        (40, 64, 32, True),
         (128, 512, 16, False),
         (256, 65536, 128, False),
     ],
