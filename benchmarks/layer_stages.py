@@ -70,6 +70,7 @@ PALLAS_KERNEL_KINDS = {
     "dispatch": "other",
     "combine": "other",
     "weighted_swiglu_backward": "other",
+    "row_tiles": "other",
 }
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->.*\{\s*$")

@@ -77,7 +77,9 @@ def test_tgmm_matches_loop():
 def test_tgmm_group_bits_depend_on_its_start_modulo_32_only():
     """XLA:CPU's ragged dot sums a group's rows in an order fixed by the group's start modulo 32
     (what `jaxmoe.expert_parallel.GROUP_START_ALIGNMENT` relies on): the same rows give the
-    same bits at starts 0, 32, 96, 2080, and other bits at 8 or 16 (the control)."""
+    same bits at starts 0, 32, 96, 2080, and other bits at a start of 1, 8 or 16 (the control:
+    which of them depends on the CPU; 8 and 16 on earlier machines, only odd starts on an AMD
+    EPYC of 2026-12-04, whose order depends on the start modulo 2)."""
     rng = np.random.default_rng(3)
     rows, total = 517, 4096
     lhs = jnp.asarray(rng.standard_normal((rows, 128)), jnp.bfloat16)
@@ -92,7 +94,7 @@ def test_tgmm_group_bits_depend_on_its_start_modulo_32_only():
     first = at(0)
     for start in (32, 96, 2080):
         assert_bitwise(at(start), first)
-    assert differs(at(8), first) and differs(at(16), first)
+    assert any(differs(at(start), first) for start in (1, 8, 16))
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])

@@ -120,10 +120,20 @@ EXPERTS = {
         weighted_swiglu_backward=1,
     ),
 }
+# With few experts and row tiles (mixtral's 8 at these token counts) each call of a grouped
+# kernel (not the weight gradient's) gets its row tiles from the row-tiles kernel; with more,
+# from XLA.
+ROW_TILES = {"step": Kernels(row_tiles=4), "forward": Kernels(row_tiles=2)}
 STEPS = {  # (shape, precision): the kernels of its training step
-    ("mixtral", "bf16"): ROUTER["bf16"] + PERMUTES + EXPERTS["bf16"],
-    ("mixtral", "mxfp8"): ROUTER["bf16"] + PERMUTES_MXFP8_WIRE + EXPERTS["mxfp8"],
-    ("mixtral", "fp8_blockwise"): ROUTER["bf16"] + PERMUTES + EXPERTS["fp8_blockwise"],
+    ("mixtral", "bf16"): ROUTER["bf16"] + PERMUTES + EXPERTS["bf16"] + ROW_TILES["step"],
+    ("mixtral", "mxfp8"): ROUTER["bf16"]
+    + PERMUTES_MXFP8_WIRE
+    + EXPERTS["mxfp8"]
+    + ROW_TILES["step"],
+    ("mixtral", "fp8_blockwise"): ROUTER["bf16"]
+    + PERMUTES
+    + EXPERTS["fp8_blockwise"]
+    + ROW_TILES["step"],
     ("dsv3_ep8", "fp8_blockwise"): ROUTER["bf16"] + PERMUTES + EXPERTS["fp8_blockwise"],
     ("deepseek_v3_style", "bf16"): ROUTER["fp32"] + SHARED_GATED + PERMUTES + EXPERTS["bf16"],
     ("deepseek_v3_style", "fp8_blockwise"): ROUTER["fp32"]
@@ -141,9 +151,9 @@ DEQUANTIZE = FORWARD + Kernels(gmm=2, quantize_rowwise=1)
 SHARED_GATED_FORWARD = Kernels(dense_narrow=3)  # at 64 tokens
 FORWARDS = {  # (shape, tokens): the kernels of the MXFP8 inference forward
     ("qwen3_30b", 1): DECODE,
-    ("mixtral", 64): DECODE,
+    ("mixtral", 64): DECODE + ROW_TILES["forward"],
     ("deepseek_v3_style", 64): DECODE + SHARED_GATED_FORWARD,
-    ("mixtral", 512): DEQUANTIZE,  # 128 rows an expert
+    ("mixtral", 512): DEQUANTIZE + ROW_TILES["forward"],  # 128 rows an expert
 }
 
 
