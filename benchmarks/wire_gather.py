@@ -1,8 +1,11 @@
 """The dispatch of an MXFP8 wire copy, as its readers consume it, on one GPU: the copy's rows
 gathered into the expert buffer and dequantized to bf16 (what fc1 and the experts' rows read),
 either with the data rows on the dispatch kernel and XLA's dequantization after it
-(`kernel`), or with XLA's gather, which XLA fuses into the dequantization (`xla`, the layer's
-route since 2026-12-04). Both give the same bits.
+(`kernel`), or with XLA's gather, which XLA fuses into the dequantization (`xla`, the route
+under expert parallelism, where the copy itself moves). On one device the copy need not exist:
+`one_pass` makes the same rows from the tokens in one kernel (`dispatch_fake_quantize`, the
+layer's route there since 2026-12-04 evening), to be compared with the token quantize
+(`quantize`, timed alone) plus either route. All give the same bits.
 
     PYTHONPATH=. python benchmarks/wire_gather.py [--shapes dsv3_ep8,qwen3_30b]
         [--tokens 64,256,1024,4096] [--iters 20] [--tag TAG] [--out DIR]
@@ -34,11 +37,12 @@ from benchmarks.report import (  # noqa: E402
 from benchmarks.timing import device_seconds, time_it  # noqa: E402
 from jaxmoe import mxfp8  # noqa: E402
 from jaxmoe.ops.permute import dispatch_rows  # noqa: E402
-from jaxmoe.ops.quantize import quantize  # noqa: E402
+from jaxmoe.ops.quantize import dispatch_fake_quantize, quantize  # noqa: E402
 from jaxmoe.shapes import SHAPES, TINY_SHAPES  # noqa: E402
 
 BF16 = jnp.bfloat16
-ROUTES = ("kernel", "xla")
+ROUTES = ("kernel", "xla")  # from the token copy
+FROM_TOKENS = ("quantize", "one_pass")  # from the tokens: the copy alone; the rows in one pass
 
 
 def gathered_rows(copy: mxfp8.MXTensor, row_token: jax.Array, route: str) -> jax.Array:
@@ -55,20 +59,19 @@ def gathered_rows(copy: mxfp8.MXTensor, row_token: jax.Array, route: str) -> jax
 
 
 def operands(shape_name: str, tokens: int):
-    """(MXFP8 copy of x [T, H], row_token [T * k]): each token's k experts distinct, rows in
-    expert order (the plan's layout without padding)."""
+    """(x [T, H], row_token [T * k]): each token's k experts distinct, rows in expert order
+    (the plan's layout without padding)."""
     shape = (SHAPES | TINY_SHAPES)[shape_name]
     config = shape.config
     rng = np.random.default_rng(tokens)
     experts = np.stack([rng.permutation(config.num_experts)[: config.top_k] for _ in range(tokens)])
     row_token = np.argsort(experts.ravel(), kind="stable") // config.top_k
     x = jax.random.normal(jax.random.key(tokens), (tokens, shape.hidden_size), BF16)
-    copy = jax.jit(lambda x: quantize(x, axis=1, impl="auto"))(x)
-    return copy, jnp.asarray(row_token, jnp.int32)
+    return x, jnp.asarray(row_token, jnp.int32)
 
 
 def main(argv=None) -> dict:
-    """Parse the command line (`argv`: None for sys.argv), time both routes at every shape and
+    """Parse the command line (`argv`: None for sys.argv), time every route at every shape and
     token count, writing the JSON after each; returns the result (with `path`)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="dsv3_ep8,qwen3_30b")
@@ -82,20 +85,29 @@ def main(argv=None) -> dict:
     calls = {
         route: jax.jit(lambda c, r, route=route: gathered_rows(c, r, route)) for route in ROUTES
     }
+    from_tokens = {
+        "quantize": jax.jit(lambda x, r: quantize(x, axis=1, impl="auto")),
+        "one_pass": jax.jit(lambda x, r: dispatch_fake_quantize(x, r, impl="auto")),
+    }
+    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)
     for shape_name in args.shapes.split(","):
         for tokens in map(int, args.tokens.split(",")):
-            copy, row_token = operands(shape_name, tokens)
+            x, row_token = operands(shape_name, tokens)
+            copy = from_tokens["quantize"](x, row_token)
             outs = {route: call(copy, row_token) for route, call in calls.items()}
-            same_bits = bool(
-                jnp.array_equal(
-                    jax.lax.bitcast_convert_type(outs["kernel"], jnp.uint16),
-                    jax.lax.bitcast_convert_type(outs["xla"], jnp.uint16),
-                )
+            outs["one_pass"] = from_tokens["one_pass"](x, row_token)
+            same_bits = all(
+                bool(jnp.array_equal(bits(outs[route]), bits(outs["xla"])))
+                for route in ("kernel", "one_pass")
             )
-            times = {route: [] for route in ROUTES}
+            args_of = {
+                **{r: (copy, row_token) for r in ROUTES},
+                **{r: (x, row_token) for r in FROM_TOKENS},
+            }
+            times = {route: [] for route in args_of}
             for _ in range(3):
-                for route, call in calls.items():
-                    run = lambda call=call: call(copy, row_token)
+                for route, call in {**calls, **from_tokens}.items():
+                    run = lambda call=call, a=args_of[route]: call(*a)
                     seconds = (device_seconds if on_gpu else time_it)(run, iters=args.iters)
                     times[route].append(seconds * 1e6)
             record = dict(
@@ -103,13 +115,14 @@ def main(argv=None) -> dict:
                 tokens=tokens,
                 fp8_row_bytes=int(row_token.shape[0]) * copy.shape[1],
                 same_bits=same_bits,
-                **{f"{route}_us": statistics.median(times[route]) for route in ROUTES},
+                **{f"{route}_us": statistics.median(times[route]) for route in times},
             )
             result["records"].append(record)
             log(
                 f"{shape_name} T={tokens:5d} {record['fp8_row_bytes'] / 2**20:8.1f} MiB of rows: "
-                f"kernel {record['kernel_us']:8.2f} us, xla {record['xla_us']:8.2f} us, "
-                f"same_bits={same_bits}"
+                f"kernel {record['kernel_us']:8.2f} us, xla {record['xla_us']:8.2f} us "
+                f"(+ quantize {record['quantize_us']:8.2f}), one pass "
+                f"{record['one_pass_us']:8.2f} us, same_bits={same_bits}"
             )
             write_result(result, path)
     return dict(result, path=path)

@@ -27,6 +27,7 @@ from flax import struct
 
 from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops.permute import combine_rows, dispatch_rows
+from jaxmoe.ops.quantize import dispatch_fake_quantize
 from jaxmoe.plan import Plan
 from jaxmoe.wire import QuantizedRows, dequantize_rows, move_rows
 
@@ -175,22 +176,49 @@ class LocalRoute:
         return gather_slots(values, self.plan)
 
 
-@jax.custom_vjp
 def dequantized_rows(tokens: jax.Array, rows_quantized: QuantizedRows, route) -> jax.Array:
     """The dispatched quantized rows (`route.to_experts(quantize_tokens(tokens, ...))`) in
     tokens.dtype: what the experts see when the quantized copy alone is dispatched. The gradient
     goes to the tokens as the dispatch's would (`route.to_tokens`, its transpose), the quantizer
-    taken as the identity (straight-through, as Transformer Engine does)."""
+    taken as the identity (straight-through, as Transformer Engine does).
+
+    On this device (a `LocalRoute`) an MXFP8 copy's values come from the tokens in one pass
+    (`jaxmoe.ops.dispatch_fake_quantize`: gathered, quantized and dequantized, the same bits),
+    so the copy itself is computed only where something reads it."""
+    if isinstance(route, LocalRoute) and isinstance(rows_quantized, MXTensor):
+        return _fake_quantized_rows(tokens, route, rows_quantized.fmt)
+    return _dequantized_copy(tokens, rows_quantized, route)
+
+
+def _to_tokens_bwd(residuals, grad):
+    route, dtype_carrier = residuals
+    return route.to_tokens(grad).astype(dtype_carrier.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fake_quantized_rows(tokens, route, fmt):
+    plan = route.plan
+    return dispatch_fake_quantize(tokens, plan.row_token(), fmt, impl=route.impl)
+
+
+def _fake_quantized_rows_fwd(tokens, route, fmt):
+    return _fake_quantized_rows(tokens, route, fmt), (route, jnp.zeros((0,), tokens.dtype))
+
+
+_fake_quantized_rows.defvjp(
+    _fake_quantized_rows_fwd, lambda fmt, residuals, grad: (_to_tokens_bwd(residuals, grad), None)
+)
+
+
+@jax.custom_vjp
+def _dequantized_copy(tokens, rows_quantized, route):
     return dequantize_rows(rows_quantized, tokens.dtype)
 
 
-def _dequantized_rows_fwd(tokens, rows_quantized, route):
-    return dequantized_rows(tokens, rows_quantized, route), (route, jnp.zeros((0,), tokens.dtype))
+def _dequantized_copy_fwd(tokens, rows_quantized, route):
+    return _dequantized_copy(tokens, rows_quantized, route), (route, jnp.zeros((0,), tokens.dtype))
 
 
-def _dequantized_rows_bwd(residuals, grad):
-    route, dtype_carrier = residuals
-    return route.to_tokens(grad).astype(dtype_carrier.dtype), None, None
-
-
-dequantized_rows.defvjp(_dequantized_rows_fwd, _dequantized_rows_bwd)
+_dequantized_copy.defvjp(
+    _dequantized_copy_fwd, lambda residuals, grad: (_to_tokens_bwd(residuals, grad), None, None)
+)

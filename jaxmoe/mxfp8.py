@@ -261,8 +261,13 @@ def dequantize_by_multiplying(data, scale, axis, dtype):
 
 
 def _dequantize_on_bits(data, scale, axis, dtype):
+    return decode_elements(data, jnp.repeat(scale.astype(jnp.int32), BLOCK_SIZE, axis=axis), dtype)
+
+
+def decode_elements(data, e, dtype):
+    """fp8 elements `data` times 2^(e - 127) (e: each element's scale byte, int32), exact in fp32
+    and RNE-rounded to dtype, on the integer bits (so under XLA:CPU's flush-to-zero too)."""
     bits = lax.bitcast_convert_type(data.astype(jnp.float32), jnp.uint32)  # float8 -> fp32 is exact
-    e = jnp.repeat(scale.astype(jnp.int32), BLOCK_SIZE, axis=axis)
     sign = bits & _SIGN
     mag = bits & FP32_ABS_MASK
     new_exp = (mag >> 23).astype(jnp.int32) + e - 127

@@ -190,6 +190,8 @@ class Mxfp8Recipe(ExpertRecipe):
             kernel,
             route.group_sizes,
             lhs_rowwise=rows_quantized if isinstance(rows_quantized, MXTensor) else None,
+            # The dispatched rows are the copy's values (`jaxmoe.dispatch.dequantized_rows`).
+            lhs_is_dequantized=isinstance(rows_quantized, MXTensor),
             impl=impl,
             rhs_quantized=None if weights is None else weights.fc1,
             preferred_element_type=out_dtype,

@@ -1,6 +1,7 @@
 """Walking jaxprs in tests: every equation, nested ones included, and how a Pallas Mosaic GPU
 kernel appears among them."""
 
+from jax._src.interpreters import partial_eval as pe
 from jax.extend import core
 
 KERNEL_PRIMITIVE = "mpmd_map"  # how a Pallas Mosaic GPU kernel appears in a jaxpr
@@ -18,3 +19,10 @@ def equations(jaxpr):
                     yield from equations(sub.jaxpr)
                 elif isinstance(sub, core.Jaxpr):
                     yield from equations(sub)
+
+
+def live(closed):
+    """The jaxpr of a ClosedJaxpr without the equations no output needs (what XLA removes:
+    e.g. a quantized copy nothing reads)."""
+    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
+    return jaxpr

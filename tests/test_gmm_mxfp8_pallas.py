@@ -86,6 +86,32 @@ def test_forward_matches_dequantized_reference(interpret, sizes, strategy):
     assert np.all(np.asarray(out)[sum(sizes) :] == 0)
 
 
+@pytest.mark.parametrize("strategy", ["dequantize", "decode", "xla"])
+def test_lhs_values_stand_in_for_the_dequantized_lhs(interpret, strategy):
+    """lhs_values (the dispatch's one-pass rows) replace deq(lhs) where it is read: the same
+    bits when they are deq(lhs); control: other values change the output, so they are read."""
+    lhs_q, rhs_q = operands(200, 256, 128, 5)
+    sizes = jnp.asarray(SIZES["ragged_tail_and_empty"], jnp.int32)
+    impl = "xla" if strategy == "xla" else "pallas"
+    config = (
+        None if ON_HOPPER or impl == "xla" else (DECODE_SMALL if strategy == "decode" else SMALL)
+    )
+    run = lambda values: gmm_mxtensor(
+        lhs_q,
+        rhs_q,
+        sizes,
+        impl=impl,
+        config=config,
+        strategy="dequantize" if impl == "xla" else strategy,
+        lhs_values=values,
+    )
+    values = dequantize(lhs_q, jnp.bfloat16)
+    np.testing.assert_array_equal(bits(run(values)), bits(run(None)))
+    assert differs(bits(run(values * 2)), bits(run(None)))
+    with pytest.raises(ValueError, match="lhs_values"):
+        run(values.astype(jnp.float32))
+
+
 def test_decode_items_run_alike_chained_or_not_and_in_narrow_tiles(interpret):
     """The decode kernel chains a CTA's items through one pipeline when its ring slots divide
     the K steps (DECODE_SMALL: 2 steps, 2 slots) and runs each item's own pipeline otherwise

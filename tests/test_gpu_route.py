@@ -19,7 +19,7 @@ from jaxmoe.inference import mxfp8_inference
 from jaxmoe.moe import MoE
 from jaxmoe.shapes import SHAPES
 
-from jaxprs import KERNEL_PRIMITIVE, equations
+from jaxprs import KERNEL_PRIMITIVE, equations, live
 
 Kernels = collections.Counter  # kernel name -> calls
 
@@ -58,7 +58,8 @@ def tokens(shape_name, count):
 
 
 def training_step(shape_name, precision):
-    """The equations of d(sum(y) + aux losses)/d(params, x) for TRAINING_TOKENS tokens."""
+    """The equations of sum(y) + aux losses and its gradient w.r.t. (params, x) for
+    TRAINING_TOKENS tokens (the loss is live, as in a training step that reports it)."""
     graphdef, params, rest = model(shape_name, precision)
 
     def loss(params, x, rest):
@@ -66,14 +67,16 @@ def training_step(shape_name, precision):
         return jnp.sum(y.astype(jnp.float32)) + aux.total_loss
 
     x = tokens(shape_name, TRAINING_TOKENS)
-    return list(equations(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x, rest).jaxpr))
+    return list(
+        equations(live(jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(params, x, rest)))
+    )
 
 
 def inference_forward(shape_name, count):
     """The equations of the MXFP8 inference forward (`mxfp8_inference`) of `count` tokens."""
     graphdef, params, rest = model(shape_name, "mxfp8", inference=True)
     forward = lambda params, x, rest: nnx.merge(graphdef, params, rest)(x)[0]  # noqa: E731
-    return list(equations(jax.make_jaxpr(forward)(params, tokens(shape_name, count), rest).jaxpr))
+    return list(equations(live(jax.make_jaxpr(forward)(params, tokens(shape_name, count), rest))))
 
 
 def check_route(eqns, kernels, shape_name, count):
@@ -99,16 +102,17 @@ ROUTER = {
 SHARED_GATED = Kernels(gmm=5, dense_narrow=1, tgmm=3)
 PERMUTES = Kernels(dispatch=2, combine=2)  # each the other's transpose
 # With MXFP8 wire copies (the mixtral MXFP8 step sends the tokens and the combine's gradient
-# so) both dispatches gather on XLA, fused into the copies' dequantization.
-PERMUTES_MXFP8_WIRE = Kernels(combine=2)
+# so) the tokens' rows are made in one pass (gathered, quantized, dequantized: their copy
+# itself has no reader on one device), the gradient's copy is gathered on XLA, fused into its
+# dequantization.
+PERMUTES_MXFP8_WIRE = Kernels(combine=2, dispatch_fake_quantize=1)
 EXPERTS = {
     "bf16": Kernels(gmm=4, tgmm=2, weighted_swiglu_backward=1),  # fc1, fc2: fwd, dgrad; wgrad
-    # The bf16 GEMM kernels on dequantized copies. Rowwise copies: the wire copies (the
-    # tokens, fc2's output gradient), the weights' fprop copies, fc2's input, fc1's output
-    # gradient; columnwise: the weights' dgrad copies, the wgrad copies of both GEMMs' inputs
-    # and output gradients.
+    # The bf16 GEMM kernels on dequantized copies. Rowwise copies: fc2's output gradient's
+    # wire copy, the weights' fprop copies, fc2's input, fc1's output gradient; columnwise: the
+    # weights' dgrad copies, the wgrad copies of both GEMMs' inputs and output gradients.
     "mxfp8": Kernels(
-        gmm=4, tgmm=2, weighted_swiglu_backward=1, quantize_rowwise=6, quantize_columnwise=6
+        gmm=4, tgmm=2, weighted_swiglu_backward=1, quantize_rowwise=5, quantize_columnwise=6
     ),
     "fp8_blockwise": Kernels(
         gmm_fp8_blockwise=4,  # fc1 and fc2: fprop and dgrad
@@ -141,11 +145,11 @@ STEPS = {  # (shape, precision): the kernels of its training step
     + PERMUTES
     + EXPERTS["fp8_blockwise"],
 }
-# MXFP8 inference: the router (the narrow-tile kernel), the tokens' wire copy (dispatched by XLA's gather, fused into
-# its dequantization), the combine, and the experts' GEMMs: at up to 64 rows an expert on the
-# decode kernel (fc2's input quantized by XLA, which fuses it with the activation), above on
-# the bf16 kernel with dequantized weight copies (fc2's input on the quantize kernel).
-FORWARD = Kernels(dense_narrow=1, quantize_rowwise=1, combine=1)
+# MXFP8 inference: the router (the narrow-tile kernel), the tokens' rows as their MXFP8 copy's
+# values made in one pass, the combine, and the experts' GEMMs: at up to 64 rows an expert on
+# the decode kernel (fc2's input quantized by XLA, which fuses it with the activation), above
+# on the bf16 kernel with dequantized weight copies (fc2's input on the quantize kernel).
+FORWARD = Kernels(dense_narrow=1, dispatch_fake_quantize=1, combine=1)
 DECODE = FORWARD + Kernels(gmm_decode=2)
 DEQUANTIZE = FORWARD + Kernels(gmm=2, quantize_rowwise=1)
 SHARED_GATED_FORWARD = Kernels(dense_narrow=3)  # at 64 tokens

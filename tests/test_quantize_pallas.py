@@ -12,16 +12,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu.core import artificial_shared_memory_limit
 
 from jaxmoe import mxfp8
-from jaxmoe.ops import dispatch_quantize, on_hopper, quantize
+from jaxmoe.ops import dispatch_fake_quantize, dispatch_quantize, on_hopper, quantize
 from jaxmoe.ops.device import num_sms
 from jaxmoe.ops.pallas import quantize_hopper, row_pipeline
 from jaxmoe.ops.pallas.quantize_hopper import (
+    gather_fake_quantize_rowwise_pallas,
     gather_quantize_rowwise_pallas,
     quantize_columnwise_pallas,
     quantize_rowwise_pallas,
 )
 
-from bitwise import assert_bitwise, bits
+from bitwise import assert_bitwise, bits, differs
 from quantize_inputs import gathered, normal_range, row_tokens, tensor
 
 ON_HOPPER = on_hopper()
@@ -33,10 +34,29 @@ def assert_same_mx(ours, ref):
     assert_bitwise(np.asarray(ours.scale), np.asarray(ref.scale))
 
 
+def assert_same_values(ours, ref):
+    """Same bits, NaN payloads aside (the "float" arithmetic's NaN comes from the multiply, as
+    XLA's dequantization on a GPU; the reference's from the bits)."""
+    ours, ref = np.asarray(ours), np.asarray(ref)
+    nan = np.isnan(ref.astype(np.float32))
+    assert np.array_equal(np.isnan(ours.astype(np.float32)), nan)
+    assert_bitwise(
+        np.where(nan, 0, ours).astype(ours.dtype), np.where(nan, 0, ref).astype(ref.dtype)
+    )
+
+
 def check_kernel(kind, x, fmt, arithmetic, num_rows=None):
-    """Run one kernel on x (gather: num_rows dispatch rows of x) and compare it bit for bit with
-    the reference, computed on the host CPU."""
+    """Run one kernel on x (gather: num_rows dispatch rows of x; fake_gather: their copy's
+    values) and compare it bit for bit with the reference, computed on the host CPU."""
     host_x = np.asarray(x)
+    if kind == "fake_gather":
+        row_token = row_tokens(x.shape[0], num_rows)
+        values = gather_fake_quantize_rowwise_pallas(x, row_token, fmt, arithmetic=arithmetic)
+        with jax.default_device(jax.devices("cpu")[0]):
+            ref = mxfp8.quantize(gathered(host_x, np.asarray(row_token)), axis=1, fmt=fmt)
+            ref = mxfp8.dequantize(ref, x.dtype)
+        assert_same_values(values, ref)
+        return
     if kind == "gather":
         row_token = row_tokens(x.shape[0], num_rows)
         data, scale = gather_quantize_rowwise_pallas(x, row_token, fmt, arithmetic=arithmetic)
@@ -63,7 +83,7 @@ def test_kernels_equal_the_reference_bitwise(interpret, axis, dtype, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("kind", ["rowwise", "columnwise", "gather"])
+@pytest.mark.parametrize("kind", ["rowwise", "columnwise", "gather", "fake_gather"])
 def test_float_arithmetic_equals_the_reference_on_normal_values(interpret, kind, fmt):
     check_kernel(kind, normal_range((192, 256), jnp.bfloat16, seed=7), fmt, "float", num_rows=300)
 
@@ -81,6 +101,8 @@ PARTIAL_CASES = [
     ("gather", (30, 896), 45),
     ("gather", (30, 192), 45),
     ("gather", (6, 8704), 9),
+    ("fake_gather", (50, 256), 37),
+    ("fake_gather", (6, 8704), 9),
 ]
 
 
@@ -93,7 +115,7 @@ def test_partial_tiles(interpret, kind, shape, num_rows, dtype):
 def long_pipeline(kind, dtype):
     """(x shape, dispatch rows) with a partial last tile and 3 tiles more than the interpreter's
     CTAs hold in their rings, so that every CTA reuses its SMEM slots."""
-    k = {"rowwise": 256, "columnwise": 400, "gather": 2048}[kind]
+    k = {"rowwise": 256, "columnwise": 400, "gather": 2048, "fake_gather": 2048}[kind]
     tiles = row_pipeline.STAGES * row_pipeline.CTAS_PER_SM * num_sms() + 3
     if kind == "columnwise":
         return (32 * pl.cdiv(tiles, pl.cdiv(k, row_pipeline.tile_elems(dtype))), k), None
@@ -103,11 +125,11 @@ def long_pipeline(kind, dtype):
         else row_pipeline.gather_plan(k, dtype)[0]
     )
     rows = tiles * tile * 32 // k - 1
-    return ((64, k), rows) if kind == "gather" else ((rows, k), None)
+    return ((64, k), rows) if kind.endswith("gather") else ((rows, k), None)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("kind", ["rowwise", "columnwise", "gather"])
+@pytest.mark.parametrize("kind", ["rowwise", "columnwise", "gather", "fake_gather"])
 def test_long_pipelines_reuse_every_slot(interpret, kind, dtype):
     shape, num_rows = long_pipeline(kind, dtype)
     check_kernel(kind, tensor(shape, dtype, seed=12), "e5m2", "exact", num_rows)
@@ -154,6 +176,23 @@ def test_dispatch_quantize_equals_quantize_of_the_gathered_rows(interpret, fmt):
     assert np.all(np.asarray(out.scale)[:5] == 0)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_dispatch_fake_quantize_gives_the_dispatched_copys_values(interpret, impl):
+    """The one-pass rows equal the dequantized dispatch copy bitwise (padding rows zeros), on
+    the kernel and on XLA; control: the gathered rows themselves differ from them."""
+    x = tensor((50, 256), jnp.bfloat16, seed=5)
+    row_token = jax.random.randint(jax.random.key(6), (96,), 0, 51).astype(jnp.int32)
+    row_token = row_token.at[:3].set(50)
+    values = dispatch_fake_quantize(x, row_token, impl=impl)
+    copy = dispatch_quantize(x, row_token, impl="xla")
+    assert_same_values(values, mxfp8.dequantize(copy, jnp.bfloat16))
+    assert np.all(np.asarray(values[:3], np.float32) == 0)
+    finite = np.isfinite(np.asarray(values, np.float32))
+    assert differs(np.asarray(values)[finite], np.asarray(gathered(x, row_token))[finite])
+    with pytest.raises(ValueError, match="x must be"):
+        dispatch_fake_quantize(x[0], row_token, impl=impl)
+
+
 def test_gather_loads_whole_rows_at_the_benchmark_widths():
     """bf16 tiles of whole token rows: 2 x 8 KB (H 4096), 1 x 14 KB (7168), 4 x 4 KB (2048)."""
     plan = functools.partial(row_pipeline.gather_plan, dtype=jnp.bfloat16)
@@ -194,14 +233,18 @@ def test_auto_falls_back_and_pallas_refuses_clearly():
 
 @pytest.mark.parametrize("arithmetic", ["float", "exact"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("kind", ["rowwise", "columnwise", "gather"])
+@pytest.mark.parametrize("kind", ["rowwise", "columnwise", "gather", "fake_gather"])
 def test_lowering_at_real_shapes(kind, dtype, arithmetic):
     """Mosaic GPU lowering at the benchmark shapes, within the shared memory that lets
     CTAS_PER_SM CTAs share an SM (the persistent grid assumes they do)."""
     s = jax.ShapeDtypeStruct
     for m, k in [(16384, 4096), (65536, 2048), (32768, 7168)]:
-        if kind == "gather":
-            fn = functools.partial(gather_quantize_rowwise_pallas, arithmetic=arithmetic)
+        if kind.endswith("gather"):
+            kernel = {
+                "gather": gather_quantize_rowwise_pallas,
+                "fake_gather": gather_fake_quantize_rowwise_pallas,
+            }[kind]
+            fn = functools.partial(kernel, arithmetic=arithmetic)
             args = (s((m // 2, k), dtype), s((m,), jnp.int32))
         else:
             fn = functools.partial(
@@ -219,6 +262,8 @@ GPU_CASES = [
     ("columnwise", (8192, 4096), None),
     ("gather", (4096, 4096), 8192),
     ("gather", (2048, 7168), 4096),
+    ("fake_gather", (4096, 4096), 8192),
+    ("fake_gather", (64, 2048), 512),  # qwen3_30b's 64 decode tokens
     *PARTIAL_CASES,
 ]
 

@@ -19,6 +19,7 @@ from jaxmoe.ops.pallas.gmm_decode_hopper import DecodeConfig
 from jaxmoe.ops.pallas.tgmm_hopper import TgmmConfig
 from jaxmoe.ops.permute import combine_rows, dispatch_rows
 from jaxmoe.ops.quantize import (
+    dispatch_fake_quantize,
     dispatch_quantize,
     quantize,
     quantize_1x128,
@@ -47,6 +48,7 @@ __all__ = [
     "quantize_1x128_transposed",
     "requantize_1x128_transposed",
     "quantize_128x128_with_transpose",
+    "dispatch_fake_quantize",
     "dispatch_quantize",
     "dispatch_rows",
     "combine_rows",

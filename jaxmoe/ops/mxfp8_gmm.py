@@ -139,6 +139,7 @@ def mxfp8_gmm(
     group_sizes: jax.Array,
     *,
     lhs_rowwise: MXTensor | None = None,
+    lhs_is_dequantized: bool = False,
     rhs_quantized: QuantizedWeights | None = None,
     preferred_element_type=jnp.float32,
     impl: str = "auto",
@@ -154,6 +155,9 @@ def mxfp8_gmm(
     lhs_rowwise: the fprop copy of lhs when it was quantized elsewhere (e.g. at token level,
       before the dispatch); it must equal `quantize(lhs, axis=1)` up to where it was made.
       None: quantize lhs here. It carries no gradient; lhs does.
+    lhs_is_dequantized: lhs is bitwise lhs_rowwise's dequantized values (the layer's dispatched
+      rows with an MXFP8 dispatch), so the forward's strategies that read the dequantized lhs
+      take lhs as it is (bf16; see `gmm_mxtensor`'s lhs_values).
     rhs_quantized: `quantize_weights(rhs)` made earlier in the step (None: quantize here). It
       carries no gradient; rhs does. rhs None: the forward alone on rhs_quantized's fprop copy
       (MXFP8 inference with no high-precision weights; not differentiable).
@@ -169,7 +173,15 @@ def mxfp8_gmm(
         sizes = group_sizes.astype(jnp.int32)
         out_dtype = jnp.dtype(preferred_element_type)
         return _fprop(
-            lhs, None, sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, groups_per_weight
+            lhs,
+            None,
+            sizes,
+            lhs_rowwise,
+            rhs_quantized,
+            out_dtype,
+            impl,
+            groups_per_weight,
+            lhs_is_dequantized,
         )
     _check_operands(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, groups_per_weight)
     return _mxfp8_gmm(
@@ -181,6 +193,7 @@ def mxfp8_gmm(
         jnp.dtype(preferred_element_type),
         impl,
         groups_per_weight,
+        lhs_is_dequantized,
     )
 
 
@@ -188,7 +201,17 @@ def _quantize(x, axis, impl):
     return quantize(x, axis=axis, impl=impl)
 
 
-def _fprop(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, groups_per_weight):
+def _fprop(
+    lhs,
+    rhs,
+    group_sizes,
+    lhs_rowwise,
+    rhs_quantized,
+    out_dtype,
+    impl,
+    groups_per_weight,
+    lhs_is_dequantized=False,
+):
     rhs_q = (
         _quantize(rhs.astype(lhs.dtype), 1, impl) if rhs_quantized is None else rhs_quantized.fprop
     )
@@ -213,16 +236,33 @@ def _fprop(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, g
         groups_per_weight=groups_per_weight,
         strategy=strategy,
         small_scales=rhs_quantized is not None and rhs_quantized.fprop_small_scales,
+        lhs_values=lhs if lhs_is_dequantized and lhs.dtype == jnp.bfloat16 else None,
     )
 
 
 def mxfp8_gmm_forward(
-    lhs, rhs, group_sizes, lhs_rowwise, out_dtype, impl, rhs_quantized=None, groups_per_weight=1
+    lhs,
+    rhs,
+    group_sizes,
+    lhs_rowwise,
+    out_dtype,
+    impl,
+    rhs_quantized=None,
+    groups_per_weight=1,
+    lhs_is_dequantized=False,
 ) -> tuple[jax.Array, Mxfp8GmmResiduals]:
     """`mxfp8_gmm`'s forward rule (no argument checks): the output and the residuals for
     `mxfp8_gmm_backward`. Public for ops that fuse the GEMM with their neighbours."""
     out = _fprop(
-        lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, groups_per_weight
+        lhs,
+        rhs,
+        group_sizes,
+        lhs_rowwise,
+        rhs_quantized,
+        out_dtype,
+        impl,
+        groups_per_weight,
+        lhs_is_dequantized,
     )
     rhs_columnwise = (
         _quantize(rhs.astype(lhs.dtype), 2, impl) if rhs_quantized is None else rhs_quantized.dgrad
@@ -269,18 +309,24 @@ def mxfp8_gmm_backward(
     return d_lhs, sum_group_partials(partials, per_weight, rhs_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _mxfp8_gmm(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, per_weight):
-    return _fprop(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, per_weight)
-
-
-def _mxfp8_gmm_fwd(lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, per_weight):
-    return mxfp8_gmm_forward(
-        lhs, rhs, group_sizes, lhs_rowwise, out_dtype, impl, rhs_quantized, per_weight
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _mxfp8_gmm(
+    lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, per_weight, dequantized
+):
+    return _fprop(
+        lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, per_weight, dequantized
     )
 
 
-def _mxfp8_gmm_bwd(out_dtype, impl, per_weight, residuals, grad):
+def _mxfp8_gmm_fwd(
+    lhs, rhs, group_sizes, lhs_rowwise, rhs_quantized, out_dtype, impl, per_weight, dequantized
+):
+    return mxfp8_gmm_forward(
+        lhs, rhs, group_sizes, lhs_rowwise, out_dtype, impl, rhs_quantized, per_weight, dequantized
+    )
+
+
+def _mxfp8_gmm_bwd(out_dtype, impl, per_weight, dequantized, residuals, grad):
     d_lhs, d_rhs = mxfp8_gmm_backward(residuals, grad)
     return d_lhs, d_rhs, None, None, None
 

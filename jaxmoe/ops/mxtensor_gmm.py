@@ -101,6 +101,7 @@ def gmm_mxtensor(
     strategy: str = "dequantize",
     groups_per_weight: int = 1,
     small_scales: bool = False,
+    lhs_values: jax.Array | None = None,
 ) -> jax.Array:
     """out[m, n] = sum_k deq(lhs)[m, k] * deq(rhs)[g(m) // groups_per_weight, n, k], fp32
     accumulation (groups_per_weight: see `jaxmoe.ops.gmm`).
@@ -112,7 +113,11 @@ def gmm_mxtensor(
     tiles its kernel (None: heuristic; a `DecodeConfig` for "decode"). Not differentiable (see
     `mxfp8_gmm`). small_scales: the caller promises that rhs's e4m3 data and scales meet
     `e4m3_registers.small_scale_dequantization_is_exact`, which lets the decode kernel
-    dequantize in fewer instructions (the same bits)."""
+    dequantize in fewer instructions (the same bits). lhs_values: deq(lhs) in bf16 when the
+    caller has it (the dispatch makes the rows' values in one pass): XLA and the strategies
+    that read the dequantized lhs ("dequantize", "decode") take it instead of dequantizing
+    lhs, whose copy then has no reader; the caller promises it is bitwise
+    `dequantize(lhs, bfloat16)`."""
     if not (
         isinstance(lhs, MXTensor)
         and isinstance(rhs, MXTensor)
@@ -128,6 +133,14 @@ def gmm_mxtensor(
         )
     if strategy not in STRATEGIES:
         raise ValueError(f"gmm_mxtensor: strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if lhs_values is not None and (
+        lhs_values.shape != lhs.shape or lhs_values.dtype != jnp.bfloat16
+    ):
+        raise ValueError(
+            f"gmm_mxtensor: lhs_values must be bf16 {lhs.shape}, got {lhs_values.dtype} "
+            f"{lhs_values.shape}"
+        )
+    lhs_bf16 = lambda: dequantize(lhs, jnp.bfloat16) if lhs_values is None else lhs_values
     if strategy == "auto" and config is not None:
         raise ValueError("gmm_mxtensor: a config tiles one strategy's kernel; name the strategy")
     k_major = rhs.axis == 2
@@ -144,7 +157,7 @@ def gmm_mxtensor(
     out_dtype = jnp.dtype(preferred_element_type)
     if registry.resolve("gmm_mxtensor", impl, k, n, strategy) == "xla":
         out = jax.lax.ragged_dot(
-            dequantize(lhs, jnp.bfloat16),
+            lhs_bf16(),
             jnp.repeat(
                 jnp.swapaxes(dequantize(rhs, jnp.bfloat16), 1, 2)
                 if k_major
@@ -158,7 +171,7 @@ def gmm_mxtensor(
         return out.astype(out_dtype)
     if strategy == "dequantize":
         return gmm(
-            dequantize(lhs, jnp.bfloat16),
+            lhs_bf16(),
             dequantize(rhs, jnp.bfloat16),
             group_sizes,
             transpose_rhs=k_major,
@@ -169,7 +182,7 @@ def gmm_mxtensor(
         )
     if strategy == "decode":
         return gmm_decode_pallas(
-            dequantize(lhs, jnp.bfloat16),
+            lhs_bf16(),
             rhs.data,
             jnp.swapaxes(rhs.scale, 1, 2),  # E8M0 bytes, decoded in the kernel
             group_sizes,

@@ -1,6 +1,7 @@
 """Quantization with a choice of implementation: MXFP8 `quantize` (any axis), FP8-blockwise
 `quantize_1x128` (1 x 128 blocks along any axis), `dispatch_quantize` (gather the expert
-buffer's rows and quantize them in one pass, either recipe), and the FP8-blockwise copies with
+buffer's rows and quantize them in one pass, either recipe; `dispatch_fake_quantize`: the
+values of its MXFP8 copy alone), and the FP8-blockwise copies with
 their K-major transposes made in one pass (`quantize_1x128_with_transpose`,
 `quantize_1x128_transposed`, `quantize_128x128_with_transpose`; `requantize_1x128_transposed`
 from a 1 x 128 copy's fp8 bytes instead of its dequantized values).
@@ -45,6 +46,7 @@ from jaxmoe.ops.pallas.quantize_hopper import (
     MXFP8,
     columnwise_1x128_problem,
     columnwise_problem,
+    gather_fake_quantize_rowwise_pallas,
     gather_problem,
     gather_quantize_1x128_pallas,
     gather_quantize_rowwise_pallas,
@@ -132,6 +134,7 @@ def _weights_kernel_problem(w) -> str | None:
 registry.register("quantize", "pallas", problem=_kernel_problem)
 registry.register("quantize_1x128", "pallas", problem=_1x128_kernel_problem)
 registry.register("dispatch_quantize", "pallas", problem=_gather_kernel_problem)
+registry.register("dispatch_fake_quantize", "pallas", problem=_gather_kernel_problem)
 registry.register("quantize_1x128_with_transpose", "pallas", problem=_transpose_kernel_problem)
 registry.register("quantize_1x128_transposed", "pallas", problem=_transpose_kernel_problem)
 registry.register("quantize_128x128_with_transpose", "pallas", problem=_weights_kernel_problem)
@@ -206,11 +209,7 @@ def dispatch_quantize(
     x = jax.lax.stop_gradient(jnp.asarray(x))
     if recipe not in RECIPES:
         raise ValueError(f"dispatch_quantize: recipe must be one of {RECIPES}, got {recipe!r}")
-    if x.ndim != 2 or row_token.ndim != 1:
-        raise ValueError(
-            f"dispatch_quantize: x must be [T, H] and row_token [M], got {x.shape} "
-            f"and {row_token.shape}"
-        )
+    _check_gather("dispatch_quantize", x, row_token)
     if registry.resolve("dispatch_quantize", impl, x, row_token.shape[0], recipe) == "xla":
         padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])
         rows = jnp.take(padded, row_token, axis=0)
@@ -222,6 +221,29 @@ def dispatch_quantize(
         return BlockwiseTensor(data, scale_inv, (1,), fmt)
     data, scale = gather_quantize_rowwise_pallas(x, row_token, fmt)
     return MXTensor(data=data, scale=scale, axis=1, fmt=fmt)
+
+
+def dispatch_fake_quantize(
+    x: jax.Array, row_token: jax.Array, fmt: str = "e4m3", *, impl: str = "auto"
+) -> jax.Array:
+    """The values of `dispatch_quantize(x, row_token, fmt)`'s MXFP8 copy in x's dtype, made in
+    one pass without the copy on "pallas": rows x[row_token[r]] ([M, H], zeros where
+    row_token[r] == T) quantized along H and dequantized, bitwise
+    `jaxmoe.mxfp8.dequantize(dispatch_quantize(x, row_token, fmt), x.dtype)`. What the experts
+    read when the copy itself need not move (the dispatch on one device). No gradient flows
+    through it (module docstring)."""
+    x = jax.lax.stop_gradient(jnp.asarray(x))
+    _check_gather("dispatch_fake_quantize", x, row_token)
+    if registry.resolve("dispatch_fake_quantize", impl, x, row_token.shape[0], "mxfp8") == "xla":
+        return mxfp8.dequantize(dispatch_quantize(x, row_token, fmt, impl="xla"), x.dtype)
+    return gather_fake_quantize_rowwise_pallas(x, row_token, fmt)
+
+
+def _check_gather(name, x, row_token):
+    if x.ndim != 2 or row_token.ndim != 1:
+        raise ValueError(
+            f"{name}: x must be [T, H] and row_token [M], got {x.shape} and {row_token.shape}"
+        )
 
 
 def _check_ndim(name, x, ndim, shape):

@@ -34,6 +34,7 @@ from jaxmoe.mxfp8 import (
     FORMATS,
     FP32_ABS_MASK,
     FP32_INF_BITS,
+    decode_elements,
     e8m0_from_amax_bits,
     encode_elements,
     float32_bits,
@@ -50,12 +51,14 @@ from jaxmoe.ops.pallas.row_pipeline import (
     gather_plan,
     num_ctas,
     pipeline,
+    split_pipeline,
     tile_elems,
 )
 
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 ARITHMETIC = ("exact", "float")
+COPY = ("data", "scale")  # a rowwise kernel's outputs: the quantized copy
 
 
 def default_arithmetic() -> str:
@@ -126,14 +129,17 @@ def block_amax_bits(bits, axis):
     return jnp.max(jnp.where(mag > FP32_INF_BITS, jnp.uint32(0), mag), axis=axis)
 
 
+def spread_blocks(per_block, shape, axis, layout):
+    """Per-block values (`shape` reduced along `axis`) broadcast over their blocks' elements."""
+    return plgpu.layout_cast(lax.broadcast_in_dim(per_block, shape, (1 - axis,)), layout)
+
+
 def encode_blocks(bits, e, axis, layout, fmt, arithmetic):
     """fp8 elements of the fp32 bits `bits` (in `layout`) with the scale bytes `e` (int32, one
     per block: `bits` reduced along `axis`). Per-block values are computed before they are
     spread over the block's elements."""
 
-    def spread(per_block):
-        return plgpu.layout_cast(lax.broadcast_in_dim(per_block, bits.shape, (1 - axis,)), layout)
-
+    spread = lambda per_block: spread_blocks(per_block, bits.shape, axis, layout)
     if arithmetic == "exact":
         return encode_elements(bits, spread(e), fmt)
     scale = reciprocal_scale_bits(e)  # per block, then spread
@@ -143,13 +149,30 @@ def encode_blocks(bits, e, axis, layout, fmt, arithmetic):
     return jnp.clip(y, -fmt.max_normal, fmt.max_normal).astype(fmt.dtype)
 
 
-def _quantize_tile(x_smem, data_smem, scale_smem, axis, layout, fmt, arithmetic, scaling=MXFP8):
+def _quantize_tile(
+    x_smem, data_smem, scale_smem, axis, layout, fmt, arithmetic, scaling=MXFP8, values_smem=None
+):
     """Quantize the SMEM tile `x_smem` (blocks of scaling.block along `axis`) into `data_smem`
-    (fp8, same shape) and `scale_smem` (one scale per block, in order)."""
+    (fp8, same shape; None: not stored) and `scale_smem` (one scale per block, in order; None:
+    not stored). MXFP8 only: `values_smem` (x's dtype) receives the blocks' dequantized values,
+    `jaxmoe.mxfp8.dequantize`'s bits (on the integer bits with the "exact" arithmetic, else by
+    the float multiply, as XLA's dequantization on a GPU)."""
     bits = float32_bits(plgpu.load(x_smem, layout=layout))
     e = scaling.exponent(block_amax_bits(bits, axis), fmt)
-    scale_smem[...] = scaling.stored(e)
-    data_smem[...] = encode_blocks(bits, e, axis, layout, fmt, arithmetic)
+    if scale_smem is not None:
+        scale_smem[...] = scaling.stored(e)
+    data = encode_blocks(bits, e, axis, layout, fmt, arithmetic)
+    if data_smem is not None:
+        data_smem[...] = data
+    if values_smem is not None:
+        if scaling is not MXFP8:
+            raise ValueError("quantize kernel: dequantized values are made for MXFP8 only")
+        spread = lambda per_block: spread_blocks(per_block, bits.shape, axis, layout)
+        if arithmetic == "exact":
+            values = decode_elements(data, spread(e), values_smem.dtype)
+        else:
+            values = data.astype(jnp.float32) * spread(scale_multipliers(e))
+        values_smem[...] = values.astype(values_smem.dtype)
 
 
 def kernel_problem(what, shape, dtype, needs, recipe="MXFP8") -> str | None:
@@ -287,7 +310,20 @@ def gather_quantize_1x128_pallas(
     return _gather_quantize_rowwise(x, row_token, fmt, arithmetic, interpret, FP8_BLOCKWISE)
 
 
-def _gather_quantize_rowwise(x, row_token, fmt, arithmetic, interpret, scaling):
+def gather_fake_quantize_rowwise_pallas(
+    x: jax.Array, row_token: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None
+) -> jax.Array:
+    """The values of `gather_quantize_rowwise_pallas`'s copy, without the copy: row r is
+    x[row_token[r]] MXFP8-quantized along K and dequantized to x's dtype (zeros where
+    row_token[r] == T), bitwise `jaxmoe.mxfp8.dequantize` of the gathered rows' quantization.
+    Same limits as `gather_quantize_rowwise_pallas`."""
+    (values,) = _gather_quantize_rowwise(
+        x, row_token, fmt, arithmetic, interpret, MXFP8, outputs=("values",)
+    )
+    return values
+
+
+def _gather_quantize_rowwise(x, row_token, fmt, arithmetic, interpret, scaling, outputs=COPY):
     arithmetic = arithmetic or default_arithmetic()
     check_kernel_call(
         gather_problem(x.shape, x.dtype, row_token.shape[0], scaling), fmt, arithmetic
@@ -297,10 +333,21 @@ def _gather_quantize_rowwise(x, row_token, fmt, arithmetic, interpret, scaling):
     b = scaling.block
     num_blocks = m * k // b
     kernel = _rowwise_kernel(
-        num_blocks, jnp.dtype(x.dtype), fmt, arithmetic, interpret, (num_tokens, m, k // b), scaling
+        num_blocks,
+        jnp.dtype(x.dtype),
+        fmt,
+        arithmetic,
+        interpret,
+        (num_tokens, m, k // b),
+        scaling,
+        outputs,
     )
-    data, scale = kernel(row_token.astype(jnp.int32), x.reshape(num_tokens * k // b, b))
-    return data.reshape(m, k), scale[:num_blocks].reshape(m, k // b)
+    out = kernel(row_token.astype(jnp.int32), x.reshape(num_tokens * k // b, b))
+    names = [name for name in ("data", "scale", "values") if name in outputs]
+    return tuple(
+        a[:num_blocks].reshape(m, k // b) if name == "scale" else a.reshape(m, k)
+        for name, a in zip(names, out, strict=True)
+    )
 
 
 def _contiguous_fetch(x_gmem, x_smem, tile):
@@ -316,11 +363,14 @@ def _contiguous_fetch(x_gmem, x_smem, tile):
 
 
 @functools.cache
-def _rowwise_kernel(num_blocks, dtype, fmt_name, arithmetic, interpret, gather, scaling=MXFP8):
-    """Kernel for rowwise blocks of B = scaling.block: fp8 [num_blocks, B] and scales
+def _rowwise_kernel(
+    num_blocks, dtype, fmt_name, arithmetic, interpret, gather, scaling=MXFP8, outputs=COPY
+):
+    """Kernel for rowwise blocks of B = scaling.block of x [num_blocks, B] or, with
+    gather = (T, M, R), of (row_token [M], x [T * R, B]) (`row_pipeline.gather_fetch`). Its
+    outputs, in this order, those named in `outputs`: "data" fp8 [num_blocks, B], "scale"
     [num_tiles * tile] (whole tiles, so that their 1-D stores never cross the end; the caller
-    slices) of x [num_blocks, B] or, with gather = (T, M, R), of (row_token [M], x [T * R, B])
-    (`row_pipeline.gather_fetch`)."""
+    slices), "values" [num_blocks, B] in x's dtype (MXFP8 only: the dequantized values)."""
     fmt = FORMATS[fmt_name]
     b = scaling.block
     if gather is None:
@@ -333,52 +383,64 @@ def _rowwise_kernel(num_blocks, dtype, fmt_name, arithmetic, interpret, gather, 
     # A TMA reads each slot: 128-byte aligned.
     scale_slot = round_up(tile * scaling.scale_dtype.itemsize, TMA_SMEM_ALIGN)
     scale_slot //= scaling.scale_dtype.itemsize
+    shapes = {
+        "data": ((num_blocks, b), (tile, b), fmt.dtype),
+        "scale": ((num_tiles * tile,), (scale_slot,), scaling.scale_dtype),
+        "values": ((num_blocks, b), (tile, b), dtype),
+    }
+    names = [name for name in shapes if name in outputs]
+    # Values as wide as x: two output slots keep the ring of STAGES loads within the shared
+    # memory of CTAS_PER_SM CTAs an SM.
+    out_slots = 2 if "values" in outputs else STAGES
 
     def quantize_rowwise(*refs):
-        *inputs, data_gmem, scale_gmem, x_smem, data_smem, scale_smem, loaded = refs
+        num_inputs, num_outputs = (1 if gather is None else 2), len(names)
+        inputs, refs = refs[:num_inputs], refs[num_inputs:]
+        out_gmem = dict(zip(names, refs[:num_outputs]))
+        x_smem, *smem, loaded = refs[num_outputs:]
+        out_smem = dict(zip(names, smem))
         if gather is None:
             fetch = _contiguous_fetch(*inputs, x_smem, tile)
         else:
             fetch = gather_fetch(*inputs, x_smem, tile, segment, gather)
+        tiles = lambda name, slot: (
+            out_smem[name].at[slot, pl.ds(0, tile)] if name == "scale" else out_smem[name].at[slot]
+        )
 
-        def compute(slot):
+        def compute(slot, out):
+            stored = {name: tiles(name, out) for name in names}
             _quantize_tile(
                 x_smem.at[slot],
-                data_smem.at[slot],
-                scale_smem.at[slot, pl.ds(0, tile)],
+                stored.get("data"),
+                stored.get("scale"),
                 1,
                 layout,
                 fmt,
                 arithmetic,
                 scaling,
+                stored.get("values"),
             )
 
-        def store(t, slot):
-            plgpu.copy_smem_to_gmem(
-                data_smem.at[slot], data_gmem.at[pl.ds(t * tile, tile)], commit_group=False
-            )
-            plgpu.copy_smem_to_gmem(
-                scale_smem.at[slot, pl.ds(0, tile)],
-                scale_gmem.at[pl.ds(t * tile, tile)],
-                commit_group=False,
-            )
+        def store(t, out):
+            for name in names:
+                plgpu.copy_smem_to_gmem(
+                    tiles(name, out), out_gmem[name].at[pl.ds(t * tile, tile)], commit_group=False
+                )
 
-        pipeline(num_tiles, ctas, loaded, fetch, compute, store)
+        split_pipeline(num_tiles, ctas, loaded, fetch, compute, store, STAGES, out_slots)
 
+    kind = "quantize_rowwise" if gather is None else "dispatch_quantize"
+    if outputs == ("values",):
+        kind = "dispatch_fake_quantize"
     return plgpu.kernel(
         quantize_rowwise,
-        kernel_name=("quantize_rowwise" if gather is None else "dispatch_quantize")
-        + ("" if scaling is MXFP8 else "_1x128"),
-        out_type=(
-            jax.ShapeDtypeStruct((num_blocks, b), fmt.dtype),
-            jax.ShapeDtypeStruct((num_tiles * tile,), scaling.scale_dtype),
-        ),
+        kernel_name=kind + ("" if scaling is MXFP8 else "_1x128"),
+        out_type=tuple(jax.ShapeDtypeStruct(shapes[n][0], shapes[n][2]) for n in names),
         grid=(ctas,),
         grid_names=("cta",),
         scratch_types=[
             plgpu.SMEM((STAGES, tile, b), dtype),
-            plgpu.SMEM((STAGES, tile, b), fmt.dtype),
-            plgpu.SMEM((STAGES, scale_slot), scaling.scale_dtype),
+            *(plgpu.SMEM((out_slots, *shapes[n][1]), shapes[n][2]) for n in names),
             plgpu.Barrier(
                 num_arrivals=1 if gather is None else tile // segment, num_barriers=STAGES
             ),
