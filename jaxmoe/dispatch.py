@@ -38,7 +38,7 @@ def _token_rows(plan: Plan) -> jax.Array:
 
 
 def _dispatch(x, plan, impl):
-    return dispatch_rows(x, plan.row_token(), impl=impl)
+    return dispatch_rows(x, plan.row_slot, per_token=plan.top_k, impl=impl)
 
 
 def _combine(rows, plan, out_dtype, impl):
@@ -198,7 +198,7 @@ def _to_tokens_bwd(residuals, grad):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _fake_quantized_rows(tokens, route, fmt):
     plan = route.plan
-    return dispatch_fake_quantize(tokens, plan.row_token(), fmt, impl=route.impl)
+    return dispatch_fake_quantize(tokens, plan.row_slot, fmt, per_token=plan.top_k, impl=route.impl)
 
 
 def _fake_quantized_rows_fwd(tokens, route, fmt):

@@ -82,6 +82,21 @@ def test_dispatch_kernel_equals_the_reference(interpret, dtype, num_tokens, h, n
     assert np.all(np.asarray(out, np.float32)[np.asarray(rows) == num_tokens] == 0)
 
 
+def test_dispatch_reads_slots_and_divides_them_per_token(interpret):
+    """per_token k: the rows' slots (t * k + j; T * k for a padding row) name their tokens, as
+    the plan's row_slot does, on the kernel and on XLA; control: read as tokens, the same
+    slots gather other rows."""
+    num_tokens, k, h = 12, 3, 256
+    x = values((num_tokens, h), jnp.bfloat16, seed=5)
+    tokens = row_tokens(num_tokens, 70, seed=6)
+    slots = tokens * k + jax.random.randint(jax.random.key(7), tokens.shape, 0, k)
+    slots = jnp.where(tokens == num_tokens, num_tokens * k, slots).astype(jnp.int32)
+    expected = xla_dispatch(x, tokens)
+    for impl in ("pallas", "xla"):
+        assert_bitwise(np.asarray(dispatch_rows(x, slots, per_token=k, impl=impl)), expected)
+    assert differs(np.asarray(dispatch_rows(x, slots, impl="pallas")), expected)
+
+
 def test_dispatch_long_pipeline_reuses_every_slot(interpret):
     """More tiles than STAGES per CTA of the interpreter's persistent grid, so every ring slot
     is refilled after its store (the copy pipeline's one-step delay)."""
@@ -211,6 +226,11 @@ def test_gpu_kernels_equal_the_reference(num_tokens, h, k):
     assert_bitwise(
         np.asarray(dispatch_rows(x, rows, impl="pallas")),
         np.asarray(dispatch_rows(x, rows, impl="xla")),
+    )
+    slots = (rows * k + jnp.arange(num_rows, dtype=jnp.int32) % k).astype(jnp.int32)
+    slots = jnp.where(rows == num_tokens, num_tokens * k, slots)
+    assert_bitwise(
+        np.asarray(dispatch_rows(x, slots, per_token=k, impl="pallas")), xla_dispatch(x, rows)
     )
     assert_bitwise(np.asarray(dispatch_rows(x, rows, impl="pallas")), xla_dispatch(x, rows))
     if h % 128 == 0:  # float8 rows: a quantized copy's data

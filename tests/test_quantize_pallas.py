@@ -176,15 +176,20 @@ def test_dispatch_quantize_equals_quantize_of_the_gathered_rows(interpret, fmt):
     assert np.all(np.asarray(out.scale)[:5] == 0)
 
 
+@pytest.mark.parametrize("per_token", [1, 4])
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_dispatch_fake_quantize_gives_the_dispatched_copys_values(interpret, impl):
+def test_dispatch_fake_quantize_gives_the_dispatched_copys_values(interpret, impl, per_token):
     """The one-pass rows equal the dequantized dispatch copy bitwise (padding rows zeros), on
-    the kernel and on XLA; control: the gathered rows themselves differ from them."""
+    the kernel and on XLA, from tokens or from slots (per_token of them a token, as the plan's
+    row_slot); control: the gathered rows themselves differ from them."""
     x = tensor((50, 256), jnp.bfloat16, seed=5)
     row_token = jax.random.randint(jax.random.key(6), (96,), 0, 51).astype(jnp.int32)
     row_token = row_token.at[:3].set(50)
-    values = dispatch_fake_quantize(x, row_token, impl=impl)
-    copy = dispatch_quantize(x, row_token, impl="xla")
+    slots = row_token * per_token + jnp.arange(96, dtype=jnp.int32) % per_token
+    slots = jnp.where(row_token == 50, 50 * per_token, slots)
+    values = dispatch_fake_quantize(x, slots, per_token=per_token, impl=impl)
+    copy = dispatch_quantize(x, slots, per_token=per_token, impl=impl)
+    assert_same_mx(copy, mxfp8.quantize(gathered(x, row_token), axis=1))
     assert_same_values(values, mxfp8.dequantize(copy, jnp.bfloat16))
     assert np.all(np.asarray(values[:3], np.float32) == 0)
     finite = np.isfinite(np.asarray(values, np.float32))

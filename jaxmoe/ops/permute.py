@@ -32,17 +32,21 @@ def _with_zero_row(a: jax.Array) -> jax.Array:
     return jnp.concatenate([a, jnp.zeros((1,) + a.shape[1:], a.dtype)], axis=0)
 
 
-def dispatch_rows(x: jax.Array, row_token: jax.Array, *, impl: str = "auto") -> jax.Array:
-    """rows [M, H]: rows[r] = x[row_token[r]] for x [T, H], zeros where row_token[r] == T (a
-    padding row). row_token: [M] integers in [0, T]."""
+def dispatch_rows(
+    x: jax.Array, row_token: jax.Array, *, per_token: int = 1, impl: str = "auto"
+) -> jax.Array:
+    """rows [M, H]: rows[r] = x[row_token[r] // per_token] for x [T, H], zeros where that is T
+    (a padding row). row_token: [M] integers in [0, T * per_token]; per_token > 1 when they
+    are the rows' slots (`jaxmoe.plan.Plan.row_slot`, per_token = top_k), whose division the
+    kernel makes as it reads them."""
     if x.ndim != 2 or row_token.ndim != 1:
         raise ValueError(
             f"dispatch_rows: x must be [T, H] and row_token [M], got {x.shape} and "
             f"{row_token.shape}"
         )
     if registry.resolve("dispatch_rows", impl, x.shape, x.dtype, row_token.shape[0]) == "pallas":
-        return dispatch_pallas(x, row_token)
-    return jnp.take(_with_zero_row(x), row_token, axis=0, mode="clip")
+        return dispatch_pallas(x, row_token, per_token=per_token)
+    return jnp.take(_with_zero_row(x), row_token // per_token, axis=0, mode="clip")
 
 
 def combine_rows(

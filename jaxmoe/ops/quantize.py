@@ -199,44 +199,52 @@ def dispatch_quantize(
     fmt: str = "e4m3",
     *,
     recipe: str = "mxfp8",
+    per_token: int = 1,
     impl: str = "auto",
 ) -> MXTensor | BlockwiseTensor:
-    """Rows x[row_token[r]] ([M, H], zeros where row_token[r] == T, a padding row) quantized
-    with blocks along H (recipe "mxfp8": 32 wide, an MXTensor; "fp8_blockwise": 1 x 128, a
-    BlockwiseTensor), without a bf16 copy of the gathered rows on "pallas". Equals quantizing
-    `jnp.concatenate([x, zeros])[row_token]` along axis 1 bitwise. No gradient flows through
-    it (module docstring)."""
+    """Rows x[row_token[r] // per_token] ([M, H], zeros where that is T, a padding row;
+    per_token > 1: row_token holds the rows' slots, as `jaxmoe.ops.permute.dispatch_rows`)
+    quantized with blocks along H (recipe "mxfp8": 32 wide, an MXTensor; "fp8_blockwise":
+    1 x 128, a BlockwiseTensor), without a bf16 copy of the gathered rows on "pallas". Equals
+    quantizing `jnp.concatenate([x, zeros])[row_token // per_token]` along axis 1 bitwise. No
+    gradient flows through it (module docstring)."""
     x = jax.lax.stop_gradient(jnp.asarray(x))
     if recipe not in RECIPES:
         raise ValueError(f"dispatch_quantize: recipe must be one of {RECIPES}, got {recipe!r}")
     _check_gather("dispatch_quantize", x, row_token)
     if registry.resolve("dispatch_quantize", impl, x, row_token.shape[0], recipe) == "xla":
         padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])
-        rows = jnp.take(padded, row_token, axis=0)
+        rows = jnp.take(padded, row_token // per_token, axis=0)
         if recipe == "fp8_blockwise":
             return fp8_blockwise.quantize_1x128(rows, 1, fmt)
         return mxfp8.quantize(rows, axis=1, fmt=fmt)
     if recipe == "fp8_blockwise":
-        data, scale_inv = gather_quantize_1x128_pallas(x, row_token, fmt)
+        data, scale_inv = gather_quantize_1x128_pallas(x, row_token, fmt, per_token=per_token)
         return BlockwiseTensor(data, scale_inv, (1,), fmt)
-    data, scale = gather_quantize_rowwise_pallas(x, row_token, fmt)
+    data, scale = gather_quantize_rowwise_pallas(x, row_token, fmt, per_token=per_token)
     return MXTensor(data=data, scale=scale, axis=1, fmt=fmt)
 
 
 def dispatch_fake_quantize(
-    x: jax.Array, row_token: jax.Array, fmt: str = "e4m3", *, impl: str = "auto"
+    x: jax.Array,
+    row_token: jax.Array,
+    fmt: str = "e4m3",
+    *,
+    per_token: int = 1,
+    impl: str = "auto",
 ) -> jax.Array:
-    """The values of `dispatch_quantize(x, row_token, fmt)`'s MXFP8 copy in x's dtype, made in
-    one pass without the copy on "pallas": rows x[row_token[r]] ([M, H], zeros where
-    row_token[r] == T) quantized along H and dequantized, bitwise
-    `jaxmoe.mxfp8.dequantize(dispatch_quantize(x, row_token, fmt), x.dtype)`. What the experts
+    """The values of `dispatch_quantize(x, row_token, fmt, per_token=per_token)`'s MXFP8 copy in
+    x's dtype, made in one pass without the copy on "pallas": rows x[row_token[r] // per_token]
+    ([M, H], zeros where that is T) quantized along H and dequantized, bitwise
+    `jaxmoe.mxfp8.dequantize(dispatch_quantize(...), x.dtype)`. What the experts
     read when the copy itself need not move (the dispatch on one device). No gradient flows
     through it (module docstring)."""
     x = jax.lax.stop_gradient(jnp.asarray(x))
     _check_gather("dispatch_fake_quantize", x, row_token)
     if registry.resolve("dispatch_fake_quantize", impl, x, row_token.shape[0], "mxfp8") == "xla":
-        return mxfp8.dequantize(dispatch_quantize(x, row_token, fmt, impl="xla"), x.dtype)
-    return gather_fake_quantize_rowwise_pallas(x, row_token, fmt)
+        copy = dispatch_quantize(x, row_token, fmt, per_token=per_token, impl="xla")
+        return mxfp8.dequantize(copy, x.dtype)
+    return gather_fake_quantize_rowwise_pallas(x, row_token, fmt, per_token=per_token)
 
 
 def _check_gather(name, x, row_token):

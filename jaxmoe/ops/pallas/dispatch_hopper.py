@@ -1,5 +1,5 @@
-"""The dispatch gather for Hopper (Pallas Mosaic GPU): rows[r] = x[row_token[r]], zeros where
-row_token[r] == T (a padding row); bitwise a copy. A pure TMA copy through
+"""The dispatch gather for Hopper (Pallas Mosaic GPU): rows[r] = x[row_token[r] // per_token],
+zeros where that is T (a padding row); bitwise a copy. A pure TMA copy through
 `row_pipeline.copy_pipeline`. docs/kernels.md describes the design."""
 
 from __future__ import annotations
@@ -47,30 +47,33 @@ def dispatch_problem(shape, dtype, num_rows) -> str | None:
     return None
 
 
-def dispatch_pallas(x: jax.Array, row_token: jax.Array, *, interpret=None) -> jax.Array:
-    """rows [M, H]: row r is x[row_token[r]] (x [T, H]), or zeros where row_token[r] == T.
-    row_token: [M] int32 in [0, T]."""
+def dispatch_pallas(
+    x: jax.Array, row_token: jax.Array, *, per_token: int = 1, interpret=None
+) -> jax.Array:
+    """rows [M, H]: row r is x[row_token[r] // per_token] (x [T, H]), or zeros where that is T.
+    row_token: [M] int32 in [0, T * per_token] (per_token > 1: the rows' slots)."""
     problem = dispatch_problem(x.shape, x.dtype, row_token.shape[0])
     if problem:
         raise ValueError(problem)
     num_tokens, h = x.shape
     (num_rows,) = row_token.shape
-    kernel = _dispatch_kernel(num_tokens, num_rows, h // BLOCK_SIZE, jnp.dtype(x.dtype), interpret)
+    kernel = _dispatch_kernel(
+        num_tokens, num_rows, h // BLOCK_SIZE, per_token, jnp.dtype(x.dtype), interpret
+    )
     out = kernel(row_token.astype(jnp.int32), x.reshape(num_tokens * h // BLOCK_SIZE, BLOCK_SIZE))
     return out.reshape(num_rows, h)
 
 
 @functools.cache
-def _dispatch_kernel(num_tokens, num_rows, row_blocks, dtype, interpret):
+def _dispatch_kernel(num_tokens, num_rows, row_blocks, per_token, dtype, interpret):
     tile, segment = gather_plan(row_blocks * BLOCK_SIZE, dtype)
     num_blocks = num_rows * row_blocks
     num_tiles = cdiv(num_blocks, tile)
     ctas = num_ctas(num_tiles)
 
     def dispatch(token_gmem, x_gmem, out_gmem, x_smem, loaded):
-        fetch = gather_fetch(
-            token_gmem, x_gmem, x_smem, tile, segment, (num_tokens, num_rows, row_blocks)
-        )
+        gather = (num_tokens, num_rows, row_blocks, per_token)
+        fetch = gather_fetch(token_gmem, x_gmem, x_smem, tile, segment, gather)
 
         def store(t, slot):
             plgpu.copy_smem_to_gmem(

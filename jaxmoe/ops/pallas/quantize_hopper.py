@@ -291,39 +291,62 @@ def _quantize_rowwise(x, fmt, arithmetic, interpret, scaling):
 
 
 def gather_quantize_rowwise_pallas(
-    x: jax.Array, row_token: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None
+    x: jax.Array,
+    row_token: jax.Array,
+    fmt: str = "e4m3",
+    *,
+    per_token: int = 1,
+    arithmetic=None,
+    interpret=None,
 ):
     """Dispatch and quantize in one pass: row r of the result is x[row_token[r]] quantized with
     blocks along K, or zeros (data 0, scale byte 0) where row_token[r] == T (a padding row).
     Returns (data [M, K], scale [M, K/32]), bitwise equal to quantizing the gathered rows.
     Any M; K % 64 == 0 for bf16, K % 32 == 0 for fp32. Tiles load whole token rows or row
-    segments (`row_pipeline.gather_plan`)."""
-    return _gather_quantize_rowwise(x, row_token, fmt, arithmetic, interpret, MXFP8)
+    segments (`row_pipeline.gather_plan`). per_token > 1: row_token holds slots, row r is
+    x[row_token[r] // per_token] (`jaxmoe.ops.permute.dispatch_rows`)."""
+    return _gather_quantize_rowwise(x, row_token, fmt, arithmetic, interpret, MXFP8, per_token)
 
 
 def gather_quantize_1x128_pallas(
-    x: jax.Array, row_token: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None
+    x: jax.Array,
+    row_token: jax.Array,
+    fmt: str = "e4m3",
+    *,
+    per_token: int = 1,
+    arithmetic=None,
+    interpret=None,
 ):
     """`gather_quantize_rowwise_pallas` in FP8-blockwise 1 x 128 blocks along K: (data [M, K],
     scale_inv [M, K/128] fp32), bitwise `quantize_1x128` of the gathered rows, a padding row
     being a zero row (data 0, scale_inv 1). K % 128 == 0, any M."""
-    return _gather_quantize_rowwise(x, row_token, fmt, arithmetic, interpret, FP8_BLOCKWISE)
+    return _gather_quantize_rowwise(
+        x, row_token, fmt, arithmetic, interpret, FP8_BLOCKWISE, per_token
+    )
 
 
 def gather_fake_quantize_rowwise_pallas(
-    x: jax.Array, row_token: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None
+    x: jax.Array,
+    row_token: jax.Array,
+    fmt: str = "e4m3",
+    *,
+    per_token: int = 1,
+    arithmetic=None,
+    interpret=None,
 ) -> jax.Array:
     """The values of `gather_quantize_rowwise_pallas`'s copy, without the copy: row r is
     x[row_token[r]] MXFP8-quantized along K and dequantized to x's dtype (zeros where
     row_token[r] == T), bitwise `jaxmoe.mxfp8.dequantize` of the gathered rows' quantization.
     Same limits as `gather_quantize_rowwise_pallas`."""
     (values,) = _gather_quantize_rowwise(
-        x, row_token, fmt, arithmetic, interpret, MXFP8, outputs=("values",)
+        x, row_token, fmt, arithmetic, interpret, MXFP8, per_token, outputs=("values",)
     )
     return values
 
 
-def _gather_quantize_rowwise(x, row_token, fmt, arithmetic, interpret, scaling, outputs=COPY):
+def _gather_quantize_rowwise(
+    x, row_token, fmt, arithmetic, interpret, scaling, per_token=1, outputs=COPY
+):
     arithmetic = arithmetic or default_arithmetic()
     check_kernel_call(
         gather_problem(x.shape, x.dtype, row_token.shape[0], scaling), fmt, arithmetic
@@ -338,7 +361,7 @@ def _gather_quantize_rowwise(x, row_token, fmt, arithmetic, interpret, scaling, 
         fmt,
         arithmetic,
         interpret,
-        (num_tokens, m, k // b),
+        (num_tokens, m, k // b, per_token),
         scaling,
         outputs,
     )
@@ -367,7 +390,7 @@ def _rowwise_kernel(
     num_blocks, dtype, fmt_name, arithmetic, interpret, gather, scaling=MXFP8, outputs=COPY
 ):
     """Kernel for rowwise blocks of B = scaling.block of x [num_blocks, B] or, with
-    gather = (T, M, R), of (row_token [M], x [T * R, B]) (`row_pipeline.gather_fetch`). Its
+    gather = (T, M, R, P), of (row_token [M], x [T * R, B]) (`row_pipeline.gather_fetch`). Its
     outputs, in this order, those named in `outputs`: "data" fp8 [num_blocks, B], "scale"
     [num_tiles * tile] (whole tiles, so that their 1-D stores never cross the end; the caller
     slices), "values" [num_blocks, B] in x's dtype (MXFP8 only: the dequantized values)."""

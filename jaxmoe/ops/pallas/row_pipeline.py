@@ -153,18 +153,23 @@ def gather_plan(k, dtype, block: int = BLOCK_SIZE):
 
 def gather_fetch(token_gmem, x_gmem, x_smem, tile, segment, gather):
     """Gather loads: output blocks [t * tile, (t + 1) * tile) as tile / segment TMAs of
-    `segment` blocks, each inside one output row r, read from row row_token[r] of x ([T * R, B]
-    blocks, R per row); gather = (T, M, R). Rows past M and padding rows (token T) read past the
-    end of x: the TMA fills them with zeros. Up to UNROLLED_GATHER_LOADS loads a tile are
+    `segment` blocks, each inside one output row r, read from row row_token[r] // P of x
+    ([T * R, B] blocks, R per row); gather = (T, M, R, P) (P > 1: row_token holds the rows'
+    slots, P a token, as the plan's `row_slot`, and the division needs no kernel of its own).
+    Rows past M and padding rows (token T) read past the end of x: the TMA fills them with
+    zeros. Up to UNROLLED_GATHER_LOADS loads a tile are
     unrolled, their tokens read before the slot is free; more (short rows: a tile of many
     rows) are issued by a loop, so that the kernel's size does not grow with them."""
-    num_tokens, num_rows, row_blocks = gather
+    num_tokens, num_rows, row_blocks, per_token = gather
     loads = tile // segment
 
     def source(t, j):
         block = t * tile + j * segment
         row = block // row_blocks
-        token = jnp.where(row < num_rows, token_gmem[jnp.minimum(row, num_rows - 1)], num_tokens)
+        token = token_gmem[jnp.minimum(row, num_rows - 1)]
+        if per_token > 1:
+            token = token // per_token
+        token = jnp.where(row < num_rows, token, num_tokens)
         return token * row_blocks + block % row_blocks
 
     def load(j, start, slot, barrier):
