@@ -412,7 +412,8 @@ class MoE(nnx.Module):
             route = route_for(plan, self.gmm_impl)
             if config.dispatch_dtype != "bf16":
                 # Each token quantized once (blocks along H); only the quantized copy is
-                # dispatched, and the experts' bf16 rows are its dequantized values.
+                # dispatched, and the experts' bf16 rows are its dequantized values (on one
+                # device made from the tokens in one pass, the copy left to whoever reads it).
                 rows_quantized = route.to_experts(
                     quantize_tokens(tokens, config.dispatch_dtype, self.gmm_impl)
                 )

@@ -12,7 +12,9 @@ A token is quantized once, at token level, before it moves (`quantize_tokens`); 
 the expert-parallel exchange move the copy's data and scale rows with the same index
 (`move_rows`), padding rows getting zero data and zero scales (they dequantize to 0). Whatever
 reads the high-precision rows reads the copy's dequantized values, so only the copy needs to
-travel; experts of the copy's own format use it as their GEMM operand as it is. A copy carries
+travel (on one device `jaxmoe.dispatch.dequantized_rows` makes those values from the tokens in
+one pass, and the copy is computed only where it is read); experts of the copy's own format use
+it as their GEMM operand as it is. A copy carries
 no gradient: its users send the gradient to the high-precision rows as if the quantizer were
 the identity (straight-through, as TE does).
 """
