@@ -335,8 +335,8 @@ def gather_fake_quantize_rowwise_pallas(
     interpret=None,
 ) -> jax.Array:
     """The values of `gather_quantize_rowwise_pallas`'s copy, without the copy: row r is
-    x[row_token[r]] MXFP8-quantized along K and dequantized to x's dtype (zeros where
-    row_token[r] == T), bitwise `jaxmoe.mxfp8.dequantize` of the gathered rows' quantization.
+    x[row_token[r] // per_token] MXFP8-quantized along K and dequantized to x's dtype (zeros
+    where that is T), bitwise `jaxmoe.mxfp8.dequantize` of the gathered rows' quantization.
     Same limits as `gather_quantize_rowwise_pallas`."""
     (values,) = _gather_quantize_rowwise(
         x, row_token, fmt, arithmetic, interpret, MXFP8, per_token, outputs=("values",)
