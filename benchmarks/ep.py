@@ -46,7 +46,9 @@ one process:
             once before the degrees. Weak-scaling efficiency = per-device tokens/s at ep = R /
             tokens/s of the single device. Dispatch variants: bf16, and MXFP8
             (dispatch_dtype and combine_bwd_dtype "mxfp8", 32-row alignment); routed experts in
-            bf16 unless --experts mxfp8.
+            bf16 unless --experts mxfp8; each expert-parallel step once per --transports entry
+            (`jaxmoe.exchange.TRANSPORTS`: "dense", the default, and "ragged"; the exchange
+            part times the dense transport).
 Sizes: `--shape` from `jaxmoe.shapes`, or deepseek_v3_full (DeepSeek-V3's MoE layer: H 7168,
 256 experts of F 2048, top-8 sigmoid with 8 groups / top-4, expert bias, one shared expert), or
 the CPU smoke sizes tiny / tiny_deepseek; T = --tokens-per-device (default: the shape's tokens).
@@ -106,7 +108,7 @@ from benchmarks.report import add_output_arguments, error_text, log  # noqa: E40
 from benchmarks.timing import gpu_stream_events, profile_events, sync, timed_runs  # noqa: E402
 from jaxmoe import MoE, MoEConfig  # noqa: E402
 from jaxmoe.config import MXFP8_ALIGNMENTS  # noqa: E402
-from jaxmoe.exchange import exchange_plan, return_rows, send_tokens  # noqa: E402
+from jaxmoe.exchange import TRANSPORTS, exchange_plan, return_rows, send_tokens  # noqa: E402
 from jaxmoe.expert_parallel import expert_parallel_forward, place_on_mesh  # noqa: E402
 from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
 from jaxmoe.ops.quantize import quantize  # noqa: E402
@@ -440,17 +442,17 @@ def exchange_rates(records: list[dict]) -> None:
 
 
 # ---------------------------------------------------------------------------------- layer
-def layer_step(graphdef, mesh) -> Callable:
+def layer_step(graphdef, mesh, transport: str = "dense") -> Callable:
     """jit of step(params, rest, x, dy) -> (loss, tokens per expert, d x, d params) with
-    loss = sum(y * dy) + the auxiliary losses: `expert_parallel_forward` over `mesh`, or the
-    single-device layer when mesh is None."""
+    loss = sum(y * dy) + the auxiliary losses: `expert_parallel_forward` over `mesh` (rows
+    moved by `transport`), or the single-device layer when mesh is None."""
 
     def loss(params, x, rest, dy):
         model = nnx.merge(graphdef, params, rest)
         if mesh is None:
             y, aux = model(x)
         else:
-            y, aux = expert_parallel_forward(model, x, mesh)
+            y, aux = expert_parallel_forward(model, x, mesh, transport=transport)
         value = jnp.sum(y.astype(F32) * dy.astype(F32)) + jnp.sum(aux.total_loss)
         return value, aux.tokens_per_expert
 
@@ -479,26 +481,28 @@ def layer_cases(shape, weights, mesh, tokens_per_device: int, args) -> list[dict
     x = random_tokens(jax.random.key(1), x_shape, tokens)
     dy = random_tokens(jax.random.key(2), x_shape, tokens)
     cases = []
+    impl = "single_device" if mesh is None else "expert_parallel"
     for wire in args.dispatch:
         config = layer_config(shape.config, wire, args.experts)
         graphdef = variant_graphdef(shape, config)
-        step = layer_step(graphdef, mesh)
-        impl = "single_device" if mesh is None else "expert_parallel"
-        cases.append(
-            dict(
-                record=dict(
-                    impl=impl,
-                    ep=degree,
-                    devices=degree,
-                    dispatch=wire,
-                    experts=config.expert_precision,
-                    expert_row_alignment=config.expert_row_alignment,
-                    tokens_per_device=tokens_per_device,
-                ),
-                call=lambda step=step: step(params, rest, x, dy),
-                label=f"{impl} ep{degree} {wire}",
+        for transport in ["-"] if mesh is None else args.transports:
+            step = layer_step(graphdef, mesh, "dense" if mesh is None else transport)
+            cases.append(
+                dict(
+                    record=dict(
+                        impl=impl,
+                        ep=degree,
+                        devices=degree,
+                        dispatch=wire,
+                        transport=transport,
+                        experts=config.expert_precision,
+                        expert_row_alignment=config.expert_row_alignment,
+                        tokens_per_device=tokens_per_device,
+                    ),
+                    call=lambda step=step: step(params, rest, x, dy),
+                    label=f"{impl} ep{degree} {wire} {transport}",
+                )
             )
-        )
     return cases
 
 
@@ -619,11 +623,14 @@ def print_summary(result: dict) -> None:
             "efficiency vs the single device --"
         )
         print(
-            f"{'impl':16s} {'ep':>3s} {'dispatch':8s} {'experts':7s} {'ms':>9s} "
+            f"{'impl':16s} {'ep':>3s} {'dispatch':8s} {'transport':9s} {'experts':7s} {'ms':>9s} "
             f"{'tok/s/dev':>11s} {'eff.':>6s}"
         )
         for r in result["layer"]:
-            head = f"{r['impl']:16s} {r['ep']:3d} {r['dispatch']:8s} {r['experts']:7s}"
+            head = (
+                f"{r['impl']:16s} {r['ep']:3d} {r['dispatch']:8s} {r['transport']:9s} "
+                f"{r['experts']:7s}"
+            )
             if "ms" not in r:
                 print(f"{head} FAILED {r.get('error', '')[:80]}")
                 continue
@@ -710,9 +717,9 @@ def plot(result: dict, path: str) -> None:
         ax.set_title(f"exchange, ep = {degree}", fontsize=10)
         ax.legend(fontsize=7)
     ax = axes[-1]
-    variants = result["dispatch_variants"]
+    variants = [(w, t) for w in result["dispatch_variants"] for t in result["transports"]]
     width = 0.8 / max(1, len(variants))
-    for i, wire in enumerate(variants):
+    for i, (wire, transport) in enumerate(variants):
         xs, values = [], []
         for j, degree in enumerate(degrees):
             r = next(
@@ -722,13 +729,14 @@ def plot(result: dict, path: str) -> None:
                     if r["impl"] == "expert_parallel"
                     and r["ep"] == degree
                     and r["dispatch"] == wire
+                    and r["transport"] == transport
                 ),
                 None,
             )
             if r is not None and r.get("efficiency") is not None:
                 xs.append(j + (i - (len(variants) - 1) / 2) * width)
                 values.append(r["efficiency"])
-        ax.bar(xs, values, width, label=f"{wire} dispatch")
+        ax.bar(xs, values, width, label=f"{wire} dispatch, {transport}")
     ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(degrees)))
     ax.set_xticklabels([f"ep {d}" for d in degrees])
@@ -793,6 +801,9 @@ def main(argv=None) -> dict:
         "device count)",
     )
     parser.add_argument("--dispatch", default=",".join(WIRES), help="layer dispatch variants")
+    parser.add_argument(
+        "--transports", default="dense", help="the expert-parallel layer steps' row transports"
+    )
     parser.add_argument("--experts", default="bf16", choices=WIRES, help="routed experts")
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--iters", type=int, default=1, help="the fewest calls per timed run")
@@ -811,8 +822,9 @@ def main(argv=None) -> dict:
     tokens_per_device = args.tokens_per_device or shape.num_tokens
     degrees = [int(d) for d in args.ep.split(",")] if args.ep else default_degrees()
     args.dispatch = [w for w in args.dispatch.split(",") if w]
+    args.transports = [t for t in args.transports.split(",") if t]
     parts = [p for p in args.parts.split(",") if p]
-    for value, allowed in ((args.dispatch, WIRES), (parts, PARTS)):
+    for value, allowed in ((args.dispatch, WIRES), (parts, PARTS), (args.transports, TRANSPORTS)):
         if set(value) - set(allowed):
             parser.error(f"unknown {sorted(set(value) - set(allowed))}; choose from {allowed}")
     if any(d < 1 or d > jax.device_count() for d in degrees):
@@ -843,6 +855,7 @@ def main(argv=None) -> dict:
         degrees=degrees,
         experts=args.experts,
         dispatch_variants=args.dispatch,
+        transports=args.transports,
         plans=[],
         plot=None,
         exchange=[],

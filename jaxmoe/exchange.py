@@ -7,10 +7,17 @@ so the rows for one rank form one contiguous range of it. The receiver lays its 
 expert-major and source-minor: expert e's rows are the block from source 0, then source 1, ...,
 each block at its padded size (a multiple of the row alignment), tokens in their source order.
 
-The transport is a dense `all_to_all` with room for a whole local buffer per peer, so no row is
-ever lost whatever the routing. Every step is a row permutation with zero fill, so the two
-directions are each other's transpose: `send_rows`'s VJP is `return_rows` and the reverse. No
-scatter-add, and a row's values are moved, never summed.
+Two transports move the same rows into the same places (`TRANSPORTS`):
+  "dense"   `all_to_all` with room for a whole local buffer per peer, gathers on both sides, so
+            no row is ever lost whatever the routing;
+  "ragged"  `ragged_all_to_all`: only the real rows, in pieces of the (expert, source) blocks
+            (contiguous on both sides), written in place in the receiver's layout, no gathers
+            of the rows (the deduplicated tokens still are). On XLA:CPU, which does not
+            implement it, an emulation with the primitive's semantics (`ragged_all_to_all`)
+            stands in, so the CPU tests check the pieces.
+Every step is a row permutation with zero fill, so the two directions are each other's
+transpose: `send_rows`'s VJP is `return_rows` and the reverse. No scatter-add, and a row's
+values are moved, never summed.
 
 Token rows going to the experts (the dispatch, and the output gradient in the combine's
 backward pass) travel deduplicated (`send_tokens`): each token once to each rank that owns any
@@ -29,10 +36,30 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxmoe.dispatch import combine, gather_slots
+from jaxmoe.ops.device import on_gpu
 from jaxmoe.ops.permute import dispatch_rows
 from jaxmoe.ordered import broadcast_in_order
 from jaxmoe.plan import Plan
 from jaxmoe.wire import QuantizedRows, move_rows
+
+TRANSPORTS = ("dense", "ragged")
+# `ragged_all_to_all` moves about one thread block's worth a piece: issue 16 measured one piece
+# a peer 60x slower than a dense all_to_all of the same bytes on two H200s, 128 pieces a peer
+# within 1.4-1.65x of it. Blocks are cut into pieces so that a peer gets about this many.
+PIECES_PER_PEER = 128
+
+
+@struct.dataclass
+class Pieces:
+    """One direction of a ragged transfer ([N] each, N = R * pieces a peer; piece i goes to rank
+    i // (N / R), and the receiver's piece i comes from that rank), as `ragged_all_to_all`
+    takes them: where each sent piece starts in the operand, its rows, where it starts in its
+    receiver's output, and the rows of each received piece."""
+
+    input_offsets: jax.Array
+    send_sizes: jax.Array
+    output_offsets: jax.Array
+    recv_sizes: jax.Array
 
 
 @struct.dataclass
@@ -50,6 +77,9 @@ class ExchangePlan:
     token_send:  [R * T] local token sent in token slot c to peer p (index p * T + c); T: none.
     recv_token:  [R * C] received token slot (s * T + c) copied into each receiver row; R * T:
                  padding.
+    transport:   "dense" or "ragged" (module docstring); with "ragged", the pieces of the rows'
+                 way out (`row_pieces`), back (`back_pieces`) and of the token slots
+                 (`token_pieces`); None with "dense".
     """
 
     send_row: jax.Array
@@ -62,6 +92,10 @@ class ExchangePlan:
     source_sizes: jax.Array
     token_send: jax.Array
     recv_token: jax.Array
+    row_pieces: Pieces | None = None
+    back_pieces: Pieces | None = None
+    token_pieces: Pieces | None = None
+    transport: str = struct.field(pytree_node=False, default="dense")
 
     @property
     def num_rows(self) -> int:
@@ -73,9 +107,34 @@ def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
     return jnp.cumsum(x, axis=axis) - x
 
 
-def exchange_plan(plan: Plan, num_ranks: int, axis_name: str) -> ExchangePlan:
+def _split(sizes: jax.Array, pieces: int) -> tuple[jax.Array, jax.Array]:
+    """Runs of sizes[b] rows cut into `pieces` pieces of ceil(size / pieces) rows (the last
+    ones shorter or empty): ([B, pieces] first row of each piece within its run, its rows)."""
+    step = (sizes + pieces - 1) // pieces
+    first = jnp.arange(pieces, dtype=jnp.int32)[None, :] * step[:, None]
+    return first, jnp.clip(sizes[:, None] - first, 0, step[:, None])
+
+
+def _pieces(starts, sizes, dest_starts, recv_sizes, pieces) -> Pieces:
+    """`Pieces` of runs (starts[b], sizes[b]) landing at dest_starts[b] on their receiver, and
+    of the received runs of recv_sizes[b] rows, each run cut by `_split`."""
+    first, size = _split(sizes, pieces)
+    return Pieces(
+        input_offsets=(starts[:, None] + first).reshape(-1).astype(jnp.int32),
+        send_sizes=size.reshape(-1).astype(jnp.int32),
+        output_offsets=(dest_starts[:, None] + first).reshape(-1).astype(jnp.int32),
+        recv_sizes=_split(recv_sizes, pieces)[1].reshape(-1).astype(jnp.int32),
+    )
+
+
+def exchange_plan(
+    plan: Plan, num_ranks: int, axis_name: str, transport: str = "dense"
+) -> ExchangePlan:
     """The exchange of `plan`'s buffer over the `axis_name` axis of `num_ranks` ranks (inside
-    shard_map). Sends the per-expert block sizes to their owners (one small all_to_all)."""
+    shard_map) by `transport` (`TRANSPORTS`). Sends the per-expert block sizes to their owners
+    (one small all_to_all; "ragged": two more, of block offsets)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"exchange: transport must be one of {TRANSPORTS}, got {transport!r}")
     num_experts = plan.group_sizes.shape[0]
     if num_experts % num_ranks:
         raise ValueError(f"exchange: {num_experts} experts do not split over {num_ranks} ranks")
@@ -156,6 +215,35 @@ def exchange_plan(plan: Plan, num_ranks: int, axis_name: str) -> ExchangePlan:
         real & (received_pos > 0), source * num_tokens + received_pos - 1, num_ranks * num_tokens
     )
 
+    ragged = {}
+    if transport == "ragged":
+        # Rows: one run a block, (expert e) on the sender, (expert, source) on the receiver,
+        # cut into pieces; each side learns the other's block offsets.
+        per_block = max(1, -(-PIECES_PER_PEER * num_ranks // num_experts))
+        my_blocks = block_start[:num_experts]  # sender: block e of its buffer
+        their_blocks = jax.lax.all_to_all(  # [source, local expert]: the source's offsets
+            my_blocks.reshape(num_ranks, local_experts), axis_name, 0, 0, tiled=True
+        ).reshape(-1)
+        landing = dest_start[:-1].reshape(local_experts, num_ranks).T  # [source, local expert]
+        lands_at = jax.lax.all_to_all(landing, axis_name, 0, 0, tiled=True).reshape(-1)
+        received = landing.reshape(-1)
+        ragged["row_pieces"] = _pieces(
+            my_blocks, plan.group_sizes, lands_at, source_sizes.reshape(-1), per_block
+        )
+        ragged["back_pieces"] = _pieces(
+            received, source_sizes.reshape(-1), their_blocks, plan.group_sizes, per_block
+        )
+        # Tokens: each peer's list, from token slot p * T on, lands at slot me * T there.
+        counts = jnp.sum(to_peer, axis=0, dtype=jnp.int32)
+        me = jax.lax.axis_index(axis_name)
+        ragged["token_pieces"] = _pieces(
+            ranks * num_tokens,
+            counts,
+            jnp.full((num_ranks,), me * num_tokens, jnp.int32),
+            jax.lax.all_to_all(counts, axis_name, 0, 0, tiled=True),
+            PIECES_PER_PEER,
+        )
+
     return ExchangePlan(
         send_row=send_row.astype(jnp.int32),
         back_row=back_row.astype(jnp.int32),
@@ -167,6 +255,8 @@ def exchange_plan(plan: Plan, num_ranks: int, axis_name: str) -> ExchangePlan:
         source_sizes=source_sizes.astype(jnp.int32),
         token_send=token_send.reshape(-1),
         recv_token=recv_token.astype(jnp.int32),
+        transport=transport,
+        **ragged,
     )
 
 
@@ -181,14 +271,59 @@ def _all_to_all(slots: jax.Array, num_ranks: int, axis_name: str) -> jax.Array:
     return jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True).reshape(slots.shape)
 
 
+def ragged_all_to_all(
+    operand: jax.Array, output: jax.Array, pieces: Pieces, axis_name: str, num_ranks: int
+) -> jax.Array:
+    """`jax.lax.ragged_all_to_all(operand, output, *pieces, axis_name=...)` on a GPU; elsewhere
+    (XLA:CPU does not implement it) the same result from a dense all_to_all of rooms of
+    len(operand) rows, packed in piece order, and a scatter of the received pieces."""
+    if on_gpu():
+        return jax.lax.ragged_all_to_all(
+            operand,
+            output,
+            pieces.input_offsets,
+            pieces.send_sizes,
+            pieces.output_offsets,
+            pieces.recv_sizes,
+            axis_name=axis_name,
+        )
+    per_peer, room = pieces.send_sizes.shape[0] // num_ranks, operand.shape[0]
+    slots = jnp.arange(room, dtype=jnp.int32)
+
+    def unpack(offsets, sizes, missing):
+        """[R * room] row of each slot of the peers' rooms (pieces packed in order): offsets[i]
+        plus its place in piece i; `missing` past the pieces."""
+        offsets, sizes = offsets.reshape(num_ranks, per_peer), sizes.reshape(num_ranks, per_peer)
+        starts = _exclusive_cumsum(sizes, axis=1)
+        piece = jax.vmap(lambda s: jnp.searchsorted(s, slots, side="right") - 1)(starts)
+        row = jnp.take_along_axis(offsets - starts, piece, axis=1) + slots[None, :]
+        return jnp.where(slots[None, :] < sizes.sum(1)[:, None], row, missing).reshape(-1)
+
+    sent = _take(operand, unpack(pieces.input_offsets, pieces.send_sizes, room))
+    received = _all_to_all(sent, num_ranks, axis_name)
+    landing = _all_to_all(pieces.output_offsets, num_ranks, axis_name)
+    dest = unpack(landing, pieces.recv_sizes, output.shape[0])
+    return output.at[dest].set(received, mode="drop")
+
+
+def _ragged(operand, rows, pieces, num_ranks, axis_name):
+    """operand's pieces moved into zero outputs of `rows` rows on their receivers."""
+    output = jnp.zeros((rows,) + operand.shape[1:], operand.dtype)
+    return ragged_all_to_all(operand, output, pieces, axis_name, num_ranks)
+
+
 def _send(rows, xplan, axis_name):
     num_ranks = xplan.source_sizes.shape[0]
+    if xplan.transport == "ragged":
+        return _ragged(rows, xplan.num_rows, xplan.row_pieces, num_ranks, axis_name)
     received = _all_to_all(_take(rows, xplan.send_row), num_ranks, axis_name)
     return _take(received, xplan.recv_slot)
 
 
 def _return(rows, xplan, axis_name):
     num_ranks = xplan.source_sizes.shape[0]
+    if xplan.transport == "ragged":
+        return _ragged(rows, xplan.back_row.shape[0], xplan.back_pieces, num_ranks, axis_name)
     received = _all_to_all(_take(rows, xplan.return_slot), num_ranks, axis_name)
     return _take(received, xplan.back_row)
 
@@ -198,7 +333,11 @@ def send_tokens(x: jax.Array, xplan: ExchangePlan, axis_name: str) -> jax.Array:
     each peer that owns one of its experts, then copied into those experts' rows. The same
     values as `send_rows(dispatch(x, plan))`; not differentiable (the routes give it a VJP)."""
     num_ranks = xplan.source_sizes.shape[0]
-    received = _all_to_all(_take(x, xplan.token_send), num_ranks, axis_name)
+    packed = _take(x, xplan.token_send)
+    if xplan.transport == "ragged":
+        received = _ragged(packed, packed.shape[0], xplan.token_pieces, num_ranks, axis_name)
+    else:
+        received = _all_to_all(packed, num_ranks, axis_name)
     return _take(received, xplan.recv_token)
 
 
@@ -254,8 +393,10 @@ class ExchangedRoute:
     impl: str = struct.field(pytree_node=False, default="auto")
 
     @classmethod
-    def build(cls, plan: Plan, impl: str, *, num_ranks: int, axis_name: str) -> ExchangedRoute:
-        return cls(plan, exchange_plan(plan, num_ranks, axis_name), axis_name, impl)
+    def build(
+        cls, plan: Plan, impl: str, *, num_ranks: int, axis_name: str, transport: str = "dense"
+    ) -> ExchangedRoute:
+        return cls(plan, exchange_plan(plan, num_ranks, axis_name, transport), axis_name, impl)
 
     @property
     def group_sizes(self) -> jax.Array:

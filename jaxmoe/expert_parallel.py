@@ -10,7 +10,8 @@ The parameters' gradients are summed over the ranks in one fixed order too: each
 an fp32 copy of every parameter, each (expert, source) block of the expert GEMMs has its own
 weight-gradient partial, and the partials are summed with `sum_in_order` over the global
 source index, inside the owner first and across the data axes after (the same tree). The
-transport is a dense all-to-all (room for a whole local buffer per peer).
+transport (`jaxmoe.exchange.TRANSPORTS`) is a dense all-to-all (room for a whole local buffer
+per peer) by default; "ragged" moves only the real rows (not yet run on GPUs: issue 16).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmoe.exchange import ExchangedRoute
+from jaxmoe.exchange import TRANSPORTS, ExchangedRoute
 from jaxmoe.moe import MoE, MoEAux
 from jaxmoe.ordered import sum_in_order
 
@@ -36,6 +37,7 @@ def expert_parallel_forward(
     *,
     expert_axis: str = "ep",
     padding_mask: jax.Array | None = None,
+    transport: str = "dense",
 ) -> tuple[jax.Array, MoEAux]:
     """(y, aux) of `model` on x [B, ..., H] over `mesh`: the batch axis split over all mesh axes
     in their order (rank (d, e) of a ("data", "ep") mesh holds batch chunk d * ep + e, the same
@@ -55,7 +57,8 @@ def expert_parallel_forward(
     experts split over `expert_axis`, the rest replicated) or host-local values equal on every
     process. y, aux and the gradients are global
     arrays (`jax.experimental.multihost_utils.process_allgather` brings one to every host);
-    their bits are those of one process with the same devices (docs/expert_parallel.md)."""
+    their bits are those of one process with the same devices (docs/expert_parallel.md).
+    transport: how rows cross the expert axis (`jaxmoe.exchange.TRANSPORTS`; the same bits)."""
     config = model.config
     _check_mesh("expert_parallel_forward", mesh, expert_axis, config.num_experts)
     ranks, ep = mesh.size, mesh.shape[expert_axis]
@@ -79,7 +82,13 @@ def expert_parallel_forward(
     copy_specs = jax.tree_util.tree_map_with_path(lambda path, _: copies.spec(path), params)
     rest_specs = jax.tree_util.tree_map_with_path(lambda path, _: _spec(path, expert_axis), rest)
     tokens = P(mesh.axis_names)
-    route_for = functools.partial(ExchangedRoute.build, num_ranks=ep, axis_name=expert_axis)
+    if transport not in TRANSPORTS:
+        raise ValueError(
+            f"expert_parallel_forward: transport must be one of {TRANSPORTS}, got {transport!r}"
+        )
+    route_for = functools.partial(
+        ExchangedRoute.build, num_ranks=ep, axis_name=expert_axis, transport=transport
+    )
 
     row_alignment = expert_parallel_row_alignment(model)
 

@@ -3,8 +3,9 @@ that it cannot rot between GPU runs: the whole script at the tiny size with ep 1
 exchange case (dispatch and combine, fwd and bwd: the deduplicated token sends on bf16 and MXFP8
 wires, the bf16 returns; the dense all-to-all of each wire's buffer, the quantize alone, the plan
 exchange) and every layer step (single device, expert-parallel at ep 1 and 2, bf16 and MXFP8
-dispatch) timed, with finite positive times, rates and efficiencies; and the plot, or its
-absence without matplotlib (not installed here; the plot itself is drawn where it is)."""
+dispatch, the dense and the ragged transport) timed, with finite positive times, rates and
+efficiencies; and the plot, or its absence without matplotlib (not installed here; the plot
+itself is drawn where it is)."""
 
 import importlib.util
 import json
@@ -42,7 +43,7 @@ def positive(value) -> bool:
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep")
     argv = ["--shape", "tiny", "--ep", "1,2", "--repeats", str(REPEATS), "--min-window", "0.005"]
-    argv.append("--profile")
+    argv += ["--profile", "--transports", "dense,ragged"]
     returned = ep_benchmark.main(argv + ["--tag", "test", "--out", str(out)])
     assert os.path.basename(returned["path"]).startswith("ep_")
     with open(returned["path"]) as f:
@@ -125,11 +126,17 @@ def test_the_plans_count_what_leaves_a_rank(result):
 
 
 def test_the_layer_is_timed_at_every_degree_with_its_efficiency(result):
-    records = {(r["impl"], r["ep"], r["dispatch"]): r for r in result["layer"]}
-    expected = {("single_device", 1, w) for w in ("bf16", "mxfp8")}
-    expected |= {("expert_parallel", d, w) for d in DEGREES for w in ("bf16", "mxfp8")}
+    records = {(r["impl"], r["ep"], r["dispatch"], r["transport"]): r for r in result["layer"]}
+    expected = {("single_device", 1, w, "-") for w in ("bf16", "mxfp8")}
+    expected |= {
+        ("expert_parallel", d, w, t)
+        for d in DEGREES
+        for w in ("bf16", "mxfp8")
+        for t in ("dense", "ragged")
+    }
     assert set(records) == expected
-    for (impl, degree, _), r in records.items():
+    assert result["transports"] == ["dense", "ragged"]
+    for (impl, degree, *_), r in records.items():
         assert "error" not in r, r
         assert positive(r["ms"]) and len(r["ms_runs"]) == REPEATS, r
         assert positive(r["tokens_per_s_per_device"]) and positive(r["efficiency"]), r
@@ -137,7 +144,7 @@ def test_the_layer_is_timed_at_every_degree_with_its_efficiency(result):
         assert r["experts"] == "bf16"
         if impl == "single_device":
             assert r["efficiency"] == 1.0
-    assert records[("expert_parallel", 2, "mxfp8")]["expert_row_alignment"] == 32
+    assert records[("expert_parallel", 2, "mxfp8", "ragged")]["expert_row_alignment"] == 32
 
 
 def test_every_layer_step_is_profiled(result):

@@ -12,7 +12,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmoe import MoEConfig, make_plan, route
 from jaxmoe.dispatch import dispatch
-from jaxmoe.exchange import exchange_plan, return_rows, send_rows, send_tokens
+from jaxmoe.exchange import (
+    Pieces,
+    exchange_plan,
+    ragged_all_to_all,
+    return_rows,
+    send_rows,
+    send_tokens,
+)
 
 from bitwise import assert_bitwise, differs
 
@@ -37,9 +44,9 @@ def local_logits(rank_seed: jax.Array, starve_last_rank: bool, num_ranks: int) -
     return logits
 
 
-def run(num_ranks: int, starve_last_rank=False, align=8):
+def run(num_ranks: int, starve_last_rank=False, align=8, transport="dense"):
     """Per rank: (local buffer rows, receiver buffer, rows back, group sizes, source sizes,
-    local block sizes), stacked over ranks."""
+    local block sizes, the tokens sent deduplicated), stacked over ranks."""
     mesh = jax.make_mesh((num_ranks,), ("ep",), devices=jax.devices()[:num_ranks])
     cfg = config(align)
 
@@ -49,12 +56,21 @@ def run(num_ranks: int, starve_last_rank=False, align=8):
         # Token t of rank r holds the values r * 1000 + t (+ column / 100): every row is unique.
         x = (rank[0] * 1000 + jnp.arange(TOKENS))[:, None] + jnp.arange(H) / 100.0
         rows = dispatch(x.astype(jnp.float32), plan, "xla")
-        xplan = exchange_plan(plan, num_ranks, "ep")
+        xplan = exchange_plan(plan, num_ranks, "ep", transport)
         received = send_rows(rows, xplan, "ep")
         back = return_rows(received, xplan, "ep")
+        tokens = send_tokens(x.astype(jnp.float32), xplan, "ep")
         return tuple(
             a[None]
-            for a in (rows, received, back, xplan.group_sizes, xplan.source_sizes, plan.group_sizes)
+            for a in (
+                rows,
+                received,
+                back,
+                xplan.group_sizes,
+                xplan.source_sizes,
+                plan.group_sizes,
+                tokens,
+            )
         )
 
     sharded = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
@@ -76,7 +92,9 @@ def expected_receiver_buffer(rows, block_sizes, rank, num_ranks):
 @pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
 @pytest.mark.parametrize("starve_last_rank", [False, True])
 def test_rows_reach_their_owner_and_come_back(num_ranks, starve_last_rank):
-    rows, received, back, group_sizes, source_sizes, block_sizes = run(num_ranks, starve_last_rank)
+    rows, received, back, group_sizes, source_sizes, block_sizes, _ = run(
+        num_ranks, starve_last_rank
+    )
     local = 8 // num_ranks
     for rank in range(num_ranks):
         want = expected_receiver_buffer(rows, block_sizes, rank, num_ranks)
@@ -121,9 +139,83 @@ def test_deduplicated_token_send_fills_the_same_rows(num_ranks, variant):
     assert differs(swapped, by_row)
 
 
+@pytest.mark.parametrize("num_ranks", [1, 2, 8])
+@pytest.mark.parametrize("starve_last_rank", [False, True])
+def test_ragged_transport_moves_the_same_rows(num_ranks, starve_last_rank):
+    """transport="ragged" (pieces of the (expert, source) blocks written in place; the tokens'
+    lists in pieces): the receiver buffer, the rows back and the deduplicated token send of
+    the dense transport, bitwise."""
+    dense = run(num_ranks, starve_last_rank)
+    ragged = run(num_ranks, starve_last_rank, transport="ragged")
+    for a, b in zip(ragged, dense, strict=True):
+        assert_bitwise(a, b)
+
+
+def test_ragged_all_to_all_stands_in_with_the_primitives_semantics():
+    """The CPU stand-in for `jax.lax.ragged_all_to_all` against its documented semantics on 4
+    ranks: rank r sends pieces of sizes (r + i) % 3 (some empty) of its rows to rank i // 2,
+    each landing at an offset chosen by the sender, into an output that keeps its other rows.
+    Control: swapping two landing offsets moves rows."""
+    num_ranks, per_peer, rows, out_rows = 4, 2, 32, 20
+    mesh = jax.make_mesh((num_ranks,), ("ep",), devices=jax.devices()[:num_ranks])
+    n = num_ranks * per_peer
+
+    def sizes_of(r):
+        return (np.arange(n) + r) % 3  # piece i of rank r
+
+    def layout(r):
+        """(input offsets, output offsets) of rank r's pieces: sent pieces apart in the operand,
+        landing after the pieces that earlier ranks sent to the same receiver."""
+        sizes = sizes_of(r)
+        inputs = np.cumsum(np.concatenate([[0], sizes[:-1] + 1]))
+        outputs = np.zeros(n, np.int32)
+        for i in range(n):
+            dest, j = divmod(i, per_peer)
+            before = sum(
+                sizes_of(s)[dest * per_peer : (dest + 1) * per_peer].sum() for s in range(r)
+            )
+            outputs[i] = 1 + before + sizes[dest * per_peer : i].sum()
+        return inputs, outputs
+
+    def expected(swap):
+        out = [np.full((out_rows,), -1.0) for _ in range(num_ranks)]
+        for r in range(num_ranks):
+            inputs, outputs = layout(r)
+            if swap and r == 1:
+                outputs[[0, 1]] = outputs[[1, 0]]
+            for i, size in enumerate(sizes_of(r)):
+                dest = i // per_peer
+                out[dest][outputs[i] : outputs[i] + size] = r * 100 + inputs[i] + np.arange(size)
+        return np.stack(out)
+
+    def body(rank):
+        r = rank[0]
+        tables = [layout(q) for q in range(num_ranks)]
+        inputs = jnp.asarray(np.stack([t[0] for t in tables]), jnp.int32)[r]
+        outputs = jnp.asarray(np.stack([t[1] for t in tables]), jnp.int32)[r]
+        sizes = jnp.asarray(np.stack([sizes_of(q) for q in range(num_ranks)]), jnp.int32)
+        # recv_sizes[i]: what rank i // per_peer sends me in its piece (me * per_peer + i % per_peer)
+        src, j = jnp.arange(n) // per_peer, jnp.arange(n) % per_peer
+        recv = sizes[src, r * per_peer + j]
+        operand = (r * 100 + jnp.arange(rows)).astype(jnp.float32)[:, None]
+        output = jnp.full((out_rows, 1), -1.0, jnp.float32)
+        swapped = jnp.where(r == 1, outputs[jnp.asarray([1, 0] + list(range(2, n)))], outputs)
+        moved = [
+            ragged_all_to_all(operand, output, Pieces(inputs, sizes[r], o, recv), "ep", num_ranks)
+            for o in (outputs, swapped)
+        ]
+        return tuple(m[None, :, 0] for m in moved)
+
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    ours, swapped = map(np.asarray, jax.jit(sharded)(rank_ids(mesh)))
+    np.testing.assert_array_equal(ours, expected(swap=False))
+    assert differs(swapped, ours)
+    np.testing.assert_array_equal(swapped, expected(swap=True))
+
+
 def test_layout_follows_the_alignment():
     """With alignment 32 every (expert, source) block starts at a multiple of 32 rows."""
-    rows, received, back, group_sizes, source_sizes, block_sizes = run(4, align=32)
+    rows, received, back, group_sizes, source_sizes, block_sizes, _ = run(4, align=32)
     assert np.all(block_sizes % 32 == 0) and np.all(group_sizes % 32 == 0)
     for rank in range(4):
         want = expected_receiver_buffer(rows, block_sizes, rank, 4)

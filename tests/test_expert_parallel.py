@@ -56,14 +56,16 @@ def mesh_for(ep):
     return jax.make_mesh((8 // ep, ep), ("data", "ep"))
 
 
-def training_step(model, cotangent, mesh, padding_mask=None):
+def training_step(model, cotangent, mesh, padding_mask=None, transport="dense"):
     """(params, x) -> ((d x, d params), (y, aux)) of <y, cotangent> + the ranks' auxiliary
     losses, and the model's params."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss(params, x):
         local = nnx.merge(graphdef, params, rest)
-        y, aux = expert_parallel_forward(local, x, mesh, padding_mask=padding_mask)
+        y, aux = expert_parallel_forward(
+            local, x, mesh, padding_mask=padding_mask, transport=transport
+        )
         whole = lambda a: jax.reshard(a, NamedSharding(mesh, P()))  # one array to sum in order
         total = sum_in_order(jnp.ravel(whole(y).astype(jnp.float32) * cotangent))
         return total + sum_in_order(whole(aux.total_loss)), (y, aux)
@@ -71,9 +73,9 @@ def training_step(model, cotangent, mesh, padding_mask=None):
     return jax.grad(loss, argnums=(1, 0), has_aux=True), params
 
 
-def step(model, x, cotangent, mesh, padding_mask=None):
+def step(model, x, cotangent, mesh, padding_mask=None, transport="dense"):
     """(y, aux, d x, d params) of <y, cotangent> + the ranks' auxiliary losses."""
-    grad, params = training_step(model, cotangent, mesh, padding_mask)
+    grad, params = training_step(model, cotangent, mesh, padding_mask, transport)
     (d_x, d_params), (y, aux) = jax.jit(grad)(params, x)
     return y, aux, d_x, d_params
 
@@ -103,6 +105,19 @@ def test_same_bits_at_every_degree(precision):
     # Control: a change to one expert of the last rank changes y.
     model.experts.fc2_kernel[...] = model.experts.fc2_kernel[...].at[-1].multiply(2)
     assert differs(np.asarray(step(model, x, cotangent, mesh_for(8))[0]), np.asarray(y1))
+
+
+@pytest.mark.parametrize("precision, ep", [("bf16", 8), ("mxfp8", 2)])
+def test_ragged_transport_gives_the_dense_bits(precision, ep):
+    """transport="ragged" (on CPU the emulation of `ragged_all_to_all`, `jaxmoe.exchange`):
+    y, aux, d x and d params bitwise the dense transport's; MXFP8 with its wire copies."""
+    model, x, cotangent = make(CONFIGS[precision])
+    dense = step(model, x, cotangent, mesh_for(ep))
+    ragged = step(model, x, cotangent, mesh_for(ep), transport="ragged")
+    for a, b in zip(jax.tree.leaves(ragged), jax.tree.leaves(dense), strict=True):
+        assert_bitwise(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="transport must be one of"):
+        expert_parallel_forward(model, x, mesh_for(ep), transport="nccl")
 
 
 def row_exchanges(config, widths=(H, H // 32)) -> list[str]:

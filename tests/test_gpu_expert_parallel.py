@@ -72,13 +72,14 @@ def mesh_for(ep: int, devices=None) -> jax.sharding.Mesh:
     return jax.make_mesh((GPUS // ep, ep), ("data", "ep"), devices=devices)
 
 
-def compiled_step(model, mesh):
+def compiled_step(model, mesh, transport="dense"):
     """(jitted (params, x, dy) -> ((d x, d params), (y, aux)) of sum(y * dy) + the ranks'
     auxiliary losses, the model's params placed on `mesh`)."""
     graphdef, params, rest = nnx.split(place_on_mesh(model, mesh), nnx.Param, ...)
 
     def loss(params, x, dy):
-        y, aux = expert_parallel_forward(nnx.merge(graphdef, params, rest), x, mesh)
+        model = nnx.merge(graphdef, params, rest)
+        y, aux = expert_parallel_forward(model, x, mesh, transport=transport)
         return jnp.sum(y.astype(F32) * dy) + jnp.sum(aux.total_loss), (y, aux)
 
     return jax.jit(jax.grad(loss, argnums=(1, 0), has_aux=True)), params
@@ -136,6 +137,19 @@ def test_same_bits_at_ep_1_and_2(case, record_property):
         lambda path, a: last_doubled(a).astype(a.dtype) if routed_fc2(path) else a, params
     )
     assert differs(outputs(step(changed, x2, dy2))["['y']"], ep2["['y']"])
+
+
+@pytest.mark.parametrize("case", ["qwen3_30b-bf16", "qwen3_30b-mxfp8_wire"])
+def test_ragged_transport_gives_the_dense_bits(case):
+    """transport="ragged" (`jax.lax.ragged_all_to_all` over NCCL) at ep = 2: the step's
+    outputs bitwise the dense transport's."""
+    needs_two_gpus()
+    model, x, dy = make(case)
+    runs = {}
+    for transport in ("dense", "ragged"):
+        step, params = compiled_step(model, mesh_for(2), transport)
+        runs[transport] = outputs(step(params, *tokens_on(mesh_for(2), x, dy)))
+    assert_same_outputs(runs["ragged"], runs["dense"])
 
 
 def test_control_one_group_per_expert_changes_the_gradient_bits(monkeypatch):

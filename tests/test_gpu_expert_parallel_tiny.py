@@ -23,5 +23,9 @@ def test_same_bits_at_ep_1_and_2(case, record_property):
     on_gpus.test_same_bits_at_ep_1_and_2(case, record_property)
 
 
+def test_ragged_transport_gives_the_dense_bits():
+    on_gpus.test_ragged_transport_gives_the_dense_bits("qwen3_30b-mxfp8_wire")
+
+
 def test_control_one_group_per_expert_changes_the_gradient_bits(monkeypatch):
     on_gpus.test_control_one_group_per_expert_changes_the_gradient_bits(monkeypatch)
