@@ -107,7 +107,9 @@ def test_same_bits_at_every_degree(precision):
     assert differs(np.asarray(step(model, x, cotangent, mesh_for(8))[0]), np.asarray(y1))
 
 
-@pytest.mark.parametrize("precision, ep", [("bf16", 8), ("mxfp8", 2)])
+@pytest.mark.parametrize(
+    "precision, ep", [pytest.param("bf16", 8, marks=pytest.mark.exhaustive), ("mxfp8", 2)]
+)
 def test_ragged_transport_gives_the_dense_bits(precision, ep):
     """transport="ragged" (on CPU the emulation of `ragged_all_to_all`, `jaxmoe.exchange`):
     y, aux, d x and d params bitwise the dense transport's; MXFP8 with its wire copies."""

@@ -54,15 +54,15 @@ def test_dispatch_moves_the_float8_data_on_the_kernel_and_the_scales_on_xla(monk
     gather = dispatch_module.dispatch_rows
     calls = []
 
-    def recording(x, row_token, *, impl):
+    def recording(x, row_token, *, per_token, impl):
         calls.append((jnp.dtype(x.dtype).itemsize, impl))
-        return gather(x, row_token, impl="xla")  # the kernel itself: tests/test_permute.py
+        return gather(x, row_token, per_token=per_token, impl="xla")  # kernel: test_permute.py
 
     monkeypatch.setattr(dispatch_module, "dispatch_rows", recording)
 
-    class TwoRows:  # the plan's one method the gather reads
-        def row_token(self):
-            return jnp.array([3, 6], jnp.int32)  # 6: past the tokens, a padding row
+    class TwoRows:  # what the gather reads of the plan: its rows' slots, top_k a token
+        row_slot = jnp.array([3 * 2 + 1, 6 * 2], jnp.int32)  # token 6: past them, a padding row
+        top_k = 2
 
     copy = quantize_tokens(TOKENS, "fp8_blockwise", impl="xla")
     moved = dispatch_module.dispatch(copy, TwoRows(), impl)
