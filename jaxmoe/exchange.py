@@ -44,7 +44,7 @@ from jaxmoe.wire import QuantizedRows, move_rows
 
 TRANSPORTS = ("dense", "ragged")
 # `ragged_all_to_all` moves about one thread block's worth a piece: issue 16 measured one piece
-# a peer 60x slower than a dense all_to_all of the same bytes on two H200s, 128 pieces a peer
+# a peer 100x slower than a dense all_to_all of the same bytes on two H200s, 128 pieces a peer
 # within 1.4-1.65x of it. Blocks are cut into pieces so that a peer gets about this many.
 PIECES_PER_PEER = 128
 
