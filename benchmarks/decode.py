@@ -14,7 +14,8 @@ For each `jaxmoe.shapes` layer and token count T (one sequence of T tokens):
          (`layer_competitors.torch_moe`, bf16)
   gmm    the two expert GEMMs alone (fc1 [R, H] x [E, H, 2F|F], fc2 [R, F] x [E, F, H]) on
          R = T * top_k rows, each token's k experts drawn at random: gmm_bf16 (`ops.gmm`) and
-         MXFP8 on its fprop weight copies (`ops.gmm_mxtensor`), strategies "dequantize",
+         MXFP8 on its fprop weight copies stored as `mxfp8_inference` stores them (the data
+         in the decode kernel's 128 x 128 tiles; `ops.gmm_mxtensor`), strategies "dequantize",
          "fused_dequantize" and "decode" (`gmm_mxfp8_dequantize`, `gmm_mxfp8_fused`,
          `gmm_mxfp8_decode`), and the decode kernel's integer dequantization
          (`gmm_mxfp8_decode_small_scales`, when the weights qualify, as these do);
@@ -70,7 +71,8 @@ from benchmarks.timing import (  # noqa: E402
     timed_runs,
 )
 from jaxmoe import MoE, mxfp8_inference  # noqa: E402
-from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor  # noqa: E402
+from jaxmoe.inference import loaded_copy, stored_copy  # noqa: E402
+from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
 from jaxmoe.ops import gmm, gmm_mxtensor, quantize  # noqa: E402
 from jaxmoe.ops.mxfp8_gmm import quantize_weights  # noqa: E402
 from jaxmoe.ops.pallas.e4m3_registers import small_scale_dequantization_is_exact  # noqa: E402
@@ -208,9 +210,9 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
     x2 = jax.random.normal(keys[3], (copies, rows, config.ffn_hidden_size), BF16)
     group_sizes = jnp.asarray(sizes, jnp.int32)
     weights = stacked((fc1, fc2), copies)
-    # Stored as `mxfp8_inference` stores them: fp8 data and block-major scale bytes.
+    # Stored as `mxfp8_inference` stores them: fp8 data in tiles, block-major scale bytes.
     fprop = [quantize_weights(w, impl, dgrad=False).fprop for w in (fc1, fc2)]
-    copies_q = stacked(tuple((t.data, jnp.swapaxes(t.scale, 1, 2)) for t in fprop), copies)
+    copies_q = stacked(tuple(stored_copy(t) for t in fprop), copies)
     x_q = jax.jit(jax.vmap(lambda a, b: (quantize(a, axis=1), quantize(b, axis=1))))(x1, x2)
 
     def bf16(w, a, b, sizes):
@@ -218,8 +220,8 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
 
     def mxfp8(strategy, w, a, b, sizes, fields=None, small_scales=False):
         def run(x, stored):
-            data, block_major_scale = stored
-            w = MXTensor(data, jnp.swapaxes(block_major_scale, 1, 2), axis=2, fmt="e4m3")
+            weights = loaded_copy(*stored)
+            w = weights.fprop
             config = None
             if fields is not None:  # a --decode-sweep variant of the decode kernel's config
                 num_weights, n, k = w.shape
@@ -227,7 +229,14 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
                     default_decode_config(x.shape[0], k, n, num_weights), **fields
                 )
             return gmm_mxtensor(
-                x, w, sizes, impl=impl, strategy=strategy, config=config, small_scales=small_scales
+                x,
+                w,
+                sizes,
+                impl=impl,
+                strategy=strategy,
+                config=config,
+                small_scales=small_scales,
+                rhs_tiled=weights.fprop_tiled,
             )
 
         return run(a, w[0]), run(b, w[1])

@@ -379,9 +379,11 @@ def test_mxfp8_inference_same_bits_at_every_degree():
     """`jaxmoe.mxfp8_inference`'s layer (the experts as their MXFP8 copies alone, variables
     rather than parameters) over the mesh, placed by `place_on_mesh` and jitted: each expert's
     copies on its owner alone, and y at ep = 1, 2, 4, 8 bitwise the single-device inference of
-    each rank's tokens. Control: a changed copy of the last expert changes y."""
-    model, x, _ = make(MXFP8)
+    each rank's tokens. The copies' data are stored in 128 x 128 tiles (hidden and FFN sizes
+    128). Control: a changed copy of the last expert changes y."""
+    model, x, _ = make(MXFP8.replace(ffn_hidden_size=128), hidden_size=128)
     inference = mxfp8_inference(model)
+    assert inference.experts.fc2_data[...].ndim == 5
     alone = np.concatenate([np.asarray(inference(x[r : r + 1])[0]) for r in range(BATCH)])
 
     def forward(module, mesh):

@@ -25,7 +25,12 @@ from jaxmoe import MoEConfig
 from jaxmoe.mxfp8 import MXTensor, dequantize, quantize, scale_multipliers
 from jaxmoe.ops import DecodeConfig, GmmConfig, gmm_mxtensor, on_hopper, tgmm_mxtensor
 from jaxmoe.ops.mxtensor_gmm import DECODE_MAX_ROWS_PER_GROUP, resolve_strategy
-from jaxmoe.ops.pallas.gmm_decode_hopper import default_decode_config, default_tile_rows
+from jaxmoe.ops.pallas.gmm_decode_hopper import (
+    default_decode_config,
+    default_tile_rows,
+    tile_weights,
+    untile_weights,
+)
 from jaxmoe.ops.pallas.gmm_dequantize_hopper import default_dequantize_config
 from jaxmoe.ops.pallas.gmm_mxfp8_hopper import default_mxfp8_config
 
@@ -115,20 +120,39 @@ def test_lhs_values_stand_in_for_the_dequantized_lhs(interpret, strategy):
 def test_decode_items_run_alike_chained_or_not_and_in_narrow_tiles(interpret):
     """The decode kernel chains a CTA's items through one pipeline when its ring slots divide
     the K steps (DECODE_SMALL: 2 steps, 2 slots) and runs each item's own pipeline otherwise
-    (4 steps, 3 slots): the same bits either way, and with narrower row tiles (8 rows)."""
-    lhs_q, rhs_q = operands(200, 256, 128, 5)
-    sizes = jnp.asarray(SIZES["ragged_tail_and_empty"], jnp.int32)
+    (4 steps, 3 slots): the same bits either way, with narrower row tiles (8 rows), with the
+    items spread over as few CTAs as their count needs or over every CTA (`balance_ctas`: 28
+    items of 128 columns on 7 of 8 CTAs or on 8; 14 of 256 columns on 5 of 6 or on 6), and
+    with the weights in the tiled layout (`tile_weights`: one or two 128-row tiles a step)."""
+    lhs_q, rhs_q = operands(200, 256, 256, 5)
+    sizes = jnp.asarray(SIZES["ragged_tail_and_empty"], jnp.int32)  # 14 row tiles of 16
     unchained = DecodeConfig(tile_rows=16, wg_n=64, tile_k=64, max_concurrent_steps=3, num_sms=3)
-    configs = [DECODE_SMALL, unchained, dataclasses.replace(DECODE_SMALL, tile_rows=8)]
+    narrow_items = dataclasses.replace(DECODE_SMALL, num_sms=8)
+    wide = DecodeConfig(tile_rows=16, wg_n=128, tile_k=128, max_concurrent_steps=1, num_sms=6)
+    configs = [
+        DECODE_SMALL,
+        unchained,
+        dataclasses.replace(DECODE_SMALL, tile_rows=8),
+        narrow_items,
+        dataclasses.replace(narrow_items, balance_ctas=False),
+        wide,
+        dataclasses.replace(wide, balance_ctas=False),
+    ]
     if ON_HOPPER:
         configs = [dataclasses.replace(c, num_sms=132) for c in configs]
-    chained, single, narrow = (
-        gmm_mxtensor(lhs_q, rhs_q, sizes, impl="pallas", config=c, strategy="decode")
-        for c in configs
+    run = lambda config, **kw: gmm_mxtensor(
+        lhs_q, rhs_q, sizes, impl="pallas", config=config, strategy="decode", **kw
     )
-    np.testing.assert_array_equal(bits(single), bits(chained))
-    np.testing.assert_array_equal(bits(narrow), bits(chained))
+    chained, *others = (run(c) for c in configs)
+    tiled = tile_weights(rhs_q.data)
+    others += [run(configs[0], rhs_tiled=tiled), run(configs[5], rhs_tiled=tiled)]
+    for other in others:
+        np.testing.assert_array_equal(bits(other), bits(chained))
     assert 256 // unchained.tile_k % unchained.max_concurrent_steps  # really unchained
+    with pytest.raises(ValueError, match="tiled weights need tile_k"):
+        run(unchained, rhs_tiled=tiled)
+    with pytest.raises(ValueError, match="rhs_tiled must be"):
+        run(configs[0], rhs_tiled=tiled[:, :1])
     # Negative control: the same products summed in XLA's order differ somewhere.
     assert differs(bits(gmm_mxtensor(lhs_q, rhs_q, sizes, impl="xla")), bits(chained))
 
@@ -292,7 +316,16 @@ def test_decode_kernel_lowers_with_fp32_output(shape):
     lower_for_hopper(shape, "decode", default_decode_config, jnp.float32)
 
 
-def lower_for_hopper(shape, strategy, default_config, out_dtype):
+@pytest.mark.parametrize(
+    "shape", [(128, 4096, 28672, 8), (512, 768, 2048, 128), (8, 2048, 1536, 128)]
+)
+def test_decode_kernel_lowers_reading_tiled_weights(shape):
+    """At the decode shapes (qwen3_30b at one token: 128-column items), on the integer
+    dequantization route as `mxfp8_inference` runs it."""
+    lower_for_hopper(shape, "decode", default_decode_config, jnp.bfloat16, tiled=True)
+
+
+def lower_for_hopper(shape, strategy, default_config, out_dtype, tiled=False):
     m, k, n, g = shape
     s = jax.ShapeDtypeStruct
     fn = functools.partial(
@@ -301,8 +334,12 @@ def lower_for_hopper(shape, strategy, default_config, out_dtype):
         preferred_element_type=out_dtype,
         config=default_config(m, k, n, g, out_dtype),
         strategy=strategy,
+        small_scales=tiled,
     )
-    jax.jit(lambda ld, ls, rd, rs, sizes: fn(mx(ld, ls, 1), mx(rd, rs, 2), sizes)).trace(
+    tiles = lambda rd: tile_weights(rd) if tiled else None
+    jax.jit(
+        lambda ld, ls, rd, rs, sizes: fn(mx(ld, ls, 1), mx(rd, rs, 2), sizes, rhs_tiled=tiles(rd))
+    ).trace(
         s((m, k), jnp.float8_e4m3fn),
         s((m, k // 32), jnp.uint8),
         s((g, n, k), jnp.float8_e4m3fn),
@@ -391,18 +428,24 @@ def test_gpu_in_kernel_dequantization_equals_dequantizing_first_bitwise():
     """On the H200 the kernels that dequantize in SMEM ("fused_dequantize"; "decode", whose
     wgmma takes the weights as A and the rows as B) give the bits of dequantizing both operands
     to bf16 first and running the bf16 kernel (the same k16 wgmma chain in ascending K), at a
-    training size and decode sizes; control: the fp8 wgmma kernel, which folds the scales per
-    32-wide block, differs."""
+    training size and decode sizes, the decode kernel also on tiled weights and with its items
+    on every CTA (`balance_ctas` off); control: the fp8 wgmma kernel, which folds the scales
+    per 32-wide block, differs."""
     for m, k, n, g in [(8192, 2048, 1536, 128), (512, 2048, 1536, 128), (128, 4096, 2048, 8)]:
         lhs_q, rhs_q = operands(m, k, n, g, seed=11)
         sizes = jnp.asarray(np.random.default_rng(1).multinomial(m - 40, np.ones(g) / g), jnp.int32)
+        run = functools.partial(gmm_mxtensor, lhs_q, rhs_q, sizes, impl="pallas")
         out = {
-            strategy: bits(gmm_mxtensor(lhs_q, rhs_q, sizes, impl="pallas", strategy=strategy))
+            strategy: bits(run(strategy=strategy))
             for strategy in ("dequantize", "fused_dequantize", "decode", "fp8_wgmma")
         }
         np.testing.assert_array_equal(out["fused_dequantize"], out["dequantize"])
         np.testing.assert_array_equal(out["decode"], out["dequantize"])
         assert differs(out["fp8_wgmma"], out["dequantize"])
+        plain = dataclasses.replace(default_decode_config(m, k, n, g), balance_ctas=False)
+        for config, tiled in [(None, tile_weights(rhs_q.data)), (plain, None)]:
+            decode = run(strategy="decode", config=config, rhs_tiled=tiled)
+            np.testing.assert_array_equal(bits(decode), out["dequantize"])
 
 
 def test_auto_strategy_takes_the_decode_kernel_at_few_rows_per_group():
@@ -436,6 +479,16 @@ def test_decode_config_refuses_what_the_kernel_cannot_run():
     ]:
         with pytest.raises(ValueError, match=match):
             bad.validate(*problem, jnp.bfloat16)
+
+
+def test_tile_weights_puts_each_128_by_128_tile_in_one_piece_and_untiles_back():
+    w = jnp.arange(2 * 256 * 384, dtype=jnp.int32).reshape(2, 256, 384)
+    tiled = tile_weights(w)
+    assert tiled.shape == (2, 2, 3, 128, 128)
+    np.testing.assert_array_equal(tiled[1, 1, 2], w[1, 128:256, 256:384])
+    np.testing.assert_array_equal(untile_weights(tiled), w)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        tile_weights(w[:, :192])
 
 
 def _share_of_groups_split(tokens, num_experts, top_k, tile_rows, draws=20):

@@ -19,6 +19,7 @@ from jaxmoe import MoE, MoEConfig, mxfp8, mxfp8_inference
 from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops import gmm_mxtensor, on_hopper
 from jaxmoe.ops.mxfp8_gmm import mxfp8_gmm, quantize_weights
+from jaxmoe.ops.pallas.gmm_decode_hopper import tile_weights
 from jaxmoe.ordered import sum_in_order
 from jaxmoe.plan import MIN_BUFFER_ROWS
 from jaxmoe.shapes import MXFP8_OPTIONS
@@ -158,35 +159,48 @@ def test_gemm_strategies_run_the_stored_copies_on_their_kernels(interpret):
             assert np.linalg.norm(a - b) <= 2**-6 * np.linalg.norm(b)
 
 
-def scale_relayouts(hlo: str, shapes) -> list:
-    """The transposes and copies that the compiled module makes of uint8 arrays of `shapes`."""
-    found = re.findall(r"= u8\[([\d,]+)\]\{[\d,]*\} (transpose|copy)\(", hlo)
+def relayouts(hlo: str, shapes, dtype: str = "u8") -> list:
+    """The transposes and copies that the compiled module makes of `dtype` arrays of `shapes`."""
+    found = re.findall(rf"= {dtype}\[([\d,]+)\]\{{[\d,]*\}} (transpose|copy)\(", hlo)
     return [(dims, op) for dims, op in found if tuple(map(int, dims.split(","))) in shapes]
 
 
-def test_decode_forward_reads_the_stored_scales_in_place(interpret):
-    """The stored scale bytes are block-major, as the decode kernel reads them: the compiled
-    forward makes no transposed copy of any expert's scales (a per-call pass over every
-    expert's scales would cost more than the kernel at a token or two). Control: an MXTensor
-    stored in its own layout gets one."""
+def test_decode_forward_reads_the_stored_copies_in_place(interpret):
+    """The stored copies are laid out as the decode kernel reads them, the scale bytes
+    block-major and the data in 128 x 128 tiles: the compiled forward makes no transposed copy
+    of any expert's scales or data (a per-call pass over every expert's would cost more than the
+    kernel at a token or two). Controls: an MXTensor stored in its own layout gets both."""
     config = MXFP8.replace(num_experts=4, ffn_hidden_size=128, shared_expert_intermediate_size=None)
     model = MoE(config, 128, param_dtype=jnp.bfloat16, gmm_impl="pallas", rngs=nnx.Rngs(2))
     x = jax.ShapeDtypeStruct((1, 4, 128), jnp.bfloat16)
     decode = mxfp8_inference(model, gemm_strategy="decode")
-    fc1, fc2 = decode.experts.fc1_scale[...], decode.experts.fc2_scale[...]
+    experts = decode.experts
+    fc1, fc2 = experts.fc1_scale[...], experts.fc2_scale[...]
     shapes = {a.shape for a in (fc1, fc2)} | {a.shape[:1] + a.shape[:0:-1] for a in (fc1, fc2)}
+    tiles = {experts.fc1_data.shape, experts.fc2_data.shape}
+    data = tiles | {copy.shape for copy in experts.fprop_copies()}
+    assert tiles == {(4, 2, 1, 128, 128), (4, 1, 1, 128, 128)}
     graphdef, state = nnx.split(decode)
     forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x)[0])
-    assert scale_relayouts(forward.lower(state, x).compile().as_text(), shapes) == []
+    hlo = forward.lower(state, x).compile().as_text()
+    assert relayouts(hlo, shapes) == [] and relayouts(hlo, data, "f8e4m3fn") == []
 
     fprop = quantize_weights(model.experts.fc1_kernel[...], dgrad=False).fprop  # [E, N, K/32]
     rows = MXTensor(
         jnp.zeros((32, 128), jnp.float8_e4m3fn), jnp.zeros((32, 4), jnp.uint8), 1, "e4m3"
     )
     gemm = jax.jit(
-        lambda w: gmm_mxtensor(rows, w, jnp.full((4,), 8), impl="pallas", strategy="decode")
+        lambda w: gmm_mxtensor(
+            rows,
+            w,
+            jnp.full((4,), 8),
+            impl="pallas",
+            strategy="decode",
+            rhs_tiled=tile_weights(w.data),
+        )
     )
-    assert scale_relayouts(gemm.lower(fprop).compile().as_text(), shapes)
+    hlo = gemm.lower(fprop).compile().as_text()
+    assert relayouts(hlo, shapes) and relayouts(hlo, data, "f8e4m3fn")
 
 
 def test_decode_forward_quantizes_the_fc2_input_with_xla(interpret):
@@ -251,7 +265,7 @@ def test_te_mxfp8_expert_weights_run_as_they_are():
     refitted = mxfp8_inference(model, fprop_copies=copies)
     y = inference_output(refitted, x)
     assert_bitwise(y, inference_output(mxfp8_inference(model), x))
-    stored = np.asarray(refitted.experts.fc1_data[...]).view(np.uint8)
+    stored = np.asarray(refitted.experts.fprop_copies()[0].data).view(np.uint8)
     np.testing.assert_array_equal(stored, np.asarray(copies[0].data).view(np.uint8))
 
     data = np.asarray(copies[0].data).view(np.uint8).copy()
@@ -260,7 +274,8 @@ def test_te_mxfp8_expert_weights_run_as_they_are():
     first ^= ((first & 0x7F) < 0x7E).astype(np.uint8)
     changed = MXTensor(jnp.asarray(data).view(jnp.float8_e4m3fn), copies[0].scale, 2, "e4m3")
     other = mxfp8_inference(model, fprop_copies=(changed, copies[1]))
-    np.testing.assert_array_equal(np.asarray(other.experts.fc1_data[...]).view(np.uint8), data)
+    stored = np.asarray(other.experts.fprop_copies()[0].data).view(np.uint8)
+    np.testing.assert_array_equal(stored, data)
     assert differs(inference_output(other, x), y)
 
     with pytest.raises(ValueError, match="fc1 copy must be e4m3"):

@@ -67,6 +67,9 @@ class QuantizedWeights:
     # The fprop copy meets `e4m3_registers.small_scale_dequantization_is_exact`, so that the
     # decode kernel may dequantize it in fewer instructions (the same bits)
     fprop_small_scales: bool = struct.field(pytree_node=False, default=False)
+    # The fprop copy's data in the decode kernel's tiled layout (`gmm_decode_hopper.tile_weights`),
+    # which that kernel reads faster; None: not stored so
+    fprop_tiled: jax.Array | None = None
 
 
 def quantize_weights(rhs: jax.Array, impl: str = "auto", *, dgrad: bool = True) -> QuantizedWeights:
@@ -237,6 +240,7 @@ def _fprop(
         strategy=strategy,
         small_scales=rhs_quantized is not None and rhs_quantized.fprop_small_scales,
         lhs_values=lhs if lhs_is_dequantized and lhs.dtype == jnp.bfloat16 else None,
+        rhs_tiled=None if rhs_quantized is None else rhs_quantized.fprop_tiled,
     )
 
 

@@ -16,7 +16,8 @@ Each computes sum_k deq(a) * deq(b) with fp32 accumulation:
                                 decode sizes), the weights read once as fp8 and dequantized
                                 in SMEM, the wgmma's roles swapped so that a group's few rows
                                 are its narrow side (`ops/pallas/gmm_decode_hopper.py`; K and N
-                                multiples of 128); the dequantize-first bits;
+                                multiples of 128; rhs's data also as `tile_weights` tiles,
+                                which it reads faster); the dequantize-first bits;
                    "auto"       "decode" when the rows average at most
                                 `DECODE_MAX_ROWS_PER_GROUP` per group and its kernel can
                                 run the problem, else "dequantize" (the same bits);
@@ -42,7 +43,7 @@ from jaxmoe.ops import registry
 from jaxmoe.ops.checks import check_group_sizes
 from jaxmoe.ops.gmm import gmm, kernel_problem, kernel_rows, pad_rows, tgmm
 from jaxmoe.ops.pallas.gmm_common import GmmConfig
-from jaxmoe.ops.pallas.gmm_decode_hopper import DecodeConfig, gmm_decode_pallas
+from jaxmoe.ops.pallas.gmm_decode_hopper import DecodeConfig, gmm_decode_pallas, tile_weights
 from jaxmoe.ops.pallas.gmm_dequantize_hopper import gmm_dequantize_pallas
 from jaxmoe.ops.pallas.gmm_mxfp8_hopper import gmm_mxfp8_pallas
 
@@ -102,6 +103,7 @@ def gmm_mxtensor(
     groups_per_weight: int = 1,
     small_scales: bool = False,
     lhs_values: jax.Array | None = None,
+    rhs_tiled: jax.Array | None = None,
 ) -> jax.Array:
     """out[m, n] = sum_k deq(lhs)[m, k] * deq(rhs)[g(m) // groups_per_weight, n, k], fp32
     accumulation (groups_per_weight: see `jaxmoe.ops.gmm`).
@@ -117,7 +119,9 @@ def gmm_mxtensor(
     caller has it (the dispatch makes the rows' values in one pass): XLA and the strategies
     that read the dequantized lhs ("dequantize", "decode") take it instead of dequantizing
     lhs, whose copy then has no reader; the caller promises it is bitwise
-    `dequantize(lhs, bfloat16)`."""
+    `dequantize(lhs, bfloat16)`. rhs_tiled: rhs.data in the decode kernel's tiled layout
+    (`gmm_decode_hopper.tile_weights`) when the caller stores it so (`jaxmoe.mxfp8_inference`):
+    the "decode" strategy reads it instead of rhs.data, which then has no reader there."""
     if not (
         isinstance(lhs, MXTensor)
         and isinstance(rhs, MXTensor)
@@ -153,6 +157,15 @@ def gmm_mxtensor(
             f"gmm_mxtensor: the {strategy} strategy reads rhs as [G, N, K] (blocks along the "
             "last axis); got [G, K, N]"
         )
+    if rhs_tiled is not None and (
+        not k_major
+        or rhs_tiled.dtype != rhs.dtype
+        or rhs_tiled.shape != jax.eval_shape(tile_weights, rhs.data).shape
+    ):
+        raise ValueError(
+            f"gmm_mxtensor: rhs_tiled must be rhs.data {rhs.dtype}{rhs.shape} in tile_weights' "
+            f"layout, got {rhs_tiled.dtype}{rhs_tiled.shape}"
+        )
     group_sizes = group_sizes.astype(jnp.int32)
     out_dtype = jnp.dtype(preferred_element_type)
     if registry.resolve("gmm_mxtensor", impl, k, n, strategy) == "xla":
@@ -183,7 +196,7 @@ def gmm_mxtensor(
     if strategy == "decode":
         return gmm_decode_pallas(
             lhs_bf16(),
-            rhs.data,
+            rhs.data if rhs_tiled is None else rhs_tiled,
             jnp.swapaxes(rhs.scale, 1, 2),  # E8M0 bytes, decoded in the kernel
             group_sizes,
             out_dtype=out_dtype,

@@ -55,6 +55,29 @@ from jaxmoe.ops.pallas.tiles import COUNT, GROUP, START, metadata_scope, row_til
 
 _FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 _BF16 = jnp.bfloat16
+WEIGHT_TILE = 128  # rows and columns of a weight tile in the tiled layout
+
+
+def can_tile_weights(n: int, k: int) -> bool:
+    """Whether [G, N, K] weights have a tiled layout (`tile_weights`)."""
+    return n % WEIGHT_TILE == 0 and k % WEIGHT_TILE == 0
+
+
+def tile_weights(rhs: jax.Array) -> jax.Array:
+    """The decode kernel's tiled layout of weights [G, N, K]: [G, N/128, K/128, 128, 128],
+    each 128 x 128 tile contiguous (16 KB), so that a K step's TMA load reads whole DRAM pages
+    rather than 128-byte pieces of rows K bytes apart. `untile_weights` inverts it."""
+    g, n, k = rhs.shape
+    if not can_tile_weights(n, k):
+        raise ValueError(f"tile_weights: N={n} and K={k} must be multiples of {WEIGHT_TILE}")
+    t = WEIGHT_TILE
+    return rhs.reshape(g, n // t, t, k // t, t).transpose(0, 1, 3, 2, 4)
+
+
+def untile_weights(tiled: jax.Array) -> jax.Array:
+    """[G, N/128, K/128, 128, 128] -> [G, N, K]: the inverse of `tile_weights`."""
+    g, n_tiles, k_tiles, t, _ = tiled.shape
+    return tiled.transpose(0, 1, 3, 2, 4).reshape(g, n_tiles * t, k_tiles * t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,13 +85,16 @@ class DecodeConfig:
     """Tiling of the decode kernel: row tiles of tile_rows lhs rows (the wgmma N, 8 to 256);
     each of the two compute warpgroups owns wg_n weight rows (64 or 128) of a CTA's
     2 * wg_n output columns; K steps of tile_k (a multiple of 64); num_sms as in `GmmConfig`.
-    None of these change the bits."""
+    balance_ctas: spread the work items over as few CTAs as the most items a CTA must take
+    allows (e.g. 1000 items: 125 CTAs of 8, not 76 of 8 and 56 of 7), so that the last items
+    do not run on part of the GPU while the rest idles. None of these change the bits."""
 
     tile_rows: int = 32
     wg_n: int = 128
     tile_k: int = 128
     max_concurrent_steps: int = 4
     num_sms: int = 132
+    balance_ctas: bool = True
 
     @property
     def cta_n(self) -> int:
@@ -81,8 +107,11 @@ class DecodeConfig:
         epilogue = NUM_COMPUTE_WGS * self.wg_n * self.tile_rows * jnp.dtype(out_dtype).itemsize
         return self.max_concurrent_steps * ring + epilogue
 
-    def validate(self, num_rows: int, k: int, n: int, out_dtype) -> None:
-        """Raise ValueError when this config cannot run on the given problem."""
+    def validate(self, num_rows: int, k: int, n: int, out_dtype, tiled: bool = False) -> None:
+        """Raise ValueError when this config cannot run on the given problem (tiled: the
+        weights in `tile_weights`' layout)."""
+        if tiled and self.tile_k != WEIGHT_TILE:
+            raise ValueError(f"gmm decode: tiled weights need tile_k={WEIGHT_TILE}")
         if self.tile_rows % 8 or not 8 <= self.tile_rows <= 256:
             raise ValueError(
                 f"gmm decode: tile_rows={self.tile_rows} must be 8..256, a multiple of 8"
@@ -167,7 +196,8 @@ def gmm_decode_pallas(
     trace: regions.KernelTrace | None = None,
     small_scales: bool = False,
 ) -> jax.Array:
-    """out[m] = lhs[m] @ deq(rhs)[g(m)]^T for bf16 lhs [M, K], float8 rhs [G, N, K] and its
+    """out[m] = lhs[m] @ deq(rhs)[g(m)]^T for bf16 lhs [M, K], float8 rhs [G, N, K] (or the
+    same in `tile_weights`' layout, [G, N/128, K/128, 128, 128]: faster to read) and its
     E8M0 block scale bytes rhs_scale [G, K/32, N] (uint8, decoded in the kernel by
     `jaxmoe.mxfp8.scale_multipliers`); rows past sum(group_sizes) are zeros.
     config: None for `default_decode_config`. With groups_per_weight n, rhs holds G / n
@@ -177,7 +207,14 @@ def gmm_decode_pallas(
     which `e4m3_registers.small_scale_dequantization_is_exact`; on the GPU the kernel then
     dequantizes with `e4m3_registers.dequantize_small_scales` (same bits, fewer instructions)."""
     num_rows, k = lhs.shape
-    num_weights, n, _ = rhs.shape
+    tiled = rhs.ndim == 5
+    if tiled and rhs.shape[2:] != (k // WEIGHT_TILE, WEIGHT_TILE, WEIGHT_TILE):
+        raise ValueError(
+            f"gmm decode: tiled rhs must be [G, N/128, K/128, 128, 128] with K={k}, got {rhs.shape}"
+        )
+    if not tiled and (rhs.ndim != 3 or rhs.shape[2] != k):
+        raise ValueError(f"gmm decode: rhs must be [G, N, K={k}] or tiled, got {rhs.shape}")
+    num_weights, n = rhs.shape[0], rhs.shape[1] * (WEIGHT_TILE if tiled else 1)
     if lhs.dtype != _BF16 or rhs.dtype not in _FP8_DTYPES:
         raise ValueError(
             f"gmm decode: lhs must be bf16 and rhs float8, got {lhs.dtype}, {rhs.dtype}"
@@ -191,7 +228,7 @@ def gmm_decode_pallas(
     config = config or default_decode_config(num_rows, k, n, num_groups, out_dtype)
     rows = max(config.tile_rows, cdiv(num_rows, ROW_ALIGN) * ROW_ALIGN)
     padded = jnp.pad(lhs, ((0, rows - num_rows), (0, 0)))
-    config.validate(rows, k, n, out_dtype)
+    config.validate(rows, k, n, out_dtype, tiled)
     if small_scales and rhs.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"gmm decode: small_scales needs e4m3 weights, got {rhs.dtype}")
     with metadata_scope(group_sizes):
@@ -208,6 +245,7 @@ def gmm_decode_pallas(
         num_weights,
         groups_per_weight,
         num_groups,
+        tiled,
     )
     out = kernel(tiles.bounds, tiles.fields, padded, rhs, rhs_scale)
     return out[:num_rows]
@@ -226,6 +264,7 @@ def _build_kernel(
     num_weights,
     groups_per_weight,
     num_groups,
+    tiled,
 ):
     tile_rows, wg_n, tile_k, cta_n = config.tile_rows, config.wg_n, config.tile_k, config.cta_n
     num_columns = n // cta_n
@@ -237,6 +276,27 @@ def _build_kernel(
     # Consecutive items of one CTA share one pipeline when the K steps divide evenly: the
     # memory warpgroup fetches the next item's first steps while this item's last ones run.
     chained = k_steps % num_slots == 0
+
+    if tiled:
+        weights_spec = plgpu.BlockSpec(
+            (cta_n // WEIGHT_TILE, None, WEIGHT_TILE, tile_k),
+            lambda ki: (0, ki, 0, 0),
+            transforms=swizzled(jnp.float8_e4m3fn, tile_k),
+            memory_space=plgpu.SMEM,
+        )
+    else:
+        weights_spec = plgpu.BlockSpec(
+            (cta_n, tile_k),
+            lambda ki: (0, ki),
+            transforms=swizzled(jnp.float8_e4m3fn, tile_k),
+            memory_space=plgpu.SMEM,
+        )
+
+    def cta_weights(rhs_gmem, weight, column):
+        """The CTA's cta_n weight rows of rhs_gmem."""
+        if tiled:
+            return rhs_gmem.at[weight, pl.ds(column // WEIGHT_TILE, cta_n // WEIGHT_TILE)]
+        return rhs_gmem.at[weight, pl.ds(column, cta_n), :]
 
     def pipeline(body, compute_context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
@@ -250,12 +310,7 @@ def _build_kernel(
                     transforms=swizzled(_BF16, BLOCK_SIZE),
                     memory_space=plgpu.SMEM,
                 ),
-                plgpu.BlockSpec(
-                    (cta_n, tile_k),
-                    lambda ki: (0, ki),
-                    transforms=swizzled(jnp.float8_e4m3fn, tile_k),
-                    memory_space=plgpu.SMEM,
-                ),
+                weights_spec,
                 plgpu.BlockSpec(
                     (blocks_per_step, cta_n), lambda ki: (ki, 0), memory_space=plgpu.SMEM
                 ),
@@ -283,7 +338,7 @@ def _build_kernel(
             pl.run_scoped,
             allocations=pipeline(ignore, ignore).get_allocations(
                 lhs_gmem.at[pl.ds(0, tile_rows), :],
-                rhs_gmem.at[0, pl.ds(0, cta_n), :],
+                cta_weights(rhs_gmem, 0, 0),
                 rhs_scale_gmem.at[0, :, pl.ds(0, cta_n)],
             ),
             collective_axes="wg",
@@ -296,7 +351,11 @@ def _build_kernel(
             # tile i // num_columns, so each item's fields are independent loads.
             matmul_tiles = tile_bounds_gmem[num_groups]
             num_items = matmul_tiles * num_columns
-            mine = jnp.maximum(num_items - sm + config.num_sms - 1, 0) // config.num_sms
+            ctas = config.num_sms
+            if config.balance_ctas:
+                per_cta = jnp.maximum(cdiv(num_items, config.num_sms), 1)
+                ctas = jnp.maximum(cdiv(num_items, per_cta), 1)
+            mine = jnp.where(sm < ctas, jnp.maximum(num_items - sm + ctas - 1, 0) // ctas, 0)
 
             @regions.named("step")
             def mma(step, lhs_smem, rhs_smem, scale_smem, *consumed_and_acc):
@@ -306,7 +365,12 @@ def _build_kernel(
                 # The whole step's tile in one load: a 32-wide block cannot be sliced out of
                 # the tile's 128-byte swizzle in SMEM, and a narrower swizzle splits the TMA
                 # load into boxes of 32-byte rows (18% slower on the H200).
-                weights = rhs_smem.at[wg_cols][...]
+                if not tiled:
+                    weights = rhs_smem.at[wg_cols][...]
+                elif wg_n == WEIGHT_TILE:
+                    weights = rhs_smem.at[wg][...]
+                else:
+                    weights = rhs_smem.at[0, wg_cols][...]
                 for block in range(blocks_per_step):
                     ks = pl.ds(block * BLOCK_SIZE, BLOCK_SIZE)
                     scale_bytes = plgpu.load(
@@ -381,12 +445,12 @@ def _build_kernel(
                 rows = pl.ds(load_row(first_row), tile_rows)
                 pipeline(mma, compute_context, state)(
                     lhs_gmem.at[rows, :],
-                    rhs_gmem.at[weight, pl.ds(first_column, cta_n), :],
+                    cta_weights(rhs_gmem, weight, first_column),
                     rhs_scale_gmem.at[weight, :, pl.ds(first_column, cta_n)],
                     allocations=allocations,
                 )
 
-            run_items(mine, lambda j, state: decode_item(sm + j * config.num_sms, state), chained)
+            run_items(mine, lambda j, state: decode_item(sm + j * ctas, state), chained)
 
             # The rows past the groups: zeros, written by the compute warpgroups.
             num_zero = (tile_bounds_gmem[num_groups + 1] - matmul_tiles) * num_columns
