@@ -120,39 +120,30 @@ def test_lhs_values_stand_in_for_the_dequantized_lhs(interpret, strategy):
 def test_decode_items_run_alike_chained_or_not_and_in_narrow_tiles(interpret):
     """The decode kernel chains a CTA's items through one pipeline when its ring slots divide
     the K steps (DECODE_SMALL: 2 steps, 2 slots) and runs each item's own pipeline otherwise
-    (4 steps, 3 slots): the same bits either way, with narrower row tiles (8 rows), with the
-    items spread over as few CTAs as their count needs or over every CTA (`balance_ctas`: 28
-    items of 128 columns on 7 of 8 CTAs or on 8; 14 of 256 columns on 5 of 6 or on 6), and
-    with the weights in the tiled layout (`tile_weights`: one or two 128-row tiles a step)."""
+    (4 steps, 3 slots): the same bits either way; with narrower row tiles (8 rows) on tiled
+    weights (`tile_weights`, one 128-row tile a step); with 256-column items on tiled weights
+    (two tiles a step) spread over as few CTAs as their count needs (`balance_ctas`: 14 items
+    on 5 of 6 CTAs), and on plain weights over all 6."""
     lhs_q, rhs_q = operands(200, 256, 256, 5)
     sizes = jnp.asarray(SIZES["ragged_tail_and_empty"], jnp.int32)  # 14 row tiles of 16
     unchained = DecodeConfig(tile_rows=16, wg_n=64, tile_k=64, max_concurrent_steps=3, num_sms=3)
-    narrow_items = dataclasses.replace(DECODE_SMALL, num_sms=8)
+    narrow = dataclasses.replace(DECODE_SMALL, tile_rows=8)
     wide = DecodeConfig(tile_rows=16, wg_n=128, tile_k=128, max_concurrent_steps=1, num_sms=6)
-    configs = [
-        DECODE_SMALL,
-        unchained,
-        dataclasses.replace(DECODE_SMALL, tile_rows=8),
-        narrow_items,
-        dataclasses.replace(narrow_items, balance_ctas=False),
-        wide,
-        dataclasses.replace(wide, balance_ctas=False),
-    ]
+    configs = [DECODE_SMALL, unchained, narrow, wide, dataclasses.replace(wide, balance_ctas=False)]
     if ON_HOPPER:
         configs = [dataclasses.replace(c, num_sms=132) for c in configs]
-    run = lambda config, **kw: gmm_mxtensor(
-        lhs_q, rhs_q, sizes, impl="pallas", config=config, strategy="decode", **kw
-    )
-    chained, *others = (run(c) for c in configs)
     tiled = tile_weights(rhs_q.data)
-    others += [run(configs[0], rhs_tiled=tiled), run(configs[5], rhs_tiled=tiled)]
-    for other in others:
-        np.testing.assert_array_equal(bits(other), bits(chained))
+    run = lambda config, tiles=None: gmm_mxtensor(
+        lhs_q, rhs_q, sizes, impl="pallas", config=config, strategy="decode", rhs_tiled=tiles
+    )
+    chained = run(configs[0])
+    for config, tiles in zip(configs[1:], [None, tiled, tiled, None], strict=True):
+        np.testing.assert_array_equal(bits(run(config, tiles)), bits(chained))
     assert 256 // unchained.tile_k % unchained.max_concurrent_steps  # really unchained
     with pytest.raises(ValueError, match="tiled weights need tile_k"):
-        run(unchained, rhs_tiled=tiled)
+        run(unchained, tiled)
     with pytest.raises(ValueError, match="rhs_tiled must be"):
-        run(configs[0], rhs_tiled=tiled[:, :1])
+        run(configs[0], tiled[:, :1])
     # Negative control: the same products summed in XLA's order differ somewhere.
     assert differs(bits(gmm_mxtensor(lhs_q, rhs_q, sizes, impl="xla")), bits(chained))
 
