@@ -1,11 +1,12 @@
 """Where the decode kernel's time goes, per warpgroup: Mosaic profiler regions on the GPU.
 
     PYTHONPATH=. python benchmarks/decode_trace.py [--shapes qwen3_30b,mixtral,dsv3_ep8]
-        [--gemms fc1,fc2] [--tokens 64] [--small-scales] [--tag TAG] [--out DIR]
+        [--gemms fc1,fc2] [--tokens 64] [--small-scales] [--plain-weights] [--tag TAG] [--out DIR]
 
 For each `jaxmoe.shapes` layer, expert GEMM (fc1 [R, H] x [E, 2F|F, H], fc2 [R, F] x [E, H, F])
 and token count T (R = T * top_k rows, each token's k experts drawn at random as in
-benchmarks/decode.py), the decode kernel (`gmm_decode_pallas`, default config) runs once timed
+benchmarks/decode.py), the decode kernel (`gmm_decode_pallas`, default config, the weights in
+`tile_weights`' layout as `mxfp8_inference` stores them; --plain-weights: [E, N, K]) runs once timed
 (`kernel_us`, device time, no trace) and once with a `KernelTrace`: every warpgroup of every CTA
 records the SM clock (cycles) at the edges of the kernel's regions: `item` (a work item: both
 kinds of warpgroup), `step` (a compute warpgroup's K step: dequantization and wgmmas) and
@@ -46,6 +47,7 @@ from jaxmoe.ops.pallas.gmm_common import NUM_COMPUTE_WGS  # noqa: E402
 from jaxmoe.ops.pallas.gmm_decode_hopper import (  # noqa: E402
     default_decode_config,
     gmm_decode_pallas,
+    tile_weights,
 )
 from jaxmoe.ops.pallas.regions import KernelTrace  # noqa: E402
 from jaxmoe.shapes import SHAPES  # noqa: E402
@@ -121,7 +123,9 @@ def routed_group_sizes(num_experts: int, top_k: int, tokens: int) -> np.ndarray:
     return np.bincount(experts.ravel(), minlength=num_experts)
 
 
-def trace_one(shape, gemm: str, tokens: int, small_scales: bool = False) -> dict:
+def trace_one(
+    shape, gemm: str, tokens: int, small_scales: bool = False, tiled: bool = True
+) -> dict:
     config, h = shape.config, shape.hidden_size
     k, n = {
         "fc1": (h, config.fc1_output_size),
@@ -132,12 +136,19 @@ def trace_one(shape, gemm: str, tokens: int, small_scales: bool = False) -> dict
     keys = jax.random.split(jax.random.key(1), 3)
     lhs = jax.random.normal(keys[0], (rows, k), BF16)
     rhs = jax.random.normal(keys[1], (config.num_experts, n, k)).astype(jnp.float8_e4m3fn)
+    if tiled:
+        rhs = tile_weights(rhs)
     scale = jax.random.randint(keys[2], (config.num_experts, k // 32, n), 120, 134)
     scale = scale.astype(jnp.uint8)
     sizes = jnp.asarray(counts, jnp.int32)
     decode = default_decode_config(rows, k, n, config.num_experts)
     record = dict(
-        shape=shape.name, gemm=gemm, tokens=tokens, config=str(decode), small_scales=small_scales
+        shape=shape.name,
+        gemm=gemm,
+        tokens=tokens,
+        config=str(decode),
+        small_scales=small_scales,
+        weights="tiled" if tiled else "plain",
     )
 
     def call(trace=None):
@@ -183,6 +194,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--gemms", default="fc1,fc2")
     parser.add_argument("--tokens", default="64")
     parser.add_argument("--small-scales", action="store_true")
+    parser.add_argument("--plain-weights", action="store_true")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     if jax.devices()[0].platform != "gpu":
@@ -194,7 +206,9 @@ def main(argv=None) -> dict:
         for tokens in map(int, args.tokens.split(",")):
             for gemm in args.gemms.split(","):
                 try:
-                    record = trace_one(SHAPES[name], gemm, tokens, args.small_scales)
+                    record = trace_one(
+                        SHAPES[name], gemm, tokens, args.small_scales, not args.plain_weights
+                    )
                 except Exception as e:  # a failed case is recorded, the others still run
                     record = dict(shape=name, gemm=gemm, tokens=tokens, error=error_text(e))
                 result["records"].append(record)
