@@ -15,7 +15,10 @@ For each `jaxmoe.shapes` layer and token count T (one sequence of T tokens):
   gmm    the two expert GEMMs alone (fc1 [R, H] x [E, H, 2F|F], fc2 [R, F] x [E, F, H]) on
          R = T * top_k rows, each token's k experts drawn at random: gmm_bf16 (`ops.gmm`) and
          MXFP8 on its fprop weight copies stored as `mxfp8_inference` stores them (the data
-         in the decode kernel's 128 x 128 tiles; `ops.gmm_mxtensor`), strategies "dequantize",
+         in the decode kernel's 128 x 128 tiles; `ops.gmm_mxtensor`), the rows MXFP8 and, for
+         the strategies that read them so, their bf16 values made before the timed calls (as
+         the layer's dispatch and activation hand them over; until 2026-12-04 evening each
+         call dequantized its rows itself, a kernel of 2-6 us), strategies "dequantize",
          "fused_dequantize" and "decode" (`gmm_mxfp8_dequantize`, `gmm_mxfp8_fused`,
          `gmm_mxfp8_decode`), and the decode kernel's integer dequantization
          (`gmm_mxfp8_decode_small_scales`, when the weights qualify, as these do);
@@ -72,7 +75,7 @@ from benchmarks.timing import (  # noqa: E402
 )
 from jaxmoe import MoE, mxfp8_inference  # noqa: E402
 from jaxmoe.inference import loaded_copy, stored_copy  # noqa: E402
-from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
+from jaxmoe.mxfp8 import BLOCK_SIZE, dequantize  # noqa: E402
 from jaxmoe.ops import gmm, gmm_mxtensor, quantize  # noqa: E402
 from jaxmoe.ops.mxfp8_gmm import quantize_weights  # noqa: E402
 from jaxmoe.ops.pallas.e4m3_registers import small_scale_dequantization_is_exact  # noqa: E402
@@ -214,12 +217,16 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
     fprop = [quantize_weights(w, impl, dgrad=False).fprop for w in (fc1, fc2)]
     copies_q = stacked(tuple(stored_copy(t) for t in fprop), copies)
     x_q = jax.jit(jax.vmap(lambda a, b: (quantize(a, axis=1), quantize(b, axis=1))))(x1, x2)
+    # The rows' bf16 values too, made outside the timed calls: the layer hands the decode
+    # kernel its rows so (the dispatch's one-pass rows, the activation's fused
+    # quantize-dequantize), so no dequantization of the MXTensor rows runs inside a GEMM there.
+    x_values = jax.jit(jax.vmap(lambda a, b: (dequantize(a, BF16), dequantize(b, BF16))))(*x_q)
 
     def bf16(w, a, b, sizes):
         return gmm(a, w[0], sizes, impl=impl), gmm(b, w[1], sizes, impl=impl)
 
-    def mxfp8(strategy, w, a, b, sizes, fields=None, small_scales=False):
-        def run(x, stored):
+    def mxfp8(strategy, w, a, b, a_values, b_values, sizes, fields=None, small_scales=False):
+        def run(x, values, stored):
             weights = loaded_copy(*stored)
             w = weights.fprop
             config = None
@@ -237,9 +244,10 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
                 config=config,
                 small_scales=small_scales,
                 rhs_tiled=weights.fprop_tiled,
+                lhs_values=values,
             )
 
-        return run(a, w[0]), run(b, w[1])
+        return run(a, a_values, w[0]), run(b, b_values, w[1])
 
     candidates = {"gmm_bf16": functools.partial(scanned(bf16), weights, x1, x2, group_sizes)}
     for name, strategy in (
@@ -248,16 +256,18 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
         ("gmm_mxfp8_decode", "decode"),
     ):
         run = scanned(functools.partial(mxfp8, strategy))
-        candidates[name] = functools.partial(run, copies_q, *x_q, group_sizes)
+        candidates[name] = functools.partial(run, copies_q, *x_q, *x_values, group_sizes)
     small = all(small_scale_dequantization_is_exact(*stored) for stored in copies_q)
     if small:
         run = scanned(functools.partial(mxfp8, "decode", small_scales=True))
         candidates["gmm_mxfp8_decode_small_scales"] = functools.partial(
-            run, copies_q, *x_q, group_sizes
+            run, copies_q, *x_q, *x_values, group_sizes
         )
     for fields in sweep:  # on the integer route when the weights qualify
         run = scanned(functools.partial(mxfp8, "decode", fields=fields, small_scales=small))
-        candidates[variant_name(fields)] = functools.partial(run, copies_q, *x_q, group_sizes)
+        candidates[variant_name(fields)] = functools.partial(
+            run, copies_q, *x_q, *x_values, group_sizes
+        )
     return candidates, float(np.mean(np.sum(sizes > 0, axis=-1)))
 
 
