@@ -17,23 +17,24 @@ one process:
               dispatch fwd  bf16   `send_tokens` of the tokens [T, H] (deduplicated: each token
                                    once per peer owning any of its experts, in [R * T, H]
                                    slots, then copied into its expert rows on the receiver)
-                            mxfp8  `jaxmoe.ops.quantize.quantize(tokens, axis=1)` + two
-                                   `send_tokens`: the e4m3 data [T, H] and the e8m0 scales
-                                   [T, H/32] (the layer quantizes right before sending, so the
-                                   quantize is INSIDE this case's time; the `quantize` record
-                                   times it alone, for the exchange-only share)
+                            mxfp8  `jaxmoe.ops.quantize.quantize(tokens, axis=1)` + one
+                                   `send_tokens` of the copy: its e4m3 data [T, H] and e8m0
+                                   scales [T, H/32] packed in one uint8 row of H + H/32 bytes
+                                   (`jaxmoe.wire.pack_rows`; the layer quantizes right before
+                                   sending, so the quantize is INSIDE this case's time; the
+                                   `quantize` record times it alone, for the exchange-only share)
               dispatch bwd  bf16   `return_rows` of the receiver's gradient rows [R * C, H] to
                                    their sources (the layer's `_return`; the `combine` that
                                    follows on the token's rank is layer compute, not timed)
               combine fwd   bf16   `return_rows` of the expert outputs [R * C, H] (idem)
               combine bwd   bf16   `send_tokens` of the token-level output gradient [T, H]
-                            mxfp8  quantize + two `send_tokens`, as dispatch fwd mxfp8
+                            mxfp8  quantize + `send_tokens`, as dispatch fwd mxfp8
                                    (combine_bwd_dtype "mxfp8")
             The returns are bf16 in every layer variant, so they have no MXFP8 case. Also timed:
             `exchange_plan` itself, `quantize` of the [T, H] tokens alone, and the references:
             a dense `jax.lax.all_to_all` of a buffer of each wire's shape and dtype, per rank
-            ("buffer" in the records): tokens [R * T, H] bf16, tokens [R * T, H] e4m3 +
-            [R * T, H/32] uint8, rows [R * C, H] bf16. Reported: ms, the ratio to the dense
+            ("buffer" in the records): tokens [R * T, H] bf16, tokens [R * T, H + H/32] uint8
+            (MXFP8 packed), rows [R * C, H] bf16. Reported: ms, the ratio to the dense
             all-to-all of the same buffer, the bus bandwidth ((R - 1) / R of the slot buffer
             leaves each rank) and the payload rate (the rows that really leave a rank, mean over
             ranks: for token sends the tokens sent to the other ranks, `token_send < T` in their
@@ -114,6 +115,7 @@ from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
 from jaxmoe.ops.quantize import quantize  # noqa: E402
 from jaxmoe.plan import make_plan  # noqa: E402
 from jaxmoe.shapes import DEEPSEEK_V3_FULL, SHAPES, TINY_SHAPES, LayerShape  # noqa: E402
+from jaxmoe.wire import pack_rows  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 AXES = ("data", "ep")
@@ -270,8 +272,7 @@ def exchange_setup(shape: LayerShape, config: MoEConfig, router, mesh, tokens_pe
             row_grad=send_tokens(grad, xplan, "ep"),  # dispatch bwd: receiver gradient rows
             # The dense references' buffers: the token slots [R * T, ...] of each wire.
             token_slots=jnp.tile(tokens, (degree, 1)),
-            token_slots_fp8=jnp.tile(mx.data, (degree, 1)),
-            token_slots_scale=jnp.tile(mx.scale, (degree, 1)),
+            token_slots_mxfp8=jnp.tile(pack_rows(mx), (degree, 1)),
             tokens_sent=jnp.sum(sent),
             tokens_to_peers=jnp.sum(jnp.where(jnp.arange(degree)[:, None] != rank, sent, False)),
             rows_to_peers=jnp.sum(jnp.where(to_peers, plan.group_sizes, 0)),
@@ -366,9 +367,8 @@ def exchange_cases(inputs: dict, mesh, plan_stats: dict, hidden: int) -> list[di
     def send_bf16(xplan, x):
         return send_tokens(x, xplan, "ep")
 
-    def send_mxfp8(xplan, x):  # as the layer: quantize the tokens, then send data and scales
-        mx = quantize(x, axis=1, impl="auto")
-        return send_tokens(mx.data, xplan, "ep"), send_tokens(mx.scale, xplan, "ep")
+    def send_mxfp8(xplan, x):  # as the layer: quantize the tokens, then send the copy
+        return jax.tree.leaves(send_tokens(quantize(x, axis=1, impl="auto"), xplan, "ep"))
 
     def back(xplan, rows):
         return return_rows(rows, xplan, "ep")
@@ -390,7 +390,7 @@ def exchange_cases(inputs: dict, mesh, plan_stats: dict, hidden: int) -> list[di
     )
     dense_inputs = {
         ("tokens", "bf16"): (inputs["token_slots"],),
-        ("tokens", "mxfp8"): (inputs["token_slots_fp8"], inputs["token_slots_scale"]),
+        ("tokens", "mxfp8"): (inputs["token_slots_mxfp8"],),
         ("rows", "bf16"): (inputs["outputs"],),
     }
     for (buffer, wire), bufs in dense_inputs.items():

@@ -22,7 +22,8 @@ values are moved, never summed.
 Token rows going to the experts (the dispatch, and the output gradient in the combine's
 backward pass) travel deduplicated (`send_tokens`): each token once to each rank that owns any
 of its experts (room for all T tokens per peer), and the receiver copies it into the rows of
-those experts. The other direction cannot be deduplicated without summing a token's rows on
+those experts; a quantized copy's data and scale rows travel packed as one row of bytes
+(`jaxmoe.wire.pack_rows`). The other direction cannot be deduplicated without summing a token's rows on
 the expert side, so the expert outputs (and the dispatch's gradient) come back row by row and
 are summed on the token's own rank, in the single-device order.
 """
@@ -40,7 +41,7 @@ from jaxmoe.ops.device import on_gpu
 from jaxmoe.ops.permute import dispatch_rows
 from jaxmoe.ordered import broadcast_in_order
 from jaxmoe.plan import Plan
-from jaxmoe.wire import QuantizedRows, move_rows
+from jaxmoe.wire import QuantizedRows, move_rows, pack_rows, unpack_rows
 
 TRANSPORTS = ("dense", "ragged")
 # `ragged_all_to_all` moves about one thread block's worth a piece: issue 16 measured one piece
@@ -328,17 +329,28 @@ def _return(rows, xplan, axis_name):
     return _take(received, xplan.back_row)
 
 
-def send_tokens(x: jax.Array, xplan: ExchangePlan, axis_name: str) -> jax.Array:
-    """Token rows x [T, ...] -> the receiver's buffer rows [R * C, ...]: each token sent once to
-    each peer that owns one of its experts, then copied into those experts' rows. The same
-    values as `send_rows(dispatch(x, plan))`; not differentiable (the routes give it a VJP)."""
+def _token_slots(x: jax.Array, xplan: ExchangePlan, axis_name: str) -> jax.Array:
+    """Token rows x [T, ...] -> the token slots received from every peer [R * T, ...]: each
+    token sent once to each peer that owns one of its experts."""
     num_ranks = xplan.source_sizes.shape[0]
-    packed = _take(x, xplan.token_send)
+    sent = _take(x, xplan.token_send)
     if xplan.transport == "ragged":
-        received = _ragged(packed, packed.shape[0], xplan.token_pieces, num_ranks, axis_name)
-    else:
-        received = _all_to_all(packed, num_ranks, axis_name)
-    return _take(received, xplan.recv_token)
+        return _ragged(sent, sent.shape[0], xplan.token_pieces, num_ranks, axis_name)
+    return _all_to_all(sent, num_ranks, axis_name)
+
+
+def send_tokens(
+    x: jax.Array | QuantizedRows, xplan: ExchangePlan, axis_name: str
+) -> jax.Array | QuantizedRows:
+    """Token rows x [T, ...] -> the receiver's buffer rows [R * C, ...]: each token sent once to
+    each peer that owns one of its experts, then copied into those experts' rows. A quantized
+    copy (`jaxmoe.wire`) travels as one buffer of bytes a row (`pack_rows`: data and scales,
+    one collective). The same values as `send_rows(dispatch(x, plan))`; not differentiable
+    (the routes give it a VJP)."""
+    if isinstance(x, QuantizedRows):
+        slots = unpack_rows(_token_slots(pack_rows(x), xplan, axis_name), x)
+        return move_rows(slots, lambda a: _take(a, xplan.recv_token))
+    return _take(_token_slots(x, xplan, axis_name), xplan.recv_token)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -421,10 +433,11 @@ class ExchangedRoute:
         return spread.reshape((-1,) + weights.shape[1:])
 
     def to_experts(self, x: jax.Array | QuantizedRows) -> jax.Array | QuantizedRows:
-        """Token rows (or a quantized copy, `jaxmoe.wire`: fp8 data and scale rows) -> the
-        receiver's buffer, deduplicated on the wire (`send_tokens`); VJP: `to_tokens`."""
+        """Token rows (or a quantized copy, `jaxmoe.wire`: fp8 data and scale rows, packed on
+        the wire) -> the receiver's buffer, deduplicated on the wire (`send_tokens`); VJP:
+        `to_tokens`."""
         if isinstance(x, QuantizedRows):
-            return move_rows(x, lambda a: send_tokens(a, self.exchange, self.axis_name))
+            return send_tokens(x, self.exchange, self.axis_name)
         return _route_to_experts(x, self)
 
     def to_tokens(self, rows: jax.Array) -> jax.Array:

@@ -20,8 +20,10 @@ from jaxmoe.exchange import (
     send_rows,
     send_tokens,
 )
+from jaxmoe.wire import quantize_tokens
 
 from bitwise import assert_bitwise, differs
+from jaxprs import equations
 
 TOKENS, H = 24, 16  # tokens per rank
 
@@ -137,6 +139,48 @@ def test_deduplicated_token_send_fills_the_same_rows(num_ranks, variant):
     swapped = deduplicated.copy()
     swapped[0, [0, 1]] = swapped[0, [1, 0]]
     assert differs(swapped, by_row)
+
+
+@pytest.mark.parametrize("transport", ["dense", "ragged"])
+@pytest.mark.parametrize("wire_dtype", ["mxfp8", "fp8_blockwise"])
+def test_a_quantized_copy_crosses_in_one_collective(transport, wire_dtype):
+    """A quantized token copy's data and scale rows travel packed in one buffer of bytes a row
+    (`jaxmoe.wire.pack_rows`): one collective carries the copy (the rest carry int32 indices),
+    and the receiver gets the bits of sending data and scales each on its own. Control: a copy
+    with one scale changed arrives changed."""
+    num_ranks, width = 4, 256
+    mesh = jax.make_mesh((num_ranks,), ("ep",), devices=jax.devices()[:num_ranks])
+    cfg = config()
+
+    def body(rank, bump):
+        plan = make_plan(route(local_logits(rank[0], False, num_ranks), cfg), cfg)
+        xplan = exchange_plan(plan, num_ranks, "ep", transport)
+        x = jax.random.normal(jax.random.fold_in(jax.random.key(1), rank[0]), (TOKENS, width))
+        copy = quantize_tokens(x.astype(jnp.bfloat16), wire_dtype, impl="xla")
+        leaves = jax.tree.leaves(copy)
+        changed = jax.tree.unflatten(
+            jax.tree.structure(copy), [leaves[0], leaves[1] + bump.astype(leaves[1].dtype)]
+        )
+        one_by_one = [send_tokens(a, xplan, "ep") for a in leaves]
+        packed = jax.tree.leaves(send_tokens(changed, xplan, "ep"))
+        return tuple(a[None] for a in packed + one_by_one)
+
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), P()), out_specs=P("ep"))
+    ranks = rank_ids(mesh)
+
+    def payload_collectives(bump):
+        jaxpr = jax.make_jaxpr(lambda r: sharded(r, bump))(ranks).jaxpr
+        kinds = ("all_to_all", "ragged_all_to_all")
+        moved = [e.invars[0].aval.dtype for e in equations(jaxpr) if e.primitive.name in kinds]
+        return [d for d in moved if d != jnp.int32]
+
+    # The packed send (uint8) and the two one-by-one reference sends (data, scales).
+    assert len(payload_collectives(jnp.zeros((), jnp.int32))) == 3
+    data, scale, want_data, want_scale = jax.jit(sharded)(ranks, jnp.zeros((), jnp.int32))
+    assert_bitwise(np.asarray(data), np.asarray(want_data))
+    assert_bitwise(np.asarray(scale), np.asarray(want_scale))
+    bumped_scale = jax.jit(sharded)(ranks, jnp.ones((), jnp.int32))[1]
+    assert differs(np.asarray(bumped_scale), np.asarray(want_scale))
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 8])

@@ -122,9 +122,13 @@ def test_ragged_transport_gives_the_dense_bits(precision, ep):
         expert_parallel_forward(model, x, mesh_for(ep), transport="nccl")
 
 
-def row_exchanges(config, widths=(H, H // 32)) -> list[str]:
-    """The dtypes of the row all-to-alls (last dim in `widths`: H, or H/32 for MXFP8 scales) in
-    the expert-parallel training step at ep = 8, sorted."""
+MXFP8_ROW_BYTES = H + H // 32  # a packed MXFP8 row (`jaxmoe.wire.pack_rows`): data, scales
+BLOCKWISE_ROW_BYTES = H + 4 * -(-H // 128)  # data, one fp32 scale per 1 x 128 block
+
+
+def row_exchanges(config, widths=(H, MXFP8_ROW_BYTES, BLOCKWISE_ROW_BYTES)) -> list[str]:
+    """The dtypes of the row all-to-alls (last dim in `widths`: bf16 rows of H, packed quantized
+    rows) in the expert-parallel training step at ep = 8, sorted."""
     model, x, cotangent = make(config)
     grad, params = training_step(model, cotangent, mesh_for(8))
     found = []
@@ -142,21 +146,22 @@ def row_exchanges(config, widths=(H, H // 32)) -> list[str]:
 
 def test_mxfp8_rows_alone_cross_the_wire():
     """With dispatch_dtype and combine_bwd_dtype "mxfp8", the tokens sent to the experts and the
-    output gradient sent back to them travel as fp8 data and uint8 scales alone; the bf16 row
-    exchanges left are the expert outputs coming back and their transpose (the rows' gradient
-    going to the tokens). Control: bf16 on the wire, four bf16 row exchanges."""
-    bf16, fp8 = ["bfloat16"] * 2, ["float8_e4m3fn"] * 2 + ["uint8"] * 2
-    assert row_exchanges(MXFP8) == bf16 + fp8
+    output gradient sent back to them travel as MXFP8 rows alone, fp8 data and e8m0 scales
+    packed in one all-to-all of H + H/32 bytes a row; the bf16 row exchanges left are the
+    expert outputs coming back and their transpose (the rows' gradient going to the tokens).
+    Control: bf16 on the wire, four bf16 row exchanges."""
+    bf16 = ["bfloat16"] * 2
+    assert row_exchanges(MXFP8) == bf16 + ["uint8"] * 2
     assert row_exchanges(BF16) == bf16 * 2
 
 
 def test_blockwise_rows_alone_cross_the_wire():
-    """The same with "fp8_blockwise" on the wire: fp8 data rows and one fp32 scale per 1x128
-    block (H = 64: one partial block, so the scale rows are 1 wide, like the routing
-    probabilities' per-row exchanges, which both configs have)."""
-    assert row_exchanges(BLOCKWISE_WIRE) == ["bfloat16"] * 2 + ["float8_e4m3fn"] * 2
+    """The same with "fp8_blockwise" on the wire: fp8 data and one fp32 scale per 1x128 block
+    (H = 64: one partial block) packed in one all-to-all of H + 4 bytes a row; no other
+    float32 rows than the routing probabilities' per-row exchanges, which both configs have."""
+    assert row_exchanges(BLOCKWISE_WIRE) == ["bfloat16"] * 2 + ["uint8"] * 2
     scales = lambda config: row_exchanges(config, widths=(1,)).count("float32")
-    assert scales(BLOCKWISE_WIRE) == scales(BF16) + 2
+    assert scales(BLOCKWISE_WIRE) == scales(BF16)
 
 
 def test_blockwise_experts_same_bits_at_every_degree():

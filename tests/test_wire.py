@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from jaxmoe import fp8_blockwise, mxfp8
-from jaxmoe.wire import dequantize_rows, is_token_rows, move_rows, quantize_tokens
+from jaxmoe.wire import (
+    dequantize_rows,
+    is_token_rows,
+    move_rows,
+    pack_rows,
+    quantize_tokens,
+    unpack_rows,
+)
 
 from bitwise import assert_bitwise
 
@@ -33,6 +40,13 @@ def test_copies_are_the_recipes_rowwise_quantizers_and_move_whole_rows(wire_dtyp
     assert_bitwise(picked[[0, 1, 3]], np.asarray(want.dequantize(jnp.float32))[[5, 0, 2]])
     assert not picked[2].any()
     assert is_token_rows(moved)
+    packed = pack_rows(copy)  # one row of bytes a token: data, then scales
+    # 256 data bytes, then 8 of scales: 256 / 32 e8m0 (MXFP8) or 256 / 128 fp32 (blockwise)
+    assert packed.dtype == jnp.uint8 and packed.shape == (6, 256 + 8)
+    unpacked = unpack_rows(jnp.concatenate([packed, jnp.zeros_like(packed[:1])])[order], copy)
+    for a, b in zip(jax.tree.leaves(unpacked), jax.tree.leaves(moved), strict=True):
+        assert a.dtype == b.dtype
+        assert_bitwise(np.asarray(a), np.asarray(b))
 
 
 def test_bad_inputs_are_refused():
@@ -44,6 +58,11 @@ def test_bad_inputs_are_refused():
     assert not is_token_rows(along_tokens)
     with pytest.raises(ValueError, match="blocks along H"):
         move_rows(along_tokens, lambda a: a)
+    with pytest.raises(ValueError, match="blocks along H"):
+        pack_rows(along_tokens)
+    copy = quantize_tokens(TOKENS, "mxfp8", impl="xla")
+    with pytest.raises(ValueError, match=r"uint8 \[rows, 264\] expected"):
+        unpack_rows(pack_rows(copy)[:, :-1], copy)
 
 
 @pytest.mark.parametrize("impl", ["auto", "pallas", "xla"])
