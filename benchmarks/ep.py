@@ -4,7 +4,8 @@ layer's weak scaling.
 
     PYTHONPATH=. python benchmarks/ep.py [--shape qwen3_30b] [--tokens-per-device T]
         [--ep 1,2] [--dispatch bf16,mxfp8] [--experts bf16] [--parts exchange,layer]
-        [--iters 1] [--min-window 0.1] [--repeats 5] [--profile] [--tag TAG] [--out DIR]
+        [--transports dense,ragged] [--ragged-pieces 128,512] [--iters 1] [--min-window 0.1]
+        [--repeats 5] [--profile] [--tag TAG] [--out DIR]
 
 On N devices (2 H200s: `--ep` defaults to every power of two up to the device count), for each
 expert-parallel degree R in --ep, on a ("data", "ep") = (1, R) mesh of the first R devices, in
@@ -30,12 +31,18 @@ one process:
               combine bwd   bf16   `send_tokens` of the token-level output gradient [T, H]
                             mxfp8  quantize + `send_tokens`, as dispatch fwd mxfp8
                                    (combine_bwd_dtype "mxfp8")
-            The returns are bf16 in every layer variant, so they have no MXFP8 case. Also timed:
-            `exchange_plan` itself, `quantize` of the [T, H] tokens alone, and the references:
-            a dense `jax.lax.all_to_all` of a buffer of each wire's shape and dtype, per rank
+            The returns are bf16 in every layer variant, so they have no MXFP8 case. These and
+            `exchange_plan` run once per transport of --transports ("transport" in the
+            records: "dense", or "ragged/U" once per U of --ragged-pieces, the pieces a peer).
+            Also timed: `quantize` of the [T, H] tokens alone, and the references: a dense
+            `jax.lax.all_to_all` of a buffer of each wire's shape and dtype, per rank
             ("buffer" in the records): tokens [R * T, H] bf16, tokens [R * T, H + H/32] uint8
-            (MXFP8 packed), rows [R * C, H] bf16. Reported: ms, the ratio to the dense
-            all-to-all of the same buffer, the bus bandwidth ((R - 1) / R of the slot buffer
+            (MXFP8 packed), rows [R * C, H] bf16; at ep > 1 also of the payload's bytes alone
+            ("tokens_payload", "rows_payload": the mean real rows leaving a rank, split over
+            the other ranks, rounded up to 8 a peer). Reported: ms, the ratio to the dense
+            all-to-all of the same buffer (`ratio_to_dense`) and to that of the payload alone
+            (`ratio_to_payload_all_to_all`, the measure for a transport that moves only the
+            real rows), the bus bandwidth ((R - 1) / R of the slot buffer
             leaves each rank) and the payload rate (the rows that really leave a rank, mean over
             ranks: for token sends the tokens sent to the other ranks, `token_send < T` in their
             slots; for returns the receiver's real rows, no alignment padding, of the other
@@ -48,8 +55,8 @@ one process:
             tokens/s of the single device. Dispatch variants: bf16, and MXFP8
             (dispatch_dtype and combine_bwd_dtype "mxfp8", 32-row alignment); routed experts in
             bf16 unless --experts mxfp8; each expert-parallel step once per --transports entry
-            (`jaxmoe.exchange.TRANSPORTS`: "dense", the default, and "ragged"; the exchange
-            part times the dense transport).
+            (`jaxmoe.exchange.TRANSPORTS`: "dense", the default, and "ragged" at jaxmoe's
+            `PIECES_PER_PEER`).
 Sizes: `--shape` from `jaxmoe.shapes`, or deepseek_v3_full (DeepSeek-V3's MoE layer: H 7168,
 256 experts of F 2048, top-8 sigmoid with 8 groups / top-4, expert bias, one shared expert), or
 the CPU smoke sizes tiny / tiny_deepseek; T = --tokens-per-device (default: the shape's tokens).
@@ -61,8 +68,9 @@ it (one panel per degree: the four exchange passes' ms, bf16 and MXFP8 bars with
 all-to-all of the same buffer beside each, the quantize share of the MXFP8 bars hatched; a last
 panel: the layer's weak-scaling efficiency per degree, bf16 and MXFP8 dispatch; needs
 matplotlib, skipped with a printed note without it), and prints a summary table at the end.
-The JSON: the environment (device, versions, `on_cpu`, `method`), `shape`, `degrees`, `plot`
-(the PNG's path, or null without matplotlib), `errors`, and
+The JSON: the environment (device, versions, `on_cpu`, `method`), `shape`, `degrees`,
+`transports`, `exchange_variants`, `plot` (the PNG's path, or null without matplotlib),
+`errors`, and
   plans     per degree: T, `token_slot_rows` R * T, `buffer_rows` C, `receiver_rows` R * C,
             per-rank lists and means of the tokens sent (all peers / the other ranks), the
             (token, expert) rows to the other ranks (padded / real), the real rows returned to
@@ -70,10 +78,12 @@ The JSON: the environment (device, versions, `on_cpu`, `method`), `shape`, `degr
             token sent to a peer: what the deduplication saves on the wire)
   exchange  one record per case: ep, exchange (dispatch / combine / dense_all_to_all /
             quantize / exchange_plan), pass (fwd / bwd / -), wire (bf16 / mxfp8 / int32), op,
-            in_layer, includes_quantize; for transfers buffer (tokens / rows), row_bytes,
-            slot_rows, buffer_bytes (the all-to-all's slots per rank), bus_bytes (leaving each
-            rank), payload_rows and payload_bytes (mean per rank); compile_s, ms (median),
-            ms_runs, busbw_GBps and payload_GBps (null at ep 1: nothing leaves), ratio_to_dense
+            in_layer, includes_quantize; transport and pieces_per_peer (the layer's exchanges
+            and plans); for transfers buffer (tokens / rows / tokens_payload / rows_payload),
+            row_bytes, slot_rows, buffer_bytes (the all-to-all's slots per rank), bus_bytes
+            (leaving each rank), payload_rows and payload_bytes (mean per rank); compile_s, ms
+            (median), ms_runs, busbw_GBps and payload_GBps (null at ep 1: nothing leaves),
+            ratio_to_dense, ratio_to_payload_all_to_all (the layer's exchanges, ep > 1)
   layer     one record per step: impl (single_device / expert_parallel), ep, devices,
             dispatch, experts, expert_row_alignment, tokens_per_device, compile_s, ms, ms_runs,
             tokens_per_s_per_device, tokens_per_s, efficiency; with --profile, `profile`
@@ -109,7 +119,13 @@ from benchmarks.report import add_output_arguments, error_text, log  # noqa: E40
 from benchmarks.timing import gpu_stream_events, profile_events, sync, timed_runs  # noqa: E402
 from jaxmoe import MoE, MoEConfig  # noqa: E402
 from jaxmoe.config import MXFP8_ALIGNMENTS  # noqa: E402
-from jaxmoe.exchange import TRANSPORTS, exchange_plan, return_rows, send_tokens  # noqa: E402
+from jaxmoe.exchange import (  # noqa: E402
+    PIECES_PER_PEER,
+    TRANSPORTS,
+    exchange_plan,
+    return_rows,
+    send_tokens,
+)
 from jaxmoe.expert_parallel import expert_parallel_forward, place_on_mesh  # noqa: E402
 from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
 from jaxmoe.ops.quantize import quantize  # noqa: E402
@@ -236,9 +252,31 @@ def warm_and_time(cases: list[dict], args) -> None:
 
 
 # ------------------------------------------------------------------------------- exchange
-def exchange_setup(shape: LayerShape, config: MoEConfig, router, mesh, tokens_per_device: int):
+def exchange_variants(transports: list[str], ragged_pieces: list[int]) -> list[tuple[str, int]]:
+    """(transport, pieces a peer) of each timed exchange variant: "dense" once, "ragged" once
+    per pieces count."""
+    variants = []
+    for transport in transports:
+        pieces = ragged_pieces if transport == "ragged" else [PIECES_PER_PEER]
+        variants += [(transport, u) for u in pieces]
+    return variants
+
+
+def variant_label(transport: str, pieces: int) -> str:
+    return f"ragged/{pieces}" if transport == "ragged" else transport
+
+
+def exchange_setup(
+    shape: LayerShape,
+    config: MoEConfig,
+    router,
+    mesh,
+    tokens_per_device: int,
+    variants: list[tuple[str, int]],
+):
     """Every rank's routing of its own random tokens: (per-rank inputs of the exchange cases,
-    stacked on a leading rank axis; the plan's statistics)."""
+    stacked on a leading rank axis, with an `exchange_plan` per variant in `xplans`; the plan's
+    statistics)."""
     degree, hidden = mesh.shape["ep"], shape.hidden_size
     batch, seq_len = token_layout(shape, tokens_per_device)
     spec = NamedSharding(mesh, P(mesh.axis_names))
@@ -265,7 +303,9 @@ def exchange_setup(shape: LayerShape, config: MoEConfig, router, mesh, tokens_pe
         from_peers = real & (xplan.recv_token // num_tokens != rank)
         return dict(
             plan=plan,
-            xplan=xplan,
+            xplans={
+                variant_label(t, u): exchange_plan(plan, degree, "ep", t, u) for t, u in variants
+            },
             tokens=tokens,  # dispatch fwd: the layer's tokens [T, H]
             grad=grad,  # combine bwd: the token-level output gradient [T, H]
             outputs=send_tokens(tokens, xplan, "ep"),  # combine fwd: expert outputs [R * C, H]
@@ -323,16 +363,30 @@ def exchange_setup(shape: LayerShape, config: MoEConfig, router, mesh, tokens_pe
     return inputs, plan_stats
 
 
-def exchange_cases(inputs: dict, mesh, plan_stats: dict, hidden: int) -> list[dict]:
-    """The timed exchange cases of one degree (each a record and a call)."""
+def payload_room(payload_rows: float, degree: int, room: int) -> int:
+    """Rows a peer of a dense all-to-all that moves about `payload_rows` real rows out of a rank
+    (split evenly over the other ranks, rounded up to 8, at most the full room)."""
+    per_peer = -(-int(np.ceil(payload_rows)) // max(degree - 1, 1))
+    return min(room, -(-per_peer // 8) * 8)
+
+
+def exchange_cases(
+    inputs: dict, mesh, plan_stats: dict, hidden: int, variants: list[tuple[str, int]]
+) -> list[dict]:
+    """The timed exchange cases of one degree (each a record and a call): the plan, the quantize
+    and the layer's exchanges once per variant (`exchange_variants`), and the dense all-to-all
+    references, of the full rooms and (ep > 1) of the payload alone."""
     degree = mesh.shape["ep"]
-    xplan = inputs["xplan"]
     row_bytes = {"bf16": 2 * hidden, "mxfp8": hidden + hidden // BLOCK_SIZE}
     # Per buffer: (rows per peer, mean payload rows leaving a rank).
-    buffers = {
+    rooms = {
         "tokens": (plan_stats["tokens_per_rank"], plan_stats["tokens_to_peers_mean"]),
         "rows": (plan_stats["buffer_rows"], plan_stats["real_rows_returned_mean"]),
     }
+    buffers = dict(rooms)
+    if degree > 1:  # a dense all-to-all of the payload's bytes alone ("<room>_payload")
+        for name, (room, payload) in rooms.items():
+            buffers[f"{name}_payload"] = (payload_room(payload, degree, room), payload)
     cases = []
 
     def sizes(buffer: str, wire: str) -> dict:
@@ -350,8 +404,7 @@ def exchange_cases(inputs: dict, mesh, plan_stats: dict, hidden: int) -> list[di
     def add(record: dict, fn: Callable, *args):
         call_fn = on_ranks(mesh, fn)
         label = f"ep{degree} {record['exchange']} {record['pass']} {record['wire']}"
-        if record["exchange"] == "dense_all_to_all":
-            label += f" {record['buffer']}"
+        label += f" {record.get('buffer', '')} {record.get('transport', '')}".rstrip()
         cases.append(
             dict(record=dict(ep=degree, **record), call=lambda: call_fn(*args), label=label)
         )
@@ -373,12 +426,6 @@ def exchange_cases(inputs: dict, mesh, plan_stats: dict, hidden: int) -> list[di
     def back(xplan, rows):
         return return_rows(rows, xplan, "ep")
 
-    add(
-        {"exchange": "exchange_plan", "pass": "fwd", "wire": "int32", "op": "exchange_plan"},
-        lambda plan: exchange_plan(plan, degree, "ep"),
-        inputs["plan"],
-    )
-
     def quantize_only(x):  # the part of the MXFP8 token sends that is not the exchange
         mx = quantize(x, axis=1, impl="auto")
         return mx.data, mx.scale
@@ -388,44 +435,60 @@ def exchange_cases(inputs: dict, mesh, plan_stats: dict, hidden: int) -> list[di
         quantize_only,
         inputs["tokens"],
     )
-    dense_inputs = {
-        ("tokens", "bf16"): (inputs["token_slots"],),
-        ("tokens", "mxfp8"): (inputs["token_slots_mxfp8"],),
-        ("rows", "bf16"): (inputs["outputs"],),
+    slots = {
+        ("tokens", "bf16"): inputs["token_slots"],
+        ("tokens", "mxfp8"): inputs["token_slots_mxfp8"],
+        ("rows", "bf16"): inputs["outputs"],
     }
-    for (buffer, wire), bufs in dense_inputs.items():
+    for (room, wire), buf in slots.items():
         record = {"exchange": "dense_all_to_all", "pass": "-", "wire": wire, "op": "all_to_all"}
-        add(record | sizes(buffer, wire), dense, *bufs)
+        for buffer in (room, f"{room}_payload"):
+            if buffer in buffers:
+                rows = degree * buffers[buffer][0]
+                add(record | sizes(buffer, wire), dense, buf[:, :rows])
     token_sends = {
         "bf16": ("send_tokens", send_bf16),
         "mxfp8": ("quantize+send_tokens", send_mxfp8),
     }
-    for exchange, direction, wire, source in (
-        ("dispatch", "fwd", "bf16", "tokens"),
-        ("dispatch", "fwd", "mxfp8", "tokens"),
-        ("dispatch", "bwd", "bf16", "row_grad"),
-        ("combine", "fwd", "bf16", "outputs"),
-        ("combine", "bwd", "bf16", "grad"),
-        ("combine", "bwd", "mxfp8", "grad"),
-    ):
-        sends = source in ("tokens", "grad")
-        op, fn = token_sends[wire] if sends else ("return_rows", back)
-        record = {
-            "exchange": exchange,
-            "pass": direction,
-            "wire": wire,
-            "op": op,
-            "includes_quantize": wire == "mxfp8",
-            "in_layer": IN_LAYER[(exchange, direction, wire)],
-            **sizes("tokens" if sends else "rows", wire),
-        }
-        add(record, fn, xplan, inputs[source])
+    for transport, pieces in variants:
+        label = variant_label(transport, pieces)
+        on_variant = dict(
+            transport=label, pieces_per_peer=pieces if transport == "ragged" else None
+        )
+        add(
+            {"exchange": "exchange_plan", "pass": "fwd", "wire": "int32", "op": "exchange_plan"}
+            | on_variant,
+            lambda plan, t=transport, u=pieces: exchange_plan(plan, degree, "ep", t, u),
+            inputs["plan"],
+        )
+        for exchange, direction, wire, source in (
+            ("dispatch", "fwd", "bf16", "tokens"),
+            ("dispatch", "fwd", "mxfp8", "tokens"),
+            ("dispatch", "bwd", "bf16", "row_grad"),
+            ("combine", "fwd", "bf16", "outputs"),
+            ("combine", "bwd", "bf16", "grad"),
+            ("combine", "bwd", "mxfp8", "grad"),
+        ):
+            sends = source in ("tokens", "grad")
+            op, fn = token_sends[wire] if sends else ("return_rows", back)
+            record = {
+                "exchange": exchange,
+                "pass": direction,
+                "wire": wire,
+                "op": op,
+                "includes_quantize": wire == "mxfp8",
+                "in_layer": IN_LAYER[(exchange, direction, wire)],
+                **on_variant,
+                **sizes("tokens" if sends else "rows", wire),
+            }
+            add(record, fn, inputs["xplans"][label], inputs[source])
     return cases
 
 
 def exchange_rates(records: list[dict]) -> None:
-    """Each timed exchange record's bus bandwidth, payload rate and ratio to the dense
-    all-to-all of the same buffer (shape and wire) and degree."""
+    """Each timed exchange record's bus bandwidth, payload rate, ratio to the dense all-to-all
+    of the same buffer (shape and wire) and degree (`ratio_to_dense`) and to the dense
+    all-to-all of its payload's bytes alone (`ratio_to_payload_all_to_all`; ep > 1)."""
     dense = {
         (r["ep"], r["buffer"], r["wire"]): r["ms"]
         for r in records
@@ -439,6 +502,9 @@ def exchange_rates(records: list[dict]) -> None:
         r["payload_GBps"] = r["payload_bytes"] / seconds / 1e9 if r["ep"] > 1 else None
         reference = dense.get((r["ep"], r["buffer"], r["wire"]))
         r["ratio_to_dense"] = r["ms"] / reference if reference else None
+        if r["exchange"] != "dense_all_to_all":
+            payload = dense.get((r["ep"], f"{r['buffer']}_payload", r["wire"]))
+            r["ratio_to_payload_all_to_all"] = r["ms"] / payload if payload else None
 
 
 # ---------------------------------------------------------------------------------- layer
@@ -600,21 +666,25 @@ def print_summary(result: dict) -> None:
     if result["exchange"]:
         print(
             "\n-- exchange per rank: ms (median), x dense = ms / dense all_to_all of a buffer of "
-            "the same shape and wire, bus GB/s, payload GB/s (MXFP8 token sends: quantize "
-            "included) --"
+            "the same shape and wire, x payload = ms / dense all_to_all of the payload's bytes "
+            "alone, bus GB/s, payload GB/s (MXFP8 token sends: quantize included) --"
         )
         print(
-            f"{'ep':>3s} {'case':24s} {'wire':6s} {'buffer':6s} {'ms':>9s} {'x dense':>8s} "
-            f"{'bus GB/s':>9s} {'payload':>8s}"
+            f"{'ep':>3s} {'case':24s} {'transport':10s} {'wire':6s} {'buffer':14s} {'ms':>9s} "
+            f"{'x dense':>8s} {'x payload':>9s} {'bus GB/s':>9s} {'payload':>8s}"
         )
         for r in result["exchange"]:
             name = f"{r['exchange']} {r['pass']}".replace(" -", "")
-            head = f"{r['ep']:3d} {name:24s} {r['wire']:6s} {r.get('buffer', '-'):6s}"
+            head = (
+                f"{r['ep']:3d} {name:24s} {r.get('transport', '-'):10s} {r['wire']:6s} "
+                f"{r.get('buffer', '-'):14s}"
+            )
             if "ms" not in r:
                 print(f"{head} FAILED {r.get('error', '')[:80]}")
                 continue
             print(
                 f"{head} {r['ms']:9.3f} {fmt(r.get('ratio_to_dense'), '8.2f'):>8s} "
+                f"{fmt(r.get('ratio_to_payload_all_to_all'), '9.2f'):>9s} "
                 f"{fmt(r.get('busbw_GBps'), '9.1f'):>9s} {fmt(r.get('payload_GBps'), '8.1f'):>8s}"
             )
     if result["layer"]:
@@ -658,12 +728,16 @@ def plot(result: dict, path: str) -> None:
     buffer_of = {
         p: "tokens" if p in (("dispatch", "fwd"), ("combine", "bwd")) else "rows" for p in passes
     }
-    bars = [  # (label, wire, dense?, colour)
-        ("bf16", "bf16", False, "tab:blue"),
-        ("dense bf16", "bf16", True, "lightsteelblue"),
-        ("MXFP8", "mxfp8", False, "tab:orange"),
-        ("dense MXFP8", "mxfp8", True, "navajowhite"),
+    palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+    bars = [  # (label, wire, transport variant (None: the dense all-to-all reference), colour)
+        ("dense a2a bf16", "bf16", None, "lightsteelblue"),
+        ("dense a2a MXFP8", "mxfp8", None, "navajowhite"),
     ]
+    for i, variant in enumerate(result.get("exchange_variants", ["dense"])):
+        bars += [
+            (f"bf16 {variant}", "bf16", variant, palette[2 * i % len(palette)]),
+            (f"MXFP8 {variant}", "mxfp8", variant, palette[(2 * i + 1) % len(palette)]),
+        ]
     width = 0.8 / len(bars)
     fig, axes = plt.subplots(
         1, len(degrees) + 1, figsize=(4.2 * (len(degrees) + 1), 4.5), squeeze=False
@@ -680,7 +754,8 @@ def plot(result: dict, path: str) -> None:
             None,
         )
         quantize_ms = (find(exchange="quantize") or {}).get("ms")
-        for i, (label, wire, is_dense, colour) in enumerate(bars):
+        for i, (label, wire, variant, colour) in enumerate(bars):
+            is_dense = variant is None
             xs, heights = [], []
             for j, (name, direction) in enumerate(passes):
                 r = (
@@ -688,7 +763,7 @@ def plot(result: dict, path: str) -> None:
                         exchange="dense_all_to_all", wire=wire, buffer=buffer_of[(name, direction)]
                     )
                     if is_dense
-                    else find(exchange=name, **{"pass": direction}, wire=wire)
+                    else find(exchange=name, **{"pass": direction}, wire=wire, transport=variant)
                 )
                 if r is not None and (not is_dense or find(exchange=name, wire=wire)):
                     xs.append(j + (i - (len(bars) - 1) / 2) * width)
@@ -703,7 +778,7 @@ def plot(result: dict, path: str) -> None:
                     hatch="//",
                     edgecolor="black",
                     linewidth=0,
-                    label="of which quantize",
+                    label="of which quantize" if variant == bars[3][2] else None,
                 )
         ax.set_xticks(range(len(passes)))
         ax.set_xticklabels(
@@ -802,7 +877,15 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--dispatch", default=",".join(WIRES), help="layer dispatch variants")
     parser.add_argument(
-        "--transports", default="dense", help="the expert-parallel layer steps' row transports"
+        "--transports",
+        default="dense",
+        help="row transports (`jaxmoe.exchange.TRANSPORTS`) of the exchange cases and layer steps",
+    )
+    parser.add_argument(
+        "--ragged-pieces",
+        default=str(PIECES_PER_PEER),
+        help="pieces a peer of the ragged transport's exchange cases, comma-separated (one "
+        "variant each; the layer steps take jaxmoe's PIECES_PER_PEER)",
     )
     parser.add_argument("--experts", default="bf16", choices=WIRES, help="routed experts")
     parser.add_argument("--parts", default=",".join(PARTS))
@@ -823,6 +906,13 @@ def main(argv=None) -> dict:
     degrees = [int(d) for d in args.ep.split(",")] if args.ep else default_degrees()
     args.dispatch = [w for w in args.dispatch.split(",") if w]
     args.transports = [t for t in args.transports.split(",") if t]
+    try:
+        ragged_pieces = [int(u) for u in args.ragged_pieces.split(",") if u]
+    except ValueError:
+        parser.error(f"--ragged-pieces {args.ragged_pieces!r}: comma-separated integers")
+    if not ragged_pieces or min(ragged_pieces) < 1:
+        parser.error(f"--ragged-pieces {args.ragged_pieces!r}: positive integers")
+    variants = exchange_variants(args.transports, ragged_pieces)
     parts = [p for p in args.parts.split(",") if p]
     for value, allowed in ((args.dispatch, WIRES), (parts, PARTS), (args.transports, TRANSPORTS)):
         if set(value) - set(allowed):
@@ -856,6 +946,7 @@ def main(argv=None) -> dict:
         experts=args.experts,
         dispatch_variants=args.dispatch,
         transports=args.transports,
+        exchange_variants=[variant_label(t, u) for t, u in variants],
         plans=[],
         plot=None,
         exchange=[],
@@ -891,9 +982,11 @@ def main(argv=None) -> dict:
             try:
                 config = layer_config(shape.config, "mxfp8", args.experts)
                 router = nnx.merge(graphdef, *weights[1:]).router
-                inputs, plan_stats = exchange_setup(shape, config, router, mesh, tokens_per_device)
+                inputs, plan_stats = exchange_setup(
+                    shape, config, router, mesh, tokens_per_device, variants
+                )
                 result["plans"].append(plan_stats)
-                cases = exchange_cases(inputs, mesh, plan_stats, shape.hidden_size)
+                cases = exchange_cases(inputs, mesh, plan_stats, shape.hidden_size, variants)
                 warm_and_time(cases, args)
                 result["exchange"] += [c["record"] for c in cases]
             except Exception as e:  # the other parts and degrees still run

@@ -129,13 +129,22 @@ def _pieces(starts, sizes, dest_starts, recv_sizes, pieces) -> Pieces:
 
 
 def exchange_plan(
-    plan: Plan, num_ranks: int, axis_name: str, transport: str = "dense"
+    plan: Plan,
+    num_ranks: int,
+    axis_name: str,
+    transport: str = "dense",
+    pieces_per_peer: int = PIECES_PER_PEER,
 ) -> ExchangePlan:
     """The exchange of `plan`'s buffer over the `axis_name` axis of `num_ranks` ranks (inside
     shard_map) by `transport` (`TRANSPORTS`). Sends the per-expert block sizes to their owners
-    (one small all_to_all; "ragged": two more, of block offsets)."""
+    (one small all_to_all; "ragged": two more, of block offsets). pieces_per_peer: about how
+    many pieces "ragged" cuts each peer's rows into (`PIECES_PER_PEER`; the same bits at any)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"exchange: transport must be one of {TRANSPORTS}, got {transport!r}")
+    if not isinstance(pieces_per_peer, int) or pieces_per_peer < 1:
+        raise ValueError(
+            f"exchange: pieces_per_peer must be a positive int, got {pieces_per_peer!r}"
+        )
     num_experts = plan.group_sizes.shape[0]
     if num_experts % num_ranks:
         raise ValueError(f"exchange: {num_experts} experts do not split over {num_ranks} ranks")
@@ -220,7 +229,7 @@ def exchange_plan(
     if transport == "ragged":
         # Rows: one run a block, (expert e) on the sender, (expert, source) on the receiver,
         # cut into pieces; each side learns the other's block offsets.
-        per_block = max(1, -(-PIECES_PER_PEER * num_ranks // num_experts))
+        per_block = max(1, -(-pieces_per_peer * num_ranks // num_experts))
         my_blocks = block_start[:num_experts]  # sender: block e of its buffer
         their_blocks = jax.lax.all_to_all(  # [source, local expert]: the source's offsets
             my_blocks.reshape(num_ranks, local_experts), axis_name, 0, 0, tiled=True
@@ -242,7 +251,7 @@ def exchange_plan(
             counts,
             jnp.full((num_ranks,), me * num_tokens, jnp.int32),
             jax.lax.all_to_all(counts, axis_name, 0, 0, tiled=True),
-            PIECES_PER_PEER,
+            pieces_per_peer,
         )
 
     return ExchangePlan(

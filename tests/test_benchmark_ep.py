@@ -32,6 +32,7 @@ CASES = {
 }
 DENSE = {("dense_all_to_all", "-", w, b) for w, b in (("bf16", "tokens"), ("mxfp8", "tokens"))}
 DENSE.add(("dense_all_to_all", "-", "bf16", "rows"))
+VARIANTS = ("dense", "ragged/4", "ragged/128")  # --transports dense,ragged --ragged-pieces 4,128
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
@@ -43,7 +44,7 @@ def positive(value) -> bool:
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep")
     argv = ["--shape", "tiny", "--ep", "1,2", "--repeats", str(REPEATS), "--min-window", "0.005"]
-    argv += ["--profile", "--transports", "dense,ragged"]
+    argv += ["--profile", "--transports", "dense,ragged", "--ragged-pieces", "4,128"]
     returned = ep_benchmark.main(argv + ["--tag", "test", "--out", str(out)])
     assert os.path.basename(returned["path"]).startswith("ep_")
     with open(returned["path"]) as f:
@@ -62,18 +63,24 @@ def test_environment_says_where_it_ran(result):
 
 
 def test_every_exchange_case_is_timed(result):
+    """Every exchange once per transport variant (the dense one, the ragged one at each
+    --ragged-pieces count); the dense all-to-all references, of the payload alone too at
+    ep > 1, once."""
     records = {
-        (r["ep"], r["exchange"], r["pass"], r["wire"], r.get("buffer")): r
+        (r["ep"], r["exchange"], r["pass"], r["wire"], r.get("buffer"), r.get("transport")): r
         for r in result["exchange"]
     }
     assert len(records) == len(result["exchange"])  # one record per key
+    assert result["exchange_variants"] == list(VARIANTS)
     expected = set()
     for d in DEGREES:
-        expected |= {
-            (d, "exchange_plan", "fwd", "int32", None),
-            (d, "quantize", "-", "mxfp8", None),
-        }
-        expected |= {(d, *case) for case in CASES | DENSE}
+        expected.add((d, "quantize", "-", "mxfp8", None, None))
+        for variant in VARIANTS:
+            expected.add((d, "exchange_plan", "fwd", "int32", None, variant))
+            expected |= {(d, *case, variant) for case in CASES}
+        expected |= {(d, *case, None) for case in DENSE}
+        if d > 1:
+            expected |= {(d, e, p, w, f"{b}_payload", None) for e, p, w, b in DENSE}
     assert set(records) == expected
     plans = {p["ep"]: p for p in result["plans"]}
     for key, r in records.items():
@@ -84,26 +91,33 @@ def test_every_exchange_case_is_timed(result):
             continue
         degree, plan = key[0], plans[key[0]]
         assert positive(r["ratio_to_dense"]), r
-        # The wire buffer: token slots [R * T, ...] for token sends, receiver rows [R * C, H].
-        per_peer = TOKENS if r["buffer"] == "tokens" else plan["buffer_rows"]
+        # The wire buffer: token slots [R * T, ...] for token sends, receiver rows [R * C, H];
+        # the payload references: the mean real rows leaving a rank, split over the peers.
+        room = r["buffer"].removesuffix("_payload")
+        payload = plan["tokens_to_peers_mean" if room == "tokens" else "real_rows_returned_mean"]
+        per_peer = TOKENS if room == "tokens" else plan["buffer_rows"]
+        if r["buffer"].endswith("_payload"):
+            per_peer = min(per_peer, -(-math.ceil(payload) // (degree - 1) // 8) * 8)
+            assert per_peer >= payload / (degree - 1)
         assert r["slot_rows"] == degree * per_peer
         assert r["buffer_bytes"] == degree * per_peer * r["row_bytes"]
         assert r["bus_bytes"] == (degree - 1) * per_peer * r["row_bytes"]
-        payload = plan[
-            "tokens_to_peers_mean" if r["buffer"] == "tokens" else "real_rows_returned_mean"
-        ]
         assert r["payload_rows"] == payload
         assert r["payload_bytes"] == pytest.approx(payload * r["row_bytes"])
         if r["exchange"] != "dense_all_to_all":  # the quantize is timed where the layer pays it
             assert r["includes_quantize"] == (r["wire"] == "mxfp8") and r["in_layer"], r
+            ragged = r["transport"].startswith("ragged/")
+            assert r["pieces_per_peer"] == (int(r["transport"].split("/")[1]) if ragged else None)
+            payload_ratio = r["ratio_to_payload_all_to_all"]
+            assert positive(payload_ratio) if degree > 1 else payload_ratio is None, r
         if degree == 1:  # nothing leaves the rank
             assert r["bus_bytes"] == 0 and r["busbw_GBps"] is None
         else:
             assert positive(r["busbw_GBps"]) and positive(r["payload_GBps"]), r
     # The wires differ only in the bytes per row (2H vs H + H/32); the returns are bf16 rows.
-    assert records[(2, "dispatch", "fwd", "bf16", "tokens")]["row_bytes"] == 2 * HIDDEN
-    assert records[(2, "dispatch", "fwd", "mxfp8", "tokens")]["row_bytes"] == HIDDEN + 2
-    assert records[(2, "combine", "fwd", "bf16", "rows")]["row_bytes"] == 2 * HIDDEN
+    assert records[(2, "dispatch", "fwd", "bf16", "tokens", "dense")]["row_bytes"] == 2 * HIDDEN
+    assert records[(2, "dispatch", "fwd", "mxfp8", "tokens", "dense")]["row_bytes"] == HIDDEN + 2
+    assert records[(2, "combine", "fwd", "bf16", "rows", "dense")]["row_bytes"] == 2 * HIDDEN
 
 
 def test_the_plans_count_what_leaves_a_rank(result):

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jaxmoe import MoEConfig, make_plan, route
 from jaxmoe.dispatch import dispatch
 from jaxmoe.exchange import (
+    PIECES_PER_PEER,
     Pieces,
     exchange_plan,
     ragged_all_to_all,
@@ -46,7 +47,7 @@ def local_logits(rank_seed: jax.Array, starve_last_rank: bool, num_ranks: int) -
     return logits
 
 
-def run(num_ranks: int, starve_last_rank=False, align=8, transport="dense"):
+def run(num_ranks: int, starve_last_rank=False, align=8, transport="dense", pieces=None):
     """Per rank: (local buffer rows, receiver buffer, rows back, group sizes, source sizes,
     local block sizes, the tokens sent deduplicated), stacked over ranks."""
     mesh = jax.make_mesh((num_ranks,), ("ep",), devices=jax.devices()[:num_ranks])
@@ -58,7 +59,7 @@ def run(num_ranks: int, starve_last_rank=False, align=8, transport="dense"):
         # Token t of rank r holds the values r * 1000 + t (+ column / 100): every row is unique.
         x = (rank[0] * 1000 + jnp.arange(TOKENS))[:, None] + jnp.arange(H) / 100.0
         rows = dispatch(x.astype(jnp.float32), plan, "xla")
-        xplan = exchange_plan(plan, num_ranks, "ep", transport)
+        xplan = exchange_plan(plan, num_ranks, "ep", transport, pieces or PIECES_PER_PEER)
         received = send_rows(rows, xplan, "ep")
         back = return_rows(received, xplan, "ep")
         tokens = send_tokens(x.astype(jnp.float32), xplan, "ep")
@@ -193,6 +194,19 @@ def test_ragged_transport_moves_the_same_rows(num_ranks, starve_last_rank):
     ragged = run(num_ranks, starve_last_rank, transport="ragged")
     for a, b in zip(ragged, dense, strict=True):
         assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("pieces", [1, 5, 1000])
+def test_ragged_transport_moves_the_same_rows_in_any_number_of_pieces(pieces):
+    """`exchange_plan(..., pieces_per_peer=)` (how finely the ragged transport cuts a peer's
+    rows: one piece a block, a few, more pieces than rows) changes nothing but the pieces;
+    nonsense is refused."""
+    dense = run(2)
+    for a, b in zip(run(2, transport="ragged", pieces=pieces), dense, strict=True):
+        assert_bitwise(a, b)
+    plan = make_plan(route(local_logits(0, False, 2), config()), config())
+    with pytest.raises(ValueError, match="pieces_per_peer must be a positive int"):
+        exchange_plan(plan, 2, "ep", "ragged", 0)
 
 
 def test_ragged_all_to_all_stands_in_with_the_primitives_semantics():
