@@ -442,9 +442,10 @@ class MoE(nnx.Module):
             aux = MoEAux(
                 load_balancing_loss=self._load_balancing_loss(logits, x.shape[:-1], flat_mask),
                 z_loss=routing_lib.z_loss(logits, config.z_loss_coeff, flat_mask),
-                tokens_per_expert=routing_lib.tokens_per_expert(
-                    routing, config.num_experts, flat_mask
-                ),
+                # Without padding the plan has counted the kept pairs already (no second pass).
+                tokens_per_expert=plan.tokens_per_group
+                if flat_mask is None
+                else routing_lib.tokens_per_expert(routing, config.num_experts, flat_mask),
             )
         stages = MoEStages(
             router_logits=logits,

@@ -96,11 +96,12 @@ def _rank_in_expert(slot_expert: jax.Array, num_experts: int) -> tuple[jax.Array
     per_block = jnp.sum(
         keys[:, :, None] == jnp.arange(num_experts + 1, dtype=keys.dtype), axis=1, dtype=jnp.int32
     )  # [blocks, E + 1]
-    before_block = jnp.cumsum(per_block, axis=0, dtype=jnp.int32) - per_block
+    through_block = jnp.cumsum(per_block, axis=0, dtype=jnp.int32)
+    before_block = through_block - per_block
     earlier = jnp.arange(RANK_BLOCK)[None, :] < jnp.arange(RANK_BLOCK)[:, None]  # [i, j]: j < i
     in_block = jnp.sum((keys[:, :, None] == keys[:, None, :]) & earlier, axis=2, dtype=jnp.int32)
     rank = jnp.take_along_axis(before_block, keys, axis=1) + in_block
-    tokens_per_group = jnp.sum(per_block[:, :num_experts], axis=0, dtype=jnp.int32)
+    tokens_per_group = through_block[-1, :num_experts]  # the counts through the last block
     return rank.reshape(-1)[:num_slots], tokens_per_group
 
 
