@@ -31,6 +31,7 @@ are summed on the token's own rank, in the single-device order.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -137,8 +138,9 @@ def exchange_plan(
 ) -> ExchangePlan:
     """The exchange of `plan`'s buffer over the `axis_name` axis of `num_ranks` ranks (inside
     shard_map) by `transport` (`TRANSPORTS`). Sends the per-expert block sizes to their owners
-    (one small all_to_all; "ragged": two more, of block offsets). pieces_per_peer: about how
-    many pieces "ragged" cuts each peer's rows into (`PIECES_PER_PEER`; the same bits at any)."""
+    with the rows' places in the token lists (one all_to_all; "ragged": one more, of where the
+    blocks land). pieces_per_peer: about how many pieces "ragged" cuts each peer's rows into
+    (`PIECES_PER_PEER`; the same bits at any)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"exchange: transport must be one of {TRANSPORTS}, got {transport!r}")
     if not isinstance(pieces_per_peer, int) or pieces_per_peer < 1:
@@ -166,10 +168,46 @@ def exchange_plan(
         num_ranks * num_rows,
     )
 
+    # Deduplicated token sends: the tokens with a kept slot on peer p, in token order.
+    num_tokens, num_slots = plan.slot_row.shape[0], plan.slot_row.size
+    slot_expert = jnp.where(
+        plan.slot_row < num_rows, plan.row_expert[jnp.minimum(plan.slot_row, num_rows - 1)], -1
+    )
+    slot_peer = jnp.where(slot_expert >= 0, slot_expert // local_experts, -1)  # [T, k]
+    to_peer = jnp.any(slot_peer[:, :, None] == ranks, axis=1)  # [T, R]
+    token_pos = _exclusive_cumsum(to_peer.astype(jnp.int32), axis=0)  # place in p's list
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    token_send = (
+        jnp.full((num_ranks, num_tokens), num_tokens, jnp.int32)
+        .at[ranks[None, :], jnp.where(to_peer, token_pos, num_tokens)]
+        .set(jnp.broadcast_to(tokens[:, None], to_peer.shape), mode="drop")
+    )
+    # Each local row's place in its owner's token list travels with the rows, as 1 + place
+    # (0: a padding row, whose receiver row stays zero; empty slots arrive as 0 too).
+    row_token = plan.row_slot // (num_slots // num_tokens)
+    row_pos = jnp.where(
+        row_token < num_tokens, token_pos[jnp.minimum(row_token, num_tokens - 1), owner] + 1, 0
+    )
+
+    # What each peer learns from this rank travels in one all_to_all, a row of int32 a peer:
+    # the block sizes of its experts, the rows' places in its token list (in the rows' slots)
+    # and, for "ragged", where its experts' blocks start here and how many tokens it gets.
+    to_each_peer = [plan.group_sizes.reshape(num_ranks, local_experts)]
+    if transport == "ragged":
+        counts = jnp.sum(to_peer, axis=0, dtype=jnp.int32)
+        my_blocks = block_start[:num_experts]  # sender: block e of its buffer
+        to_each_peer += [my_blocks.reshape(num_ranks, local_experts), counts[:, None]]
+    to_each_peer.append(_take(row_pos[:, None], send_row)[:, 0].reshape(num_ranks, num_rows))
+    widths = [a.shape[1] for a in to_each_peer]
+    from_each_source = jnp.split(
+        jax.lax.all_to_all(jnp.concatenate(to_each_peer, axis=1), axis_name, 0, 0, tiled=True),
+        list(itertools.accumulate(widths[:-1])),
+        axis=1,
+    )
+    source_sizes = from_each_source[0]  # [source, local expert]
+    pos_slots = from_each_source[-1].reshape(-1, 1)  # [R * C, 1]: slot s * C + c from source s
+
     # Receiver: blocks (expert e, source s) in order e-major, s-minor.
-    source_sizes = jax.lax.all_to_all(
-        plan.group_sizes.reshape(num_ranks, local_experts), axis_name, 0, 0, tiled=True
-    )  # [source, local expert]
     source_offset = _exclusive_cumsum(source_sizes, axis=1)  # where (s, e) starts in s's slots
     blocks = source_sizes.T.reshape(-1)  # [(e, s)]
     dest_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(blocks)])
@@ -197,30 +235,7 @@ def exchange_plan(
         - source_offset[slot_source, slot_expert],
         total,
     )
-    # Deduplicated token sends: the tokens with a kept slot on peer p, in token order.
-    num_tokens, num_slots = plan.slot_row.shape[0], plan.slot_row.size
-    slot_expert = jnp.where(
-        plan.slot_row < num_rows, plan.row_expert[jnp.minimum(plan.slot_row, num_rows - 1)], -1
-    )
-    slot_peer = jnp.where(slot_expert >= 0, slot_expert // local_experts, -1)  # [T, k]
-    to_peer = jnp.any(slot_peer[:, :, None] == ranks, axis=1)  # [T, R]
-    token_pos = _exclusive_cumsum(to_peer.astype(jnp.int32), axis=0)  # place in p's list
-    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    token_send = (
-        jnp.full((num_ranks, num_tokens), num_tokens, jnp.int32)
-        .at[ranks[None, :], jnp.where(to_peer, token_pos, num_tokens)]
-        .set(jnp.broadcast_to(tokens[:, None], to_peer.shape), mode="drop")
-    )
-    # Each local row's place in its owner's token list travels with the rows.
-    row_token = plan.row_slot // (num_slots // num_tokens)
-    # Each local row's place in its owner's token list travels with the rows, as 1 + place
-    # (0: a padding row, whose receiver row stays zero; empty slots arrive as 0 too).
-    row_pos = jnp.where(
-        row_token < num_tokens, token_pos[jnp.minimum(row_token, num_tokens - 1), owner] + 1, 0
-    )
-    received_pos = _take(
-        _all_to_all(_take(row_pos[:, None], send_row), num_ranks, axis_name), recv_slot
-    )[:, 0]
+    received_pos = _take(pos_slots, recv_slot)[:, 0]
     recv_token = jnp.where(
         real & (received_pos > 0), source * num_tokens + received_pos - 1, num_ranks * num_tokens
     )
@@ -228,12 +243,10 @@ def exchange_plan(
     ragged = {}
     if transport == "ragged":
         # Rows: one run a block, (expert e) on the sender, (expert, source) on the receiver,
-        # cut into pieces; each side learns the other's block offsets.
+        # cut into pieces; each side learns the other's block offsets (the sender's came with
+        # the sizes; where they land here goes back in a second all_to_all).
         per_block = max(1, -(-pieces_per_peer * num_ranks // num_experts))
-        my_blocks = block_start[:num_experts]  # sender: block e of its buffer
-        their_blocks = jax.lax.all_to_all(  # [source, local expert]: the source's offsets
-            my_blocks.reshape(num_ranks, local_experts), axis_name, 0, 0, tiled=True
-        ).reshape(-1)
+        their_blocks = from_each_source[1].reshape(-1)  # [source, local expert]
         landing = dest_start[:-1].reshape(local_experts, num_ranks).T  # [source, local expert]
         lands_at = jax.lax.all_to_all(landing, axis_name, 0, 0, tiled=True).reshape(-1)
         received = landing.reshape(-1)
@@ -244,13 +257,12 @@ def exchange_plan(
             received, source_sizes.reshape(-1), their_blocks, plan.group_sizes, per_block
         )
         # Tokens: each peer's list, from token slot p * T on, lands at slot me * T there.
-        counts = jnp.sum(to_peer, axis=0, dtype=jnp.int32)
         me = jax.lax.axis_index(axis_name)
         ragged["token_pieces"] = _pieces(
             ranks * num_tokens,
             counts,
             jnp.full((num_ranks,), me * num_tokens, jnp.int32),
-            jax.lax.all_to_all(counts, axis_name, 0, 0, tiled=True),
+            from_each_source[2].reshape(-1),
             pieces_per_peer,
         )
 

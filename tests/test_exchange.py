@@ -196,6 +196,24 @@ def test_ragged_transport_moves_the_same_rows(num_ranks, starve_last_rank):
         assert_bitwise(a, b)
 
 
+@pytest.mark.parametrize("transport, collectives", [("dense", 1), ("ragged", 2)])
+def test_the_plan_takes_one_all_to_all_and_ragged_one_more(transport, collectives):
+    """`exchange_plan` sends each peer what it learns from this rank (block sizes, the rows'
+    token places; for "ragged" the block offsets and token counts) in one all_to_all; "ragged"
+    then sends back where the blocks land (it depends on the first). A collective's latency
+    is what these small transfers cost."""
+    num_ranks = 4
+    mesh = jax.make_mesh((num_ranks,), ("ep",), devices=jax.devices()[:num_ranks])
+
+    def body(rank):
+        plan = make_plan(route(local_logits(rank[0], False, num_ranks), config()), config())
+        return exchange_plan(plan, num_ranks, "ep", transport).recv_token[None]
+
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    jaxpr = jax.make_jaxpr(sharded)(rank_ids(mesh)).jaxpr
+    assert [e.primitive.name for e in equations(jaxpr)].count("all_to_all") == collectives
+
+
 @pytest.mark.parametrize("pieces", [1, 5, 1000])
 def test_ragged_transport_moves_the_same_rows_in_any_number_of_pieces(pieces):
     """`exchange_plan(..., pieces_per_peer=)` (how finely the ragged transport cuts a peer's
