@@ -1,6 +1,7 @@
 """The layer over a mesh of 8 host devices (`jaxmoe.expert_parallel`): y, the auxiliary losses, d x
 and every parameter gradient have the same bits at expert-parallel degrees 1, 2, 4 and 8 (bf16
-and MXFP8 on the wire; FP8-blockwise experts and wire at 1 and 8); y equals the single-device
+and MXFP8 on the wire; FP8-blockwise experts and wire at 1 and 8; DeepSeek-V3-style routing
+at 1, 4 and 8); y equals the single-device
 layer on each rank's tokens, and the gradients equal its gradients within rounding (they are
 summed over the ranks in another, fixed, order)."""
 
@@ -22,6 +23,7 @@ from jaxmoe.expert_parallel import (
     place_on_mesh,
 )
 from jaxmoe.ordered import sum_in_order
+from jaxmoe.shapes import MXFP8_OPTIONS, TINY_SHAPES
 
 from bitwise import assert_bitwise, differs
 
@@ -180,6 +182,22 @@ def test_blockwise_experts_same_bits_at_every_degree():
     for rank in (0, 7):
         assert_bitwise(np.asarray(y1)[rank : rank + 1], np.asarray(model(x[rank : rank + 1])[0]))
     model.experts.fc2_kernel[...] = model.experts.fc2_kernel[...].at[-1].multiply(2)
+    assert differs(np.asarray(step(model, x, cotangent, mesh_for(8))[0]), np.asarray(y1))
+
+
+def test_deepseek_v3_style_routing_same_bits_at_4_and_8():
+    """The DeepSeek-V3-style layer of issue 18 at tiny sizes (`jaxmoe.shapes.TINY_SHAPES`
+    "tiny_deepseek": 16 experts, top-4 sigmoid scores over 4 groups / top-2, an expert bias,
+    fp32 router, sequence aux loss, a gated shared expert) with MXFP8 on the wire: y, aux, d x
+    and every gradient at ep = 4 and 8 bitwise ep = 1. Control: a changed expert bias (routing
+    only) changes y."""
+    config = TINY_SHAPES["tiny_deepseek"].config.replace(**MXFP8_OPTIONS)
+    config = config.replace(expert_precision="bf16")  # the wire in MXFP8, the experts in bf16
+    model, x, cotangent = make(config)
+    bias = jax.random.normal(jax.random.key(3), (config.num_experts,)) * 0.1
+    model.router.expert_bias[...] = bias.astype(jnp.float32)
+    y1 = assert_same_bits_at_every_degree(model, x, cotangent, degrees=(1, 4, 8))[0]
+    model.router.expert_bias[...] = jnp.roll(model.router.expert_bias[...], 1)
     assert differs(np.asarray(step(model, x, cotangent, mesh_for(8))[0]), np.asarray(y1))
 
 
