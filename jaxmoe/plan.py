@@ -86,20 +86,26 @@ def _rank_in_expert(slot_expert: jax.Array, num_experts: int) -> tuple[jax.Array
     """For slot_expert [S] (values 0..E, E = dropped): each slot's number of earlier slots with
     the same value [S], and the slots per expert [E]. Slots are counted in blocks of RANK_BLOCK:
     the blocks' per-expert counts summed over earlier blocks, plus the earlier slots of the
-    slot's own block (a RANK_BLOCK x RANK_BLOCK comparison), all in int32."""
+    slot's own block (one comparison of each block's slots with the E + 1 values and with
+    themselves), all in int32."""
     num_slots = slot_expert.shape[0]
     num_blocks = -(-num_slots // RANK_BLOCK)
     keys = jnp.pad(
         slot_expert, (0, num_blocks * RANK_BLOCK - num_slots), constant_values=num_experts
     )
     keys = keys.reshape(num_blocks, RANK_BLOCK)
-    per_block = jnp.sum(
-        keys[:, :, None] == jnp.arange(num_experts + 1, dtype=keys.dtype), axis=1, dtype=jnp.int32
-    )  # [blocks, E + 1]
+    # One count over each block's slots j answers both (one reduction, one kernel on the GPU):
+    # row v <= E counts the block's slots of value v, row E + 1 + i the slots j < i that have
+    # slot i's value.
+    num_values = num_experts + 1
+    values = jnp.broadcast_to(jnp.arange(num_values, dtype=keys.dtype), (num_blocks, num_values))
+    wanted = jnp.concatenate([values, keys], axis=1)  # [blocks, E + 1 + RANK_BLOCK]
+    row = jnp.arange(num_values + RANK_BLOCK)[:, None] - num_values  # < 0: a value's row
+    counted = (row < 0) | (jnp.arange(RANK_BLOCK)[None, :] < row)  # [rows, j]
+    counts = jnp.sum((keys[:, None, :] == wanted[:, :, None]) & counted, axis=2, dtype=jnp.int32)
+    per_block, in_block = counts[:, :num_values], counts[:, num_values:]
     through_block = jnp.cumsum(per_block, axis=0, dtype=jnp.int32)
     before_block = through_block - per_block
-    earlier = jnp.arange(RANK_BLOCK)[None, :] < jnp.arange(RANK_BLOCK)[:, None]  # [i, j]: j < i
-    in_block = jnp.sum((keys[:, :, None] == keys[:, None, :]) & earlier, axis=2, dtype=jnp.int32)
     rank = jnp.take_along_axis(before_block, keys, axis=1) + in_block
     tokens_per_group = through_block[-1, :num_experts]  # the counts through the last block
     return rank.reshape(-1)[:num_slots], tokens_per_group

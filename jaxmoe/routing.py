@@ -26,6 +26,7 @@ from flax import struct
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.ops.dense import dense
+from jaxmoe.ops.device import on_gpu
 from jaxmoe.ordered import broadcast_in_order, sum_in_order
 
 F32 = jnp.float32
@@ -57,10 +58,14 @@ def router_logits(
 
 
 def _divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
-    """A true IEEE division. XLA rewrites x / broadcast(d) into x * (1 / d), which rounds twice
-    (0.5 / 1.0 style ties come out one ulp low); the barrier keeps the division."""
+    """A true IEEE division. XLA:CPU rewrites x / broadcast(d) into x * (1 / d), which rounds
+    twice (0.5 / 1.0 style ties come out one ulp low); there a barrier keeps the division.
+    XLA:GPU keeps the division as written (seen in the compiled Hopper program), where the
+    barrier would only cost a kernel that writes the broadcast out."""
     spread = broadcast_in_order(denominator, numerator.shape)
-    return numerator / jax.lax.optimization_barrier(spread)
+    if not on_gpu():
+        spread = jax.lax.optimization_barrier(spread)
+    return numerator / spread
 
 
 def _shifted_exp(logits: jax.Array) -> jax.Array:
