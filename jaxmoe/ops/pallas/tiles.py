@@ -124,19 +124,21 @@ def row_tiles_xla(
 ) -> RowTiles:
     """`row_tiles` in XLA ops, on any device and at trace time.
 
-    Written for XLA's fusion on the GPU: three reductions, each of a comparison of every
-    position with every group summed along the groups (no prefix-sum kernel, search or
-    gather): (1) each group's first and end row, (2) the tile bounds, (3) each tile's
-    fields as a sum of its one owner's values (a group, the zero region, or, past all tiles,
-    "unused"). Each pass stacks its outputs on a leading axis, one reduction a pass, and the
-    kernels read the stacked arrays as they are. (XLA on the H200 still makes five reduce
-    kernels of the three: `benchmarks/results/decode_2026-12-03_s30_fields.json`.)"""
+    Written for XLA's fusion on the GPU, in three passes: (1) each group's first and end row
+    from the running sum of the sizes, the same `jnp.cumsum` as the layer plan's block starts
+    (`jaxmoe.plan.make_plan`), which XLA computes once for both when the groups are the plan's
+    experts; (2) the tile bounds and (3) each tile's fields as a sum of its one owner's values
+    (a group, the zero region, or, past all tiles, "unused"), each a comparison of every
+    position with every owner summed along the owners (no search or gather). Each pass
+    stacks its outputs on a leading axis, one reduction a pass, and the kernels read the
+    stacked arrays as they are. (Compiled for Hopper, qwen3_30b's MXFP8 decode forward: three
+    kernels for the row tiles of both GEMMs, none for (1).)"""
     num_groups = group_sizes.shape[0]
     sizes = group_sizes.astype(jnp.int32)
     group = jnp.arange(num_groups + 1, dtype=jnp.int32)  # the last one: the zero region
-    before = group[:, None] > group[None, :num_groups]
-    upto = before | (group[:, None] == group[None, :num_groups])
-    starts, through = jnp.sum(jnp.where(jnp.stack([before, upto]), sizes, 0), axis=2)
+    through_groups = jnp.cumsum(sizes)
+    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), through_groups])
+    through = jnp.concatenate([through_groups, through_groups[-1:]])
     ends = jnp.where(group < num_groups, through, num_rows)
     anchors = starts - starts % row_align
     tiles_per_group = jnp.where(ends > starts, cdiv(ends - anchors, tile_m), 0)
