@@ -1,13 +1,12 @@
-"""The route "auto" takes on an H200, checked on the CPU: `jaxmoe.ops.device` is made to answer
-for a simulated H200 while the training step and the MXFP8 inference forward are traced at
-real shapes (abstract weights, so nothing is allocated or run). Their Pallas kernels, by name
+"""The route "auto" takes on an H200, checked on the CPU: `jaxmoe.ops.device` answers for a
+simulated H200 (`compiling_for`) while the training step and the MXFP8 inference forward are
+traced at real shapes (abstract weights, so nothing is allocated or run). Their Pallas kernels, by name
 and count, are the ones docs/kernels.md describes; no matmul is left to XLA (on the GPU:
 cuBLAS, whose kernel choice depends on the batch); the dispatch kernel moves only whole token
 rows (a wire copy's scale rows stay on XLA's gather). The GPU suite runs these routes; this
 catches a changed route before it reaches the GPU."""
 
 import collections
-import types
 
 import jax
 import jax.numpy as jnp
@@ -31,11 +30,11 @@ class SimulatedH200:
 
 
 @pytest.fixture
-def simulated_h200(monkeypatch):
-    monkeypatch.setattr(
-        jaxmoe.ops.device, "jax", types.SimpleNamespace(devices=lambda *_: [SimulatedH200()])
-    )
-    assert jaxmoe.ops.device.on_hopper() and jaxmoe.ops.device.num_sms() == 132
+def simulated_h200():
+    with jaxmoe.ops.device.compiling_for(SimulatedH200()):
+        assert jaxmoe.ops.device.on_hopper() and jaxmoe.ops.device.num_sms() == 132
+        yield
+    assert not jaxmoe.ops.device.on_gpu()
 
 
 TRAINING_TOKENS = 512

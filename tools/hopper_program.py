@@ -1,0 +1,167 @@
+"""The program XLA builds for an H200 from jaxmoe's layer, compiled on a machine without a GPU:
+the kernels it launches, in order (XLA's fusions, sorts and scatters, and the Pallas kernels,
+which appear as custom calls), and its HLO. For counting and naming kernels between GPU runs;
+times still come from the GPU (benchmarks/).
+
+    JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=. <python> \\
+        tools/hopper_program.py [--shape qwen3_30b] [--tokens 64] [--precision mxfp8]
+        [--step inference|train] [--hlo FILE]
+
+<python>: a Python 3.12 whose JAX has the CUDA plugin, e.g. a separate environment made with
+`pip install "jax[cuda13]==0.11.2" flax` (about 4 GB; no GPU or driver needed). JAX_PLATFORMS
+keeps JAX's own work on the CPU, JAX_SKIP_CUDA_CONSTRAINTS_CHECK lets the plugin load without a
+driver. The program is compiled for a compile-only device of `jax.experimental.topologies`
+described by `H200_TARGET` (XLA's GpuTargetConfigProto); jaxmoe makes its choices for that
+device (`jaxmoe.ops.device.compiling_for`), so the Pallas kernels are the ones an H200 runs.
+
+--step inference: the layer's forward, (y, the token counts), as `benchmarks/decode.py` times
+it (--precision mxfp8: `jaxmoe.mxfp8_inference`'s layer). --step train: the value and gradient
+(w.r.t. the parameters and x) of sum(y) + the auxiliary losses, in the shape's precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+H200_TARGET = """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 150754820096
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 feature_extension: ACCELERATED_FEATURES }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  thread_dim_limit_x: 1024
+  thread_dim_limit_y: 1024
+  thread_dim_limit_z: 64
+  device_vendor: "NVIDIA Corporation"
+  platform_version: "Compute Capability 9.0a"
+  device_address_bits: 64
+  name: "NVIDIA H200"
+  driver_version: "13.0.0"
+  runtime_version: "13.0.0"
+  compile_time_toolkit_version: "13.0.0"
+  dnn_version: "9.10.0"
+  cub_version: "3.1.2"
+}
+platform_name: "CUDA"
+device_description_str: "NVIDIA H200"
+"""
+
+# Instructions of the entry computation that launch work on the GPU (the rest are parameters,
+# tuples, bitcasts and constants, which move no data).
+LAUNCHING = ("fusion", "custom-call", "sort", "scatter", "gather", "reduce", "copy", "while")
+_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][\w-]*)\(")
+
+
+def launches(hlo_text: str) -> list[dict]:
+    """The entry computation's launching instructions of a compiled module's HLO text, in
+    order: name, opcode, result shape and the op_name of its metadata ('' without)."""
+    entry = hlo_text[hlo_text.index("\nENTRY") :]
+    found = []
+    for line in entry.splitlines()[1:]:
+        m = _INSTRUCTION.match(line)
+        if m is None or m.group(3) not in LAUNCHING:
+            continue
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        found.append(
+            dict(
+                name=m.group(1),
+                opcode=m.group(3),
+                shape=m.group(2),
+                op_name=op_name.group(1) if op_name else "",
+            )
+        )
+    return found
+
+
+def hopper_device():
+    """A compile-only H200 (`H200_TARGET`); needs JAX's CUDA plugin."""
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(
+        platform="cuda", topology_name="", topology="1x1x1", target_config=H200_TARGET
+    )
+    return topology.devices[0]
+
+
+def program(shape_name: str, tokens: int, precision: str, step: str, device) -> str:
+    """The compiled HLO text of the layer's `step` at `shape_name` with `tokens` tokens, for
+    `device`."""
+    from jaxmoe.inference import mxfp8_inference
+    from jaxmoe.moe import MoE
+    from jaxmoe.ops.device import compiling_for
+    from jaxmoe.shapes import SHAPES
+
+    shape = SHAPES[shape_name].with_precision(precision)
+    inference = step == "inference" and precision == "mxfp8"
+
+    def build():
+        layer = MoE(shape.config, shape.hidden_size, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        return mxfp8_inference(layer) if inference else layer
+
+    on_device = jax.sharding.SingleDeviceSharding(device)
+    abstract = lambda tree: jax.tree.map(  # noqa: E731
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device), tree
+    )
+    graphdef, params, rest = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
+    x = jax.ShapeDtypeStruct((1, tokens, shape.hidden_size), jnp.bfloat16, sharding=on_device)
+
+    def forward(params, x, rest):
+        return nnx.merge(graphdef, params, rest)(x)
+
+    if step == "inference":
+        fn = lambda params, x, rest: (lambda y, aux: (y, aux.tokens_per_expert))(  # noqa: E731
+            *forward(params, x, rest)
+        )
+    else:
+
+        def loss(params, x, rest):
+            y, aux = forward(params, x, rest)
+            return jnp.sum(y.astype(jnp.float32)) + aux.total_loss
+
+        fn = jax.value_and_grad(loss, argnums=(0, 1))
+    with compiling_for(device):
+        traced = jax.jit(fn).trace(abstract(params), x, abstract(rest))
+    return traced.lower().compile().as_text()
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3_30b")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--precision", default="mxfp8", choices=["bf16", "mxfp8", "fp8_blockwise"])
+    parser.add_argument("--step", default="inference", choices=["inference", "train"])
+    parser.add_argument("--hlo", help="also write the compiled HLO text here")
+    args = parser.parse_args(argv)
+    text = program(args.shape, args.tokens, args.precision, args.step, hopper_device())
+    if args.hlo:
+        with open(args.hlo, "w") as f:
+            f.write(text)
+    found = launches(text)
+    print(f"{args.shape} {args.step} {args.precision}, {args.tokens} tokens: {len(found)} launches")
+    for k in found:
+        print(f"  {k['name']:40s} {k['opcode']:12s} {k['shape'][:48]:48s} {k['op_name'][-60:]}")
+    return found
+
+
+if __name__ == "__main__":
+    sys.exit(main() is None)
