@@ -203,7 +203,7 @@ class _OrderedCopies:
                 if n == 1:
                     return local[0].astype(like.dtype)
                 every = jax.lax.all_gather(local[0], axes, axis=0)
-                return sum_in_order(every.astype(jnp.float32), axis=0).astype(like.dtype)
+                return sum_in_order(every.astype(jnp.float32), axis=0, dtype=like.dtype)
 
             return jax.shard_map(
                 rank_sum,

@@ -23,7 +23,12 @@ from jax import lax
 
 
 def sum_in_order(
-    x: jax.Array, axis: int = 0, *, keepdims: bool = False, levels_per_pass: int | None = None
+    x: jax.Array,
+    axis: int = 0,
+    *,
+    keepdims: bool = False,
+    levels_per_pass: int | None = None,
+    dtype=None,
 ) -> jax.Array:
     """The sum of x along `axis` as a pairwise tree fixed by the axis length n: each level adds
     neighbours, element 2i to element 2i + 1, and an odd n carries its last element to the next
@@ -35,20 +40,24 @@ def sum_in_order(
     as many remain (the same tree and bits; each GPU thread then adds at most 2^levels_per_pass
     elements instead of walking the whole axis).
 
+    dtype: the result rounded once to it (None: x's dtype), inside the barrier, so that the
+    rounding is fused with the last adds rather than a pass of its own over the sum.
+
     Bitwise the same in every compilation and on every backend that rounds each fp add
     (XLA does not reassociate float adds); its error bound is a pairwise sum's, log2(n) ulps."""
     x = jnp.asarray(x)
     axis = axis % x.ndim if x.ndim else 0
+    dtype = jnp.dtype(dtype or x.dtype)
     if x.shape[axis] == 0:
-        out = jnp.zeros(x.shape[:axis] + x.shape[axis + 1 :], x.dtype)
+        out = jnp.zeros(x.shape[:axis] + x.shape[axis + 1 :], dtype)
         return jnp.expand_dims(out, axis) if keepdims else out
-    out = _tree_sum(x, axis, levels_per_pass)
+    out = _tree_sum(x, axis, levels_per_pass, dtype)
     return out if keepdims else jnp.squeeze(out, axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _tree_sum(x, axis, levels_per_pass):
-    """The tree of `sum_in_order` along a non-empty axis, kept (size 1)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _tree_sum(x, axis, levels_per_pass, dtype):
+    """The tree of `sum_in_order` along a non-empty axis, kept (size 1), in `dtype`."""
     n = x.shape[axis]
     level = 0
     while n > 1:
@@ -61,18 +70,18 @@ def _tree_sum(x, axis, levels_per_pass):
         x, n, level = pairs, half + n % 2, level + 1
         if levels_per_pass and level % levels_per_pass == 0 and n >= 2**levels_per_pass:
             x = lax.optimization_barrier(x)
-    return lax.optimization_barrier(x)
+    return lax.optimization_barrier(x.astype(dtype))
 
 
-def _tree_sum_fwd(x, axis, levels_per_pass):
-    return _tree_sum(x, axis, levels_per_pass), jnp.zeros((x.shape[axis], 0), x.dtype)
+def _tree_sum_fwd(x, axis, levels_per_pass, dtype):
+    return _tree_sum(x, axis, levels_per_pass, dtype), jnp.zeros((x.shape[axis], 0), x.dtype)
 
 
-def _tree_sum_bwd(axis, levels_per_pass, length, g):
+def _tree_sum_bwd(axis, levels_per_pass, dtype, length, g):
     """Every element's derivative is exactly 1: the gradient is g spread over the axis (not the
-    transposed tree, pads and adds that XLA evaluates for every element)."""
+    transposed tree, pads and adds that XLA evaluates for every element), in x's dtype."""
     shape = g.shape[:axis] + (length.shape[0],) + g.shape[axis + 1 :]
-    return (jnp.broadcast_to(g, shape),)
+    return (jnp.broadcast_to(g.astype(length.dtype), shape),)
 
 
 _tree_sum.defvjp(_tree_sum_fwd, _tree_sum_bwd)

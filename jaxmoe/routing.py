@@ -111,7 +111,7 @@ def _top_k(scores: jax.Array, k: int, num_groups: int | None, group_topk: int | 
     num_tokens, num_experts = scores.shape
     grouped = scores.reshape(num_tokens, num_groups, num_experts // num_groups)
     best_in_group = jax.lax.top_k(grouped, k // group_topk)[0]
-    group_scores = sum_in_order(best_in_group.astype(F32), axis=-1).astype(scores.dtype)
+    group_scores = sum_in_order(best_in_group.astype(F32), axis=-1, dtype=scores.dtype)
     chosen_groups = jax.lax.top_k(group_scores, group_topk)[1]
     group_allowed = jnp.any(chosen_groups[:, :, None] == jnp.arange(num_groups), axis=1)
     allowed = jnp.repeat(group_allowed, num_experts // num_groups, axis=1)

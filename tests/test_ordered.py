@@ -107,6 +107,24 @@ def test_gradient_is_elementwise():
     assert not primitives & {"reduce_sum", "cumsum"}
 
 
+def test_rounded_to_a_dtype_inside_the_barrier():
+    """dtype=: the fp32 tree rounded once, the bits of rounding the sum after it, with the
+    rounding before the barrier (fusable with the adds); the gradient keeps x's dtype; an
+    empty axis gives zeros of that dtype."""
+    x = jax.random.normal(jax.random.key(0), (5, 7, 3), F32) * 1e3
+    rounded = sum_in_order(x, axis=1, dtype=jnp.bfloat16)
+    assert rounded.dtype == jnp.bfloat16
+    assert_bitwise(np.asarray(rounded), np.asarray(sum_in_order(x, axis=1).astype(jnp.bfloat16)))
+    assert differs(np.asarray(rounded, F32), np.asarray(sum_in_order(x, axis=1)))  # rounded
+    jaxpr = jax.make_jaxpr(lambda x: sum_in_order(x, axis=1, dtype=jnp.bfloat16))(x)
+    names = [e.primitive.name for e in jaxpr.eqns[0].params["call_jaxpr"].eqns]
+    assert names.index("convert_element_type") < names.index("optimization_barrier")
+    grad = jax.grad(lambda x: jnp.sum(sum_in_order(x, axis=1, dtype=jnp.bfloat16), dtype=F32))(x)
+    assert grad.dtype == F32 and np.all(np.asarray(grad) == 1)
+    empty = sum_in_order(jnp.zeros((4, 0)), axis=1, dtype=jnp.bfloat16)
+    assert empty.dtype == jnp.bfloat16 and empty.shape == (4,) and not np.asarray(empty).any()
+
+
 def float_sums_over(fn, *args, axis_size: int) -> list[str]:
     """Float reduce_sum equations in fn's jaxpr (and its gradient's) that reduce an axis of
     length `axis_size` (the tokens, chosen to differ from every other dimension)."""

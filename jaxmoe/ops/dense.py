@@ -168,7 +168,7 @@ def _dense_pallas_bwd(out_dtype, residuals, grad):
         d_w = part_w if d_w is None else d_w + part_w
     d_x = d_x[:, : x.shape[1]].astype(x.dtype)
     d_w = d_w[: w.shape[0], : w.shape[1]].astype(w.dtype)
-    d_bias = None if bias is None else sum_in_order(grad.astype(F32)).astype(bias.dtype)
+    d_bias = None if bias is None else sum_in_order(grad.astype(F32), dtype=bias.dtype)
     return d_x, d_w, d_bias
 
 

@@ -117,7 +117,7 @@ def sum_group_partials(partials: jax.Array, groups_per_weight: int, dtype) -> ja
     if groups_per_weight == 1:
         return partials.astype(dtype)
     grouped = partials.reshape((-1, groups_per_weight) + partials.shape[1:])
-    return sum_in_order(grouped.astype(jnp.float32), axis=1).astype(dtype)
+    return sum_in_order(grouped.astype(jnp.float32), axis=1, dtype=dtype)
 
 
 def tgmm(
