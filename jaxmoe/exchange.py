@@ -24,8 +24,8 @@ backward pass) travel deduplicated (`send_tokens`): each token once to each rank
 of its experts (room for all T tokens per peer), and the receiver copies it into the rows of
 those experts; a quantized copy's data and scale rows travel packed as one row of bytes
 (`jaxmoe.wire.pack_rows`). The other direction cannot be deduplicated without summing a
-token's rows on the expert side, so the expert outputs (and the dispatch's gradient) come back row by row and
-are summed on the token's own rank, in the single-device order.
+token's rows on the expert side, so the expert outputs (and the dispatch's gradient) come
+back row by row and are summed on the token's own rank, in the single-device order.
 """
 
 from __future__ import annotations
