@@ -426,14 +426,17 @@ def test_gpu_in_kernel_dequantization_equals_dequantizing_first_bitwise():
         lhs_q, rhs_q = operands(m, k, n, g, seed=11)
         sizes = jnp.asarray(np.random.default_rng(1).multinomial(m - 40, np.ones(g) / g), jnp.int32)
         run = functools.partial(gmm_mxtensor, lhs_q, rhs_q, sizes, impl="pallas")
-        out = {
-            strategy: bits(run(strategy=strategy))
+        results = {
+            strategy: run(strategy=strategy)
             for strategy in ("dequantize", "fused_dequantize", "decode", "fp8_wgmma")
         }
+        out = {strategy: bits(result) for strategy, result in results.items()}
         np.testing.assert_array_equal(out["fused_dequantize"], out["dequantize"])
         np.testing.assert_array_equal(out["decode"], out["dequantize"])
         assert differs(out["fp8_wgmma"], out["dequantize"])
-        plain = dataclasses.replace(default_decode_config(m, k, n, g), balance_ctas=False)
+        plain = dataclasses.replace(
+            default_decode_config(m, k, n, g, results["decode"].dtype), balance_ctas=False
+        )
         for config, tiled in [(None, tile_weights(rhs_q.data)), (plain, None)]:
             decode = run(strategy="decode", config=config, rhs_tiled=tiled)
             np.testing.assert_array_equal(bits(decode), out["dequantize"])

@@ -169,17 +169,19 @@ def test_decode_forward_reads_the_stored_copies_in_place(interpret):
     """The stored copies are laid out as the decode kernel reads them, the scale bytes
     block-major and the data in 128 x 128 tiles: the compiled forward makes no transposed copy
     of any expert's scales or data (a per-call pass over every expert's would cost more than the
-    kernel at a token or two). Controls: an MXTensor stored in its own layout gets both."""
+    kernel at a token or two). Controls: an MXTensor stored in its own layout gets both. fc1's K
+    (the hidden size, 256) spans two tiles, so that tiling its data is a true transposition
+    (with one K tile XLA:GPU makes it a bitcast)."""
     config = MXFP8.replace(num_experts=4, ffn_hidden_size=128, shared_expert_intermediate_size=None)
-    model = MoE(config, 128, param_dtype=jnp.bfloat16, gmm_impl="pallas", rngs=nnx.Rngs(2))
-    x = jax.ShapeDtypeStruct((1, 4, 128), jnp.bfloat16)
+    model = MoE(config, 256, param_dtype=jnp.bfloat16, gmm_impl="pallas", rngs=nnx.Rngs(2))
+    x = jax.ShapeDtypeStruct((1, 4, 256), jnp.bfloat16)
     decode = mxfp8_inference(model, gemm_strategy="decode")
     experts = decode.experts
     fc1, fc2 = experts.fc1_scale[...], experts.fc2_scale[...]
     shapes = {a.shape for a in (fc1, fc2)} | {a.shape[:1] + a.shape[:0:-1] for a in (fc1, fc2)}
     tiles = {experts.fc1_data.shape, experts.fc2_data.shape}
     data = tiles | {copy.shape for copy in experts.fprop_copies()}
-    assert tiles == {(4, 2, 1, 128, 128), (4, 1, 1, 128, 128)}
+    assert tiles == {(4, 2, 2, 128, 128), (4, 2, 1, 128, 128)}
     graphdef, state = nnx.split(decode)
     forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x)[0])
     hlo = forward.lower(state, x).compile().as_text()
@@ -187,7 +189,7 @@ def test_decode_forward_reads_the_stored_copies_in_place(interpret):
 
     fprop = quantize_weights(model.experts.fc1_kernel[...], dgrad=False).fprop  # [E, N, K/32]
     rows = MXTensor(
-        jnp.zeros((32, 128), jnp.float8_e4m3fn), jnp.zeros((32, 4), jnp.uint8), 1, "e4m3"
+        jnp.zeros((32, 256), jnp.float8_e4m3fn), jnp.zeros((32, 8), jnp.uint8), 1, "e4m3"
     )
     gemm = jax.jit(
         lambda w: gmm_mxtensor(
