@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoe.ops.pallas.tiles import max_row_tiles, row_tiles, work_list
+from jaxmoe.ops.pallas.tiles import banded_item, max_row_tiles, row_tiles
 
 
 def random_groups(rng, max_groups, max_row_cells):
@@ -37,23 +37,31 @@ def reference_work_order(rows, group, num_groups, num_columns, grid_tile_width):
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_work_list_is_the_banded_order_stably_partitioned_by_kind(seed):
+def test_banded_items_are_the_banded_order_stably_partitioned_by_kind(seed):
+    """The kernels' items: each kind's positions through `banded_item`, matmul tiles first."""
     rng = np.random.default_rng(seed)
     num_groups, num_rows, sizes = random_groups(rng, 20, 250)
     tiles = row_tiles(jnp.asarray(sizes, jnp.int32), num_rows, 64)
     num_columns, grid_tile_width = int(rng.integers(1, 9)), int(rng.integers(1, 5))
-    work = work_list(tiles, num_columns, grid_tile_width)
+    num_matmul, num_zero = np.asarray(tiles.counts).tolist()
+    rows, columns = [], []
+    for first, kind_tiles in [(0, num_matmul), (num_matmul, num_zero)]:
+        position = jnp.arange(kind_tiles * num_columns, dtype=jnp.int32)
+        row, column = banded_item(position, kind_tiles, num_columns, grid_tile_width)
+        rows.append(first + np.asarray(row))
+        columns.append(np.asarray(column))
     row, column, counts = reference_work_order(
         np.asarray(tiles.count), np.asarray(tiles.group), num_groups, num_columns, grid_tile_width
     )
-    np.testing.assert_array_equal(np.asarray(work.tile), row)
-    np.testing.assert_array_equal(np.asarray(work.column), column)
-    assert np.asarray(work.counts).tolist() == counts
+    assert counts == [num_matmul * num_columns, num_zero * num_columns]
+    np.testing.assert_array_equal(np.concatenate(rows), row[: sum(counts)])
+    np.testing.assert_array_equal(np.concatenate(columns), column[: sum(counts)])
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_row_tiles_come_as_matmul_then_zero_region_then_unused_runs(seed):
-    """`work_list` relies on each kind of row tile being one contiguous run of counts[k] tiles."""
+    """The kernels' items rely on each kind of row tile being one contiguous run of counts[k]
+    tiles."""
     rng = np.random.default_rng(100 + seed)
     num_groups, num_rows, sizes = random_groups(rng, 40, 300)
     tiles = row_tiles(jnp.asarray(sizes, jnp.int32), num_rows, 64)

@@ -26,7 +26,7 @@ from jaxmoe.ops.pallas.hopper import (
     TMA_SMEM_ALIGN,
     WARPGROUP_THREADS,
 )
-from jaxmoe.ops.pallas.tiles import metadata_scope, row_tiles, work_list
+from jaxmoe.ops.pallas.tiles import COUNT, GROUP, START, banded_item, metadata_scope, row_tiles
 
 NUM_COMPUTE_WGS = 2  # compute warpgroups per CTA; one more warpgroup issues the TMA loads
 MEMORY_REGISTERS = 40  # registers per thread of the TMA warpgroup (setmaxnreg)
@@ -46,7 +46,7 @@ class GmmConfig:
     step's wgmma running while the next one is issued (its SMEM slot is released one step
     late; bf16 kernel, max_concurrent_steps >= 2 only). epilogue_slots=2 double-buffers the
     epilogue's SMEM tile, so a column chunk is written while the previous one is stored.
-    grid_tile_width: width (in column tiles) of the bands of the work order (`tiles.work_list`).
+    grid_tile_width: width (in column tiles) of the bands of the work order (`tiles.banded_item`).
     cluster_n=2 pairs the CTAs along N, multicasting the lhs tile; the work items then cover
     column-tile pairs. None of these change the K-reduction order."""
 
@@ -256,9 +256,6 @@ def gmm_kernel_call(
     num_rows, k = lhs.shape
     with metadata_scope(group_sizes):
         tiles = row_tiles(group_sizes, num_rows, config.cta_m, ROW_ALIGN, interpret=interpret)
-        work = work_list(tiles, n // (config.cta_n * config.cluster_n), config.grid_tile_width)
-        # The tiles' rhs index (past the last: never read), first rows and row counts.
-        tile_inputs = (tiles.group // groups_per_weight, tiles.start, tiles.count)
     kernel = _build_kernel(
         tile_matmul,
         kernel_name,
@@ -273,16 +270,10 @@ def gmm_kernel_call(
         config,
         interpret,
         scratch,
+        tiles.num_groups,
+        groups_per_weight,
     )
-    return kernel(
-        work.counts,
-        work.tile,
-        work.column,
-        *tile_inputs,
-        lhs,
-        rhs,
-        *extra_inputs,
-    )
+    return kernel(tiles.bounds, tiles.fields, lhs, rhs, *extra_inputs)
 
 
 @functools.cache
@@ -299,7 +290,9 @@ def _build_kernel(
     release_delay,
     config: GmmConfig,
     interpret,
-    scratch=(),
+    scratch,
+    num_groups: int,
+    groups_per_weight: int,
 ):
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     cta_m, cta_n, epi_n = config.cta_m, config.cta_n, config.epilogue_tile_n
@@ -342,13 +335,12 @@ def _build_kernel(
             manual_consumed_barriers=True,
         )
 
+    num_columns = n // (cta_n * config.cluster_n)  # column tiles of a cluster's width
+    grid_width = config.grid_tile_width
+
     def grouped_matmul(
-        counts_gmem,
-        work_tile_gmem,
-        work_column_gmem,
-        tile_group_gmem,
-        tile_start_gmem,
-        tile_count_gmem,
+        tile_bounds_gmem,
+        tile_fields_gmem,
         lhs_gmem,
         rhs_gmem,
         *inputs_and_out,
@@ -414,10 +406,9 @@ def _build_kernel(
                 )
                 return lhs_smem.at[wg_rows, :], rhs
 
-            def tile_geometry(item) -> TileGeometry:
-                tile = work_tile_gmem[item]
-                first_row = tile_start_gmem[tile]
-                valid_rows = tile_count_gmem[tile]
+            def tile_geometry(tile, column_tile) -> TileGeometry:
+                first_row = tile_fields_gmem[START, tile]
+                valid_rows = tile_fields_gmem[COUNT, tile]
                 # Load cta_m rows from the 8-aligned row at or below the tile's first row; near
                 # the end of lhs, shift the window back so it stays in bounds. The valid rows
                 # are rows [offset, offset + valid_rows) of the window.
@@ -428,7 +419,7 @@ def _build_kernel(
                 wg_row = wg * tile_m if split_m else 0
                 lo = jnp.maximum(offset, wg_row)
                 count = jnp.clip(jnp.minimum(offset + valid_rows, wg_row + tile_m) - lo, 0, tile_m)
-                column = (work_column_gmem[item] * config.cluster_n + cta_in_cluster) * cta_n
+                column = (column_tile * config.cluster_n + cta_in_cluster) * cta_n
                 return TileGeometry(
                     tile=tile,
                     load_row=load_row,
@@ -466,8 +457,9 @@ def _build_kernel(
                         )
 
             def matmul_item(item, state):
-                geo = tile_geometry(item)
-                group = tile_group_gmem[geo.tile]
+                geo = tile_geometry(*banded_item(item, num_matmul, num_columns, grid_width))
+                # The tile's rhs index (the zero region's, past the last, is never read).
+                group = tile_fields_gmem[GROUP, geo.tile] // groups_per_weight
                 rows, columns = pl.ds(geo.load_row, cta_m), pl.ds(geo.column, cta_n)
                 rhs_group = rhs_gmem.at[group]
                 rhs_tile = rhs_group.at[columns, :] if transpose_rhs else rhs_group.at[:, columns]
@@ -496,20 +488,24 @@ def _build_kernel(
                     )
                 )
 
-            # Work items are [matmul items | zero-region items]; this CTA's cluster takes every
-            # num_clusters-th item of each list.
-            num_matmul, num_zero = counts_gmem[0], counts_gmem[1]
-            mine = jnp.maximum(num_matmul - cluster + num_clusters - 1, 0) // num_clusters
+            # Row tiles are [matmul tiles | zero-region tiles | unused]; each kind's items
+            # (tile, column tile) go in `banded_item`'s order, and this CTA's cluster takes
+            # every num_clusters-th item of each kind.
+            num_matmul = tile_bounds_gmem[num_groups]
+            num_zero = tile_bounds_gmem[num_groups + 1] - num_matmul
             item_of = lambda j: cluster + j * num_clusters
-            run_items(mine, lambda j, state: matmul_item(item_of(j), state), chained)
-
-            mine_zero = jnp.maximum(num_zero - cluster + num_clusters - 1, 0) // num_clusters
+            mine = lambda tiles: (  # noqa: E731
+                jnp.maximum(tiles * num_columns - cluster + num_clusters - 1, 0) // num_clusters
+            )
+            run_items(mine(num_matmul), lambda j, state: matmul_item(item_of(j), state), chained)
 
             @pl.when(wg < NUM_COMPUTE_WGS)
             def _zero_region():
-                @pl.loop(0, mine_zero)
+                @pl.loop(0, mine(num_zero))
                 def _each_zero(j):
-                    store(zero_accumulator(tile_m, tile_n), tile_geometry(num_matmul + item_of(j)))
+                    tile, column_tile = banded_item(item_of(j), num_zero, num_columns, grid_width)
+                    geo = tile_geometry(num_matmul + tile, column_tile)
+                    store(zero_accumulator(tile_m, tile_n), geo)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

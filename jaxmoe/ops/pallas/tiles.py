@@ -161,48 +161,18 @@ def row_tiles_xla(
     return RowTiles(fields=fields, bounds=bounds, num_groups=num_groups)
 
 
-@struct.dataclass
-class WorkList:
-    """Work items (row tile, column tile) of a grouped matmul, in execution order.
-
-    Items [0, counts[0]) need a matmul, items [counts[0], counts[0] + counts[1]) cover the rows
-    past the groups (zeros), the rest are unused. Within each kind, items go by bands of
-    `grid_tile_width` column tiles, row tiles ascending (descending in every other band), so that
-    CTAs running side by side share lhs rows and rhs columns in L2.
-    """
-
-    tile: jax.Array  # [num_items] int32 row-tile index
-    column: jax.Array  # [num_items] int32 column-tile index
-    counts: jax.Array  # [2] int32: matmul items, zero-region items
-
-    @property
-    def num_items(self) -> int:
-        return self.tile.shape[0]
-
-
-def work_list(tiles: RowTiles, num_columns: int, grid_tile_width: int) -> WorkList:
-    """Order the (row tile, column tile) pairs as described in `WorkList`. The row tiles of each
-    kind are one contiguous run (`RowTiles`), so every position's item has a closed form: the
-    banded order of that kind's rows alone. One elementwise pass, no scan, sort or scatter (a
-    scan over the items cost more than the small matmuls it serves; docs/kernels.md)."""
-    num_tiles = tiles.num_tiles
+def banded_item(position, kind_tiles, num_columns: int, grid_tile_width: int):
+    """The work item at `position` among one kind's items (the matmul tiles' or the zero
+    region's: `kind_tiles` row tiles times `num_columns` column tiles): items go by bands of
+    `grid_tile_width` column tiles, row tiles ascending (descending in every other band), so
+    that CTAs running side by side share lhs rows and rhs columns in L2. Returns (the row tile
+    within the kind, the column tile). Integer arithmetic only, on scalars or arrays: each
+    kernel computes its items so (no work list, no kernel making one)."""
     width = min(grid_tile_width, num_columns)
-    num_matmul, num_zero = tiles.counts[0], tiles.counts[1]
-    position = jnp.arange(num_tiles * num_columns, dtype=jnp.int32)
-    kind = (position >= num_matmul * num_columns).astype(jnp.int32) + (
-        position >= (num_matmul + num_zero) * num_columns
-    )
-    first_row = jnp.stack([0, num_matmul, num_matmul + num_zero])[kind]
-    kind_rows = jnp.stack([num_matmul, num_zero, num_tiles - num_matmul - num_zero])[kind]
-    within_kind = position - first_row * num_columns
-    band = within_kind // jnp.maximum(kind_rows * width, 1)
+    band = position // jnp.maximum(kind_tiles * width, 1)
     band_start = band * width
     band_cols = jnp.minimum(width, num_columns - band_start)  # the last band may be narrower
-    within_band = within_kind - band_start * kind_rows
+    within_band = position - band_start * kind_tiles
     row = within_band // band_cols
-    row = first_row + jnp.where(band % 2 == 1, kind_rows - 1 - row, row)
-    return WorkList(
-        tile=row,
-        column=band_start + within_band % band_cols,
-        counts=(tiles.counts * num_columns).astype(jnp.int32),
-    )
+    row = jnp.where(band % 2 == 1, kind_tiles - 1 - row, row)
+    return row, band_start + within_band % band_cols
