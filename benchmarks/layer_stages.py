@@ -16,7 +16,7 @@ backward pass (custom VJP rules included). The kind of work:
             writing fp8 / uint8 data, XLA ops under a jaxmoe quantize / dequantize function
             (op_name "jit(_quantize_impl)", ...);
   other     everything else (routing, sorting, the dispatch, combine and activation-backward
-            kernels, gathers, elementwise, copies, the grouped matmuls' work lists).
+            kernels, gathers, elementwise, copies, the grouped matmuls' row tiles).
 Kernels that XLA runs inside a command buffer (a CUDA graph) carry the buffer's name as their
 `hlo_op` (a computation that the compiled module's text may not show): an XLA kernel is found
 by its name, a Pallas kernel (jaxmoe names its kernels, `PALLAS_KERNEL_KINDS`) by its place
