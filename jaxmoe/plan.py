@@ -111,6 +111,24 @@ def _rank_in_expert(slot_expert: jax.Array, num_experts: int) -> tuple[jax.Array
     return rank.reshape(-1)[:num_slots], tokens_per_group
 
 
+def _ascending_slots(keys: jax.Array) -> jax.Array:
+    """[T, k] -> [T, k]: each token's slots in a stable ascending order of their keys (a stable
+    argsort along k) by comparing every slot with the token's k - 1 others: slot j's place is
+    the number of slots before it, and place p's slot the one slot whose place is p. Both sums
+    run over k's static range as elementwise adds, so XLA fuses them into one elementwise pass
+    (no sort kernel; a reduction here made one kernel a sum on the GPU)."""
+    top_k = keys.shape[1]
+    slot = jnp.arange(top_k, dtype=jnp.int32)
+    place = jnp.zeros(keys.shape, jnp.int32)
+    for i in range(top_k):  # slot i before slot j: a smaller key, or the same and i < j
+        other = keys[:, i : i + 1]
+        place += (other < keys) | ((other == keys) & (i < slot))
+    ascending = jnp.zeros(keys.shape, jnp.int32)
+    for j in range(top_k):
+        ascending += jnp.where(place[:, j : j + 1] == slot, j, 0)
+    return ascending
+
+
 def make_plan(routing: Routing, config: MoEConfig, row_alignment: int | None = None) -> Plan:
     """Build the plan from a routing decision (see the module docstring for the layout), the
     experts' blocks padded to multiples of row_alignment (None: config.expert_row_alignment)."""
@@ -152,8 +170,7 @@ def make_plan(routing: Routing, config: MoEConfig, row_alignment: int | None = N
         jnp.int32
     )
 
-    combine_key = jnp.where(routing.kept, routing.indices, num_experts)
-    combine_slot = jnp.argsort(combine_key, axis=1, stable=True).astype(jnp.int32)
+    combine_slot = _ascending_slots(jnp.where(routing.kept, routing.indices, num_experts))
     return Plan(
         row_slot=row_slot,
         row_expert=row_expert,

@@ -1,5 +1,6 @@
 """`jaxmoe.make_plan` against the layout written out in NumPy: a stable argsort of the slots by
-expert, each expert's block padded to the row alignment (or to the capacity), zero rows after."""
+expert, each expert's block padded to the row alignment (or to the capacity), zero rows after;
+each token's slots in ascending expert order (a stable argsort along k) for the combine."""
 
 import jax
 import jax.numpy as jnp
@@ -85,5 +86,8 @@ def test_plan_is_the_stable_sort_layout(tokens, top_k, experts, align, drop, pad
     starts = np.concatenate([[0], np.cumsum(padded)])
     row_expert = np.searchsorted(starts[1:], np.arange(num_rows), side="right")
     np.testing.assert_array_equal(np.asarray(plan.row_expert), row_expert)
+    combine_key = np.where(kept, indices, experts)  # dropped slots tie, last, in slot order
+    combine_slot = np.argsort(combine_key, axis=1, kind="stable")
+    np.testing.assert_array_equal(np.asarray(plan.combine_slot), combine_slot)
     if drop == 0.0 and not pad:
         assert (np.asarray(plan.slot_row) < num_rows).all()
