@@ -117,19 +117,27 @@ def test_lhs_values_stand_in_for_the_dequantized_lhs(interpret, strategy):
         run(values.astype(jnp.float32))
 
 
-def test_decode_items_run_alike_chained_or_not_and_in_narrow_tiles(interpret):
-    """The decode kernel chains a CTA's items through one pipeline when its ring slots divide
-    the K steps (DECODE_SMALL: 2 steps, 2 slots) and runs each item's own pipeline otherwise
-    (4 steps, 3 slots): the same bits either way; with narrower row tiles (8 rows) on tiled
+def test_decode_items_run_alike_at_any_ring_depth_and_in_narrow_tiles(interpret):
+    """A CTA's items go through one ring of SMEM slots, whatever the slots' count against an
+    item's K steps (DECODE_SMALL: 2 steps, 2 slots; 4 steps and 3 slots; 2 steps and 5 slots,
+    more than an item has): the same bits either way; with narrower row tiles (8 rows) on tiled
     weights (`tile_weights`, one 128-row tile a step); with 256-column items on tiled weights
     (two tiles a step) spread over as few CTAs as their count needs (`balance_ctas`: 14 items
     on 5 of 6 CTAs), and on plain weights over all 6."""
     lhs_q, rhs_q = operands(200, 256, 256, 5)
     sizes = jnp.asarray(SIZES["ragged_tail_and_empty"], jnp.int32)  # 14 row tiles of 16
     unchained = DecodeConfig(tile_rows=16, wg_n=64, tile_k=64, max_concurrent_steps=3, num_sms=3)
+    deep = dataclasses.replace(DECODE_SMALL, max_concurrent_steps=5)
     narrow = dataclasses.replace(DECODE_SMALL, tile_rows=8)
     wide = DecodeConfig(tile_rows=16, wg_n=128, tile_k=128, max_concurrent_steps=1, num_sms=6)
-    configs = [DECODE_SMALL, unchained, narrow, wide, dataclasses.replace(wide, balance_ctas=False)]
+    configs = [
+        DECODE_SMALL,
+        unchained,
+        deep,
+        narrow,
+        wide,
+        dataclasses.replace(wide, balance_ctas=False),
+    ]
     if ON_HOPPER:
         configs = [dataclasses.replace(c, num_sms=132) for c in configs]
     tiled = tile_weights(rhs_q.data)
@@ -137,9 +145,9 @@ def test_decode_items_run_alike_chained_or_not_and_in_narrow_tiles(interpret):
         lhs_q, rhs_q, sizes, impl="pallas", config=config, strategy="decode", rhs_tiled=tiles
     )
     chained = run(configs[0])
-    for config, tiles in zip(configs[1:], [None, tiled, tiled, None], strict=True):
+    for config, tiles in zip(configs[1:], [None, tiled, tiled, tiled, None], strict=True):
         np.testing.assert_array_equal(bits(run(config, tiles)), bits(chained))
-    assert 256 // unchained.tile_k % unchained.max_concurrent_steps  # really unchained
+    assert 256 // unchained.tile_k % unchained.max_concurrent_steps  # slots do not divide steps
     with pytest.raises(ValueError, match="tiled weights need tile_k"):
         run(unchained, tiled)
     with pytest.raises(ValueError, match="rhs_tiled must be"):
@@ -463,7 +471,7 @@ def test_decode_config_refuses_what_the_kernel_cannot_run():
         (dataclasses.replace(valid, wg_n=96), (64, 256, 128), "wg_n"),
         (valid, (64, 192, 128), "tile_k"),
         (valid, (64, 256, 192), "2 \\* wg_n"),
-        (dataclasses.replace(valid, max_concurrent_steps=3), (64, 256, 128), "max_concurrent"),
+        (dataclasses.replace(valid, max_concurrent_steps=0), (64, 256, 128), "max_concurrent"),
         (valid, (12, 256, 128), "M=12"),
         (
             dataclasses.replace(valid, tile_rows=256, wg_n=128, max_concurrent_steps=2),

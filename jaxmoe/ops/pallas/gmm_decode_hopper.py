@@ -45,10 +45,10 @@ from jaxmoe.mxfp8 import BLOCK_SIZE, scale_multipliers
 from jaxmoe.ops.device import compiled_for_gpu, num_sms
 from jaxmoe.ops.pallas import e4m3_registers, regions
 from jaxmoe.ops.pallas.gmm_common import (
+    COMPUTE_REGISTERS,
     MEMORY_REGISTERS,
     NUM_COMPUTE_WGS,
     ROW_ALIGN,
-    run_items,
     store_rows,
     swizzled,
     zero_accumulator,
@@ -127,7 +127,7 @@ class DecodeConfig:
             raise ValueError(f"gmm decode: K={k} must be a multiple of tile_k={self.tile_k} (64k)")
         if n % self.cta_n:
             raise ValueError(f"gmm decode: N={n} must be a multiple of 2 * wg_n = {self.cta_n}")
-        if not 1 <= self.max_concurrent_steps <= k // self.tile_k:
+        if self.max_concurrent_steps < 1:
             raise ValueError(f"gmm decode: max_concurrent_steps={self.max_concurrent_steps}")
         if self.smem_bytes(out_dtype) > MAX_SMEM_PER_CTA:
             raise ValueError(f"gmm decode: {self} needs too much shared memory")
@@ -161,8 +161,8 @@ def default_decode_config(
     """Heuristic: row tiles (None: `default_tile_rows`); 128 weight rows
     per warpgroup when N allows and the groups that the rows can reach give at least half the
     SMs a 256-column work item (else 64, twice the items; on the H200 64 won at qwen3_30b T=1,
-    128 at mixtral T=64 with 128 items); as many ring slots (up to 6) as shared memory holds
-    that divide the K steps, so that a CTA's items chain through one pipeline."""
+    128 at mixtral T=64 with 128 items); four ring slots, or as many as shared memory holds
+    (the ring runs through all of a CTA's items, so the slots need not divide the K steps)."""
     if tile_rows is None:
         tile_rows = default_tile_rows(num_rows, num_groups)
     sms = num_sms()
@@ -172,14 +172,12 @@ def default_decode_config(
         tile_rows=tile_rows,
         wg_n=wg_n,
         tile_k=128 if k % 128 == 0 else 64,
-        max_concurrent_steps=6,
         num_sms=sms,
     )
-    k_steps = k // config.tile_k
-    steps = min(config.max_concurrent_steps, k_steps)
-    while steps > 1 and (
-        k_steps % steps
-        or dataclasses.replace(config, max_concurrent_steps=steps).smem_bytes(out_dtype)
+    steps = config.max_concurrent_steps
+    while (
+        steps > 1
+        and dataclasses.replace(config, max_concurrent_steps=steps).smem_bytes(out_dtype)
         > MAX_SMEM_PER_CTA
     ):
         steps -= 1
@@ -276,55 +274,13 @@ def _build_kernel(
     scale_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per weight row of a block
 
     num_slots = config.max_concurrent_steps
-    # Consecutive items of one CTA share one pipeline when the K steps divide evenly: the
-    # memory warpgroup fetches the next item's first steps while this item's last ones run.
-    chained = k_steps % num_slots == 0
+    weights_block = (cta_n // WEIGHT_TILE, WEIGHT_TILE, tile_k) if tiled else (cta_n, tile_k)
 
-    if tiled:
-        weights_spec = plgpu.BlockSpec(
-            (cta_n // WEIGHT_TILE, None, WEIGHT_TILE, tile_k),
-            lambda ki: (0, ki, 0, 0),
-            transforms=swizzled(jnp.float8_e4m3fn, tile_k),
-            memory_space=plgpu.SMEM,
-        )
-    else:
-        weights_spec = plgpu.BlockSpec(
-            (cta_n, tile_k),
-            lambda ki: (0, ki),
-            transforms=swizzled(jnp.float8_e4m3fn, tile_k),
-            memory_space=plgpu.SMEM,
-        )
-
-    def cta_weights(rhs_gmem, weight, column):
-        """The CTA's cta_n weight rows of rhs_gmem."""
+    def step_weights(rhs_gmem, weight, column, step):
+        """The CTA's cta_n weight rows of rhs_gmem, K step `step`."""
         if tiled:
-            return rhs_gmem.at[weight, pl.ds(column // WEIGHT_TILE, cta_n // WEIGHT_TILE)]
-        return rhs_gmem.at[weight, pl.ds(column, cta_n), :]
-
-    def pipeline(body, compute_context, state=None):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(k_steps,),
-            memory_registers=MEMORY_REGISTERS,
-            in_specs=[
-                plgpu.BlockSpec(
-                    (tile_rows, tile_k),
-                    lambda ki: (0, ki),
-                    transforms=swizzled(_BF16, BLOCK_SIZE),
-                    memory_space=plgpu.SMEM,
-                ),
-                weights_spec,
-                plgpu.BlockSpec(
-                    (blocks_per_step, cta_n), lambda ki: (ki, 0), memory_space=plgpu.SMEM
-                ),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=NUM_COMPUTE_WGS,
-            max_concurrent_steps=num_slots,
-            compute_context=compute_context,
-            pipeline_state=state,
-            manual_consumed_barriers=True,
-        )
+            return rhs_gmem.at[weight, pl.ds(column // WEIGHT_TILE, cta_n // WEIGHT_TILE), step]
+        return rhs_gmem.at[weight, pl.ds(column, cta_n), pl.ds(step * tile_k, tile_k)]
 
     def decode_matmul(
         tile_bounds_gmem,
@@ -333,20 +289,28 @@ def _build_kernel(
         rhs_gmem,
         rhs_scale_gmem,
         out_gmem,
-        out_smem,
     ):
-        ignore = lambda *_, **__: None
-
+        # One ring of num_slots K steps through all of a CTA's items (the memory warpgroup
+        # loads the next item's first steps while this item's last ones run), for any number
+        # of K steps an item.
         @functools.partial(
             pl.run_scoped,
-            allocations=pipeline(ignore, ignore).get_allocations(
-                lhs_gmem.at[pl.ds(0, tile_rows), :],
-                cta_weights(rhs_gmem, 0, 0),
-                rhs_scale_gmem.at[0, :, pl.ds(0, cta_n)],
+            lhs_ring=plgpu.SMEM(
+                (num_slots, tile_rows, tile_k), _BF16, transforms=swizzled(_BF16, BLOCK_SIZE)
             ),
+            weights_ring=plgpu.SMEM(
+                (num_slots, *weights_block),
+                jnp.float8_e4m3fn,
+                transforms=swizzled(jnp.float8_e4m3fn, tile_k),
+            ),
+            scale_ring=plgpu.SMEM((num_slots, blocks_per_step, cta_n), jnp.uint8),
+            out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, tile_rows, wg_n), out_dtype),
+            # TMA landed (one arrival per operand); slot free (both compute warpgroups).
+            produced=plgpu.Barrier(num_arrivals=3, num_barriers=num_slots),
+            consumed=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=num_slots),
             collective_axes="wg",
         )
-        def _scope(allocations):
+        def _scope(lhs_ring, weights_ring, scale_ring, out_smem, produced, consumed):
             wg = lax.axis_index("wg")
             sm = lax.axis_index("sm")
             wg_cols = pl.ds(wg * wg_n, wg_n)
@@ -360,11 +324,67 @@ def _build_kernel(
                 ctas = jnp.maximum(cdiv(num_items, per_cta), 1)
             mine = jnp.where(sm < ctas, jnp.maximum(num_items - sm + ctas - 1, 0) // ctas, 0)
 
+            def load_row(first_row):
+                """The 8-aligned first row of the lhs window that holds the rows from
+                first_row, shifted back near the end of lhs so that it stays in bounds."""
+                row = jnp.minimum(first_row - first_row % ROW_ALIGN, num_rows - tile_rows)
+                return pl.multiple_of(row, ROW_ALIGN)
+
+            def item_fields(item):
+                """(first row, row count, first column) of a work item, read at its start so
+                that the epilogue does not wait for global loads."""
+                tile = item // num_columns
+                first_column = pl.multiple_of(item % num_columns * cta_n, cta_n)
+                return tile_fields_gmem[START, tile], tile_fields_gmem[COUNT, tile], first_column
+
+            def memory_warpgroup():
+                plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+                @pl.loop(0, mine)
+                def _item(j):
+                    item = sm + j * ctas
+                    group = tile_fields_gmem[GROUP, item // num_columns]
+                    weight = jnp.minimum(group // groups_per_weight, num_weights - 1)
+                    first_row, _, first_column = item_fields(item)
+                    rows = pl.ds(load_row(first_row), tile_rows)
+
+                    @pl.loop(0, k_steps)
+                    def _step(s):
+                        t = j * k_steps + s
+                        slot = lax.rem(t, num_slots)
+
+                        @pl.when(t >= num_slots)
+                        def _wait_free():  # both compute warpgroups are done with t - slots
+                            plgpu.barrier_wait(consumed.at[slot])
+
+                        for source, ring in (
+                            (lhs_gmem.at[rows, pl.ds(s * tile_k, tile_k)], lhs_ring),
+                            (step_weights(rhs_gmem, weight, first_column, s), weights_ring),
+                            (
+                                rhs_scale_gmem.at[
+                                    weight,
+                                    pl.ds(s * blocks_per_step, blocks_per_step),
+                                    pl.ds(first_column, cta_n),
+                                ],
+                                scale_ring,
+                            ),
+                        ):
+                            plgpu.copy_gmem_to_smem(source, ring.at[slot], produced.at[slot])
+
+                # Observe the releases of the last slots too (the barriers' phases then match
+                # in every warpgroup when they are deallocated).
+                total = mine * k_steps
+
+                @pl.loop(jnp.maximum(total - num_slots, 0), total)
+                def _quiesce(t):
+                    plgpu.barrier_wait(consumed.at[lax.rem(t, num_slots)])
+
             @regions.named("step")
-            def mma(step, lhs_smem, rhs_smem, scale_smem, *consumed_and_acc):
+            def mma(acc_ref, slot):
                 # A block's dequantized weights go to its wgmma from registers; the step's
                 # wgmmas retire before its TMA slot (their B rows) is released.
-                acc_ref = consumed_and_acc[-1]
+                plgpu.barrier_wait(produced.at[slot])
+                lhs_smem, rhs_smem = lhs_ring.at[slot], weights_ring.at[slot]
                 # The whole step's tile in one load: a 32-wide block cannot be sliced out of
                 # the tile's 128-byte swizzle in SMEM, and a narrower swizzle splits the TMA
                 # load into boxes of 32-byte rows (18% slower on the H200).
@@ -377,7 +397,7 @@ def _build_kernel(
                 for block in range(blocks_per_step):
                     ks = pl.ds(block * BLOCK_SIZE, BLOCK_SIZE)
                     scale_bytes = plgpu.load(
-                        scale_smem.at[block, wg_cols], layout=scale_layout, optimized=False
+                        scale_ring.at[slot, block, wg_cols], layout=scale_layout, optimized=False
                     )
                     w = weights[:, block * BLOCK_SIZE : (block + 1) * BLOCK_SIZE]
                     if register_route:
@@ -391,22 +411,7 @@ def _build_kernel(
                     plgpu.wgmma(acc_ref, w, lhs_smem.at[:, ks].transpose((1, 0)))
                 plgpu.wgmma_wait(0)
                 plgpu.commit_smem()
-                for barrier in allocations["flat_consumed_barrier_refs"]:
-                    plgpu.barrier_arrive(barrier.at[lax.rem(step[0], num_slots)])
-                return acc_ref
-
-            def load_row(first_row):
-                """The 8-aligned first row of the lhs window that holds the rows from
-                first_row, shifted back near the end of lhs so that it stays in bounds."""
-                row = jnp.minimum(first_row - first_row % ROW_ALIGN, num_rows - tile_rows)
-                return pl.multiple_of(row, ROW_ALIGN)
-
-            def item_fields(item):
-                """(first row, row count, first column) of a work item, read at its start so
-                that the epilogue does not wait for global loads."""
-                tile = item // num_columns
-                first_column = pl.multiple_of(item % num_columns * cta_n, cta_n)
-                return tile_fields_gmem[START, tile], tile_fields_gmem[COUNT, tile], first_column
+                plgpu.barrier_arrive(consumed.at[slot])
 
             @regions.named("epilogue")
             def store(out_t, fields):
@@ -432,41 +437,34 @@ def _build_kernel(
                 )
 
             @regions.named("item")
-            def decode_item(item, state):
-                group = tile_fields_gmem[GROUP, item // num_columns]
-                weight = jnp.minimum(group // groups_per_weight, num_weights - 1)
-                fields = item_fields(item)
-                first_row, _, first_column = fields
+            def decode_item(j):
+                fields = item_fields(sm + j * ctas)
 
-                def compute_context(eval_pipeline):
-                    def scoped(acc_ref):
-                        eval_pipeline(acc_ref)
-                        store(acc_ref[...], fields)
+                def scoped(acc_ref):
+                    @pl.loop(0, k_steps)
+                    def _step(s):
+                        mma(acc_ref, lax.rem(j * k_steps + s, num_slots))
 
-                    pl.run_scoped(scoped, plgpu.ACC((wg_n, tile_rows)))
+                    store(acc_ref[...], fields)
 
-                rows = pl.ds(load_row(first_row), tile_rows)
-                pipeline(mma, compute_context, state)(
-                    lhs_gmem.at[rows, :],
-                    cta_weights(rhs_gmem, weight, first_column),
-                    rhs_scale_gmem.at[weight, :, pl.ds(first_column, cta_n)],
-                    allocations=allocations,
-                )
+                pl.run_scoped(scoped, plgpu.ACC((wg_n, tile_rows)))
 
-            run_items(mine, lambda j, state: decode_item(sm + j * ctas, state), chained)
+            def compute_warpgroup():
+                plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+                pl.loop(0, mine)(decode_item)
 
-            # The rows past the groups: zeros, written by the compute warpgroups.
-            num_zero = (tile_bounds_gmem[num_groups + 1] - matmul_tiles) * num_columns
-            mine_zero = jnp.maximum(num_zero - sm + config.num_sms - 1, 0) // config.num_sms
+                # The rows past the groups: zeros.
+                num_zero = (tile_bounds_gmem[num_groups + 1] - matmul_tiles) * num_columns
+                mine_zero = jnp.maximum(num_zero - sm + config.num_sms - 1, 0) // config.num_sms
 
-            @pl.when(wg < NUM_COMPUTE_WGS)
-            def _zero_region():
                 @pl.loop(0, mine_zero)
                 def _each_zero(j):
                     item = num_items + sm + j * config.num_sms
                     store(zero_accumulator(wg_n, tile_rows), item_fields(item))
 
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            lax.cond(wg == NUM_COMPUTE_WGS, memory_warpgroup, compute_warpgroup)
 
     return plgpu.kernel(
         decode_matmul,
@@ -479,9 +477,6 @@ def _build_kernel(
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
             **(trace.compiler_params() if trace else {}),
-        ),
-        scratch_types=dict(
-            out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, tile_rows, wg_n), out_dtype),
         ),
         interpret=interpret,
     )
