@@ -8,13 +8,15 @@ and token count T (R = T * top_k rows, each token's k experts drawn at random as
 benchmarks/decode.py), the decode kernel (`gmm_decode_pallas`, default config, the weights in
 `tile_weights`' layout as `mxfp8_inference` stores them; --plain-weights: [E, N, K]) runs once timed
 (`kernel_us`, device time, no trace) and once with a `KernelTrace`: every warpgroup of every CTA
-records the SM clock (cycles) at the edges of the kernel's regions: `item` (a work item: both
-kinds of warpgroup), `step` (a compute warpgroup's K step: dequantization and wgmmas) and
-`epilogue` (its output store). Per role (`compute`: the two compute warpgroups, `memory`: the
-TMA warpgroup), the mean over warpgroups of: `span` (first region entered to last left), per
-region `n_*` and `sum_*` (count and summed cycles), `step_gaps` (cycles between a step's end and
-the next step's start: waiting for the ring's data, or an item boundary), `step_median`, and the
-shares of the span. `cycles_per_us` = the longest span over `kernel_us` (the SM clock, roughly).
+records the SM clock (cycles) at the edges of the kernel's regions: `item` (a compute
+warpgroup's work item), `step` (its K step: dequantization and wgmmas), within the step
+`wait_data` (waiting for the ring slot's TMA loads), `epilogue` (its output store), and the
+memory warpgroup's `wait_free` (waiting for both compute warpgroups to release a ring slot: the
+ring is full, so the loads wait on the math). Per role (`compute`: the two compute warpgroups,
+`memory`: the TMA warpgroup), the mean over warpgroups of: `span` (first region entered to last
+left), per region `n_*` and `sum_*` (count and summed cycles), `step_gaps` (cycles between a
+step's end and the next step's start: an item boundary), `step_median`, and the shares of the
+span. `cycles_per_us` = the longest span over `kernel_us` (the SM clock, roughly).
 The traced call's output is checked bitwise against the untraced one (`same_bits`). Writes
 decode_trace_<date>[_tag].json to --out. GPU only. --small-scales: the kernel's integer
 dequantization (`gmm_decode_pallas(small_scales=True)`; the weights' scale bytes are 120-133).
@@ -164,11 +166,11 @@ def trace_one(
         device_seconds(lambda: plain(lhs, rhs, scale, sizes), iters=10) * 1e6 for _ in range(3)
     )
     # A CTA's items: at most one more than the mean (every num_sms-th item); each has its K
-    # steps, an epilogue and the item region itself.
+    # steps and their waits, an epilogue and the item region itself.
     tiles = sum(math.ceil((c + 7) / decode.tile_rows) for c in counts if c)
     per_cta = math.ceil(tiles * (n // decode.cta_n) / decode.num_sms) + 1
     directory = tempfile.mkdtemp(prefix="decode_trace_")
-    trace = KernelTrace(directory, per_cta * (k // decode.tile_k + 2) + 8)
+    trace = KernelTrace(directory, per_cta * (2 * (k // decode.tile_k) + 2) + 8)
     traced = call(trace)
     traced(lhs, rhs, scale, sizes).block_until_ready()  # compiles; its trace is dropped
     for path in glob.glob(os.path.join(directory, "*.json")):

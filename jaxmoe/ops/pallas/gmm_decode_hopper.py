@@ -202,8 +202,9 @@ def gmm_decode_pallas(
     E8M0 block scale bytes rhs_scale [G, K/32, N] (uint8, decoded in the kernel by
     `jaxmoe.mxfp8.scale_multipliers`); rows past sum(group_sizes) are zeros.
     config: None for `default_decode_config`. With groups_per_weight n, rhs holds G / n
-    matrices and group g multiplies rhs[g // n]. trace: record the kernel's regions (`item`,
-    `step`, `epilogue`) per warpgroup with Mosaic's profiler (GPU only;
+    matrices and group g multiplies rhs[g // n]. trace: record the kernel's regions per warpgroup
+    with Mosaic's profiler (compute warpgroups: `item`, `step`, within it `wait_data` for the
+    ring slot's TMA, `epilogue`; the memory warpgroup: `wait_free` for a slot's release; GPU only;
     benchmarks/decode_trace.py reads them). small_scales: the caller promises e4m3 weights for
     which `e4m3_registers.small_scale_dequantization_is_exact`; on the GPU the kernel then
     dequantizes with `e4m3_registers.dequantize_small_scales` (same bits, fewer instructions)."""
@@ -354,6 +355,7 @@ def _build_kernel(
                         slot = lax.rem(t, num_slots)
 
                         @pl.when(t >= num_slots)
+                        @regions.named("wait_free")
                         def _wait_free():  # both compute warpgroups are done with t - slots
                             plgpu.barrier_wait(consumed.at[slot])
 
@@ -383,7 +385,7 @@ def _build_kernel(
             def mma(acc_ref, slot):
                 # A block's dequantized weights go to its wgmma from registers; the step's
                 # wgmmas retire before its TMA slot (their B rows) is released.
-                plgpu.barrier_wait(produced.at[slot])
+                regions.named("wait_data")(plgpu.barrier_wait)(produced.at[slot])
                 lhs_smem, rhs_smem = lhs_ring.at[slot], weights_ring.at[slot]
                 # The whole step's tile in one load: a 32-wide block cannot be sliced out of
                 # the tile's 128-byte swizzle in SMEM, and a narrower swizzle splits the TMA
