@@ -20,7 +20,8 @@ The weights' fp8 tiles and their E8M0 scale bytes come through the same TMA ring
 warpgroup waits on a global load. The weights may come as [G, N, K] or in 128 x 128 tiles
 (`tile_weights`, as `jaxmoe.mxfp8_inference` stores them: a K step's load is one or two
 contiguous pieces, read faster). The work items go to as few CTAs as their count needs
-(`DecodeConfig.balance_ctas`), so that no part of the GPU idles while the rest runs the last ones.
+(`DecodeConfig.balance_ctas`), so that no part of the GPU idles while the rest runs the last ones;
+or, with `DecodeConfig.dynamic_items`, each CTA takes its next item from an atomic counter.
 
 The epilogue transposes each warpgroup's out^T tile in SMEM and TMA-stores only the tile's
 own rows of out [M, N] (the rows of a group, never another's); the compute warpgroups write
