@@ -1,11 +1,13 @@
 """Where the decode kernel's time goes, per warpgroup: Mosaic profiler regions on the GPU.
 
     PYTHONPATH=. python benchmarks/decode_trace.py [--shapes qwen3_30b,mixtral,dsv3_ep8]
-        [--gemms fc1,fc2] [--tokens 64] [--small-scales] [--plain-weights] [--tag TAG] [--out DIR]
+        [--gemms fc1,fc2] [--tokens 64] [--small-scales] [--plain-weights] [--variant F=V,...]
+        [--tag TAG] [--out DIR]
 
 For each `jaxmoe.shapes` layer, expert GEMM (fc1 [R, H] x [E, 2F|F, H], fc2 [R, F] x [E, H, F])
 and token count T (R = T * top_k rows, each token's k experts drawn at random as in
-benchmarks/decode.py), the decode kernel (`gmm_decode_pallas`, default config, the weights in
+benchmarks/decode.py), the decode kernel (`gmm_decode_pallas`, default config, or with the
+`DecodeConfig` fields of --variant as decode.py's --decode-sweep takes them; the weights in
 `tile_weights`' layout as `mxfp8_inference` stores them; --plain-weights: [E, N, K]) runs once timed
 (`kernel_us`, device time, no trace) and once with a `KernelTrace`: every warpgroup of every CTA
 records the SM clock (cycles) at the edges of the kernel's regions: `item` (a compute
@@ -15,8 +17,11 @@ memory warpgroup's `wait_free` (waiting for both compute warpgroups to release a
 ring is full, so the loads wait on the math). Per role (`compute`: the two compute warpgroups,
 `memory`: the TMA warpgroup), the mean over warpgroups of: `span` (first region entered to last
 left), per region `n_*` and `sum_*` (count and summed cycles), `step_gaps` (cycles between a
-step's end and the next step's start: an item boundary), `step_median`, and the shares of the
-span. `cycles_per_us` = the longest span over `kernel_us` (the SM clock, roughly).
+step's end and the next step's start: an item boundary), `step_median`, the shares of the
+span, and among the busy warpgroups (those with steps or waits) the spans' percentiles
+(`busy_spans`: 0, 10, 50, 90, 100) and their mean over the longest (`busy_mean_over_max`: what a
+perfect balance could win, the kernel's time being the longest span). `cycles_per_us` = the
+longest span over `kernel_us` (the SM clock, roughly).
 The traced call's output is checked bitwise against the untraced one (`same_bits`). Writes
 decode_trace_<date>[_tag].json to --out. GPU only. --small-scales: the kernel's integer
 dequantization (`gmm_decode_pallas(small_scales=True)`; the weights' scale bytes are 120-133).
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import json
 import math
@@ -43,6 +49,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import report  # noqa: E402
+from benchmarks.decode import parse_variant  # noqa: E402
 from benchmarks.report import add_output_arguments, error_text, log  # noqa: E402
 from benchmarks.timing import device_seconds  # noqa: E402
 from jaxmoe.ops.pallas.gmm_common import NUM_COMPUTE_WGS  # noqa: E402
@@ -114,6 +121,13 @@ def trace_summary(events: list[dict], warpgroups: int = WARPGROUPS) -> dict:
         )
         mean["max_span"] = max(s["span"] for s in summaries)
         mean["warpgroups"] = len(summaries)
+        busy = sorted(s["span"] for s in summaries if s.get("n_step", 0) or s.get("n_wait_free", 0))
+        if busy:  # the spread that the kernel's time (the longest) pays for
+            mean["busy_spans"] = {
+                q: busy[min(round(q / 100 * (len(busy) - 1)), len(busy) - 1)]
+                for q in (0, 10, 50, 90, 100)
+            }
+            mean["busy_mean_over_max"] = statistics.mean(busy) / busy[-1]
         out[role] = mean
     return out
 
@@ -126,7 +140,12 @@ def routed_group_sizes(num_experts: int, top_k: int, tokens: int) -> np.ndarray:
 
 
 def trace_one(
-    shape, gemm: str, tokens: int, small_scales: bool = False, tiled: bool = True
+    shape,
+    gemm: str,
+    tokens: int,
+    small_scales: bool = False,
+    tiled: bool = True,
+    variant: dict | None = None,
 ) -> dict:
     config, h = shape.config, shape.hidden_size
     k, n = {
@@ -143,7 +162,9 @@ def trace_one(
     scale = jax.random.randint(keys[2], (config.num_experts, k // 32, n), 120, 134)
     scale = scale.astype(jnp.uint8)
     sizes = jnp.asarray(counts, jnp.int32)
-    decode = default_decode_config(rows, k, n, config.num_experts)
+    decode = dataclasses.replace(
+        default_decode_config(rows, k, n, config.num_experts), **(variant or {})
+    )
     record = dict(
         shape=shape.name,
         gemm=gemm,
@@ -169,6 +190,8 @@ def trace_one(
     # steps and their waits, an epilogue and the item region itself.
     tiles = sum(math.ceil((c + 7) / decode.tile_rows) for c in counts if c)
     per_cta = math.ceil(tiles * (n // decode.cta_n) / decode.num_sms) + 1
+    if decode.dynamic_items:  # a CTA that streams faster takes more
+        per_cta *= 2
     directory = tempfile.mkdtemp(prefix="decode_trace_")
     trace = KernelTrace(directory, per_cta * (2 * (k // decode.tile_k) + 2) + 8)
     traced = call(trace)
@@ -197,6 +220,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--tokens", default="64")
     parser.add_argument("--small-scales", action="store_true")
     parser.add_argument("--plain-weights", action="store_true")
+    parser.add_argument(
+        "--variant", default="", help='DecodeConfig fields "f=v,..." set on the default config'
+    )
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     if jax.devices()[0].platform != "gpu":
@@ -209,7 +235,12 @@ def main(argv=None) -> dict:
             for gemm in args.gemms.split(","):
                 try:
                     record = trace_one(
-                        SHAPES[name], gemm, tokens, args.small_scales, not args.plain_weights
+                        SHAPES[name],
+                        gemm,
+                        tokens,
+                        args.small_scales,
+                        not args.plain_weights,
+                        parse_variant(args.variant) if args.variant else None,
                     )
                 except Exception as e:  # a failed case is recorded, the others still run
                     record = dict(shape=name, gemm=gemm, tokens=tokens, error=error_text(e))

@@ -44,6 +44,20 @@ def test_summary_splits_roles_and_sums_regions_and_step_gaps():
     assert memory["sum_item"] == 900 and "step_gaps" not in memory
 
 
+def test_busy_spans_leave_out_idle_warpgroups():
+    """The spread of the busy warpgroups' spans: a second CTA whose compute warpgroups ran one
+    step twice as long, a third that only entered its profiler's Init region (no items)."""
+    slow = [("item", 0, 2000), ("step", 100, 1900)]
+    idle = [("Init", 0, 50)]
+    trace = TRACE + events(4, slow) + events(5, slow) + events(7, idle) + events(8, idle)
+    compute = trace_summary(trace, warpgroups=3)["compute"]
+    assert compute["warpgroups"] == 6
+    assert compute["busy_spans"] == {0: 1000, 10: 1000, 50: 2000, 90: 2000, 100: 2000}
+    assert compute["busy_mean_over_max"] == pytest.approx(0.75)
+    assert compute["max_span"] == 2000
+    assert "busy_spans" not in trace_summary(TRACE, warpgroups=3)["memory"]  # no waits: idle
+
+
 def test_kernel_trace_refuses_an_empty_buffer():
     assert KernelTrace("/tmp/t", 16).compiler_params()["profile_space"] == 16
     with pytest.raises(ValueError, match="max_regions"):
