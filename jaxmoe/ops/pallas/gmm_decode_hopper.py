@@ -60,6 +60,7 @@ from jaxmoe.ops.pallas.tiles import COUNT, GROUP, START, metadata_scope, row_til
 _FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 _BF16 = jnp.bfloat16
 WEIGHT_TILE = 128  # rows and columns of a weight tile in the tiled layout
+LOADS_PER_STEP = 3  # a K step's TMA loads into its ring slot: lhs rows, weights, scale bytes
 
 
 def can_tile_weights(n: int, k: int) -> bool:
@@ -316,7 +317,7 @@ def _build_kernel(
             scale_ring=plgpu.SMEM((num_slots, blocks_per_step, cta_n), jnp.uint8),
             out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, tile_rows, wg_n), out_dtype),
             # TMA landed (one arrival per operand); slot free (both compute warpgroups).
-            produced=plgpu.Barrier(num_arrivals=3, num_barriers=num_slots),
+            produced=plgpu.Barrier(num_arrivals=LOADS_PER_STEP, num_barriers=num_slots),
             consumed=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=num_slots),
         )
         if config.dynamic_items:
@@ -434,13 +435,13 @@ def _build_kernel(
                 j, _ = lax.while_loop(
                     lambda carry: carry[1] < num_items, each_item, (jnp.int32(0), claim(0))
                 )
-                # Position j * k_steps: no more items (three arrivals, as of the three TMAs).
+                # Position j * k_steps: no more items (an arrival for each of a step's loads).
                 end = j * k_steps
                 wait_free(end)
                 slot = lax.rem(end, num_slots)
                 slot_items[slot] = -1
                 plgpu.commit_smem()
-                for _ in range(3):
+                for _ in range(LOADS_PER_STEP):
                     plgpu.barrier_arrive(produced.at[slot])
                 quiesce(end + 1)
 
