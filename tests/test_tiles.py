@@ -89,7 +89,7 @@ def reference_row_tiles(sizes, num_rows, tile_m, row_align):
     return np.array(tiles + [(num_groups, 0, 0)] * unused).T, counts
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_row_tiles_equal_a_loop_over_the_groups(seed):
     rng = np.random.default_rng(200 + seed)
     num_groups, num_rows, sizes = random_groups(rng, 140, 300)
@@ -98,7 +98,9 @@ def test_row_tiles_equal_a_loop_over_the_groups(seed):
     if seed == 1:
         sizes[:] = 0
         sizes[-1] = num_rows  # no zero region
-    tile_m, row_align = [(8, 8), (16, 8), (64, 8), (128, 8), (16, 1), (32, 4)][seed]
+    tile_m, row_align = [(8, 8), (16, 8), (64, 8), (128, 8), (16, 1), (32, 4), (24, 8), (48, 6)][
+        seed
+    ]
     tiles = row_tiles(jnp.asarray(sizes, jnp.int32), num_rows, tile_m, row_align)
     fields, counts = reference_row_tiles(sizes.tolist(), num_rows, tile_m, row_align)
     got = np.stack([np.asarray(tiles.group), np.asarray(tiles.start), np.asarray(tiles.count)])

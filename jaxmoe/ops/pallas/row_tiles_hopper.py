@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxmoe.ints import cdiv
+from jaxmoe.ints import cdiv, is_power_of_two
 
 CHUNK = 64  # a pass's tile is [CHUNK, CHUNK]: the wgmma register layout's 64 rows
 STORE_ALIGN = 4  # int32 elements in the 16 bytes a TMA store of the results moves at least
@@ -50,13 +50,12 @@ def _round_up(x: int, multiple: int) -> int:
 def supported(num_groups: int, num_tiles: int, tile_m: int, row_align: int) -> bool:
     """Whether the kernel takes these tiles: G + 2 owners and num_tiles tiles (a multiple of
     STORE_ALIGN) within one [CHUNK, CHUNK] pass, powers of two for tile_m and row_align."""
-    power_of_two = lambda x: x > 0 and x & (x - 1) == 0  # noqa: E731
     return (
         num_groups + 2 <= CHUNK
         and num_tiles <= CHUNK
         and num_tiles % STORE_ALIGN == 0
-        and power_of_two(tile_m)
-        and power_of_two(row_align)
+        and is_power_of_two(tile_m)
+        and is_power_of_two(row_align)
     )
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxmoe.ints import cdiv
+from jaxmoe.ints import cdiv, cdiv_fusible, round_down_fusible
 from jaxmoe.ops.checks import known_on_host
 from jaxmoe.ops.device import compiled_for_gpu, on_gpu
 from jaxmoe.ops.pallas import row_tiles_hopper
@@ -131,8 +131,9 @@ def row_tiles_xla(
     (a group, the zero region, or, past all tiles, "unused"), each a comparison of every
     position with every owner summed along the owners (no search or gather). Each pass
     stacks its outputs on a leading axis, one reduction a pass, and the kernels read the
-    stacked arrays as they are. (Compiled for Hopper, qwen3_30b's MXFP8 decode forward: three
-    kernels for the row tiles of both GEMMs, none for (1).)"""
+    stacked arrays as they are. (Compiled for Hopper, qwen3_30b's MXFP8 decode forward: two
+    kernels for the row tiles of both GEMMs, none for (1), once the divisions by powers of two
+    are shifts: `jaxmoe.ints.cdiv_fusible`.)"""
     num_groups = group_sizes.shape[0]
     sizes = group_sizes.astype(jnp.int32)
     group = jnp.arange(num_groups + 1, dtype=jnp.int32)  # the last one: the zero region
@@ -140,8 +141,8 @@ def row_tiles_xla(
     starts = jnp.concatenate([jnp.zeros(1, jnp.int32), through_groups])
     through = jnp.concatenate([through_groups, through_groups[-1:]])
     ends = jnp.where(group < num_groups, through, num_rows)
-    anchors = starts - starts % row_align
-    tiles_per_group = jnp.where(ends > starts, cdiv(ends - anchors, tile_m), 0)
+    anchors = round_down_fusible(starts, row_align)
+    tiles_per_group = jnp.where(ends > starts, cdiv_fusible(ends - anchors, tile_m), 0)
     bound = jnp.arange(num_groups + 2, dtype=jnp.int32)
     bounds = jnp.sum(jnp.where(bound[:, None] > group[None, :], tiles_per_group, 0), axis=1)
     num_tiles = max_row_tiles(num_rows, num_groups, tile_m, row_align)
