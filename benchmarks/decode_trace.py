@@ -190,8 +190,6 @@ def trace_one(
     # steps and their waits, an epilogue and the item region itself.
     tiles = sum(math.ceil((c + 7) / decode.tile_rows) for c in counts if c)
     per_cta = math.ceil(tiles * (n // decode.cta_n) / decode.num_sms) + 1
-    if decode.dynamic_items:  # a CTA that streams faster takes more
-        per_cta *= 2
     directory = tempfile.mkdtemp(prefix="decode_trace_")
     trace = KernelTrace(directory, per_cta * (2 * (k // decode.tile_k) + 2) + 8)
     traced = call(trace)

@@ -123,9 +123,7 @@ def test_decode_items_run_alike_at_any_ring_depth_and_in_narrow_tiles(interpret)
     more than an item has): the same bits either way; with narrower row tiles (8 rows) on tiled
     weights (`tile_weights`, one 128-row tile a step); with 256-column items on tiled weights
     (two tiles a step) spread over as few CTAs as their count needs (`balance_ctas`: 14 items
-    on 5 of 6 CTAs), and on plain weights over all 6; and with the items handed to the compute
-    warpgroups through the ring (`dynamic_items`: on the GPU taken from an atomic counter), with
-    CTAs that get none."""
+    on 5 of 6 CTAs), and on plain weights over all 6."""
     lhs_q, rhs_q = operands(200, 256, 256, 5)
     sizes = jnp.asarray(SIZES["ragged_tail_and_empty"], jnp.int32)  # 14 row tiles of 16
     unchained = DecodeConfig(tile_rows=16, wg_n=64, tile_k=64, max_concurrent_steps=3, num_sms=3)
@@ -139,7 +137,6 @@ def test_decode_items_run_alike_at_any_ring_depth_and_in_narrow_tiles(interpret)
         narrow,
         wide,
         dataclasses.replace(wide, balance_ctas=False),
-        dataclasses.replace(unchained, dynamic_items=True, num_sms=32),  # 28 items: 4 CTAs idle
     ]
     if ON_HOPPER:
         configs = [dataclasses.replace(c, num_sms=132) for c in configs]
@@ -148,8 +145,7 @@ def test_decode_items_run_alike_at_any_ring_depth_and_in_narrow_tiles(interpret)
         lhs_q, rhs_q, sizes, impl="pallas", config=config, strategy="decode", rhs_tiled=tiles
     )
     chained = run(configs[0])
-    weights = [None, tiled, tiled, tiled, None, None]
-    for config, tiles in zip(configs[1:], weights, strict=True):
+    for config, tiles in zip(configs[1:], [None, tiled, tiled, tiled, None], strict=True):
         np.testing.assert_array_equal(bits(run(config, tiles)), bits(chained))
     assert 256 // unchained.tile_k % unchained.max_concurrent_steps  # slots do not divide steps
     with pytest.raises(ValueError, match="tiled weights need tile_k"):

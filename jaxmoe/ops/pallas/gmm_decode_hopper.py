@@ -20,8 +20,7 @@ The weights' fp8 tiles and their E8M0 scale bytes come through the same TMA ring
 warpgroup waits on a global load. The weights may come as [G, N, K] or in 128 x 128 tiles
 (`tile_weights`, as `jaxmoe.mxfp8_inference` stores them: a K step's load is one or two
 contiguous pieces, read faster). The work items go to as few CTAs as their count needs
-(`DecodeConfig.balance_ctas`), so that no part of the GPU idles while the rest runs the last ones;
-or, with `DecodeConfig.dynamic_items`, each CTA takes its next item from an atomic counter.
+(`DecodeConfig.balance_ctas`), so that no part of the GPU idles while the rest runs the last ones.
 
 The epilogue transposes each warpgroup's out^T tile in SMEM and TMA-stores only the tile's
 own rows of out [M, N] (the rows of a group, never another's); the compute warpgroups write
@@ -44,7 +43,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxmoe.ints import cdiv
 from jaxmoe.mxfp8 import BLOCK_SIZE, scale_multipliers
 from jaxmoe.ops.device import compiled_for_gpu, num_sms
-from jaxmoe.ops.pallas import e4m3_registers, regions, work_counter
+from jaxmoe.ops.pallas import e4m3_registers, regions
 from jaxmoe.ops.pallas.gmm_common import (
     COMPUTE_REGISTERS,
     MEMORY_REGISTERS,
@@ -92,10 +91,7 @@ class DecodeConfig:
     2 * wg_n output columns; K steps of tile_k (a multiple of 64); num_sms as in `GmmConfig`.
     balance_ctas: spread the work items over as few CTAs as the most items a CTA must take
     allows (e.g. 1000 items: 125 CTAs of 8, not 76 of 8 and 56 of 7), so that the last items
-    do not run on part of the GPU while the rest idles. dynamic_items: every CTA takes its next
-    item from an atomic counter when its ring has room (`work_counter`; the interpreter deals
-    them in the fixed order through the same hand-over), so that CTAs that stream faster take
-    more items; not yet timed on a GPU, off by default. None of these change the bits."""
+    do not run on part of the GPU while the rest idles. None of these change the bits."""
 
     tile_rows: int = 32
     wg_n: int = 128
@@ -103,7 +99,6 @@ class DecodeConfig:
     max_concurrent_steps: int = 4
     num_sms: int = 132
     balance_ctas: bool = True
-    dynamic_items: bool = False
 
     @property
     def cta_n(self) -> int:
@@ -250,14 +245,12 @@ def gmm_decode_pallas(
         interpret,
         trace,
         small_scales and compiled_for_gpu(interpret),
-        config.dynamic_items and compiled_for_gpu(interpret),
         num_weights,
         groups_per_weight,
         num_groups,
         tiled,
     )
-    counter = (work_counter.fresh_counter(),) if config.dynamic_items else ()
-    out = kernel(tiles.bounds, tiles.fields, padded, rhs, rhs_scale, *counter)
+    out = kernel(tiles.bounds, tiles.fields, padded, rhs, rhs_scale)
     return out[:num_rows]
 
 
@@ -271,7 +264,6 @@ def _build_kernel(
     interpret,
     trace,
     register_route,
-    atomic_claims,
     num_weights,
     groups_per_weight,
     num_groups,
@@ -298,14 +290,13 @@ def _build_kernel(
         lhs_gmem,
         rhs_gmem,
         rhs_scale_gmem,
-        *counter_and_out,
+        out_gmem,
     ):
-        *counter, out_gmem = counter_and_out  # the work counter with dynamic_items
         # One ring of num_slots K steps through all of a CTA's items (the memory warpgroup
         # loads the next item's first steps while this item's last ones run), for any number
-        # of K steps an item. With dynamic_items the memory warpgroup also writes the item that
-        # starts at a ring position into slot_items (-1: no more), for the compute warpgroups.
-        scratch = dict(
+        # of K steps an item.
+        @functools.partial(
+            pl.run_scoped,
             lhs_ring=plgpu.SMEM(
                 (num_slots, tile_rows, tile_k), _BF16, transforms=swizzled(_BF16, BLOCK_SIZE)
             ),
@@ -319,24 +310,9 @@ def _build_kernel(
             # TMA landed (one arrival per operand); slot free (both compute warpgroups).
             produced=plgpu.Barrier(num_arrivals=LOADS_PER_STEP, num_barriers=num_slots),
             consumed=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=num_slots),
+            collective_axes="wg",
         )
-        if config.dynamic_items:
-            scratch.update(
-                slot_items=plgpu.SMEM((num_slots,), jnp.int32),
-                ticket=plgpu.SMEM((1,), jnp.int32),
-            )
-
-        @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-        def _scope(
-            lhs_ring,
-            weights_ring,
-            scale_ring,
-            out_smem,
-            produced,
-            consumed,
-            slot_items=None,
-            ticket=None,
-        ):
+        def _scope(lhs_ring, weights_ring, scale_ring, out_smem, produced, consumed):
             wg = lax.axis_index("wg")
             sm = lax.axis_index("sm")
             wg_cols = pl.ds(wg * wg_n, wg_n)
@@ -345,7 +321,7 @@ def _build_kernel(
             matmul_tiles = tile_bounds_gmem[num_groups]
             num_items = matmul_tiles * num_columns
             ctas = config.num_sms
-            if config.balance_ctas and not config.dynamic_items:
+            if config.balance_ctas:
                 per_cta = jnp.maximum(cdiv(num_items, config.num_sms), 1)
                 ctas = jnp.maximum(cdiv(num_items, per_cta), 1)
             mine = jnp.where(sm < ctas, jnp.maximum(num_items - sm + ctas - 1, 0) // ctas, 0)
@@ -363,102 +339,54 @@ def _build_kernel(
                 first_column = pl.multiple_of(item % num_columns * cta_n, cta_n)
                 return tile_fields_gmem[START, tile], tile_fields_gmem[COUNT, tile], first_column
 
-            def wait_free(t):
-                """Before ring position t: both compute warpgroups are done with t - slots."""
-
-                @pl.when(t >= num_slots)
-                @regions.named("wait_free")
-                def _wait():
-                    plgpu.barrier_wait(consumed.at[lax.rem(t, num_slots)])
-
-            def load_item(item, first_t):
-                """The memory warpgroup's TMA loads of an item's K steps into ring positions
-                first_t, first_t + 1, ..."""
-                group = tile_fields_gmem[GROUP, item // num_columns]
-                weight = jnp.minimum(group // groups_per_weight, num_weights - 1)
-                first_row, _, first_column = item_fields(item)
-                rows = pl.ds(load_row(first_row), tile_rows)
-
-                @pl.loop(0, k_steps)
-                def _step(s):
-                    t = first_t + s
-                    slot = lax.rem(t, num_slots)
-                    wait_free(t)
-                    if config.dynamic_items:
-
-                        @pl.when(s == 0)
-                        def _announce():
-                            slot_items[slot] = item
-                            plgpu.commit_smem()
-
-                    for source, ring in (
-                        (lhs_gmem.at[rows, pl.ds(s * tile_k, tile_k)], lhs_ring),
-                        (step_weights(rhs_gmem, weight, first_column, s), weights_ring),
-                        (
-                            rhs_scale_gmem.at[
-                                weight,
-                                pl.ds(s * blocks_per_step, blocks_per_step),
-                                pl.ds(first_column, cta_n),
-                            ],
-                            scale_ring,
-                        ),
-                    ):
-                        plgpu.copy_gmem_to_smem(source, ring.at[slot], produced.at[slot])
-
-            def quiesce(total):
-                """Observe the releases of the last slots too (the barriers' phases then match
-                in every warpgroup when they are deallocated)."""
-
-                @pl.loop(jnp.maximum(total - num_slots, 0), total)
-                def _last(t):
-                    plgpu.barrier_wait(consumed.at[lax.rem(t, num_slots)])
-
             def memory_warpgroup():
                 plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-                if not config.dynamic_items:
-                    pl.loop(0, mine)(lambda j: load_item(sm + j * ctas, j * k_steps))
-                    quiesce(mine * k_steps)
-                    return
 
-                def claim(j):
-                    """This CTA's j-th item: the counter's next (GPU), or every
-                    num_sms-th item (the interpreter)."""
-                    if atomic_claims:
-                        return work_counter.claim(counter[0], ticket)
-                    return sm + j * config.num_sms
+                @pl.loop(0, mine)
+                def _item(j):
+                    item = sm + j * ctas
+                    group = tile_fields_gmem[GROUP, item // num_columns]
+                    weight = jnp.minimum(group // groups_per_weight, num_weights - 1)
+                    first_row, _, first_column = item_fields(item)
+                    rows = pl.ds(load_row(first_row), tile_rows)
 
-                def each_item(carry):
-                    j, item = carry
-                    load_item(item, j * k_steps)
-                    return j + 1, claim(j + 1)
+                    @pl.loop(0, k_steps)
+                    def _step(s):
+                        t = j * k_steps + s
+                        slot = lax.rem(t, num_slots)
 
-                j, _ = lax.while_loop(
-                    lambda carry: carry[1] < num_items, each_item, (jnp.int32(0), claim(0))
-                )
-                # Position j * k_steps: no more items (an arrival for each of a step's loads).
-                end = j * k_steps
-                wait_free(end)
-                slot = lax.rem(end, num_slots)
-                slot_items[slot] = -1
-                plgpu.commit_smem()
-                for _ in range(LOADS_PER_STEP):
-                    plgpu.barrier_arrive(produced.at[slot])
-                quiesce(end + 1)
+                        @pl.when(t >= num_slots)
+                        @regions.named("wait_free")
+                        def _wait_free():  # both compute warpgroups are done with t - slots
+                            plgpu.barrier_wait(consumed.at[slot])
 
-            def wait_data(slot):
-                regions.named("wait_data")(plgpu.barrier_wait)(produced.at[slot])
+                        for source, ring in (
+                            (lhs_gmem.at[rows, pl.ds(s * tile_k, tile_k)], lhs_ring),
+                            (step_weights(rhs_gmem, weight, first_column, s), weights_ring),
+                            (
+                                rhs_scale_gmem.at[
+                                    weight,
+                                    pl.ds(s * blocks_per_step, blocks_per_step),
+                                    pl.ds(first_column, cta_n),
+                                ],
+                                scale_ring,
+                            ),
+                        ):
+                            plgpu.copy_gmem_to_smem(source, ring.at[slot], produced.at[slot])
+
+                # Observe the releases of the last slots too (the barriers' phases then match
+                # in every warpgroup when they are deallocated).
+                total = mine * k_steps
+
+                @pl.loop(jnp.maximum(total - num_slots, 0), total)
+                def _quiesce(t):
+                    plgpu.barrier_wait(consumed.at[lax.rem(t, num_slots)])
 
             @regions.named("step")
-            def mma(acc_ref, slot, wait=None):
-                """One K step from a ring slot, after waiting for its data (wait: None, or
-                whether to; a slot's data is waited for once)."""
+            def mma(acc_ref, slot):
                 # A block's dequantized weights go to its wgmma from registers; the step's
                 # wgmmas retire before its TMA slot (their B rows) is released.
-                if wait is None:
-                    wait_data(slot)
-                else:
-                    pl.when(wait)(lambda: wait_data(slot))
-
+                regions.named("wait_data")(plgpu.barrier_wait)(produced.at[slot])
                 lhs_smem, rhs_smem = lhs_ring.at[slot], weights_ring.at[slot]
                 # The whole step's tile in one load: a 32-wide block cannot be sliced out of
                 # the tile's 128-byte swizzle in SMEM, and a narrower swizzle splits the TMA
@@ -512,44 +440,21 @@ def _build_kernel(
                 )
 
             @regions.named("item")
-            def decode_item(item, first_t, first_waited):
-                """An item's K steps from ring position first_t and its epilogue;
-                first_waited: its first slot's data has been waited for."""
-                fields = item_fields(item)
+            def decode_item(j):
+                fields = item_fields(sm + j * ctas)
 
                 def scoped(acc_ref):
                     @pl.loop(0, k_steps)
                     def _step(s):
-                        slot = lax.rem(first_t + s, num_slots)
-                        mma(acc_ref, slot, s > 0 if first_waited else None)
+                        mma(acc_ref, lax.rem(j * k_steps + s, num_slots))
 
                     store(acc_ref[...], fields)
 
                 pl.run_scoped(scoped, plgpu.ACC((wg_n, tile_rows)))
 
-            def item_at(t):
-                """The item that starts at ring position t (-1: none), once its data is in."""
-                slot = lax.rem(t, num_slots)
-                wait_data(slot)
-                return slot_items[slot]
-
             def compute_warpgroup():
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-                if config.dynamic_items:
-
-                    def each_item(carry):
-                        t, item = carry
-                        decode_item(item, t, first_waited=True)
-                        return t + k_steps, item_at(t + k_steps)
-
-                    end, _ = lax.while_loop(
-                        lambda carry: carry[1] >= 0, each_item, (jnp.int32(0), item_at(0))
-                    )
-                    plgpu.barrier_arrive(consumed.at[lax.rem(end, num_slots)])
-                else:
-                    pl.loop(0, mine)(
-                        lambda j: decode_item(sm + j * ctas, j * k_steps, first_waited=False)
-                    )
+                pl.loop(0, mine)(decode_item)
 
                 # The rows past the groups: zeros.
                 num_zero = (tile_bounds_gmem[num_groups + 1] - matmul_tiles) * num_columns
