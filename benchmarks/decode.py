@@ -35,7 +35,9 @@ No host dispatch is timed: each timed call runs `copies` forwards inside one exe
 (`lax.scan`; torch: one CUDA graph on a GPU), each on its own copy of the weights (so that no
 copy is served from L2) and its own tokens; times are per forward. --profile adds each
 implementation's device time per forward by kernel name (`kernels_us`, from a JAX profile; GPU
-only), which shows what besides the GEMM kernels a forward runs. Implementations take turns
+only), which shows what besides the GEMM kernels a forward runs, and for the gmm part the GEMM
+calls' own device time (`gemm_us`: their kernels and tile metadata, not the scan and sums of
+the timing harness) and its share of the floor. Implementations take turns
 (`benchmarks.timing.timed_runs`), median of the repeats; --impls runs only the named ones (and the
 --decode-sweep variants).
 Writes decode_<date>[_tag].json (after every shape) and, with matplotlib, decode_<date>[_tag].png
@@ -51,6 +53,7 @@ import datetime
 import functools
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -88,6 +91,9 @@ PARTS = ("layer", "gmm")
 # The bandwidth measurement's buffer: 1 GiB on a GPU (well past its L2), 16 MiB on a CPU.
 BANDWIDTH_BYTES = {True: 1 << 30, False: 1 << 24}
 BYTES_PER_WEIGHT = {"bf16": 2.0, "mxfp8": 1.0 + 1.0 / BLOCK_SIZE}
+# The named scope of the gmm part's GEMM calls: their kernels (the GEMM and its tile metadata)
+# apart from the benchmark's own work (the scan, the sums that use the outputs).
+GEMM_SCOPE = "expert_gemm"
 
 
 def expert_weights_per_expert(shape: LayerShape) -> int:
@@ -223,7 +229,8 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
     x_values = jax.jit(jax.vmap(lambda a, b: (dequantize(a, BF16), dequantize(b, BF16))))(*x_q)
 
     def bf16(w, a, b, sizes):
-        return gmm(a, w[0], sizes, impl=impl), gmm(b, w[1], sizes, impl=impl)
+        with jax.named_scope(GEMM_SCOPE):
+            return gmm(a, w[0], sizes, impl=impl), gmm(b, w[1], sizes, impl=impl)
 
     def mxfp8(strategy, w, a, b, a_values, b_values, sizes, fields=None, small_scales=False):
         def run(x, values, stored):
@@ -247,7 +254,8 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
                 lhs_values=values,
             )
 
-        return run(a, a_values, w[0]), run(b, b_values, w[1])
+        with jax.named_scope(GEMM_SCOPE):
+            return run(a, a_values, w[0]), run(b, b_values, w[1])
 
     candidates = {"gmm_bf16": functools.partial(scanned(bf16), weights, x1, x2, group_sizes)}
     for name, strategy in (
@@ -330,7 +338,9 @@ def bench(shape: LayerShape, tokens: int, part: str, args, bandwidth: float, rec
                 floor_us=floors[precision],
                 share_of_floor=floors[precision] / us,
                 **(
-                    kernel_breakdown(runnable[impl], args.copies) if args.profile and on_gpu else {}
+                    kernel_breakdown(runnable[impl], args.copies, floors[precision], part)
+                    if args.profile and on_gpu
+                    else {}
                 ),
             )
         )
@@ -340,15 +350,44 @@ def bench(shape: LayerShape, tokens: int, part: str, args, bandwidth: float, rec
         )
 
 
-def kernel_breakdown(call, copies: int, runs: int = 2, top: int = 40) -> dict:
+def kernel_breakdown(call, copies: int, floor: float, part: str, runs: int = 2, top: int = 40):
     """Device us per forward of the GPU work a call launches, by kernel name (the `top`
-    longest, the rest summed as "other"), from a profile of `runs` calls of `copies` forwards."""
+    longest, the rest summed as "other"), from a profile of `runs` calls of `copies` forwards.
+    For the gmm part also the GEMM calls' own kernels (`gemm_kernels`: those of GEMM_SCOPE,
+    `gemm_scope_kernels`), their device us per forward (`gemm_us`) and the floor's share of it
+    (`gemm_share_of_floor`): the time a user's two GEMM calls take, without the benchmark's."""
     per_kernel = collections.Counter()
     for event in gpu_stream_events(profile_events(call, runs=runs)):
         per_kernel[event.name] += event.dur_us / (runs * copies)
     longest = dict(per_kernel.most_common(top))
     longest["other"] = sum(per_kernel.values()) - sum(longest.values())
-    return dict(device_us=sum(per_kernel.values()), kernels_us=longest)
+    result = dict(device_us=sum(per_kernel.values()), kernels_us=longest)
+    if part == "gmm" and isinstance(call, functools.partial):
+        compiled = call.func.lower(*call.args, **call.keywords).compile().as_text()
+        own = sorted(scoped_kernel_names(compiled, GEMM_SCOPE) & set(per_kernel))
+        gemm_us = sum(per_kernel[name] for name in own)
+        result.update(
+            gemm_kernels=own, gemm_us=gemm_us, gemm_share_of_floor=floor / gemm_us if own else None
+        )
+    return result
+
+
+def scoped_kernel_names(hlo_text: str, scope: str) -> set[str]:
+    """The kernels, named as the GPU profiler names them, of the instructions of a compiled HLO
+    module whose op_name passes through the named scope `scope`: a fusion as its instruction
+    ("input_reduce_fusion.2" -> "input_reduce_fusion_2"), a Pallas Mosaic GPU call (a custom
+    call whose op_name ends in ".../<kernel name>/mpmd_map") as "<kernel name>_mosaic_gpu_kernel"."""
+    names = set()
+    pattern = r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{[^}]*?op_name="([^"]*)"'
+    for name, op_name in re.findall(pattern, hlo_text, re.MULTILINE):
+        path = op_name.split("/")
+        if scope not in path:
+            continue
+        if len(path) >= 2 and path[-1] == "mpmd_map":
+            names.add(f"{path[-2]}_mosaic_gpu_kernel")
+        else:
+            names.add(re.sub(r"[.\-]", "_", name))
+    return names
 
 
 def summarize(records: list) -> list:

@@ -97,3 +97,38 @@ def test_summary_gives_both_ratios_where_device_time_was_measured():
     assert layer["device_speedup_over_bf16"] == {"jaxmoe_mxfp8": 1.5}
     assert gmm["speedup_over_bf16"] == {"gmm_mxfp8_decode": 1.5}
     assert "device_speedup_over_bf16" not in gmm
+
+
+def test_the_gemm_scope_names_its_fusions_and_pallas_kernels_as_the_profiler_does():
+    body = "jit(run)/while/body"
+    hlo = "\n".join(  # lines as XLA writes them, shortened
+        [
+            f"  %input_reduce_fusion.1 = s32[3,220]{{1,0}} fusion(%a), kind=kInput, "
+            f'metadata={{op_name="{body}/expert_gemm/reduce_sum" stack_frame_id=1}}',
+            f"  %loop-add_fusion = f32[] fusion(%b), kind=kLoop, "
+            f'metadata={{op_type="add" op_name="{body}/add"}}',
+            f"  %mpmd_map.7 = bf16[512,1536]{{1,0}} custom-call(%c), "
+            f'custom_call_target="mosaic_gpu_v2", '
+            f'metadata={{op_name="{body}/expert_gemm/gmm_decode/mpmd_map"}}',
+            "  ROOT %cumsum.3 = s32[9]{0} fusion(%d), kind=kLoop, "
+            'metadata={op_type="cumsum" op_name="jit(run)/expert_gemm/cumsum"}',
+        ]
+    )
+    assert decode.scoped_kernel_names(hlo, "expert_gemm") == {
+        "input_reduce_fusion_1",
+        "gmm_decode_mosaic_gpu_kernel",
+        "cumsum_3",
+    }
+    # A module compiled here: the scope's ops are found, the others are not.
+    import jax
+    import jax.numpy as jnp
+
+    def f(x):
+        with jax.named_scope("expert_gemm"):
+            y = jnp.cumsum(x * 3)
+        return jnp.sum(jnp.sin(y))
+
+    text = jax.jit(f).lower(jnp.ones(64)).compile().as_text()
+    inside = decode.scoped_kernel_names(text, "expert_gemm")
+    assert inside and inside < decode.scoped_kernel_names(text, "jit(f)")  # not the sum of sines
+    assert not decode.scoped_kernel_names(text, "no_such_scope")
