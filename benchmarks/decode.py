@@ -354,7 +354,7 @@ def kernel_breakdown(call, copies: int, floor: float, part: str, runs: int = 2, 
     """Device us per forward of the GPU work a call launches, by kernel name (the `top`
     longest, the rest summed as "other"), from a profile of `runs` calls of `copies` forwards.
     For the gmm part also the GEMM calls' own kernels (`gemm_kernels`: those of GEMM_SCOPE,
-    `gemm_scope_kernels`), their device us per forward (`gemm_us`) and the floor's share of it
+    found by `scoped_kernel_names`), their device us per forward (`gemm_us`) and the floor's share of it
     (`gemm_share_of_floor`): the time a user's two GEMM calls take, without the benchmark's."""
     per_kernel = collections.Counter()
     for event in gpu_stream_events(profile_events(call, runs=runs)):
