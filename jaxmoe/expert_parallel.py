@@ -80,7 +80,9 @@ def expert_parallel_forward(
     # as per-rank partials, summed by `_OrderedCopies` in one fixed order.
     copies = _OrderedCopies(mesh, expert_axis)
     copy_specs = jax.tree_util.tree_map_with_path(lambda path, _: copies.spec(path), params)
-    rest_specs = jax.tree_util.tree_map_with_path(lambda path, _: _spec(path, expert_axis), rest)
+    rest_specs = jax.tree_util.tree_map_with_path(
+        lambda path, _: state_spec(path, expert_axis), rest
+    )
     tokens = P(mesh.axis_names)
     if transport not in TRANSPORTS:
         raise ValueError(
@@ -137,7 +139,7 @@ def _in_experts(path) -> bool:
     return any(getattr(key, "key", None) == "experts" for key in path)
 
 
-def _spec(path, expert_axis: str) -> P:
+def state_spec(path, expert_axis: str) -> P:
     """How a module's array is laid out over the mesh: the routed experts' (their leading axis
     E; the parameters, and `jaxmoe.mxfp8_inference`'s MXFP8 copies) split over the expert axis,
     the rest replicated."""
@@ -242,7 +244,7 @@ def place_on_mesh(model: MoE, mesh: Mesh, *, expert_axis: str = "ep") -> MoE:
         return jax.device_put(value, sharding)
 
     state = jax.tree_util.tree_map_with_path(
-        lambda path, v: put(v, _spec(path, expert_axis)), nnx.state(model)
+        lambda path, v: put(v, state_spec(path, expert_axis)), nnx.state(model)
     )
     return nnx.merge(nnx.graphdef(model), state)
 

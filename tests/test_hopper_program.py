@@ -1,6 +1,7 @@
 """tools/hopper_program.py's reading of a compiled program (the compiling itself needs JAX's
 CUDA plugin, which CI does not install): the entry computation's launching instructions, in
-order, multi-output fusions and the root included, parameters, tuples and bitcasts left out."""
+order, multi-output fusions, collectives and the root included, parameters, tuples and
+bitcasts left out."""
 
 import os
 import sys
@@ -9,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tools.hopper_program import LAUNCHING, launches  # noqa: E402
+from tools.hopper_program import LAUNCHING, is_collective, launches  # noqa: E402
 
 HLO = """HloModule m
 
@@ -27,6 +28,9 @@ ENTRY %main (a: s32[4,128], b: bf16[64,8]) -> (s32[4], bf16[64,8]) {
   %bitcast.1 = s32[512]{0} bitcast(%gte)
   %sort.3 = s32[512]{0} sort(%bitcast.1), dimensions={0}, to_apply=%less
   %mpmd_map.5 = bf16[64,8]{1,0} custom-call(%b, %sort.3), metadata={op_name="jit(f)/fc1/mpmd_map"}
+  %all-to-all-start = ((bf16[64,8]{1,0}), bf16[64,8]{1,0}) all-to-all-start(%mpmd_map.5), replica_groups={{0,1}}
+  %all-to-all-done = bf16[64,8]{1,0} all-to-all-done(%all-to-all-start)
+  %all-reduce.2 = f32[] all-reduce(%c), replica_groups={{0,1}}, to_apply=%add
   ROOT %t = (s32[4]{0}, bf16[64,8]{1,0}) tuple(%input_reduce_fusion, %mpmd_map.5)
 }
 """
@@ -39,6 +43,9 @@ def test_the_entry_computations_launches_in_order():
         ("pair", "fusion"),
         ("sort.3", "sort"),
         ("mpmd_map.5", "custom-call"),
+        ("all-to-all-start", "all-to-all-start"),
+        ("all-to-all-done", "all-to-all-done"),
+        ("all-reduce.2", "all-reduce"),
     ]
     assert found[0]["op_name"] == "jit(f)/plan/reduce_sum" and found[1]["op_name"] == ""
     assert found[3]["op_name"] == "jit(f)/fc1/mpmd_map"
@@ -53,3 +60,10 @@ def test_a_compiled_program_is_read():
     found = launches(text)
     assert "sort" in [k["opcode"] for k in found]
     assert all(k["opcode"] in LAUNCHING for k in found)
+
+
+def test_collectives_are_listed_and_nothing_else_new():
+    assert is_collective("all-to-all") and is_collective("ragged-all-to-all-start")
+    assert is_collective("all-gather-done") and is_collective("collective-permute")
+    assert not is_collective("bitcast") and not is_collective("get-tuple-element")
+    assert not is_collective("all-to-all-begin")

@@ -5,7 +5,7 @@ times still come from the GPU (benchmarks/).
 
     JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=. <python> \\
         tools/hopper_program.py [--shape qwen3_30b] [--tokens 64] [--precision mxfp8]
-        [--step inference|train] [--hlo FILE]
+        [--step inference|train] [--ep R [--transport dense|ragged]] [--hlo FILE]
 
 <python>: a Python 3.12 whose JAX has the CUDA plugin, e.g. a separate environment made with
 `pip install "jax[cuda13]==0.11.2" flax` (about 4 GB; no GPU or driver needed). JAX_PLATFORMS
@@ -17,6 +17,9 @@ device (`jaxmoe.ops.device.compiling_for`), so the Pallas kernels are the ones a
 --step inference: the layer's forward, (y, the token counts), as `benchmarks/decode.py` times
 it (--precision mxfp8: `jaxmoe.mxfp8_inference`'s layer). --step train: the value and gradient
 (w.r.t. the parameters and x) of sum(y) + the auxiliary losses, in the shape's precision.
+--ep R: that training step under `jaxmoe.expert_parallel_forward` over a (data, ep) = (1, R)
+mesh of R compile-only H200s, --tokens a GPU (`benchmarks/ep.py`'s layer part); the program is
+one GPU's, its collectives listed with the kernels.
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 H200_TARGET = """
 gpu_device_info {
@@ -69,6 +75,15 @@ device_description_str: "NVIDIA H200"
 # Instructions of the entry computation that launch work on the GPU (the rest are parameters,
 # tuples, bitcasts and constants, which move no data).
 LAUNCHING = ("fusion", "custom-call", "sort", "scatter", "gather", "reduce", "copy", "while")
+# Collectives (and their asynchronous halves: all-to-all-start, all-gather-done, ...).
+COLLECTIVES = (
+    "all-to-all",
+    "ragged-all-to-all",
+    "all-gather",
+    "all-reduce",
+    "reduce-scatter",
+    "collective-permute",
+)
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][\w-]*)\(")
 
 
@@ -79,7 +94,7 @@ def launches(hlo_text: str) -> list[dict]:
     found = []
     for line in entry.splitlines()[1:]:
         m = _INSTRUCTION.match(line)
-        if m is None or m.group(3) not in LAUNCHING:
+        if m is None or not (m.group(3) in LAUNCHING or is_collective(m.group(3))):
             continue
         op_name = re.search(r'op_name="([^"]*)"', line)
         found.append(
@@ -93,19 +108,34 @@ def launches(hlo_text: str) -> list[dict]:
     return found
 
 
-def hopper_device():
-    """A compile-only H200 (`H200_TARGET`); needs JAX's CUDA plugin."""
+def is_collective(opcode: str) -> bool:
+    """Whether an HLO opcode is a collective or one half of an asynchronous one."""
+    base = opcode.removesuffix("-start").removesuffix("-done")
+    return base in COLLECTIVES
+
+
+def hopper_devices(count: int = 1) -> list:
+    """`count` compile-only H200s (`H200_TARGET`) of one process; needs JAX's CUDA plugin."""
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(
-        platform="cuda", topology_name="", topology="1x1x1", target_config=H200_TARGET
+        platform="cuda", topology_name="", topology=f"1x1x{count}", target_config=H200_TARGET
     )
-    return topology.devices[0]
+    return list(topology.devices)
 
 
-def program(shape_name: str, tokens: int, precision: str, step: str, device) -> str:
+def program(
+    shape_name: str,
+    tokens: int,
+    precision: str,
+    step: str,
+    devices: list,
+    transport: str = "dense",
+) -> str:
     """The compiled HLO text of the layer's `step` at `shape_name` with `tokens` tokens, for
-    `device`."""
+    `devices`: one, or R > 1 for the training step over a (1, R) mesh (`tokens` a GPU, the
+    exchange by `transport`)."""
+    from jaxmoe.expert_parallel import expert_parallel_forward, state_spec
     from jaxmoe.inference import mxfp8_inference
     from jaxmoe.moe import MoE
     from jaxmoe.ops.device import compiling_for
@@ -113,33 +143,47 @@ def program(shape_name: str, tokens: int, precision: str, step: str, device) -> 
 
     shape = SHAPES[shape_name].with_precision(precision)
     inference = step == "inference" and precision == "mxfp8"
+    ranks = len(devices)
+    if ranks > 1 and step != "train":
+        raise ValueError("--ep compiles the training step only (--step train)")
 
     def build():
         layer = MoE(shape.config, shape.hidden_size, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
         return mxfp8_inference(layer) if inference else layer
 
-    on_device = jax.sharding.SingleDeviceSharding(device)
-    abstract = lambda tree: jax.tree.map(  # noqa: E731
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device), tree
-    )
     graphdef, params, rest = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
-    x = jax.ShapeDtypeStruct((1, tokens, shape.hidden_size), jnp.bfloat16, sharding=on_device)
+    if ranks == 1:
+        on_device = jax.sharding.SingleDeviceSharding(devices[0])
+        placement = lambda path: on_device  # noqa: E731
+        tokens_on = on_device
+        forward = lambda model, x: model(x)  # noqa: E731
+    else:
+        mesh = jax.sharding.Mesh(np.array(devices).reshape(1, ranks), ("data", "ep"))
+        placement = lambda path: NamedSharding(mesh, state_spec(path, "ep"))  # noqa: E731
+        tokens_on = NamedSharding(mesh, P(mesh.axis_names))
+        forward = lambda model, x: expert_parallel_forward(  # noqa: E731
+            model, x, mesh, transport=transport
+        )
+    abstract = lambda tree: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda path, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placement(path)), tree
+    )
+    x = jax.ShapeDtypeStruct((ranks, tokens, shape.hidden_size), jnp.bfloat16, sharding=tokens_on)
 
-    def forward(params, x, rest):
-        return nnx.merge(graphdef, params, rest)(x)
+    def outputs(params, x, rest):
+        return forward(nnx.merge(graphdef, params, rest), x)
 
     if step == "inference":
         fn = lambda params, x, rest: (lambda y, aux: (y, aux.tokens_per_expert))(  # noqa: E731
-            *forward(params, x, rest)
+            *outputs(params, x, rest)
         )
     else:
 
         def loss(params, x, rest):
-            y, aux = forward(params, x, rest)
-            return jnp.sum(y.astype(jnp.float32)) + aux.total_loss
+            y, aux = outputs(params, x, rest)
+            return jnp.sum(y.astype(jnp.float32)) + jnp.sum(aux.total_loss)
 
         fn = jax.value_and_grad(loss, argnums=(0, 1))
-    with compiling_for(device):
+    with compiling_for(devices[0]):
         traced = jax.jit(fn).trace(abstract(params), x, abstract(rest))
     return traced.lower().compile().as_text()
 
@@ -150,14 +194,22 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--precision", default="mxfp8", choices=["bf16", "mxfp8", "fp8_blockwise"])
     parser.add_argument("--step", default="inference", choices=["inference", "train"])
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel degree (train step)")
+    parser.add_argument("--transport", default="dense", help="the exchange's, with --ep")
     parser.add_argument("--hlo", help="also write the compiled HLO text here")
     args = parser.parse_args(argv)
-    text = program(args.shape, args.tokens, args.precision, args.step, hopper_device())
+    text = program(
+        args.shape, args.tokens, args.precision, args.step, hopper_devices(args.ep), args.transport
+    )
     if args.hlo:
         with open(args.hlo, "w") as f:
             f.write(text)
     found = launches(text)
-    print(f"{args.shape} {args.step} {args.precision}, {args.tokens} tokens: {len(found)} launches")
+    where = f", ep = {args.ep} ({args.transport})" if args.ep > 1 else ""
+    print(
+        f"{args.shape} {args.step} {args.precision}, {args.tokens} tokens{where}: "
+        f"{len(found)} launches"
+    )
     for k in found:
         print(f"  {k['name']:40s} {k['opcode']:12s} {k['shape'][:48]:48s} {k['op_name'][-60:]}")
     return found
