@@ -384,33 +384,19 @@ def exact_token_operands(m, k, n, seed):
     return x.astype(F32), dy.astype(F32)
 
 
-# (wg_split, blocks_per_step, parts): parts = 2 doubles each warpgroup's columns, made and folded
-# in two parts of the base tiling's width.
-WGRAD_TILINGS = [("n", 1, 1), ("k", 1, 1), ("k", 2, 1), ("k", 2, 2)]
+WGRAD_TILINGS = [("n", 1), ("k", 1), ("k", 2)]
 
 
-def wgrad_tiling(base: BlockwiseTgmmConfig, wg_split: str, blocks_per_step: int, parts: int):
-    return dataclasses.replace(
-        base,
-        wg_split=wg_split,
-        blocks_per_step=blocks_per_step,
-        tile_n=base.tile_n * parts,
-        part_n=base.tile_n if parts > 1 else None,
-    )
-
-
-@pytest.mark.parametrize("wg_split, blocks_per_step, parts", WGRAD_TILINGS)
-def test_wgrad_kernel_equals_the_reference_on_exact_operands(
-    interpret, wg_split, blocks_per_step, parts
-):
+@pytest.mark.parametrize("wg_split, blocks_per_step", WGRAD_TILINGS)
+def test_wgrad_kernel_equals_the_reference_on_exact_operands(interpret, wg_split, blocks_per_step):
     """out[g] = x_g^T dy_g from the 1 x 128-along-tokens copies: the kernel (its warpgroups
-    side by side along N or K; one or two blocks a ring slot; a block's product whole or in
-    two column parts), the reference and the exact product agree bitwise, with an empty group,
-    groups of odd block counts, rows past the groups and M not a multiple of 128, or groups up
-    to M; control: the reference with one block's scales moved differs."""
+    side by side along N or K; one or two blocks a ring slot), the reference and the exact
+    product agree bitwise, with an empty group, groups of odd block counts, rows past the groups
+    and M not a multiple of 128, or groups up to M; control: the reference with one block's
+    scales moved differs."""
     x, dy = exact_token_operands(640, 128, 256, seed=3)
     base = default_tgmm_config(128, 256) if on_hopper() else WGRAD_SMALL
-    config = wgrad_tiling(base, wg_split, blocks_per_step, parts)
+    config = dataclasses.replace(base, wg_split=wg_split, blocks_per_step=blocks_per_step)
     for rows, group_sizes in [(600, [256, 0, 128, 128]), (640, [256, 0, 256, 128])]:
         xq = fb.quantize_1x128(jnp.asarray(x[:rows]), 0)
         dq = fb.quantize_1x128(jnp.asarray(dy[:rows]), 0)
@@ -464,13 +450,15 @@ def test_wgrad_refuses_bad_operands():
         )
 
 
-@pytest.mark.parametrize("wg_split, blocks_per_step, parts", WGRAD_TILINGS)
-def test_wgrad_kernel_lowers_at_real_shapes(wg_split, blocks_per_step, parts):
+@pytest.mark.parametrize("wg_split, blocks_per_step", WGRAD_TILINGS)
+def test_wgrad_kernel_lowers_at_real_shapes(wg_split, blocks_per_step):
     """Pallas -> Mosaic GPU lowering on CPU at mixtral's and dsv3's fc1 weight gradients."""
     s = jax.ShapeDtypeStruct
     for m, k, n, g in [(16384, 4096, 28672, 8), (32768, 7168, 4096, 32)]:
-        config = wgrad_tiling(
-            default_tgmm_config(k, n, jnp.bfloat16), wg_split, blocks_per_step, parts
+        config = dataclasses.replace(
+            default_tgmm_config(k, n, jnp.bfloat16),
+            wg_split=wg_split,
+            blocks_per_step=blocks_per_step,
         ).with_fitting_slots(jnp.bfloat16)
 
         def run(xd, xs, dd, ds, sizes):

@@ -44,12 +44,7 @@ class BlockwiseTgmmConfig:
     """Tiling: each compute warpgroup owns tile_k x tile_n outputs, the two side by side along
     N (wg_split "n": CTA tile tile_k x 2 * tile_n) or along K ("k": 2 * tile_k x tile_n);
     `slots` ring slots of `blocks_per_step` (1 or 2) 128-row blocks of both operands and
-    their scales; the epilogue stores epilogue_n columns at a time. part_n (None: tile_n):
-    a block's product is made and folded part_n columns at a time, each part one wgmma into
-    a fresh accumulator, so that a warpgroup can own more outputs than its registers hold
-    beside a whole tile's product (tile_n 256 in parts of 128: the accumulator 128 registers a
-    thread, a part 64). Every part is the same m64 x part_n wgmma as a tile of that width, so
-    the bits do not depend on it."""
+    their scales; the epilogue stores epilogue_n columns at a time."""
 
     tile_k: int = 64
     tile_n: int = 128
@@ -58,11 +53,6 @@ class BlockwiseTgmmConfig:
     num_sms: int = 132
     wg_split: str = "k"
     blocks_per_step: int = 2
-    part_n: int | None = None
-
-    @property
-    def part_width(self) -> int:
-        return self.part_n or self.tile_n
 
     @property
     def cta_k(self) -> int:
@@ -86,7 +76,7 @@ class BlockwiseTgmmConfig:
         return config
 
     def validate(self, k: int, n: int, out_dtype) -> None:
-        if self.tile_k not in (64, 128) or self.tile_n % 64 or not 64 <= self.tile_n <= 512:
+        if self.tile_k not in (64, 128) or self.tile_n % 64 or not 64 <= self.tile_n <= 256:
             raise ValueError(f"tgmm fp8 blockwise: unsupported tiles {self}")
         if self.blocks_per_step not in (1, 2):
             raise ValueError(
@@ -100,16 +90,6 @@ class BlockwiseTgmmConfig:
             raise ValueError(
                 f"tgmm fp8 blockwise: K={k} must be a multiple of the CTA tile's {self.cta_k} "
                 f"rows and N={n} of its {self.cta_n} columns"
-            )
-        if self.tile_n % self.part_width or self.part_width % 64 or self.part_width > 256:
-            raise ValueError(
-                f"tgmm fp8 blockwise: part_n={self.part_n} must be a multiple of 64 (at most "
-                f"256) that divides tile_n={self.tile_n}"
-            )
-        if self.part_width % self.epilogue_n:
-            raise ValueError(
-                f"tgmm fp8 blockwise: epilogue_n={self.epilogue_n} must divide the parts' "
-                f"{self.part_width} columns"
             )
         if self.tile_n % self.epilogue_n or self.epilogue_n * jnp.dtype(out_dtype).itemsize % 128:
             raise ValueError(
@@ -194,8 +174,6 @@ def tgmm_fp8_blockwise_pallas(
 @functools.cache
 def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, interpret):
     tile_k, tile_n, slots = config.tile_k, config.tile_n, config.slots
-    part_n = config.part_width
-    num_parts = tile_n // part_n
     cta_k, cta_n, step = config.cta_k, config.cta_n, config.blocks_per_step
     epi_n, sms = config.epilogue_n, config.num_sms
     grid_k, grid_n = k // cta_k, n // cta_n
@@ -282,79 +260,68 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                 wg_rows = pl.ds(wg * tile_k if by_k else 0, tile_k)
                 wg_columns = pl.ds(wg * tile_n if by_n else 0, tile_n)
 
-                def part_columns(p):
-                    return pl.ds(wg_columns.start + p * part_n, part_n)
-
-                def scales_of(slot, b, p):
-                    """Block b of the slot's row scales and part p's column scales, in the
-                    wgmma layout."""
+                def scales_of(slot, b):
+                    """Block b of the slot's row and column scales, in the wgmma layout."""
                     row_scale = plgpu.load(
                         lhs_scale_ring.at[slot, b, wg_rows],
                         layout=plgpu.Layout.WGMMA.reduce(1),
                         optimized=False,
                     )
                     col_scale = plgpu.load(
-                        rhs_scale_ring.at[slot, b, part_columns(p)],
+                        rhs_scale_ring.at[slot, b, wg_columns],
                         layout=plgpu.Layout.WGMMA.reduce(0),
                         optimized=False,
                     )
                     return row_scale, col_scale
 
-                def issue(part_ref, slot, b, p):
+                def issue(part_ref, slot, b):
                     plgpu.wgmma(
                         part_ref,
                         lhs_ring.at[slot].at[wg_rows, pl.ds(b * BLOCK, BLOCK)],
-                        rhs_ring.at[slot]
-                        .at[part_columns(p), pl.ds(b * BLOCK, BLOCK)]
-                        .transpose((1, 0)),
+                        rhs_ring.at[slot].at[wg_columns, pl.ds(b * BLOCK, BLOCK)].transpose((1, 0)),
                     )
 
                 def folded(acc, part, scales):
                     row_scale, col_scale = scales
                     return acc + part * (row_scale[:, None] * col_scale[None, :])
 
-                def fold_step(slot, accs, count):
-                    """Fold the slot's first `count` blocks into accs (one array a part), in
-                    order."""
+                def fold_step(slot, acc, count):
+                    """Fold the slot's first `count` blocks into acc, in order."""
                     plgpu.barrier_wait(produced.at[slot])
-                    accs = list(accs)
                     for b in range(count):
-                        for p in range(num_parts):
 
-                            def block_product(part_ref):
-                                issue(part_ref, slot, b, p)  # noqa: B023
-                                scales = scales_of(slot, b, p)  # noqa: B023  read while it runs
-                                plgpu.wgmma_wait(0)
-                                return part_ref[...], scales
+                        def block_product(part_ref):
+                            issue(part_ref, slot, b)  # noqa: B023
+                            scales = scales_of(slot, b)  # noqa: B023  read while it runs
+                            plgpu.wgmma_wait(0)
+                            return part_ref[...], scales
 
-                            part, scales = pl.run_scoped(block_product, plgpu.ACC((tile_k, part_n)))
-                            if b == count - 1 and p == num_parts - 1:
-                                plgpu.barrier_arrive(consumed.at[slot])
-                            accs[p] = folded(accs[p], part, scales)
-                    return tuple(accs)
+                        part, scales = pl.run_scoped(block_product, plgpu.ACC((tile_k, tile_n)))
+                        if b == count - 1:
+                            plgpu.barrier_arrive(consumed.at[slot])
+                        acc = folded(acc, part, scales)
+                    return acc
 
                 def matmul_item(j, done):
                     group, _, blocks, ki, ni = item(j)
                     whole = blocks // step
-                    zeros = jnp.zeros((tile_k, part_n), jnp.float32)
-                    accs = tuple(
-                        plgpu.layout_cast(zeros, plgpu.Layout.WGMMA) for _ in range(num_parts)
+                    acc = plgpu.layout_cast(
+                        jnp.zeros((tile_k, tile_n), jnp.float32), plgpu.Layout.WGMMA
                     )
-                    accs = lax.fori_loop(
-                        0, whole, lambda s, a: fold_step(lax.rem(done + s, slots), a, step), accs
+                    acc = lax.fori_loop(
+                        0, whole, lambda s, a: fold_step(lax.rem(done + s, slots), a, step), acc
                     )
                     if step > 1:  # the last step's blocks of an odd count
                         last = lax.rem(done + whole, slots)
-                        accs = lax.fori_loop(
-                            0, blocks % step, lambda _, a: fold_step(last, a, 1), accs
+                        acc = lax.fori_loop(
+                            0, blocks % step, lambda _, a: fold_step(last, a, 1), acc
                         )
                     rows = pl.ds(ki * cta_k + wg_rows.start, tile_k)
                     columns = pl.ds(ni * cta_n + wg_columns.start, tile_n)
                     for c in range(tile_n // epi_n):
                         slot = out_smem.at[wg]
-                        acc, within = accs[c * epi_n // part_n], c * epi_n % part_n
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        slot[...] = acc[:, within : within + epi_n].astype(out_dtype)
+                        slot[...] = acc[:, c * epi_n : (c + 1) * epi_n].astype(out_dtype)
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(
                             slot,
