@@ -88,8 +88,9 @@ _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][\w-]*)\(")
 
 
 def launches(hlo_text: str) -> list[dict]:
-    """The entry computation's launching instructions of a compiled module's HLO text, in
-    order: name, opcode, result shape and the op_name of its metadata ('' without)."""
+    """The entry computation's launching instructions (kernels and collectives, both halves of
+    an asynchronous one) of a compiled module's HLO text, in order: name, opcode, result shape
+    and the op_name of its metadata ('' without)."""
     entry = hlo_text[hlo_text.index("\nENTRY") :]
     found = []
     for line in entry.splitlines()[1:]:
