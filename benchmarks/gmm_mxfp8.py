@@ -26,9 +26,11 @@ process, GEMMs on already-quantized operands:
                          (`quantize_transpose_hopper`): the weights' 128x128 copies of W, and the
                          activations' two copies (1x128_with_transpose) and transposed copy alone
                          (1x128_transposed) of x and of dy (`[dy]`: fc1's output gradient at
-                         mixtral), under `default_transpose_config` in both
-                         arithmetics and under each --quantize-variants config ("float"; each
-                         variant's bits compared with the default's: `bitwise_default`). Each
+                         mixtral), under `default_transpose_config` in each
+                         arithmetic ("float_clipped": "float" with the clip the GPU's
+                         saturating convert makes redundant) and under each
+                         --quantize-variants config ("float"); each one's bits compared
+                         with the default's (`bitwise_default`). Each
                          against a device-to-device copy of the same bytes (the bandwidth
                          ceiling: read the input, write every output and scale); the summary
                          prints each one's share of its copy's bandwidth.
@@ -461,10 +463,9 @@ def same_bits(a, b) -> bool:
 def bench_transposing_quantize(activations, w, run, torch, configs):
     """The transposing FP8-blockwise kernels, each next to a copy of its bytes: the weights'
     on w, the activations' on each of `activations` (name -> [M, K] array) and the requantize
-    on its 1 x 128 copy, in both arithmetics under the default config, then under each of
-    `configs` (name ->
-    `TransposeQuantizeConfig`) in the default arithmetic, whose output bits are compared with
-    the default's (`bitwise_default`)."""
+    on its 1 x 128 copy, in each arithmetic under the default config, then under each of
+    `configs` (name -> `TransposeQuantizeConfig`) in the default arithmetic; every one's
+    output bits compared with the default's (`bitwise_default`)."""
     inputs = [("128x128_with_transpose", quantize_128x128_pallas, "", w)]
     for name, a in activations.items():
         inputs += [
@@ -478,11 +479,12 @@ def bench_transposing_quantize(activations, w, run, torch, configs):
         inputs.append(("1x128_requantize_transposed", requantize_bf16, f"[{name}]", copy))
     for kind, kernel, suffix, a in inputs:
         nbytes = transposing_bytes(kind, a)
+        default = jax.tree.leaves(jax.jit(kernel)(a))
         for arithmetic in ARITHMETIC:
             fn = functools.partial(kernel, arithmetic=arithmetic)
+            same = all(map(same_bits, jax.tree.leaves(jax.jit(fn)(a)), default))
             impl = f"pallas_{arithmetic}_quantize_{kind}{suffix}"
-            run_quantize(run, impl, nbytes, fn, a)
-        default = jax.tree.leaves(jax.jit(kernel)(a))
+            run_quantize(run, impl, nbytes, fn, a, bitwise_default=same)
         for variant, config in configs.items():
             fn = functools.partial(kernel, config=config)
             try:

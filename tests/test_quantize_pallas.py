@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.mosaic.gpu.core import artificial_shared_memory_limit
 
 from jaxmoe import mxfp8
@@ -234,6 +235,18 @@ def test_auto_falls_back_and_pallas_refuses_clearly():
         quantize(jnp.zeros((0, 64), jnp.bfloat16), axis=1, impl="pallas")
     with pytest.raises(ValueError, match="at least one row"):
         dispatch_quantize(jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros(0, jnp.int32), impl="pallas")
+
+
+def test_float_arithmetic_leaves_the_clip_to_the_gpu_convert():
+    """"float" is built without the clip when compiled for the GPU (whose convert saturates:
+    the GPU tests below check the bits, specials included) and with it when interpreted."""
+    check = functools.partial(quantize_hopper.checked_arithmetic, None, "e4m3")
+    assert check("float", None) == "float_satfinite"
+    assert check("float", True) == check("float_clipped", None) == "float_clipped"
+    with plgpu.force_gpu_interpret_mode():
+        assert check(None, None) == "exact" and check("float", None) == "float_clipped"
+    with pytest.raises(ValueError, match="arithmetic must be one of"):
+        check("float_satfinite", None)
 
 
 @pytest.mark.parametrize("arithmetic", ["float", "exact"])

@@ -11,6 +11,10 @@ encoded with `arithmetic=`:
            a denormal, so it is bit-exact under XLA:CPU's flush-to-zero too (the interpreter);
   "float"  TE's own arithmetic: RN_fp32(x * 2^(127-e)), clipped to +-max, then the hardware
            fp32 -> fp8 convert. Fewer instructions; exact on the GPU, which keeps denormals.
+           Compiled for the GPU the clip is left to the convert, which saturates
+           (`checked_arithmetic`).
+  "float_clipped"  "float" with the clip kept on the GPU too (the interpreter's form of
+           "float"): the same bits; it measures what the clip costs.
 Bandwidth-bound: tiles stream through `row_pipeline`. Scales come out compact ([M, K/32] or
 [M/32, K]; FP8 blockwise [M, K/128] or [M/128, K]); `jaxmoe.mxfp8.swizzle_scales` makes the
 MXFP8 GEMM layout.
@@ -41,7 +45,7 @@ from jaxmoe.mxfp8 import (
     reciprocal_scale_bits,
     scale_multipliers,
 )
-from jaxmoe.ops.device import on_gpu
+from jaxmoe.ops.device import compiled_for_gpu, on_gpu
 from jaxmoe.ops.pallas.hopper import TMA_SMEM_ALIGN
 from jaxmoe.ops.pallas.row_pipeline import (
     COMPILER_PARAMS,
@@ -57,7 +61,7 @@ from jaxmoe.ops.pallas.row_pipeline import (
 
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
-ARITHMETIC = ("exact", "float")
+ARITHMETIC = ("exact", "float", "float_clipped")
 COPY = ("data", "scale")  # a rowwise kernel's outputs: the quantized copy
 
 
@@ -146,7 +150,9 @@ def encode_blocks(bits, e, axis, layout, fmt, arithmetic):
     y = lax.bitcast_convert_type(bits, jnp.float32) * spread(
         lax.bitcast_convert_type(scale, jnp.float32)
     )
-    return jnp.clip(y, -fmt.max_normal, fmt.max_normal).astype(fmt.dtype)
+    if arithmetic == "float_clipped":
+        y = jnp.clip(y, -fmt.max_normal, fmt.max_normal)
+    return y.astype(fmt.dtype)
 
 
 def _quantize_tile(
@@ -253,8 +259,14 @@ def gather_problem(shape, dtype, num_rows, scaling=MXFP8) -> str | None:
     )
 
 
-def check_kernel_call(problem, fmt, arithmetic):
-    """Raise ValueError for a bad arithmetic or format, or for the kernel's `problem`."""
+def checked_arithmetic(problem, fmt, arithmetic, interpret) -> str:
+    """The arithmetic a kernel is built with, for a call with `arithmetic` (None:
+    `default_arithmetic()`) and `interpret`; raises ValueError for a bad arithmetic or format,
+    or for the kernel's `problem`. "float" compiled for the GPU is built as "float_satfinite":
+    the hardware's fp32 -> fp8 conversion (`cvt.rn.satfinite`) saturates out-of-range values
+    and infinities to +-max by itself, so the clip before it goes; the interpreter's conversion
+    does not saturate, so there "float" is built as "float_clipped"."""
+    arithmetic = arithmetic or default_arithmetic()
     if arithmetic not in ARITHMETIC:
         raise ValueError(
             f"quantize kernel: arithmetic must be one of {ARITHMETIC}, got {arithmetic!r}"
@@ -263,6 +275,9 @@ def check_kernel_call(problem, fmt, arithmetic):
         raise ValueError(f"quantize kernel: unknown format {fmt!r}")
     if problem:
         raise ValueError(problem)
+    if arithmetic == "float":
+        return "float_satfinite" if compiled_for_gpu(interpret) else "float_clipped"
+    return arithmetic
 
 
 def quantize_rowwise_pallas(x: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None):
@@ -278,8 +293,9 @@ def quantize_1x128_pallas(x: jax.Array, fmt: str = "e4m3", *, arithmetic=None, i
 
 
 def _quantize_rowwise(x, fmt, arithmetic, interpret, scaling):
-    arithmetic = arithmetic or default_arithmetic()
-    check_kernel_call(rowwise_problem(x.shape, x.dtype, scaling), fmt, arithmetic)
+    arithmetic = checked_arithmetic(
+        rowwise_problem(x.shape, x.dtype, scaling), fmt, arithmetic, interpret
+    )
     m, k = x.shape
     b = scaling.block
     num_blocks = m * k // b
@@ -347,9 +363,8 @@ def gather_fake_quantize_rowwise_pallas(
 def _gather_quantize_rowwise(
     x, row_token, fmt, arithmetic, interpret, scaling, per_token=1, outputs=COPY
 ):
-    arithmetic = arithmetic or default_arithmetic()
-    check_kernel_call(
-        gather_problem(x.shape, x.dtype, row_token.shape[0], scaling), fmt, arithmetic
+    arithmetic = checked_arithmetic(
+        gather_problem(x.shape, x.dtype, row_token.shape[0], scaling), fmt, arithmetic, interpret
     )
     num_tokens, k = x.shape
     (m,) = row_token.shape
@@ -476,8 +491,9 @@ def _rowwise_kernel(
 def quantize_columnwise_pallas(x: jax.Array, fmt: str = "e4m3", *, arithmetic=None, interpret=None):
     """(data [M, K], scale [M/32, K] uint8) of x [M, K] (bf16/fp32) with blocks along M;
     M % 32 == 0 and K % 16 == 0."""
-    arithmetic = arithmetic or default_arithmetic()
-    check_kernel_call(columnwise_problem(x.shape, x.dtype), fmt, arithmetic)
+    arithmetic = checked_arithmetic(
+        columnwise_problem(x.shape, x.dtype), fmt, arithmetic, interpret
+    )
     m, k = x.shape
     data, scale = _columnwise_kernel(m, k, jnp.dtype(x.dtype), fmt, arithmetic, interpret)(x)
     return data, scale[:, :k]
@@ -489,8 +505,9 @@ def quantize_1x128_columnwise_pallas(
     """(data [M, K], scale_inv [M/128, K] fp32) of x [M, K] (bf16/fp32) in FP8-blockwise
     1 x 128 blocks along M (`jaxmoe.fp8_blockwise.quantize_1x128(x, 0)`'s bits: the weight
     gradient's copies along the tokens); M % 128 == 0 and K % 16 == 0."""
-    arithmetic = arithmetic or default_arithmetic()
-    check_kernel_call(columnwise_1x128_problem(x.shape, x.dtype), fmt, arithmetic)
+    arithmetic = checked_arithmetic(
+        columnwise_1x128_problem(x.shape, x.dtype), fmt, arithmetic, interpret
+    )
     m, k = x.shape
     kernel = _columnwise_kernel(m, k, jnp.dtype(x.dtype), fmt, arithmetic, interpret, FP8_BLOCKWISE)
     data, scale_inv = kernel(x)

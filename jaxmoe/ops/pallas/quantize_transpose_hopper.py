@@ -65,8 +65,7 @@ from jaxmoe.ops.pallas.hopper import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from jaxmoe.ops.pallas.quantize_hopper import (
     FP8_BLOCKWISE,
     block_amax_bits,
-    check_kernel_call,
-    default_arithmetic,
+    checked_arithmetic,
     encode_blocks,
     kernel_problem,
     rowwise_layout,
@@ -258,11 +257,10 @@ def requantize_1x128_transposed_pallas(
     `quantize_1x128(dequantize(x, dequantized_dtype).T, 1)`, the copy of x^T in 1 x 128 blocks
     along M, from one read of the copy (1 byte an element, not the 2 or 4 of its dequantized
     values). `config` as `quantize_1x128_transposed_pallas`'s."""
-    arithmetic = arithmetic or default_arithmetic()
     problem = requantize_problem(
         data.shape, data.dtype, scale_inv.shape, scale_inv.dtype, dequantized_dtype
     )
-    check_kernel_call(problem, fmt, arithmetic)
+    arithmetic = checked_arithmetic(problem, fmt, arithmetic, interpret)
     m, k = data.shape
     config = config or default_transpose_config(data.dtype)
     kernel = _activations_kernel(
@@ -294,8 +292,7 @@ def quantize_128x128_pallas(
     both from one read of w. config: how the kernel runs (`TransposeQuantizeConfig`, its
     rowwise_encode aside: a tile's one scale needs the whole tile's amax first; None:
     `default_transpose_config(w.dtype)`); the bits are the same under every one."""
-    arithmetic = arithmetic or default_arithmetic()
-    check_kernel_call(weights_problem(w.shape, w.dtype), fmt, arithmetic)
+    arithmetic = checked_arithmetic(weights_problem(w.shape, w.dtype), fmt, arithmetic, interpret)
     g, k, n = w.shape
     config = config or default_transpose_config(w.dtype)
     kernel = _weights_kernel(g, k, n, jnp.dtype(w.dtype), fmt, arithmetic, config, interpret)
@@ -345,8 +342,7 @@ def quantize_1x128_transposed_pallas(
 
 
 def _quantize_1x128_transpose(x, fmt, arithmetic, config, interpret, rowwise):
-    arithmetic = arithmetic or default_arithmetic()
-    check_kernel_call(transpose_problem(x.shape, x.dtype), fmt, arithmetic)
+    arithmetic = checked_arithmetic(transpose_problem(x.shape, x.dtype), fmt, arithmetic, interpret)
     m, k = x.shape
     config = config or default_transpose_config(x.dtype)
     kernel = _activations_kernel(

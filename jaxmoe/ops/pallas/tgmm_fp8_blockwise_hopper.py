@@ -44,7 +44,9 @@ class BlockwiseTgmmConfig:
     """Tiling: each compute warpgroup owns tile_k x tile_n outputs, the two side by side along
     N (wg_split "n": CTA tile tile_k x 2 * tile_n) or along K ("k": 2 * tile_k x tile_n);
     `slots` ring slots of `blocks_per_step` (1 or 2) 128-row blocks of both operands and
-    their scales; the epilogue stores epilogue_n columns at a time."""
+    their scales; the epilogue stores epilogue_n columns at a time. cluster_n=2 pairs the CTAs
+    along N: the two CTAs of a cluster take the same group and K tile and adjacent N tiles, and
+    multicast the lhs tile (half its L2 reads). None of these change the bits."""
 
     tile_k: int = 64
     tile_n: int = 128
@@ -53,6 +55,7 @@ class BlockwiseTgmmConfig:
     num_sms: int = 132
     wg_split: str = "k"
     blocks_per_step: int = 2
+    cluster_n: int = 1
 
     @property
     def cta_k(self) -> int:
@@ -86,10 +89,15 @@ class BlockwiseTgmmConfig:
             raise ValueError(
                 f"tgmm fp8 blockwise: wg_split must be 'n' or 'k', got {self.wg_split!r}"
             )
-        if k % self.cta_k or n % self.cta_n:
+        if self.cluster_n not in (1, 2) or self.num_sms % self.cluster_n:
+            raise ValueError(
+                f"tgmm fp8 blockwise: cluster_n={self.cluster_n} must be 1 or 2 and divide "
+                f"num_sms={self.num_sms}"
+            )
+        if k % self.cta_k or n % (self.cta_n * self.cluster_n):
             raise ValueError(
                 f"tgmm fp8 blockwise: K={k} must be a multiple of the CTA tile's {self.cta_k} "
-                f"rows and N={n} of its {self.cta_n} columns"
+                f"rows and N={n} of its {self.cta_n} columns times cluster_n={self.cluster_n}"
             )
         if self.tile_n % self.epilogue_n or self.epilogue_n * jnp.dtype(out_dtype).itemsize % 128:
             raise ValueError(
@@ -175,20 +183,25 @@ def tgmm_fp8_blockwise_pallas(
 def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, interpret):
     tile_k, tile_n, slots = config.tile_k, config.tile_n, config.slots
     cta_k, cta_n, step = config.cta_k, config.cta_n, config.blocks_per_step
-    epi_n, sms = config.epilogue_n, config.num_sms
-    grid_k, grid_n = k // cta_k, n // cta_n
+    epi_n, pair = config.epilogue_n, config.cluster_n
+    clusters = config.num_sms // pair
+    grid_k, grid_n = k // cta_k, n // (cta_n * pair)  # grid_n: N tiles of a cluster's width
     per_group = grid_k * grid_n
     num_items = num_groups * per_group
+    multicast = ("cluster",) if pair > 1 else None
 
     def weight_gradient(walk_gmem, lhs_gmem, rhs_gmem, lhs_scale_gmem, rhs_scale_gmem, out_gmem):
-        sm = lax.axis_index("sm")
-        num_mine = jnp.maximum(num_items - sm + sms - 1, 0) // sms
+        lane = lax.axis_index("sm")  # the CTA's cluster
+        cta = lax.axis_index("cluster")
+        num_mine = jnp.maximum(num_items - lane + clusters - 1, 0) // clusters
 
         def item(j):
-            """(group, first block, blocks, ki, ni) of the CTA's j-th work item."""
-            idx = sm + j * sms
+            """(group, first block, blocks, ki, ni) of the CTA's j-th work item: the cluster's
+            item, the CTA's N tile of it."""
+            idx = lane + j * clusters
             group, tile = lax.div(idx, per_group), lax.rem(idx, per_group)
-            return group, walk_gmem[0, group], walk_gmem[1, group], tile // grid_n, tile % grid_n
+            ni = tile % grid_n * pair + cta
+            return group, walk_gmem[0, group], walk_gmem[1, group], tile // grid_n, ni
 
         def item_steps(blocks):
             return (blocks + step - 1) // step
@@ -205,7 +218,14 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
             rhs_scale_ring=plgpu.SMEM((slots, step, cta_n), jnp.float32),
             out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, tile_k, epi_n), out_dtype),
             produced=plgpu.Barrier(num_arrivals=4, num_barriers=slots),  # operands and scales
-            consumed=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
+            # A multicast slot is refilled once both CTAs of the cluster are done with it.
+            consumed=(
+                plgpu.ClusterBarrier(
+                    collective_axes=multicast, num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots
+                )
+                if multicast
+                else plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots)
+            ),
             collective_axes="wg",
         )
         def _scope(
@@ -235,8 +255,13 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                         block_rows = pl.ds(first + s * step, step)
                         tokens = pl.ds((first + s * step) * BLOCK, step * BLOCK)
                         k_rows, n_rows = pl.ds(ki * cta_k, cta_k), pl.ds(ni * cta_n, cta_n)
+                        plgpu.copy_gmem_to_smem(
+                            lhs_gmem.at[k_rows, tokens],
+                            lhs_ring.at[slot],
+                            produced.at[slot],
+                            collective_axes=multicast,
+                        )
                         for src, dst in (
-                            (lhs_gmem.at[k_rows, tokens], lhs_ring),
                             (rhs_gmem.at[n_rows, tokens], rhs_ring),
                             (lhs_scale_gmem.at[block_rows, k_rows], lhs_scale_ring),
                             (rhs_scale_gmem.at[block_rows, n_rows], rhs_scale_ring),
@@ -338,8 +363,10 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
         weight_gradient,
         kernel_name="tgmm_fp8_blockwise",
         out_type=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
-        grid=(sms,),
+        grid=(clusters,),
         grid_names=("sm",),
+        cluster=(pair,),
+        cluster_names=("cluster",),
         num_threads=NUM_COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
