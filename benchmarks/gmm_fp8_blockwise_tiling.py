@@ -112,24 +112,42 @@ def compare_tilings(
         log(f"{shape:16s} {name:18s} {seconds * 1e6:9.1f} us {tflops:7.1f} TFLOP/s")
 
 
-def bench_shape(shape: str, variants: dict, iters: int, repeats: int, records: list) -> None:
-    """The fprop/dgrad kernel's tilings at one --shapes entry."""
-    m, c, n, g = problem(shape)
+def fprop_operands(m: int, c: int, n: int, g: int):
+    """(sizes, x [M, C], w [G, C, N], the fprop kernel's operands) for M rows in G aligned
+    groups: x quantized in 1 x 128 blocks, w in 128 x 128 blocks, K-major as the kernel reads
+    them (lhs [M, C] with scales [C/128, M], rhs [G, N, C] with scales [G, C/128, N/128])."""
     sizes = aligned_group_sizes(m, g)
-    group_sizes = jnp.asarray(sizes, jnp.int32)
     kx, kw = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, (m, c), BF16)
     w = (jax.random.normal(kw, (g, c, n), BF16) * 0.02).astype(BF16)
     xq, wq = quantize_1x128(x), quantize_128x128(w)
-    # The kernel's K-major operands: lhs [M, C] with scales [C/128, M], rhs [G, N, C] with
-    # scales [G, C/128, N/128].
     operands = (
         xq.data,
         jnp.swapaxes(xq.scale_inv, 0, 1),
         jnp.swapaxes(wq.data, 1, 2),
         wq.scale_inv,
-        group_sizes,
+        jnp.asarray(sizes, jnp.int32),
     )
+    return sizes, x, w, operands
+
+
+def wgrad_operands(m: int, k: int, n: int, g: int):
+    """(sizes, x [M, K], dy [M, N], the wgrad kernel's operands) for M rows in G aligned
+    groups: the copies along the tokens, transposed (tokens last) as the kernel reads them."""
+    sizes = aligned_group_sizes(m, g)
+    kx, kd = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (m, k), BF16)
+    dy = jax.random.normal(kd, (m, n), BF16)
+    xq, dq = quantize_1x128(x, 0), quantize_1x128(dy, 0)
+    operands = (xq.data.T, xq.scale_inv, dq.data.T, dq.scale_inv, jnp.asarray(sizes, jnp.int32))
+    return sizes, x, dy, operands
+
+
+def bench_shape(shape: str, variants: dict, iters: int, repeats: int, records: list) -> None:
+    """The fprop/dgrad kernel's tilings at one --shapes entry."""
+    m, c, n, g = problem(shape)
+    sizes, x, w, operands = fprop_operands(m, c, n, g)
+    group_sizes = operands[-1]
     heuristic = default_fp8_blockwise_config(m, c, n, g, BF16)
     configs = {"heuristic": heuristic, "mxfp8_tiling": default_mxfp8_config(m, c, n, g, BF16)}
     for name, fields in variants.items():
@@ -155,14 +173,8 @@ def bench_shape(shape: str, variants: dict, iters: int, repeats: int, records: l
 def bench_wgrad_shape(name: str, variants: dict, iters: int, repeats: int, records: list) -> None:
     """The weight-gradient kernel's tilings at one --wgrad-shapes entry."""
     m, k, n, g = SHAPES[name]
-    sizes = aligned_group_sizes(m, g)
-    group_sizes = jnp.asarray(sizes, jnp.int32)
-    kx, kd = jax.random.split(jax.random.key(1))
-    x = jax.random.normal(kx, (m, k), BF16)
-    dy = jax.random.normal(kd, (m, n), BF16)
-    xq, dq = quantize_1x128(x, 0), quantize_1x128(dy, 0)
-    # The kernel's K-major operands: the copies along the tokens, transposed (tokens last).
-    operands = (xq.data.T, xq.scale_inv, dq.data.T, dq.scale_inv, group_sizes)
+    sizes, x, dy, operands = wgrad_operands(m, k, n, g)
+    group_sizes = operands[-1]
     heuristic = default_tgmm_config(k, n, BF16)
     configs = {"heuristic": heuristic}
     for variant, fields in variants.items():

@@ -5,18 +5,27 @@
             [--config '{"cluster_n": 2}']
 
 Same shapes, data and Dirichlet routing as benchmarks/gmm.py and benchmarks/gmm_mxfp8.py.
---op takes a comma-separated list (fwd, dgrad, wgrad, quantize_rowwise, quantize_columnwise,
-dispatch_quantize, copy); every call is compiled and run once before the profiled ones, so only
-the measured calls' kernels are captured, in the order given. "copy" is torch's device copy of
-the bytes a quantize reads and writes (the bandwidth ceiling the quantize kernels are held to);
-the quantize ops and copy ignore --impl. --config (JSON) changes fields of the default Pallas
-kernel config of the grouped-matmul ops (GmmConfig for fwd/dgrad, TgmmConfig for wgrad).
+--op takes a comma-separated list (fwd, dgrad, wgrad, fwd_fp8_blockwise, wgrad_fp8_blockwise,
+quantize_rowwise, quantize_columnwise, dispatch_quantize, copy); every call is compiled and run
+once before the profiled ones, so only the measured calls' kernels are captured, in the order
+given. The fp8_blockwise ops run the FP8-blockwise kernels on operands quantized beforehand, as
+benchmarks/gmm_fp8_blockwise_tiling.py times them. "copy" is torch's device copy of the bytes a
+quantize reads and writes (the bandwidth ceiling the quantize kernels are held to); the quantize,
+fp8_blockwise and copy ops ignore --impl. --config (JSON) changes fields of the default Pallas
+kernel config of the grouped-matmul ops (GmmConfig for fwd/dgrad/fwd_fp8_blockwise, TgmmConfig
+for wgrad, BlockwiseTgmmConfig for wgrad_fp8_blockwise). Warp-stall samples by SASS line:
+
+    ncu --clock-control none --profile-from-start off --set full --import-source yes -o rep \\
+        python benchmarks/profile_gmm.py --shape dsv3_ep8 --op wgrad_fp8_blockwise
+    ncu --import rep.ncu-rep --page source --csv --print-source sass > sass.csv
+    python benchmarks/ncu_stalls.py sass.csv --mix
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -29,18 +38,29 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.gmm import SHAPES, default_kernel_config, group_sizes_for  # noqa: E402
+from benchmarks.gmm_fp8_blockwise_tiling import fprop_operands, wgrad_operands  # noqa: E402
 from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
 from jaxmoe.ops import gmm, tgmm  # noqa: E402
+from jaxmoe.ops.pallas.gmm_mxfp8_hopper import (  # noqa: E402
+    default_fp8_blockwise_config,
+    gmm_block_scaled_fp8_pallas,
+)
 from jaxmoe.ops.pallas.quantize_hopper import (  # noqa: E402
     gather_quantize_rowwise_pallas,
     quantize_columnwise_pallas,
     quantize_rowwise_pallas,
 )
+from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import (  # noqa: E402
+    default_config as default_tgmm_config,
+)
+from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import tgmm_fp8_blockwise_pallas  # noqa: E402
 
 OPS = (
     "fwd",
     "dgrad",
     "wgrad",
+    "fwd_fp8_blockwise",
+    "wgrad_fp8_blockwise",
     "quantize_rowwise",
     "quantize_columnwise",
     "dispatch_quantize",
@@ -63,6 +83,8 @@ def make_call(op, impl, shape, torch, changes=None):
             quantize_rowwise_pallas if op == "quantize_rowwise" else quantize_columnwise_pallas
         )
         return (lambda: fn(x)), jax.block_until_ready
+    if op.endswith("_fp8_blockwise"):
+        return fp8_blockwise_call(op, m, k, n, g, changes), jax.block_until_ready
     if op == "copy":
         src = torch.empty(
             (x.size * 3 + x.size // BLOCK_SIZE) // 2, dtype=torch.uint8, device="cuda"
@@ -95,6 +117,22 @@ def make_call(op, impl, shape, torch, changes=None):
         "wgrad": lambda: torch._grouped_mm(tx.t(), tdy, offs=offs),
     }[op]
     return call, torch_sync
+
+
+def fp8_blockwise_call(op, m, k, n, g, changes):
+    """The FP8-blockwise fprop or wgrad kernel on operands quantized beforehand, under its
+    default config with `changes`."""
+    if op == "fwd_fp8_blockwise":
+        _, _, _, operands = fprop_operands(m, k, n, g)
+        config = default_fp8_blockwise_config(m, k, n, g, jnp.bfloat16)
+        kernel = functools.partial(gmm_block_scaled_fp8_pallas, scale_block=128)
+    else:
+        _, _, _, operands = wgrad_operands(m, k, n, g)
+        config = default_tgmm_config(k, n, jnp.bfloat16)
+        kernel = tgmm_fp8_blockwise_pallas
+    config = dataclasses.replace(config, **(changes or {}))
+    fn = jax.jit(functools.partial(kernel, out_dtype=jnp.bfloat16, config=config))
+    return lambda: fn(*operands)
 
 
 def main(argv=None):

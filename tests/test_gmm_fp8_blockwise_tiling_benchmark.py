@@ -74,3 +74,24 @@ def test_timings_take_turns_and_report_the_median(monkeypatch):
     ]
     assert by_impl["heuristic"]["tflops"] == 2e12 / 4.0 / 1e12
     assert by_impl["heuristic"]["bitwise_heuristic"]
+
+
+def test_profile_gmm_runs_the_fp8_blockwise_kernels_on_the_tiling_operands(interpret):
+    """benchmarks/profile_gmm.py's fp8_blockwise ops: the kernels on the operands the tiling
+    benchmark times, with the references' bits."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import profile_gmm
+    from jaxmoe import fp8_blockwise as fb
+
+    m, k, n, g = 512, 256, 256, 3
+    changes = {"num_sms": 3}
+    sizes, x, dy, _ = tiling.wgrad_operands(m, k, n, g)
+    got = profile_gmm.fp8_blockwise_call("wgrad_fp8_blockwise", m, k, n, g, changes)()
+    want = fb.tgmm_reference(fb.quantize_1x128(x, 0), fb.quantize_1x128(dy, 0), sizes)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.bfloat16)))
+    sizes, x, w, _ = tiling.fprop_operands(m, k, n, g)
+    got = profile_gmm.fp8_blockwise_call("fwd_fp8_blockwise", m, k, n, g, changes)()
+    want = fb.gmm_reference(fb.quantize_1x128(x), fb.quantize_128x128(w), sizes)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.bfloat16)))

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.mosaic.gpu.core import artificial_shared_memory_limit
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe import mxfp8
 from jaxmoe.ops import dispatch_fake_quantize, dispatch_quantize, on_hopper, quantize
@@ -238,7 +238,7 @@ def test_auto_falls_back_and_pallas_refuses_clearly():
 
 
 def test_float_arithmetic_leaves_the_clip_to_the_gpu_convert():
-    """"float" is built without the clip when compiled for the GPU (whose convert saturates:
+    """The "float" arithmetic is built without the clip when compiled for the GPU (whose convert saturates:
     the GPU tests below check the bits, specials included) and with it when interpreted."""
     check = functools.partial(quantize_hopper.checked_arithmetic, None, "e4m3")
     assert check("float", None) == "float_satfinite"
