@@ -384,27 +384,28 @@ def exact_token_operands(m, k, n, seed):
     return x.astype(F32), dy.astype(F32)
 
 
-WGRAD_TILINGS = [("n", 1, 1), ("k", 1, 1), ("k", 2, 1), ("k", 2, 2)]
+WGRAD_TILINGS = {  # BlockwiseTgmmConfig changes
+    "split_n": dict(wg_split="n", blocks_per_step=1),
+    "split_k": dict(wg_split="k", blocks_per_step=1),
+    "two_blocks": dict(wg_split="k", blocks_per_step=2),
+    "banded": dict(wg_split="k", blocks_per_step=2, grid_tile_width=3),
+    "pairs": dict(wg_split="k", blocks_per_step=2, cluster_n=2, grid_tile_width=1),
+}
 
 
-@pytest.mark.parametrize("wg_split, blocks_per_step, cluster_n", WGRAD_TILINGS)
-def test_wgrad_kernel_equals_the_reference_on_exact_operands(
-    interpret, wg_split, blocks_per_step, cluster_n
-):
+@pytest.mark.parametrize("tiling", WGRAD_TILINGS)
+def test_wgrad_kernel_equals_the_reference_on_exact_operands(interpret, tiling):
     """out[g] = x_g^T dy_g from the 1 x 128-along-tokens copies: the kernel (its warpgroups
-    side by side along N or K; one or two blocks a ring slot; CTA pairs multicasting the lhs
-    tile), the reference and the exact product agree bitwise, with an empty group, groups of
-    odd block counts, rows past the groups and M not a multiple of 128, or groups up to M;
-    control: the reference with one block's scales moved differs."""
-    x, dy = exact_token_operands(640, 128, 256, seed=3)
-    base = default_tgmm_config(128, 256) if on_hopper() else WGRAD_SMALL
-    config = dataclasses.replace(
-        base,
-        wg_split=wg_split,
-        blocks_per_step=blocks_per_step,
-        cluster_n=cluster_n,
-        num_sms=base.num_sms + base.num_sms % cluster_n,  # pairs: an even grid
-    )
+    side by side along N or K; one or two blocks a ring slot; items in bands of N tiles; CTA
+    pairs multicasting the lhs tile), the reference and the exact product agree bitwise, with
+    an empty group, groups of odd block counts, rows past the groups and M not a multiple of
+    128, or groups up to M; control: the reference with one block's scales moved differs."""
+    changes = WGRAD_TILINGS[tiling]
+    k = 256 if "grid_tile_width" in changes else 128  # bands of N tiles over two K tiles
+    x, dy = exact_token_operands(640, k, 256, seed=3)
+    base = default_tgmm_config(k, 256) if on_hopper() else WGRAD_SMALL
+    pair = changes.get("cluster_n", 1)
+    config = dataclasses.replace(base, num_sms=base.num_sms + base.num_sms % pair, **changes)
     for rows, group_sizes in [(600, [256, 0, 128, 128]), (640, [256, 0, 256, 128])]:
         xq = fb.quantize_1x128(jnp.asarray(x[:rows]), 0)
         dq = fb.quantize_1x128(jnp.asarray(dy[:rows]), 0)
@@ -460,19 +461,17 @@ def test_wgrad_refuses_bad_operands():
         dataclasses.replace(WGRAD_SMALL, cluster_n=2).validate(128, 256, F32)
     with pytest.raises(ValueError, match="N=192 of its 64 columns times cluster_n=2"):
         dataclasses.replace(WGRAD_SMALL, cluster_n=2, num_sms=4).validate(128, 192, F32)
+    with pytest.raises(ValueError, match="grid_tile_width=-1 must be >= 0"):
+        dataclasses.replace(WGRAD_SMALL, grid_tile_width=-1).validate(128, 256, F32)
 
 
-@pytest.mark.parametrize("wg_split, blocks_per_step, cluster_n", WGRAD_TILINGS)
-def test_wgrad_kernel_lowers_at_real_shapes(wg_split, blocks_per_step, cluster_n):
+@pytest.mark.parametrize("tiling", WGRAD_TILINGS)
+def test_wgrad_kernel_lowers_at_real_shapes(tiling):
     """Pallas -> Mosaic GPU lowering on CPU at mixtral's and dsv3's fc1 weight gradients."""
     s = jax.ShapeDtypeStruct
     for m, k, n, g in [(16384, 4096, 28672, 8), (32768, 7168, 4096, 32)]:
         config = dataclasses.replace(
-            default_tgmm_config(k, n, jnp.bfloat16),
-            wg_split=wg_split,
-            blocks_per_step=blocks_per_step,
-            cluster_n=cluster_n,
-            num_sms=132,
+            default_tgmm_config(k, n, jnp.bfloat16), num_sms=132, **WGRAD_TILINGS[tiling]
         ).with_fitting_slots(jnp.bfloat16)
 
         def run(xd, xs, dd, ds, sizes):
@@ -495,14 +494,14 @@ def test_wgrad_kernel_lowers_at_real_shapes(wg_split, blocks_per_step, cluster_n
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cluster_n", [1, 2])
-def test_gpu_wgrad_kernel_equals_the_reference_on_exact_operands(cluster_n):
-    """On the H200, at a size with many items per CTA: the kernel (CTA pairs multicasting the
-    lhs tile, or not) equals the exact products."""
+@pytest.mark.parametrize("tiling", ["two_blocks", "banded", "pairs"])
+def test_gpu_wgrad_kernel_equals_the_reference_on_exact_operands(tiling):
+    """On the H200, at a size with many items per CTA: the kernel (the default, items in
+    bands, CTA pairs multicasting the lhs tile) equals the exact products."""
     x, dy = exact_token_operands(4096, 512, 1024, seed=5)
     xq, dq = fb.quantize_1x128(jnp.asarray(x), 0), fb.quantize_1x128(jnp.asarray(dy), 0)
     sizes = jnp.array([1024, 0, 2048, 640, 384])  # the last group's odd blocks end at M
-    config = dataclasses.replace(default_tgmm_config(512, 1024), cluster_n=cluster_n)
+    config = dataclasses.replace(default_tgmm_config(512, 1024), **WGRAD_TILINGS[tiling])
     got = np.asarray(tgmm_fp8_blockwise(xq, dq, sizes, impl="pallas", config=config))
     bounds = np.concatenate([[0], np.cumsum(np.asarray(sizes))])
     exact = np.stack([x[a:b].astype(np.float64).T @ dy[a:b] for a, b in zip(bounds, bounds[1:])])

@@ -35,6 +35,7 @@ from jaxmoe.ops.pallas.gmm_common import (
     swizzled,
 )
 from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
+from jaxmoe.ops.pallas.tiles import banded_item
 
 _FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
@@ -46,7 +47,11 @@ class BlockwiseTgmmConfig:
     `slots` ring slots of `blocks_per_step` (1 or 2) 128-row blocks of both operands and
     their scales; the epilogue stores epilogue_n columns at a time. cluster_n=2 pairs the CTAs
     along N: the two CTAs of a cluster take the same group and K tile and adjacent N tiles, and
-    multicast the lhs tile (half its L2 reads). None of these change the bits."""
+    multicast the lhs tile (half its L2 reads). grid_tile_width (0: all of N) orders each
+    group's items in bands of that many N tiles (of a cluster's width), K tiles ascending within
+    a band (`tiles.banded_item`): CTAs running side by side then share a band's few rhs tiles
+    and sweep the group's lhs tiles, rather than sweeping all of N's rhs tiles for each K tile.
+    None of these change the bits."""
 
     tile_k: int = 64
     tile_n: int = 128
@@ -56,6 +61,7 @@ class BlockwiseTgmmConfig:
     wg_split: str = "k"
     blocks_per_step: int = 2
     cluster_n: int = 1
+    grid_tile_width: int = 0
 
     @property
     def cta_k(self) -> int:
@@ -88,6 +94,10 @@ class BlockwiseTgmmConfig:
         if self.wg_split not in ("n", "k"):
             raise ValueError(
                 f"tgmm fp8 blockwise: wg_split must be 'n' or 'k', got {self.wg_split!r}"
+            )
+        if self.grid_tile_width < 0:
+            raise ValueError(
+                f"tgmm fp8 blockwise: grid_tile_width={self.grid_tile_width} must be >= 0"
             )
         if self.cluster_n not in (1, 2) or self.num_sms % self.cluster_n:
             raise ValueError(
@@ -188,6 +198,7 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
     grid_k, grid_n = k // cta_k, n // (cta_n * pair)  # grid_n: N tiles of a cluster's width
     per_group = grid_k * grid_n
     num_items = num_groups * per_group
+    band_width = config.grid_tile_width or grid_n
     multicast = ("cluster",) if pair > 1 else None
 
     def weight_gradient(walk_gmem, lhs_gmem, rhs_gmem, lhs_scale_gmem, rhs_scale_gmem, out_gmem):
@@ -200,8 +211,8 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
             item, the CTA's N tile of it."""
             idx = lane + j * clusters
             group, tile = lax.div(idx, per_group), lax.rem(idx, per_group)
-            ni = tile % grid_n * pair + cta
-            return group, walk_gmem[0, group], walk_gmem[1, group], tile // grid_n, ni
+            ki, column = banded_item(tile, grid_k, grid_n, band_width)
+            return group, walk_gmem[0, group], walk_gmem[1, group], ki, column * pair + cta
 
         def item_steps(blocks):
             return (blocks + step - 1) // step
