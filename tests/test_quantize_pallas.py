@@ -238,8 +238,9 @@ def test_auto_falls_back_and_pallas_refuses_clearly():
 
 
 def test_float_arithmetic_leaves_the_clip_to_the_gpu_convert():
-    """The "float" arithmetic is built without the clip when compiled for the GPU (whose convert saturates:
-    the GPU tests below check the bits, specials included) and with it when interpreted."""
+    """The "float" arithmetic is built without the clip when compiled for the GPU (whose
+    convert saturates: the GPU tests below check the bits, specials included) and with it when
+    interpreted."""
     check = functools.partial(quantize_hopper.checked_arithmetic, None, "e4m3")
     assert check("float", None) == "float_satfinite"
     assert check("float", True) == check("float_clipped", None) == "float_clipped"
