@@ -390,6 +390,8 @@ WGRAD_TILINGS = {  # BlockwiseTgmmConfig changes
     "two_blocks": dict(wg_split="k", blocks_per_step=2),
     "banded": dict(wg_split="k", blocks_per_step=2, grid_tile_width=3),
     "pairs": dict(wg_split="k", blocks_per_step=2, cluster_n=2, grid_tile_width=1),
+    "l2_scales": dict(wg_split="k", blocks_per_step=2, scales="l2"),
+    "l2_scales_split_n": dict(wg_split="n", blocks_per_step=1, scales="l2"),
 }
 
 
@@ -397,9 +399,10 @@ WGRAD_TILINGS = {  # BlockwiseTgmmConfig changes
 def test_wgrad_kernel_equals_the_reference_on_exact_operands(interpret, tiling):
     """out[g] = x_g^T dy_g from the 1 x 128-along-tokens copies: the kernel (its warpgroups
     side by side along N or K; one or two blocks a ring slot; items in bands of N tiles; CTA
-    pairs multicasting the lhs tile), the reference and the exact product agree bitwise, with
-    an empty group, groups of odd block counts, rows past the groups and M not a multiple of
-    128, or groups up to M; control: the reference with one block's scales moved differs."""
+    pairs multicasting the lhs tile; scales from the ring or from L2), the reference and the
+    exact product agree bitwise, with an empty group, groups of odd block counts, rows past the
+    groups and M not a multiple of 128, or groups up to M; control: the reference with one
+    block's scales moved differs."""
     changes = WGRAD_TILINGS[tiling]
     k = 256 if "grid_tile_width" in changes else 128  # bands of N tiles over two K tiles
     x, dy = exact_token_operands(640, k, 256, seed=3)
@@ -461,6 +464,8 @@ def test_wgrad_refuses_bad_operands():
         dataclasses.replace(WGRAD_SMALL, cluster_n=2).validate(128, 256, F32)
     with pytest.raises(ValueError, match="N=192 of its 64 columns times cluster_n=2"):
         dataclasses.replace(WGRAD_SMALL, cluster_n=2, num_sms=4).validate(128, 192, F32)
+    with pytest.raises(ValueError, match="scales must be 'ring' or 'l2'"):
+        dataclasses.replace(WGRAD_SMALL, scales="smem").validate(128, 256, F32)
     with pytest.raises(ValueError, match="grid_tile_width=-1 must be >= 0"):
         dataclasses.replace(WGRAD_SMALL, grid_tile_width=-1).validate(128, 256, F32)
 
@@ -494,10 +499,10 @@ def test_wgrad_kernel_lowers_at_real_shapes(tiling):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiling", ["two_blocks", "banded", "pairs"])
+@pytest.mark.parametrize("tiling", ["two_blocks", "banded", "pairs", "l2_scales"])
 def test_gpu_wgrad_kernel_equals_the_reference_on_exact_operands(tiling):
     """On the H200, at a size with many items per CTA: the kernel (the default, items in
-    bands, CTA pairs multicasting the lhs tile) equals the exact products."""
+    bands, CTA pairs multicasting the lhs tile, scales from L2) equals the exact products."""
     x, dy = exact_token_operands(4096, 512, 1024, seed=5)
     xq, dq = fb.quantize_1x128(jnp.asarray(x), 0), fb.quantize_1x128(jnp.asarray(dy), 0)
     sizes = jnp.array([1024, 0, 2048, 640, 384])  # the last group's odd blocks end at M

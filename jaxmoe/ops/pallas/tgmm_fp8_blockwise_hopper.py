@@ -51,7 +51,11 @@ class BlockwiseTgmmConfig:
     group's items in bands of that many N tiles (of a cluster's width), K tiles ascending within
     a band (`tiles.banded_item`): CTAs running side by side then share a band's few rhs tiles
     and sweep the group's lhs tiles, rather than sweeping all of N's rhs tiles for each K tile.
-    None of these change the bits."""
+    scales="ring" loads each block's rows of scales into the ring slot with its operands (TMA;
+    the compute warpgroups read them from SMEM); "l2" leaves them out of the ring: each compute
+    warpgroup loads its rows and columns of a block's scales from GMEM (L2) into registers one
+    block ahead, the next item's first block during an item's last (the items of empty groups
+    then go last). None of these change the bits."""
 
     tile_k: int = 64
     tile_n: int = 128
@@ -62,6 +66,7 @@ class BlockwiseTgmmConfig:
     blocks_per_step: int = 2
     cluster_n: int = 1
     grid_tile_width: int = 0
+    scales: str = "ring"
 
     @property
     def cta_k(self) -> int:
@@ -72,8 +77,9 @@ class BlockwiseTgmmConfig:
         return self.tile_n * (NUM_COMPUTE_WGS if self.wg_split == "n" else 1)
 
     def smem_bytes(self, out_dtype) -> int:
-        # fp8 operands (a byte an element) and their fp32 scale rows
-        ring = self.slots * self.blocks_per_step * (self.cta_k + self.cta_n) * (BLOCK + 4)
+        # fp8 operands (a byte an element) and, in the ring, their fp32 scale rows
+        row_bytes = BLOCK + (4 if self.scales == "ring" else 0)
+        ring = self.slots * self.blocks_per_step * (self.cta_k + self.cta_n) * row_bytes
         epilogue = NUM_COMPUTE_WGS * self.tile_k * self.epilogue_n * jnp.dtype(out_dtype).itemsize
         return ring + epilogue
 
@@ -94,6 +100,10 @@ class BlockwiseTgmmConfig:
         if self.wg_split not in ("n", "k"):
             raise ValueError(
                 f"tgmm fp8 blockwise: wg_split must be 'n' or 'k', got {self.wg_split!r}"
+            )
+        if self.scales not in ("ring", "l2"):
+            raise ValueError(
+                f"tgmm fp8 blockwise: scales must be 'ring' or 'l2', got {self.scales!r}"
             )
         if self.grid_tile_width < 0:
             raise ValueError(
@@ -182,9 +192,15 @@ def tgmm_fp8_blockwise_pallas(
     config.validate(k, n, out_dtype)
     sizes = group_sizes.astype(jnp.int32)
     first_block = (jnp.cumsum(sizes) - sizes) // BLOCK
-    walk = jnp.stack([first_block, sizes // BLOCK]).astype(jnp.int32)  # [2, G]
+    num_groups = group_sizes.shape[0]
+    # The groups in the order of their items: with scales="l2" the empty ones last, so that an
+    # item's successor in a CTA's walk has blocks unless every later item is empty.
+    order = (
+        jnp.argsort(sizes == 0, stable=True) if config.scales == "l2" else jnp.arange(num_groups)
+    )
+    walk = jnp.stack([first_block[order], sizes[order] // BLOCK, order]).astype(jnp.int32)
     kernel = _build_kernel(
-        m, k, n, group_sizes.shape[0], lhs_t.dtype, rhs_t.dtype, out_dtype, config, interpret
+        m, k, n, num_groups, lhs_t.dtype, rhs_t.dtype, out_dtype, config, interpret
     )
     return kernel(walk, lhs_t, rhs_t, lhs_scale, rhs_scale)
 
@@ -200,6 +216,8 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
     num_items = num_groups * per_group
     band_width = config.grid_tile_width or grid_n
     multicast = ("cluster",) if pair > 1 else None
+    scales_in_ring = config.scales == "ring"
+    last_block_row = m // BLOCK - 1
 
     def weight_gradient(walk_gmem, lhs_gmem, rhs_gmem, lhs_scale_gmem, rhs_scale_gmem, out_gmem):
         lane = lax.axis_index("sm")  # the CTA's cluster
@@ -207,12 +225,13 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
         num_mine = jnp.maximum(num_items - lane + clusters - 1, 0) // clusters
 
         def item(j):
-            """(group, first block, blocks, ki, ni) of the CTA's j-th work item: the cluster's
-            item, the CTA's N tile of it."""
-            idx = lane + j * clusters
-            group, tile = lax.div(idx, per_group), lax.rem(idx, per_group)
+            """(group, first block, blocks, ki, ni) of the CTA's j-th work item (j < num_mine):
+            the cluster's item, the CTA's N tile of it."""
+            idx = jnp.minimum(lane + j * clusters, num_items - 1)
+            position, tile = lax.div(idx, per_group), lax.rem(idx, per_group)
             ki, column = banded_item(tile, grid_k, grid_n, band_width)
-            return group, walk_gmem[0, group], walk_gmem[1, group], ki, column * pair + cta
+            first, blocks = walk_gmem[0, position], walk_gmem[1, position]
+            return walk_gmem[2, position], first, blocks, ki, column * pair + cta
 
         def item_steps(blocks):
             return (blocks + step - 1) // step
@@ -225,10 +244,12 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
             rhs_ring=plgpu.SMEM(
                 (slots, cta_n, step * BLOCK), rhs_dtype, transforms=swizzled(rhs_dtype, BLOCK)
             ),
-            lhs_scale_ring=plgpu.SMEM((slots, step, cta_k), jnp.float32),
-            rhs_scale_ring=plgpu.SMEM((slots, step, cta_n), jnp.float32),
+            # (without scales in the ring: one unused slot of each)
+            lhs_scale_ring=plgpu.SMEM((slots if scales_in_ring else 1, step, cta_k), jnp.float32),
+            rhs_scale_ring=plgpu.SMEM((slots if scales_in_ring else 1, step, cta_n), jnp.float32),
             out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, tile_k, epi_n), out_dtype),
-            produced=plgpu.Barrier(num_arrivals=4, num_barriers=slots),  # operands and scales
+            # operands (and scales)
+            produced=plgpu.Barrier(num_arrivals=4 if scales_in_ring else 2, num_barriers=slots),
             # A multicast slot is refilled once both CTAs of the cluster are done with it.
             consumed=(
                 plgpu.ClusterBarrier(
@@ -258,8 +279,9 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                         @pl.when(t >= slots)
                         def _wait_free():  # both compute warpgroups are done with t - slots
                             plgpu.barrier_wait(consumed.at[slot])
-                            # Their scale reads (generic proxy) before this TMA's writes.
-                            plgpu.commit_smem()
+                            if scales_in_ring:
+                                # Their scale reads (generic proxy) before this TMA's writes.
+                                plgpu.commit_smem()
 
                         # A step's blocks past the group (an odd count's last step) are loaded
                         # but not used; past M they are zeros.
@@ -272,11 +294,13 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                             produced.at[slot],
                             collective_axes=multicast,
                         )
-                        for src, dst in (
-                            (rhs_gmem.at[n_rows, tokens], rhs_ring),
-                            (lhs_scale_gmem.at[block_rows, k_rows], lhs_scale_ring),
-                            (rhs_scale_gmem.at[block_rows, n_rows], rhs_scale_ring),
-                        ):
+                        loads = [(rhs_gmem.at[n_rows, tokens], rhs_ring)]
+                        if scales_in_ring:
+                            loads += [
+                                (lhs_scale_gmem.at[block_rows, k_rows], lhs_scale_ring),
+                                (rhs_scale_gmem.at[block_rows, n_rows], rhs_scale_ring),
+                            ]
+                        for src, dst in loads:
                             plgpu.copy_gmem_to_smem(src, dst.at[slot], produced.at[slot])
 
                     return done + item_steps(blocks)
@@ -296,19 +320,31 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                 wg_rows = pl.ds(wg * tile_k if by_k else 0, tile_k)
                 wg_columns = pl.ds(wg * tile_n if by_n else 0, tile_n)
 
-                def scales_of(slot, b):
-                    """Block b of the slot's row and column scales, in the wgmma layout."""
+                def load_scales(row_scales, col_scales):
+                    """A block's row and column scales (refs of this warpgroup's rows and
+                    columns), in the wgmma layout."""
                     row_scale = plgpu.load(
-                        lhs_scale_ring.at[slot, b, wg_rows],
-                        layout=plgpu.Layout.WGMMA.reduce(1),
-                        optimized=False,
+                        row_scales, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False
                     )
                     col_scale = plgpu.load(
-                        rhs_scale_ring.at[slot, b, wg_columns],
-                        layout=plgpu.Layout.WGMMA.reduce(0),
-                        optimized=False,
+                        col_scales, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False
                     )
                     return row_scale, col_scale
+
+                def ring_scales(slot, b):
+                    """Block b of the slot's scales (scales="ring")."""
+                    return load_scales(
+                        lhs_scale_ring.at[slot, b, wg_rows], rhs_scale_ring.at[slot, b, wg_columns]
+                    )
+
+                def gmem_scales(block_row, ki, ni):
+                    """Block row block_row's scales of item tile (ki, ni) from GMEM (scales="l2";
+                    a row past the last, a prefetch never used, reads the last)."""
+                    block_row = jnp.minimum(block_row, last_block_row)
+                    return load_scales(
+                        lhs_scale_gmem.at[block_row, pl.ds(ki * cta_k + wg_rows.start, tile_k)],
+                        rhs_scale_gmem.at[block_row, pl.ds(ni * cta_n + wg_columns.start, tile_n)],
+                    )
 
                 def issue(part_ref, slot, b):
                     plgpu.wgmma(
@@ -321,36 +357,57 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                     row_scale, col_scale = scales
                     return acc + part * (row_scale[:, None] * col_scale[None, :])
 
-                def fold_step(slot, acc, count):
-                    """Fold the slot's first `count` blocks into acc, in order."""
-                    plgpu.barrier_wait(produced.at[slot])
-                    for b in range(count):
+                def matmul_item(j, carry):
+                    done, scales = carry
+                    group, first, blocks, ki, ni = item(j)
+                    _, next_first, _, next_ki, next_ni = item(jnp.minimum(j + 1, num_mine - 1))
 
-                        def block_product(part_ref):
-                            issue(part_ref, slot, b)  # noqa: B023
-                            scales = scales_of(slot, b)  # noqa: B023  read while it runs
-                            plgpu.wgmma_wait(0)
-                            return part_ref[...], scales
+                    def block_scales(t):
+                        """Block t's scales and, scales="l2", the loads of the next block's
+                        (this item's block t + 1 or the next item's first)."""
+                        if scales_in_ring:
+                            return None
+                        inside = t + 1 < blocks
+                        return gmem_scales(
+                            jnp.where(inside, first + t + 1, next_first),
+                            jnp.where(inside, ki, next_ki),
+                            jnp.where(inside, ni, next_ni),
+                        )
 
-                        part, scales = pl.run_scoped(block_product, plgpu.ACC((tile_k, tile_n)))
-                        if b == count - 1:
-                            plgpu.barrier_arrive(consumed.at[slot])
-                        acc = folded(acc, part, scales)
-                    return acc
+                    def fold_step(s, acc_scales, count):
+                        """Fold the `count` blocks of the item's step s into acc, in order."""
+                        acc, scales = acc_scales
+                        slot = lax.rem(done + s, slots)
+                        plgpu.barrier_wait(produced.at[slot])
+                        for b in range(count):
 
-                def matmul_item(j, done):
-                    group, _, blocks, ki, ni = item(j)
+                            def block_product(part_ref):
+                                upcoming = block_scales(s * step + b)  # noqa: B023
+                                issue(part_ref, slot, b)  # noqa: B023
+                                if scales_in_ring:  # read while it runs
+                                    upcoming = ring_scales(slot, b)  # noqa: B023
+                                plgpu.wgmma_wait(0)
+                                return part_ref[...], upcoming
+
+                            part, upcoming = pl.run_scoped(
+                                block_product, plgpu.ACC((tile_k, tile_n))
+                            )
+                            if b == count - 1:
+                                plgpu.barrier_arrive(consumed.at[slot])
+                            acc = folded(acc, part, upcoming if scales_in_ring else scales)
+                            scales = scales if scales_in_ring else upcoming
+                        return acc, scales
+
                     whole = blocks // step
                     acc = plgpu.layout_cast(
                         jnp.zeros((tile_k, tile_n), jnp.float32), plgpu.Layout.WGMMA
                     )
-                    acc = lax.fori_loop(
-                        0, whole, lambda s, a: fold_step(lax.rem(done + s, slots), a, step), acc
+                    acc, scales = lax.fori_loop(
+                        0, whole, lambda s, a: fold_step(s, a, step), (acc, scales)
                     )
                     if step > 1:  # the last step's blocks of an odd count
-                        last = lax.rem(done + whole, slots)
-                        acc = lax.fori_loop(
-                            0, blocks % step, lambda _, a: fold_step(last, a, 1), acc
+                        acc, scales = lax.fori_loop(
+                            0, blocks % step, lambda _, a: fold_step(whole, a, 1), (acc, scales)
                         )
                     rows = pl.ds(ki * cta_k + wg_rows.start, tile_k)
                     columns = pl.ds(ni * cta_n + wg_columns.start, tile_n)
@@ -363,9 +420,14 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                             slot,
                             out_gmem.at[group, rows, pl.ds(columns.start + c * epi_n, epi_n)],
                         )
-                    return done + item_steps(blocks)
+                    return done + item_steps(blocks), scales
 
-                lax.fori_loop(0, num_mine, matmul_item, jnp.int32(0))
+                if scales_in_ring:
+                    first_scales = ()
+                else:  # the first item's first block
+                    _, first, _, ki, ni = item(0)
+                    first_scales = gmem_scales(first, ki, ni)
+                lax.fori_loop(0, num_mine, matmul_item, (jnp.int32(0), first_scales))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             lax.cond(wg == NUM_COMPUTE_WGS, memory_warpgroup, compute_warpgroup)
