@@ -58,7 +58,12 @@ from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import tgmm_fp8_blockwise_palla
 
 BF16 = jnp.bfloat16
 DEFAULT_VARIANTS = "wg_split_m:wg_split=m,tile_k=128;k256_wg_split_n:wg_split=n"
-DEFAULT_WGRAD_VARIANTS = "one_block_a_step:blocks_per_step=1;split_n:wg_split=n,blocks_per_step=1"
+# The wgrad options not yet measured on the H200 (docs/kernels.md): scales from L2, items in
+# bands of N tiles, CTA pairs, and the three together.
+DEFAULT_WGRAD_VARIANTS = (
+    "l2_scales:scales=l2;banded4:grid_tile_width=4;pairs:cluster_n=2;"
+    "l2_banded_pairs:scales=l2,grid_tile_width=2,cluster_n=2"
+)
 BLOCK = 128
 
 
