@@ -362,11 +362,9 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                     group, first, blocks, ki, ni = item(j)
                     _, next_first, _, next_ki, next_ni = item(jnp.minimum(j + 1, num_mine - 1))
 
-                    def block_scales(t):
-                        """Block t's scales and, scales="l2", the loads of the next block's
-                        (this item's block t + 1 or the next item's first)."""
-                        if scales_in_ring:
-                            return None
+                    def next_block_scales(t):
+                        """scales="l2": the loads of the scales of the block after the item's
+                        block t (its block t + 1 or the next item's first)."""
                         inside = t + 1 < blocks
                         return gmem_scales(
                             jnp.where(inside, first + t + 1, next_first),
@@ -382,20 +380,23 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                         for b in range(count):
 
                             def block_product(part_ref):
-                                upcoming = block_scales(s * step + b)  # noqa: B023
+                                """The block's product and the scales loaded while its wgmma
+                                runs: its own from the ring, or the next block's from L2."""
+                                if not scales_in_ring:
+                                    loaded = next_block_scales(s * step + b)  # noqa: B023
                                 issue(part_ref, slot, b)  # noqa: B023
-                                if scales_in_ring:  # read while it runs
-                                    upcoming = ring_scales(slot, b)  # noqa: B023
+                                if scales_in_ring:
+                                    loaded = ring_scales(slot, b)  # noqa: B023
                                 plgpu.wgmma_wait(0)
-                                return part_ref[...], upcoming
+                                return part_ref[...], loaded
 
-                            part, upcoming = pl.run_scoped(
-                                block_product, plgpu.ACC((tile_k, tile_n))
-                            )
+                            part, loaded = pl.run_scoped(block_product, plgpu.ACC((tile_k, tile_n)))
                             if b == count - 1:
                                 plgpu.barrier_arrive(consumed.at[slot])
-                            acc = folded(acc, part, upcoming if scales_in_ring else scales)
-                            scales = scales if scales_in_ring else upcoming
+                            if scales_in_ring:
+                                acc = folded(acc, part, loaded)
+                            else:  # this block's scales came with the previous block
+                                acc, scales = folded(acc, part, scales), loaded
                         return acc, scales
 
                     whole = blocks // step
