@@ -392,6 +392,7 @@ WGRAD_TILINGS = {  # BlockwiseTgmmConfig changes
     "pairs": dict(wg_split="k", blocks_per_step=2, cluster_n=2, grid_tile_width=1),
     "l2_scales": dict(wg_split="k", blocks_per_step=2, scales="l2"),
     "l2_scales_split_n": dict(wg_split="n", blocks_per_step=1, scales="l2"),
+    "l2_banded_pairs": dict(scales="l2", grid_tile_width=1, cluster_n=2),
 }
 
 
