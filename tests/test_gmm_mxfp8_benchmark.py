@@ -51,8 +51,9 @@ def test_bytes_bits_and_shares_of_copy():
 
 
 def test_transposing_kernels_run_with_each_config(interpret, monkeypatch):
-    """Every kernel and config is queued with its bytes next to a copy of them, and each
-    variant's bits equal the default's; a config that does not fit the input is skipped."""
+    """Every kernel, arithmetic and config is queued with its bytes next to a copy of them,
+    and each one's bits equal the default's; a config that does not fit the input is
+    skipped."""
     queued = []
 
     def run(op, impl, fn, work, unit, calls, **fields):
@@ -77,24 +78,29 @@ def test_transposing_kernels_run_with_each_config(interpret, monkeypatch):
     assert impls == [
         "pallas_exact_quantize_128x128_with_transpose",
         "pallas_float_quantize_128x128_with_transpose",
+        "pallas_float_clipped_quantize_128x128_with_transpose",
         "pallas_split_quantize_128x128_with_transpose",
         "pallas_registers_quantize_128x128_with_transpose",
         "d2d_copy_for_128x128_with_transpose",
         "pallas_exact_quantize_1x128_with_transpose[x]",
         "pallas_float_quantize_1x128_with_transpose[x]",
+        "pallas_float_clipped_quantize_1x128_with_transpose[x]",
         "pallas_registers_quantize_1x128_with_transpose[x]",  # split: fp32 does not fit
         "d2d_copy_for_1x128_with_transpose[x]",
         "pallas_exact_quantize_1x128_transposed[x]",
         "pallas_float_quantize_1x128_transposed[x]",
+        "pallas_float_clipped_quantize_1x128_transposed[x]",
         "pallas_registers_quantize_1x128_transposed[x]",
         "d2d_copy_for_1x128_transposed[x]",
         "pallas_exact_quantize_1x128_requantize_transposed[x]",
         "pallas_float_quantize_1x128_requantize_transposed[x]",
+        "pallas_float_clipped_quantize_1x128_requantize_transposed[x]",
         "pallas_split_quantize_1x128_requantize_transposed[x]",
         "pallas_registers_quantize_1x128_requantize_transposed[x]",
         "d2d_copy_for_1x128_requantize_transposed[x]",
     ]
-    assert all(fields["bitwise_default"] for impl, _, fields in queued if "registers" in impl)
+    compared = [fields for impl, _, fields in queued if not impl.startswith("d2d_copy")]
+    assert all(fields["bitwise_default"] for fields in compared)  # arithmetics and configs
     assert {work for impl, work, _ in queued if "1x128_transposed" in impl} == {
         bench.transposing_bytes("1x128_transposed", x)
     }
