@@ -1,13 +1,14 @@
 """Warp-stall samples of one kernel grouped by how often each SASS instruction ran.
 
     ncu --import report.ncu-rep --page source --csv --print-source sass > sass.csv
-    python benchmarks/ncu_stalls.py sass.csv
+    python benchmarks/ncu_stalls.py sass.csv [--kernel tgmm]
 
 Instructions that ran equally often belong to the same loop level of the kernel (per row block,
 per work item, per masked block, the memory warpgroup's loop, ...), so the groups show where a
 persistent kernel's warps spend their time without reading the SASS. Prints, per execution
 count, the share of all stall samples and the top stall reasons; with --mix the opcode counts
-of the most-sampled group (a loop body's instruction budget); then the top instructions.
+of the most-sampled group (a loop body's instruction budget); then the top instructions. A report
+of several kernels has one section per kernel: --kernel picks the first whose name contains it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,19 @@ def opcode(source: str) -> str:
     return words[1] if words[0].startswith("@") else words[0]
 
 
+def kernel_section(rows: list[list[str]], name_part: str) -> list[list[str]]:
+    """The rows of the first kernel whose name contains name_part (all rows when the CSV has no
+    "Kernel Name" lines); ValueError naming the kernels when none matches."""
+    starts = [i for i, row in enumerate(rows) if row and row[0] == "Kernel Name"]
+    if not starts:
+        return rows
+    names = [rows[i][1] for i in starts]
+    for start, end, name in zip(starts, starts[1:] + [len(rows)], names):
+        if name_part in name:
+            return rows[start + 1 : end]
+    raise ValueError(f"no kernel named like {name_part!r} in the report: {names}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("csv", help="ncu --page source --csv --print-source sass output")
@@ -39,9 +53,10 @@ def main(argv=None):
         action="store_true",
         help="also the opcode mix of the most-sampled group (one loop body's instructions)",
     )
+    parser.add_argument("--kernel", default="", help="a part of the kernel's name")
     args = parser.parse_args(argv)
     with open(args.csv) as f:
-        rows = list(csv.reader(f))
+        rows = kernel_section(list(csv.reader(f)), args.kernel)
     header_at = next(i for i, row in enumerate(rows) if SAMPLES in row)
     header = rows[header_at]
     body = [r for r in rows[header_at + 1 :] if len(r) == len(header)]

@@ -55,7 +55,9 @@ class BlockwiseTgmmConfig:
     the compute warpgroups read them from SMEM); "l2" leaves them out of the ring: each compute
     warpgroup loads its rows and columns of a block's scales from GMEM (L2) into registers one
     block ahead, the next item's first block during an item's last (the items of empty groups
-    then go last). None of these change the bits."""
+    then go last). fold_behind (two blocks a step, scales in the ring): a step's two wgmmas
+    are issued back to back into two accumulators and the first block is folded while the
+    second's runs. None of these change the bits."""
 
     tile_k: int = 64
     tile_n: int = 128
@@ -67,6 +69,7 @@ class BlockwiseTgmmConfig:
     cluster_n: int = 1
     grid_tile_width: int = 0
     scales: str = "ring"
+    fold_behind: bool = False
 
     @property
     def cta_k(self) -> int:
@@ -104,6 +107,10 @@ class BlockwiseTgmmConfig:
         if self.scales not in ("ring", "l2"):
             raise ValueError(
                 f"tgmm fp8 blockwise: scales must be 'ring' or 'l2', got {self.scales!r}"
+            )
+        if self.fold_behind and (self.blocks_per_step != 2 or self.scales != "ring"):
+            raise ValueError(
+                f"tgmm fp8 blockwise: fold_behind needs blocks_per_step=2 and scales='ring': {self}"
             )
         if self.grid_tile_width < 0:
             raise ValueError(
@@ -377,6 +384,26 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                         acc, scales = acc_scales
                         slot = lax.rem(done + s, slots)
                         plgpu.barrier_wait(produced.at[slot])
+                        if count == 2 and config.fold_behind:
+
+                            def both_products(first_ref, second_ref):
+                                """Both wgmmas issued back to back; the first block folded
+                                while the second's runs."""
+                                issue(first_ref, slot, 0)  # noqa: B023
+                                issue(second_ref, slot, 1)  # noqa: B023
+                                first = plgpu.wgmma_accumulator_load(first_ref, wait_n=1)
+                                folded_first = folded(acc, first, ring_scales(slot, 0))  # noqa: B023
+                                second = plgpu.wgmma_accumulator_load(second_ref, wait_n=0)
+                                second_scales = ring_scales(slot, 1)  # noqa: B023
+                                plgpu.barrier_arrive(consumed.at[slot])  # noqa: B023
+                                return folded(folded_first, second, second_scales)
+
+                            acc = pl.run_scoped(
+                                both_products,
+                                plgpu.ACC((tile_k, tile_n)),
+                                plgpu.ACC((tile_k, tile_n)),
+                            )
+                            return acc, scales
                         for b in range(count):
 
                             def block_product(part_ref):
