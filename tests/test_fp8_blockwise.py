@@ -501,9 +501,7 @@ def test_wgrad_kernel_lowers_at_real_shapes(tiling):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "tiling", ["two_blocks", "fold_behind", "banded", "pairs", "l2_scales"]
-)
+@pytest.mark.parametrize("tiling", ["two_blocks", "fold_behind", "banded", "pairs", "l2_scales"])
 def test_gpu_wgrad_kernel_equals_the_reference_on_exact_operands(tiling):
     """On the H200, at a size with many items per CTA: the kernel (the default, a step's blocks
     folded behind the next wgmma, items in bands, CTA pairs multicasting the lhs tile, scales
