@@ -128,7 +128,7 @@ def fp8_blockwise_call(op, m, k, n, g, changes):
         kernel = functools.partial(gmm_block_scaled_fp8_pallas, scale_block=128)
     else:
         _, _, _, operands = wgrad_operands(m, k, n, g)
-        config = default_tgmm_config(k, n, jnp.bfloat16)
+        config = default_tgmm_config(k, n, jnp.bfloat16, rows_per_group=m // g)
         kernel = tgmm_fp8_blockwise_pallas
     config = dataclasses.replace(config, **(changes or {}))
     fn = jax.jit(functools.partial(kernel, out_dtype=jnp.bfloat16, config=config))

@@ -388,7 +388,6 @@ WGRAD_TILINGS = {  # BlockwiseTgmmConfig changes
     "split_n": dict(wg_split="n", blocks_per_step=1),
     "split_k": dict(wg_split="k", blocks_per_step=1),
     "two_blocks": dict(wg_split="k", blocks_per_step=2),
-    "fold_behind": dict(wg_split="k", blocks_per_step=2, fold_behind=True),
     "banded": dict(wg_split="k", blocks_per_step=2, grid_tile_width=3),
     "pairs": dict(wg_split="k", blocks_per_step=2, cluster_n=2, grid_tile_width=1),
     "l2_scales": dict(wg_split="k", blocks_per_step=2, scales="l2"),
@@ -472,13 +471,27 @@ def test_wgrad_refuses_bad_operands():
         dataclasses.replace(WGRAD_SMALL, grid_tile_width=-1).validate(128, 256, F32)
 
 
+def test_wgrad_heuristic_bands_only_groups_larger_than_half_the_l2():
+    """Items go in bands of 4 N tiles where a group's rhs copy (N x its rows, fp8) exceeds half
+    the L2 (mixtral's fc1: 28672 x 2048 bytes), and all of N at once where it fits (dsv3_ep8,
+    qwen3_30b) or the rows are unknown."""
+    bands = {
+        (k, n, rows): default_tgmm_config(k, n, jnp.bfloat16, rows_per_group=rows).grid_tile_width
+        for k, n, rows in [(4096, 28672, 2048), (7168, 4096, 1024), (2048, 1536, 512)]
+    }
+    assert bands == {(4096, 28672, 2048): 4, (7168, 4096, 1024): 0, (2048, 1536, 512): 0}
+    assert default_tgmm_config(4096, 28672, jnp.bfloat16).grid_tile_width == 0
+
+
 @pytest.mark.parametrize("tiling", WGRAD_TILINGS)
 def test_wgrad_kernel_lowers_at_real_shapes(tiling):
     """Pallas -> Mosaic GPU lowering on CPU at mixtral's and dsv3's fc1 weight gradients."""
     s = jax.ShapeDtypeStruct
     for m, k, n, g in [(16384, 4096, 28672, 8), (32768, 7168, 4096, 32)]:
         config = dataclasses.replace(
-            default_tgmm_config(k, n, jnp.bfloat16), num_sms=132, **WGRAD_TILINGS[tiling]
+            default_tgmm_config(k, n, jnp.bfloat16, rows_per_group=m // g),
+            num_sms=132,
+            **WGRAD_TILINGS[tiling],
         ).with_fitting_slots(jnp.bfloat16)
 
         def run(xd, xs, dd, ds, sizes):
@@ -501,11 +514,10 @@ def test_wgrad_kernel_lowers_at_real_shapes(tiling):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiling", ["two_blocks", "fold_behind", "banded", "pairs", "l2_scales"])
+@pytest.mark.parametrize("tiling", ["two_blocks", "banded", "pairs", "l2_scales"])
 def test_gpu_wgrad_kernel_equals_the_reference_on_exact_operands(tiling):
-    """On the H200, at a size with many items per CTA: the kernel (the default, a step's blocks
-    folded behind the next wgmma, items in bands, CTA pairs multicasting the lhs tile, scales
-    from L2) equals the exact products."""
+    """On the H200, at a size with many items per CTA: the kernel (the default, items in
+    bands, CTA pairs multicasting the lhs tile, scales from L2) equals the exact products."""
     x, dy = exact_token_operands(4096, 512, 1024, seed=5)
     xq, dq = fb.quantize_1x128(jnp.asarray(x), 0), fb.quantize_1x128(jnp.asarray(dy), 0)
     sizes = jnp.array([1024, 0, 2048, 640, 384])  # the last group's odd blocks end at M

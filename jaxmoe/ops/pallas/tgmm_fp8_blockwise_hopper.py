@@ -34,7 +34,7 @@ from jaxmoe.ops.pallas.gmm_common import (
     NUM_COMPUTE_WGS,
     swizzled,
 )
-from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
+from jaxmoe.ops.pallas.hopper import L2_BYTES, MAX_SMEM_PER_CTA
 from jaxmoe.ops.pallas.tiles import banded_item
 
 _FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -55,9 +55,7 @@ class BlockwiseTgmmConfig:
     the compute warpgroups read them from SMEM); "l2" leaves them out of the ring: each compute
     warpgroup loads its rows and columns of a block's scales from GMEM (L2) into registers one
     block ahead, the next item's first block during an item's last (the items of empty groups
-    then go last). fold_behind (two blocks a step, scales in the ring): a step's two wgmmas
-    are issued back to back into two accumulators and the first block is folded while the
-    second's runs. None of these change the bits."""
+    then go last). None of these change the bits."""
 
     tile_k: int = 64
     tile_n: int = 128
@@ -69,7 +67,6 @@ class BlockwiseTgmmConfig:
     cluster_n: int = 1
     grid_tile_width: int = 0
     scales: str = "ring"
-    fold_behind: bool = False
 
     @property
     def cta_k(self) -> int:
@@ -108,10 +105,6 @@ class BlockwiseTgmmConfig:
             raise ValueError(
                 f"tgmm fp8 blockwise: scales must be 'ring' or 'l2', got {self.scales!r}"
             )
-        if self.fold_behind and (self.blocks_per_step != 2 or self.scales != "ring"):
-            raise ValueError(
-                f"tgmm fp8 blockwise: fold_behind needs blocks_per_step=2 and scales='ring': {self}"
-            )
         if self.grid_tile_width < 0:
             raise ValueError(
                 f"tgmm fp8 blockwise: grid_tile_width={self.grid_tile_width} must be >= 0"
@@ -135,7 +128,9 @@ class BlockwiseTgmmConfig:
             raise ValueError(f"tgmm fp8 blockwise: {self} does not fit a CTA's shared memory")
 
 
-def default_config(k: int, n: int, out_dtype=jnp.float32) -> BlockwiseTgmmConfig:
+def default_config(
+    k: int, n: int, out_dtype=jnp.float32, rows_per_group: int = 0
+) -> BlockwiseTgmmConfig:
     """64 x 128 outputs per warpgroup (its fp32 accumulator and one block product fit in
     registers together, as in the forward kernel), the two warpgroups stacked along K when K
     allows (CTA 128 x 128: both operand tiles the same size, as the forward's heuristic), else
@@ -143,13 +138,23 @@ def default_config(k: int, n: int, out_dtype=jnp.float32) -> BlockwiseTgmmConfig
     many slots as fit. On the H200 (`benchmarks/results/gmm_fp8_blockwise_2026-12-04_s33*.json`)
     the scales' loads moved from L2 to the SMEM ring took mixtral / dsv3_ep8 / qwen3_30b from
     551 / 639 / 468 to 681 / 808 / 684 TFLOP/s; stacking along K 800 / 841 / 689, two blocks a
-    slot 820 / 871 / 722."""
+    slot 820 / 871 / 722. Items in bands of 4 N tiles when a group's rhs copy (N x
+    rows_per_group fp8 bytes, the mean group) is more than half the L2: each K tile would
+    otherwise sweep all of it from HBM again; on an H100 (`gmm_fp8_blockwise_2026-12-05_s49_*`)
+    this took mixtral's (58.7 MB a group) from 767 / 781 to 927 / 915 TFLOP/s, while the shapes
+    whose groups fit (dsv3_ep8, qwen3_30b) gained nothing from bands."""
     out_dtype = jnp.dtype(out_dtype)
     if k % 128 == 0:
         config = BlockwiseTgmmConfig(tile_n=128, wg_split="k")
     else:
         config = BlockwiseTgmmConfig(tile_n=128 if n % 256 == 0 else 64, wg_split="n")
-    config = dataclasses.replace(config, epilogue_n=128 // out_dtype.itemsize, num_sms=num_sms())
+    banded = n * rows_per_group > L2_BYTES // 2
+    config = dataclasses.replace(
+        config,
+        epilogue_n=128 // out_dtype.itemsize,
+        num_sms=num_sms(),
+        grid_tile_width=4 if banded else 0,
+    )
     return config.with_fitting_slots(out_dtype)
 
 
@@ -195,11 +200,11 @@ def tgmm_fp8_blockwise_pallas(
     if problem(k, n):
         raise ValueError(problem(k, n))
     out_dtype = jnp.dtype(out_dtype)
-    config = config or default_config(k, n, out_dtype)
+    num_groups = group_sizes.shape[0]
+    config = config or default_config(k, n, out_dtype, rows_per_group=m // max(num_groups, 1))
     config.validate(k, n, out_dtype)
     sizes = group_sizes.astype(jnp.int32)
     first_block = (jnp.cumsum(sizes) - sizes) // BLOCK
-    num_groups = group_sizes.shape[0]
     # The groups in the order of their items: with scales="l2" the empty ones last, so that an
     # item's successor in a CTA's walk has blocks unless every later item is empty.
     order = (
@@ -384,26 +389,6 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                         acc, scales = acc_scales
                         slot = lax.rem(done + s, slots)
                         plgpu.barrier_wait(produced.at[slot])
-                        if count == 2 and config.fold_behind:
-
-                            def both_products(first_ref, second_ref):
-                                """Both wgmmas issued back to back; the first block folded
-                                while the second's runs."""
-                                issue(first_ref, slot, 0)  # noqa: B023
-                                issue(second_ref, slot, 1)  # noqa: B023
-                                first = plgpu.wgmma_accumulator_load(first_ref, wait_n=1)
-                                folded_first = folded(acc, first, ring_scales(slot, 0))  # noqa: B023
-                                second = plgpu.wgmma_accumulator_load(second_ref, wait_n=0)
-                                second_scales = ring_scales(slot, 1)  # noqa: B023
-                                plgpu.barrier_arrive(consumed.at[slot])  # noqa: B023
-                                return folded(folded_first, second, second_scales)
-
-                            acc = pl.run_scoped(
-                                both_products,
-                                plgpu.ACC((tile_k, tile_n)),
-                                plgpu.ACC((tile_k, tile_n)),
-                            )
-                            return acc, scales
                         for b in range(count):
 
                             def block_product(part_ref):
