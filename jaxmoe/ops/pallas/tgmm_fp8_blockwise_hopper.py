@@ -55,9 +55,7 @@ class BlockwiseTgmmConfig:
     the compute warpgroups read them from SMEM); "l2" leaves them out of the ring: each compute
     warpgroup loads its rows and columns of a block's scales from GMEM (L2) into registers one
     block ahead, the next item's first block during an item's last (the items of empty groups
-    then go last). epilogue="smem" stores each tile through SMEM (epilogue_n columns at a
-    time, one TMA store each); "registers" stores it from the registers straight to GMEM (no
-    SMEM, no wait for an earlier store). None of these change the bits."""
+    then go last). None of these change the bits."""
 
     tile_k: int = 64
     tile_n: int = 128
@@ -69,7 +67,6 @@ class BlockwiseTgmmConfig:
     cluster_n: int = 1
     grid_tile_width: int = 0
     scales: str = "ring"
-    epilogue: str = "smem"
 
     @property
     def cta_k(self) -> int:
@@ -84,7 +81,7 @@ class BlockwiseTgmmConfig:
         row_bytes = BLOCK + (4 if self.scales == "ring" else 0)
         ring = self.slots * self.blocks_per_step * (self.cta_k + self.cta_n) * row_bytes
         epilogue = NUM_COMPUTE_WGS * self.tile_k * self.epilogue_n * jnp.dtype(out_dtype).itemsize
-        return ring + (epilogue if self.epilogue == "smem" else 0)
+        return ring + epilogue
 
     def with_fitting_slots(self, out_dtype) -> BlockwiseTgmmConfig:
         """This tiling with as many of its ring slots as fit a CTA's shared memory."""
@@ -107,10 +104,6 @@ class BlockwiseTgmmConfig:
         if self.scales not in ("ring", "l2"):
             raise ValueError(
                 f"tgmm fp8 blockwise: scales must be 'ring' or 'l2', got {self.scales!r}"
-            )
-        if self.epilogue not in ("smem", "registers"):
-            raise ValueError(
-                f"tgmm fp8 blockwise: epilogue must be 'smem' or 'registers', got {self.epilogue!r}"
             )
         if self.grid_tile_width < 0:
             raise ValueError(
@@ -236,7 +229,6 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
     band_width = config.grid_tile_width or grid_n
     multicast = ("cluster",) if pair > 1 else None
     scales_in_ring = config.scales == "ring"
-    smem_epilogue = config.epilogue == "smem"
     last_block_row = m // BLOCK - 1
 
     def weight_gradient(walk_gmem, lhs_gmem, rhs_gmem, lhs_scale_gmem, rhs_scale_gmem, out_gmem):
@@ -267,10 +259,7 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
             # (without scales in the ring: one unused slot of each)
             lhs_scale_ring=plgpu.SMEM((slots if scales_in_ring else 1, step, cta_k), jnp.float32),
             rhs_scale_ring=plgpu.SMEM((slots if scales_in_ring else 1, step, cta_n), jnp.float32),
-            # (with the epilogue from registers: one unused row)
-            out_smem=plgpu.SMEM(
-                (NUM_COMPUTE_WGS, tile_k if smem_epilogue else 1, epi_n), out_dtype
-            ),
+            out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, tile_k, epi_n), out_dtype),
             # operands (and scales)
             produced=plgpu.Barrier(num_arrivals=4 if scales_in_ring else 2, num_barriers=slots),
             # A multicast slot is refilled once both CTAs of the cluster are done with it.
@@ -435,9 +424,7 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                         )
                     rows = pl.ds(ki * cta_k + wg_rows.start, tile_k)
                     columns = pl.ds(ni * cta_n + wg_columns.start, tile_n)
-                    if not smem_epilogue:
-                        out_gmem.at[group, rows, columns][...] = acc.astype(out_dtype)
-                    for c in range(tile_n // epi_n if smem_epilogue else 0):
+                    for c in range(tile_n // epi_n):
                         slot = out_smem.at[wg]
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         slot[...] = acc[:, c * epi_n : (c + 1) * epi_n].astype(out_dtype)
