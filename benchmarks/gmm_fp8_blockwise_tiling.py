@@ -58,10 +58,11 @@ from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import tgmm_fp8_blockwise_palla
 
 BF16 = jnp.bfloat16
 DEFAULT_VARIANTS = "wg_split_m:wg_split=m,tile_k=128;k256_wg_split_n:wg_split=n"
-# The wgrad heuristic's bands against none and bands everywhere, and the options still not
-# measured on the H200 (docs/kernels.md): CTA pairs, scales from L2.
+# The wgrad heuristic against no bands, and the options not yet settled (docs/kernels.md): CTA
+# pairs, the compute warpgroups a step apart, both.
 DEFAULT_WGRAD_VARIANTS = (
-    "unbanded:grid_tile_width=0;banded4:grid_tile_width=4;pairs:cluster_n=2;l2_scales:scales=l2"
+    "unbanded:grid_tile_width=0;pairs:cluster_n=2;staggered:stagger=1;"
+    "staggered_pairs:stagger=1,cluster_n=2"
 )
 BLOCK = 128
 

@@ -388,6 +388,7 @@ WGRAD_TILINGS = {  # BlockwiseTgmmConfig changes
     "split_n": dict(wg_split="n", blocks_per_step=1),
     "split_k": dict(wg_split="k", blocks_per_step=1),
     "two_blocks": dict(wg_split="k", blocks_per_step=2),
+    "staggered": dict(wg_split="k", blocks_per_step=2, stagger=True),
     "banded": dict(wg_split="k", blocks_per_step=2, grid_tile_width=3),
     "pairs": dict(wg_split="k", blocks_per_step=2, cluster_n=2, grid_tile_width=1),
     "l2_scales": dict(wg_split="k", blocks_per_step=2, scales="l2"),
@@ -514,10 +515,11 @@ def test_wgrad_kernel_lowers_at_real_shapes(tiling):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiling", ["two_blocks", "banded", "pairs", "l2_scales"])
+@pytest.mark.parametrize("tiling", ["two_blocks", "staggered", "banded", "pairs", "l2_scales"])
 def test_gpu_wgrad_kernel_equals_the_reference_on_exact_operands(tiling):
-    """On the H200, at a size with many items per CTA: the kernel (the default, items in
-    bands, CTA pairs multicasting the lhs tile, scales from L2) equals the exact products."""
+    """On the H200, at a size with many items per CTA: the kernel (the default, the compute
+    warpgroups a step apart, items in bands, CTA pairs multicasting the lhs tile, scales from
+    L2) equals the exact products."""
     x, dy = exact_token_operands(4096, 512, 1024, seed=5)
     xq, dq = fb.quantize_1x128(jnp.asarray(x), 0), fb.quantize_1x128(jnp.asarray(dy), 0)
     sizes = jnp.array([1024, 0, 2048, 640, 384])  # the last group's odd blocks end at M

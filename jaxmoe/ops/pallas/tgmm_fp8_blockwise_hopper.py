@@ -55,7 +55,10 @@ class BlockwiseTgmmConfig:
     the compute warpgroups read them from SMEM); "l2" leaves them out of the ring: each compute
     warpgroup loads its rows and columns of a block's scales from GMEM (L2) into registers one
     block ahead, the next item's first block during an item's last (the items of empty groups
-    then go last). None of these change the bits."""
+    then go last). stagger: the second compute warpgroup starts its first step once the first
+    has folded its own, so that the two reach an item's epilogue a step apart rather than
+    together (the ring's slots bound the lead; nothing forces it back to zero). None of these
+    change the bits."""
 
     tile_k: int = 64
     tile_n: int = 128
@@ -67,6 +70,7 @@ class BlockwiseTgmmConfig:
     cluster_n: int = 1
     grid_tile_width: int = 0
     scales: str = "ring"
+    stagger: bool = False
 
     @property
     def cta_k(self) -> int:
@@ -260,6 +264,8 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
             lhs_scale_ring=plgpu.SMEM((slots if scales_in_ring else 1, step, cta_k), jnp.float32),
             rhs_scale_ring=plgpu.SMEM((slots if scales_in_ring else 1, step, cta_n), jnp.float32),
             out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, tile_k, epi_n), out_dtype),
+            # stagger: the first compute warpgroup's first step is folded
+            lead=plgpu.Barrier(num_arrivals=1, num_barriers=1),
             # operands (and scales)
             produced=plgpu.Barrier(num_arrivals=4 if scales_in_ring else 2, num_barriers=slots),
             # A multicast slot is refilled once both CTAs of the cluster are done with it.
@@ -273,7 +279,7 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
             collective_axes="wg",
         )
         def _scope(
-            lhs_ring, rhs_ring, lhs_scale_ring, rhs_scale_ring, out_smem, produced, consumed
+            lhs_ring, rhs_ring, lhs_scale_ring, rhs_scale_ring, out_smem, lead, produced, consumed
         ):
             wg = lax.axis_index("wg")
 
@@ -388,6 +394,13 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                         """Fold the `count` blocks of the item's step s into acc, in order."""
                         acc, scales = acc_scales
                         slot = lax.rem(done + s, slots)
+                        first_step = done + s == 0
+                        if config.stagger:
+
+                            @pl.when(first_step & (wg == 1))
+                            def _follow():
+                                plgpu.barrier_wait(lead.at[0])
+
                         plgpu.barrier_wait(produced.at[slot])
                         for b in range(count):
 
@@ -409,6 +422,12 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                                 acc = folded(acc, part, loaded)
                             else:  # this block's scales came with the previous block
                                 acc, scales = folded(acc, part, scales), loaded
+                        if config.stagger:
+
+                            @pl.when(first_step & (wg == 0))
+                            def _lead():
+                                plgpu.barrier_arrive(lead.at[0])
+
                         return acc, scales
 
                     whole = blocks // step
