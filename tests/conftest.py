@@ -158,6 +158,9 @@ FURTHER_CASES = frozenset(
         "test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands[split_k]",
         "test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands[banded]",
         "test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands[pairs]",
+        "test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands"
+        "[staggered_pairs]",
+        "test_fp8_blockwise.py::test_wgrad_kernel_lowers_at_real_shapes[staggered_pairs]",
     }
 )
 

@@ -389,6 +389,7 @@ WGRAD_TILINGS = {  # BlockwiseTgmmConfig changes
     "split_k": dict(wg_split="k", blocks_per_step=1),
     "two_blocks": dict(wg_split="k", blocks_per_step=2),
     "staggered": dict(wg_split="k", blocks_per_step=2, stagger=True),
+    "staggered_pairs": dict(stagger=True, cluster_n=2, grid_tile_width=1),
     "banded": dict(wg_split="k", blocks_per_step=2, grid_tile_width=3),
     "pairs": dict(wg_split="k", blocks_per_step=2, cluster_n=2, grid_tile_width=1),
     "l2_scales": dict(wg_split="k", blocks_per_step=2, scales="l2"),
