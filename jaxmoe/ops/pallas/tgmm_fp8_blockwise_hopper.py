@@ -265,7 +265,7 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
             rhs_scale_ring=plgpu.SMEM((slots if scales_in_ring else 1, step, cta_n), jnp.float32),
             out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, tile_k, epi_n), out_dtype),
             # stagger: the first compute warpgroup's first step is folded
-            lead=plgpu.Barrier(num_arrivals=1, num_barriers=1),
+            **({"lead": plgpu.Barrier(num_arrivals=1, num_barriers=1)} if config.stagger else {}),
             # operands (and scales)
             produced=plgpu.Barrier(num_arrivals=4 if scales_in_ring else 2, num_barriers=slots),
             # A multicast slot is refilled once both CTAs of the cluster are done with it.
@@ -279,7 +279,14 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
             collective_axes="wg",
         )
         def _scope(
-            lhs_ring, rhs_ring, lhs_scale_ring, rhs_scale_ring, out_smem, lead, produced, consumed
+            lhs_ring,
+            rhs_ring,
+            lhs_scale_ring,
+            rhs_scale_ring,
+            out_smem,
+            produced,
+            consumed,
+            lead=None,
         ):
             wg = lax.axis_index("wg")
 
