@@ -76,6 +76,7 @@ from jaxmoe.ops import (  # noqa: E402
     tgmm_mxtensor,
 )
 from jaxmoe.ops.fp8_blockwise_gmm import quantize_blockwise_weights  # noqa: E402
+from jaxmoe.ops.pallas.hopper import L2_BYTES  # noqa: E402
 from jaxmoe.ops.pallas.quantize_hopper import (  # noqa: E402
     ARITHMETIC,
     gather_quantize_1x128_pallas,
@@ -93,7 +94,7 @@ from jaxmoe.ops.pallas.quantize_transpose_hopper import (  # noqa: E402
 )
 
 BF16 = jnp.bfloat16
-QUANTIZE_COPIES = 8  # input copies per timed call of a quantize kernel (see `batched`)
+QUANTIZE_COPIES = 8  # kernel calls per timed call of a quantize kernel (see `batched`)
 # The activations' transposing kernels under `TransposeQuantizeConfig`s other than their default
 # (`default_transpose_config`: two CTAs an SM, two input slots and one output slot, C in place,
 # the tile in registers; docs/kernels.md): the field defaults (one CTA, as first written), one
@@ -344,19 +345,35 @@ def bench_shape(
         time_pending()
 
 
+def distinct_copies(nbytes: int) -> int:
+    """How many distinct copies of an input of nbytes a timed call rotates over: as many as keep
+    four L2s of other bytes between two reads of one copy (so none is read from the L2), at
+    least 2, at most QUANTIZE_COPIES. A mixtral weight (1.9 GB) gets 2: eight copies of it,
+    eight outputs and eight copy pairs did not fit an H100's 80 GB."""
+    return min(QUANTIZE_COPIES, max(2, -(-4 * L2_BYTES // max(nbytes, 1))))
+
+
+def rotating(make, nbytes: int) -> list:
+    """QUANTIZE_COPIES items, `distinct_copies(nbytes)` of them made by make() and taken in
+    turn."""
+    distinct = [make() for _ in range(distinct_copies(nbytes))]
+    return [distinct[i % len(distinct)] for i in range(QUANTIZE_COPIES)]
+
+
 def batched(fn, *args):
-    """One jitted call that applies fn to QUANTIZE_COPIES distinct copies of args (rotating
-    inputs, as separate steps would, and fewer host dispatches per kernel)."""
+    """One jitted call that applies fn QUANTIZE_COPIES times, over `rotating` copies of args
+    (rotating inputs, as separate steps would, and fewer host dispatches per kernel)."""
     many = jax.jit(lambda sets: [fn(*a) for a in sets])
     copy = functools.partial(jax.tree.map, lambda a: jnp.array(a, copy=True))
-    sets = [[copy(a) for a in args] for _ in range(QUANTIZE_COPIES)]
+    nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(args))
+    sets = rotating(lambda: [copy(a) for a in args], nbytes)
     return lambda: many(sets)
 
 
 def bench_quantize(x, run, torch):
     """Quantize x (bytes read + written) against a device copy of the same bytes. The fused
     dispatch gathers x's rows from m/2 tokens (each token twice, shuffled, 5% padding rows).
-    Every implementation runs over QUANTIZE_COPIES rotating input copies and is timed on the
+    Every implementation runs QUANTIZE_COPIES times over rotating input copies and is timed on the
     device (`device_seconds`): one quantize kernel (50-200 us) is shorter than JAX's host
     dispatch of a call, so a host clock would time the host."""
     m = x.shape[0]
@@ -398,7 +415,8 @@ def bench_quantize(x, run, torch):
 
 
 def run_quantize(run, impl, nbytes, fn, *args, **fields):
-    """Time fn over QUANTIZE_COPIES copies of args (`batched`) as a quantize that moves nbytes."""
+    """Time QUANTIZE_COPIES calls of fn on rotating copies of args (`batched`) as a quantize
+    that moves nbytes."""
     run(
         "quantize",
         impl,
@@ -411,14 +429,12 @@ def run_quantize(run, impl, nbytes, fn, *args, **fields):
 
 
 def run_copy(run, torch, impl, nbytes):
-    """Time QUANTIZE_COPIES device-to-device copies that read and write nbytes in all."""
-    pairs = [
-        (
-            torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda"),
-            torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda"),
-        )
-        for _ in range(QUANTIZE_COPIES)
-    ]
+    """Time QUANTIZE_COPIES device-to-device copies that read and write nbytes in all (over
+    `rotating` buffer pairs)."""
+    pairs = rotating(
+        lambda: tuple(torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda") for _ in "ab"),
+        nbytes // 2,
+    )
 
     def copies():
         for src, dst in pairs:

@@ -104,3 +104,16 @@ def test_transposing_kernels_run_with_each_config(interpret, monkeypatch):
     assert {work for impl, work, _ in queued if "1x128_transposed" in impl} == {
         bench.transposing_bytes("1x128_transposed", x)
     }
+
+
+def test_large_inputs_rotate_over_fewer_copies():
+    """Inputs of more than four L2s' bytes rotate over two copies (a mixtral weight's eight did
+    not fit an H100); small ones over as many as keep four L2s between two reads of a copy."""
+    l2 = bench.L2_BYTES
+    assert bench.distinct_copies(1_879_048_192) == 2
+    assert bench.distinct_copies(4 * l2) == 2
+    assert bench.distinct_copies(l2) == 4
+    assert bench.distinct_copies(1024) == bench.QUANTIZE_COPIES
+    made = []
+    items = bench.rotating(lambda: made.append(len(made)) or len(made) - 1, bench.L2_BYTES)
+    assert made == [0, 1, 2, 3] and items == [0, 1, 2, 3] * (bench.QUANTIZE_COPIES // 4)
