@@ -58,15 +58,8 @@ from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import tgmm_fp8_blockwise_palla
 
 BF16 = jnp.bfloat16
 DEFAULT_VARIANTS = "wg_split_m:wg_split=m,tile_k=128;k256_wg_split_n:wg_split=n"
-# The wgrad heuristic against no bands, and the options not yet settled (docs/kernels.md): CTA
-# pairs, the compute warpgroups a step apart, both; the epilogue in one chunk (no wait between
-# two TMA stores), with scales from L2 (the 16 KB it needs fit beside three slots) or with two
-# slots.
-DEFAULT_WGRAD_VARIANTS = (
-    "unbanded:grid_tile_width=0;pairs:cluster_n=2;staggered:stagger=1;"
-    "staggered_pairs:stagger=1,cluster_n=2;l2_one_chunk:scales=l2,epilogue_n=128;"
-    "one_chunk_two_slots:epilogue_n=128"
-)
+# The wgrad heuristic against no bands and no CTA pairs (docs/kernels.md).
+DEFAULT_WGRAD_VARIANTS = "unbanded:grid_tile_width=0;unpaired:cluster_n=1"
 BLOCK = 128
 
 

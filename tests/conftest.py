@@ -159,8 +159,8 @@ FURTHER_CASES = frozenset(
         "test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands[banded]",
         "test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands[pairs]",
         "test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands"
-        "[staggered_pairs]",
-        "test_fp8_blockwise.py::test_wgrad_kernel_lowers_at_real_shapes[staggered_pairs]",
+        "[l2_banded_pairs]",
+        "test_fp8_blockwise.py::test_wgrad_kernel_lowers_at_real_shapes[l2_banded_pairs]",
     }
 )
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from test_gmm_mxfp8_pallas import SMALL  # the fp8 kernel's interpreter tiling
 
+import jaxmoe.ops.device
 from jaxmoe import fp8_blockwise as fb
 from jaxmoe.ops import gmm_fp8_blockwise, on_hopper
 from jaxmoe.ops.fp8_blockwise_gmm import tgmm_fp8_blockwise
@@ -388,8 +389,7 @@ WGRAD_TILINGS = {  # BlockwiseTgmmConfig changes
     "split_n": dict(wg_split="n", blocks_per_step=1),
     "split_k": dict(wg_split="k", blocks_per_step=1),
     "two_blocks": dict(wg_split="k", blocks_per_step=2),
-    "staggered": dict(wg_split="k", blocks_per_step=2, stagger=True),
-    "staggered_pairs": dict(stagger=True, cluster_n=2, grid_tile_width=1),
+    "unpaired": dict(cluster_n=1),
     "banded": dict(wg_split="k", blocks_per_step=2, grid_tile_width=3),
     "pairs": dict(wg_split="k", blocks_per_step=2, cluster_n=2, grid_tile_width=1),
     "l2_scales": dict(wg_split="k", blocks_per_step=2, scales="l2"),
@@ -485,6 +485,29 @@ def test_wgrad_heuristic_bands_only_groups_larger_than_half_the_l2():
     assert default_tgmm_config(4096, 28672, jnp.bfloat16).grid_tile_width == 0
 
 
+@pytest.mark.parametrize("sms", [132, 133])
+def test_wgrad_heuristic_pairs_ctas_where_n_and_the_sm_count_allow(sms):
+    """CTA pairs (cluster_n=2) when the SMs pair up and N holds a pair of CTA tiles: at the
+    three shapes' fc1 and fc2 on 132 SMs; never on an odd SM count or N of 384."""
+
+    class Hopper:
+        platform, compute_capability, core_count = "gpu", "9.0", sms
+
+    with jaxmoe.ops.device.compiling_for(Hopper()):
+        pairs = {
+            (k, n): default_tgmm_config(k, n, jnp.bfloat16).cluster_n
+            for k, n in [(4096, 28672), (14336, 4096), (7168, 4096), (2048, 1536), (2048, 384)]
+        }
+    even = sms % 2 == 0
+    assert pairs == {
+        (4096, 28672): 2 if even else 1,
+        (14336, 4096): 2 if even else 1,
+        (7168, 4096): 2 if even else 1,
+        (2048, 1536): 2 if even else 1,
+        (2048, 384): 1,
+    }
+
+
 @pytest.mark.parametrize("tiling", WGRAD_TILINGS)
 def test_wgrad_kernel_lowers_at_real_shapes(tiling):
     """Pallas -> Mosaic GPU lowering on CPU at mixtral's and dsv3's fc1 weight gradients."""
@@ -516,11 +539,11 @@ def test_wgrad_kernel_lowers_at_real_shapes(tiling):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiling", ["two_blocks", "staggered", "banded", "pairs", "l2_scales"])
+@pytest.mark.parametrize("tiling", ["two_blocks", "unpaired", "banded", "pairs", "l2_scales"])
 def test_gpu_wgrad_kernel_equals_the_reference_on_exact_operands(tiling):
-    """On the H200, at a size with many items per CTA: the kernel (the default, the compute
-    warpgroups a step apart, items in bands, CTA pairs multicasting the lhs tile, scales from
-    L2) equals the exact products."""
+    """On the GPU, at a size with many items per CTA: the kernel (the default: CTA pairs
+    multicasting the lhs tile; unpaired, items in bands, scales from L2) equals the exact
+    products."""
     x, dy = exact_token_operands(4096, 512, 1024, seed=5)
     xq, dq = fb.quantize_1x128(jnp.asarray(x), 0), fb.quantize_1x128(jnp.asarray(dy), 0)
     sizes = jnp.array([1024, 0, 2048, 640, 384])  # the last group's odd blocks end at M

@@ -55,10 +55,7 @@ class BlockwiseTgmmConfig:
     the compute warpgroups read them from SMEM); "l2" leaves them out of the ring: each compute
     warpgroup loads its rows and columns of a block's scales from GMEM (L2) into registers one
     block ahead, the next item's first block during an item's last (the items of empty groups
-    then go last). stagger: the second compute warpgroup starts its first step once the first
-    has folded its own, so that the two reach an item's epilogue a step apart rather than
-    together (the ring's slots bound the lead; nothing forces it back to zero). None of these
-    change the bits."""
+    then go last). None of these change the bits."""
 
     tile_k: int = 64
     tile_n: int = 128
@@ -70,7 +67,6 @@ class BlockwiseTgmmConfig:
     cluster_n: int = 1
     grid_tile_width: int = 0
     scales: str = "ring"
-    stagger: bool = False
 
     @property
     def cta_k(self) -> int:
@@ -146,17 +142,23 @@ def default_config(
     rows_per_group fp8 bytes, the mean group) is more than half the L2: each K tile would
     otherwise sweep all of it from HBM again; on an H100 (`gmm_fp8_blockwise_2026-12-05_s49_*`)
     this took mixtral's (58.7 MB a group) from 767 / 781 to 927 / 915 TFLOP/s, while the shapes
-    whose groups fit (dsv3_ep8, qwen3_30b) gained nothing from bands."""
+    whose groups fit (dsv3_ep8, qwen3_30b) gained nothing from bands. CTA pairs where the SM
+    count and N allow: in turns with the unpaired kernel on an H100, 954 / 863 / 686 against
+    926 / 851 / 671 TFLOP/s (`gmm_fp8_blockwise_2026-12-05_s49_bands.json`) and 926 / 865 /
+    685 against 903 / 848 / 675 (`_s50_wgrad.json`)."""
     out_dtype = jnp.dtype(out_dtype)
     if k % 128 == 0:
         config = BlockwiseTgmmConfig(tile_n=128, wg_split="k")
     else:
         config = BlockwiseTgmmConfig(tile_n=128 if n % 256 == 0 else 64, wg_split="n")
     banded = n * rows_per_group > L2_BYTES // 2
+    sms = num_sms()
+    paired = sms % 2 == 0 and n % (2 * config.cta_n) == 0
     config = dataclasses.replace(
         config,
         epilogue_n=128 // out_dtype.itemsize,
-        num_sms=num_sms(),
+        num_sms=sms,
+        cluster_n=2 if paired else 1,
         grid_tile_width=4 if banded else 0,
     )
     return config.with_fitting_slots(out_dtype)
@@ -264,8 +266,6 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
             lhs_scale_ring=plgpu.SMEM((slots if scales_in_ring else 1, step, cta_k), jnp.float32),
             rhs_scale_ring=plgpu.SMEM((slots if scales_in_ring else 1, step, cta_n), jnp.float32),
             out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, tile_k, epi_n), out_dtype),
-            # stagger: the first compute warpgroup's first step is folded
-            **({"lead": plgpu.Barrier(num_arrivals=1, num_barriers=1)} if config.stagger else {}),
             # operands (and scales)
             produced=plgpu.Barrier(num_arrivals=4 if scales_in_ring else 2, num_barriers=slots),
             # A multicast slot is refilled once both CTAs of the cluster are done with it.
@@ -286,7 +286,6 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
             out_smem,
             produced,
             consumed,
-            lead=None,
         ):
             wg = lax.axis_index("wg")
 
@@ -401,13 +400,6 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                         """Fold the `count` blocks of the item's step s into acc, in order."""
                         acc, scales = acc_scales
                         slot = lax.rem(done + s, slots)
-                        first_step = done + s == 0
-                        if config.stagger:
-
-                            @pl.when(first_step & (wg == 1))
-                            def _follow():
-                                plgpu.barrier_wait(lead.at[0])
-
                         plgpu.barrier_wait(produced.at[slot])
                         for b in range(count):
 
@@ -429,12 +421,6 @@ def _build_kernel(m, k, n, num_groups, lhs_dtype, rhs_dtype, out_dtype, config, 
                                 acc = folded(acc, part, loaded)
                             else:  # this block's scales came with the previous block
                                 acc, scales = folded(acc, part, scales), loaded
-                        if config.stagger:
-
-                            @pl.when(first_step & (wg == 0))
-                            def _lead():
-                                plgpu.barrier_arrive(lead.at[0])
-
                         return acc, scales
 
                     whole = blocks // step
