@@ -417,8 +417,8 @@ def exchange_cases(
             for b in bufs
         )
 
-    def send_bf16(xplan, x):
-        return send_tokens(x, xplan, "ep")
+    def send_bf16(xplan, x):  # as the layer: the rows copied on the dispatch kernel
+        return send_tokens(x, xplan, "ep", impl="auto")
 
     def send_mxfp8(xplan, x):  # as the layer: quantize the tokens, then send the copy
         return jax.tree.leaves(send_tokens(quantize(x, axis=1, impl="auto"), xplan, "ep"))

@@ -146,7 +146,9 @@ class LocalRoute:
       per_group(w)     an expert tensor [E, ...] -> one entry per group [G, ...]
       to_experts(x)    token rows [T, H] (array or quantized copy) -> buffer rows
       to_tokens(rows)  buffer rows -> each token's rows combined [T, H]; VJP: to_experts
-      slot_values(v)   per-slot values [T, k] -> per-row values [M]"""
+      slot_values(v)   per-slot values [T, k] -> per-row values [M]
+      live_rows        None, or an int32 scalar: the buffer's rows at and past it hold no
+                       block and the passes that take it skip them (`jaxmoe.ops.live_rows`)"""
 
     plan: Plan
     impl: str = struct.field(pytree_node=False, default="auto")
@@ -162,6 +164,10 @@ class LocalRoute:
     @property
     def row_group(self) -> jax.Array:
         return self.plan.row_expert
+
+    @property
+    def live_rows(self) -> None:
+        return None  # rows past the blocks: the padding slack of one buffer, zeros
 
     def per_group(self, weights: jax.Array) -> jax.Array:
         return weights  # one group per expert

@@ -361,17 +361,25 @@ def _token_slots(x: jax.Array, xplan: ExchangePlan, axis_name: str) -> jax.Array
 
 
 def send_tokens(
-    x: jax.Array | QuantizedRows, xplan: ExchangePlan, axis_name: str
+    x: jax.Array | QuantizedRows, xplan: ExchangePlan, axis_name: str, impl: str = "xla"
 ) -> jax.Array | QuantizedRows:
     """Token rows x [T, ...] -> the receiver's buffer rows [R * C, ...]: each token sent once to
     each peer that owns one of its experts, then copied into those experts' rows. A quantized
     copy (`jaxmoe.wire`) travels as one buffer of bytes a row (`pack_rows`: data and scales,
-    one collective). The same values as `send_rows(dispatch(x, plan))`; not differentiable
-    (the routes give it a VJP)."""
+    one collective). The same values as `send_rows(dispatch(x, plan))` on the live rows (the
+    blocks, `live_rows`); an array's rows past them are not copied and hold unspecified values
+    (`jaxmoe.ops.live_rows`), a quantized copy's are zeros. impl: the row copy's
+    (`jaxmoe.ops.dispatch_rows`). Not differentiable (the routes give it a VJP)."""
     if isinstance(x, QuantizedRows):
         slots = unpack_rows(_token_slots(pack_rows(x), xplan, axis_name), x)
         return move_rows(slots, lambda a: _take(a, xplan.recv_token))
-    return _take(_token_slots(x, xplan, axis_name), xplan.recv_token)
+    slots = _token_slots(x, xplan, axis_name)
+    return dispatch_rows(slots, xplan.recv_token, live_rows=live_rows(xplan), impl=impl)
+
+
+def live_rows(xplan: ExchangePlan) -> jax.Array:
+    """The receiver's live rows: its (expert, source) blocks, packed from row 0 (int32)."""
+    return jnp.sum(xplan.group_sizes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -444,6 +452,11 @@ class ExchangedRoute:
     def row_group(self) -> jax.Array:
         return self.exchange.row_block
 
+    @property
+    def live_rows(self) -> jax.Array:
+        """The receiver buffer's rows that hold blocks (about M of its R x M), from row 0."""
+        return live_rows(self.exchange)
+
     def per_group(self, weights: jax.Array) -> jax.Array:
         """[E/R, ...] -> [E/R * R, ...]: each local expert's weights once per source block; the
         gradient sums the blocks' partials with `sum_in_order` in fp32."""
@@ -458,7 +471,7 @@ class ExchangedRoute:
         the wire) -> the receiver's buffer, deduplicated on the wire (`send_tokens`); VJP:
         `to_tokens`."""
         if isinstance(x, QuantizedRows):
-            return send_tokens(x, self.exchange, self.axis_name)
+            return send_tokens(x, self.exchange, self.axis_name, self.impl)
         return _route_to_experts(x, self)
 
     def to_tokens(self, rows: jax.Array) -> jax.Array:
@@ -478,7 +491,7 @@ def _to_tokens(rows, route: ExchangedRoute):
 
 @jax.custom_vjp
 def _route_to_experts(x, route):
-    return send_tokens(x, route.exchange, route.axis_name)
+    return send_tokens(x, route.exchange, route.axis_name, route.impl)
 
 
 def _route_to_experts_fwd(x, route):
@@ -503,7 +516,7 @@ def _route_to_tokens_fwd(rows, route):
 
 
 def _route_to_tokens_bwd(route, grad):
-    return send_tokens(grad, route.exchange, route.axis_name), None
+    return send_tokens(grad, route.exchange, route.axis_name, route.impl), None
 
 
 _route_to_tokens.defvjp(_route_to_tokens_fwd, _route_to_tokens_bwd)

@@ -36,34 +36,46 @@ F32 = jnp.float32
 
 
 def weighted_activation(
-    h: jax.Array, probs: jax.Array | None, config: MoEConfig, impl: str = "auto"
+    h: jax.Array,
+    probs: jax.Array | None,
+    config: MoEConfig,
+    impl: str = "auto",
+    live_rows: jax.Array | None = None,
 ) -> jax.Array:
     """act(h) (times the per-row probability when given) computed in fp32, rounded once to h.dtype.
 
     h: [M, 2F] ([gate; up]) with a GLU, else [M, F]; probs: [M] or None. Its backward pass is
     `jaxmoe.ops.weighted_activation_backward` (`impl`): the probabilities' gradient is each
     row's sum of d out * act(h) in a fixed order, with act(h) recomputed from h rather than kept
-    in fp32 between the passes."""
+    in fp32 between the passes. live_rows (with probs): the backward pass computes only the
+    rows below it (`jaxmoe.ops.live_rows`)."""
     if probs is None:
         return gated_activation(h, config.activation, config.gated_linear_unit).astype(h.dtype)
-    return _weighted(h, probs.astype(F32), config, impl)
+    return _weighted(h, probs.astype(F32), live_rows, config, impl)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _weighted(h, probs, config, impl):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _weighted(h, probs, live_rows, config, impl):
     act = gated_activation(h, config.activation, config.gated_linear_unit)
     return (act * probs[:, None]).astype(h.dtype)
 
 
-def _weighted_fwd(h, probs, config, impl):
-    return _weighted(h, probs, config, impl), (h, probs)
+def _weighted_fwd(h, probs, live_rows, config, impl):
+    return _weighted(h, probs, live_rows, config, impl), (h, probs, live_rows)
 
 
 def _weighted_bwd(config, impl, residuals, g):
-    h, probs = residuals
-    return weighted_activation_backward(
-        h, probs, g, config.activation, config.gated_linear_unit, impl=impl
+    h, probs, live_rows = residuals
+    d_h, d_probs = weighted_activation_backward(
+        h,
+        probs,
+        g,
+        config.activation,
+        config.gated_linear_unit,
+        live_rows=live_rows,
+        impl=impl,
     )
+    return d_h, d_probs, None
 
 
 _weighted.defvjp(_weighted_fwd, _weighted_bwd)
@@ -184,7 +196,13 @@ def grouped_mlp(
     with jax.named_scope("activation"):
         # The activation's kernel takes SwiGLU alone: the layer's "pallas" lets it run where
         # it can ("auto"), XLA elsewhere.
-        a = weighted_activation(h, row_probs, config, "auto" if gmm_impl == "pallas" else gmm_impl)
+        a = weighted_activation(
+            h,
+            row_probs,
+            config,
+            "auto" if gmm_impl == "pallas" else gmm_impl,
+            route.live_rows,
+        )
     row_bias = None
     if fc2_bias is not None:
         row_bias = bias_per_row(fc2_bias, route, gmm_impl)

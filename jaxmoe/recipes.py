@@ -148,7 +148,8 @@ class Bf16Recipe(ExpertRecipe):
         """lhs [M, K] @ kernel[expert] over the route's groups, fp32 accumulation, in out_dtype
         (copies: this recipe's quantized copies of kernel, or None; lhs_quantized: the
         dispatched quantized copy of lhs, `jaxmoe.wire`, or None: a recipe of its format
-        multiplies it as it is, the bf16 recipe never reads it)."""
+        multiplies it as it is, the bf16 recipe never reads it). A route with a live row count
+        leaves the rows past its groups unwritten (`jaxmoe.ops.live_rows`)."""
         return gmm(
             lhs,
             kernel,
@@ -156,6 +157,7 @@ class Bf16Recipe(ExpertRecipe):
             impl=impl,
             preferred_element_type=out_dtype,
             groups_per_weight=route.groups_per_weight,
+            write_rows_past_groups=route.live_rows is None,
         )
 
     def fc1(self, rows, kernel, route, *, rows_quantized, weights, out_dtype, impl):

@@ -66,6 +66,29 @@ def test_row_sums_take_the_reference_tree(interpret):
     assert_reference_tree(70, 768)
 
 
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_only_the_live_rows_are_computed(interpret, monkeypatch, impl):
+    """live_rows: the rows below it equal the full call's bits; the kernel leaves the row tiles
+    past them unwritten (the interpreter's NaN; a ragged last tile is computed whole), the
+    reference fills every row past the count (DEAD_ROW_FILL = NaN). Control: without the count
+    no row is NaN."""
+    from jaxmoe.ops import live_rows as live_rows_module
+    from jaxmoe.ops.pallas.activation_hopper import ROWS
+
+    monkeypatch.setattr(live_rows_module, "DEAD_ROW_FILL", np.nan)
+    m, f, live = 70, 256, 37
+    h, p, g = operands(m, f, seed=3)
+    run = lambda **kw: weighted_activation_backward(h, p, g, "silu", True, impl=impl, **kw)
+    (d_h, d_p), (full_h, full_p) = run(live_rows=jnp.int32(live)), run()
+    np.testing.assert_array_equal(np.asarray(d_h[:live], F32), np.asarray(full_h[:live], F32))
+    np.testing.assert_array_equal(np.asarray(d_p[:live]), np.asarray(full_p[:live]))
+    dead = -(-live // ROWS) * ROWS if impl == "pallas" else live
+    assert np.all(np.isnan(np.asarray(d_h[dead:], F32))) and np.all(np.isnan(d_p[dead:]))
+    assert not np.any(np.isnan(np.asarray(full_h, F32))) and not np.any(np.isnan(full_p))
+    with pytest.raises(ValueError, match="live_rows"):
+        run(live_rows=jnp.float32(3))
+
+
 def test_what_the_kernel_takes():
     h, p, g = operands(16, 256)
     call = (h.shape, h.dtype, g.shape, g.dtype)
@@ -88,22 +111,33 @@ def test_what_the_kernel_takes():
 def test_gpu_kernel_on_hardware():
     """On an H100/H200 at a layer's size (dsv3_ep8's F, a ragged last row tile): close to the
     reference (`assert_close_to_reference`); with exact products bitwise the reference's, and the
-    reference with 64 lanes (control) differs."""
+    reference with 64 lanes (control) differs; with a live row count, the full call's bits on
+    its rows."""
     h, p, g = operands(4100, 2048, seed=2)
     (d_h, d_p), (ref_h, ref_p) = both(h, p, g)
     assert_close_to_reference(h, p, g, d_h, d_p, ref_h, ref_p)
     assert_reference_tree(4100, 2048)
+    live = 1500  # a live row count: its rows the full call's bits
+    counted_h, counted_p = weighted_activation_backward(
+        h, p, g, "silu", True, live_rows=jnp.int32(live), impl="pallas"
+    )
+    np.testing.assert_array_equal(np.asarray(counted_h[:live], F32), np.asarray(d_h[:live], F32))
+    np.testing.assert_array_equal(np.asarray(counted_p[:live]), np.asarray(d_p[:live]))
 
 
 @pytest.mark.parametrize("shape", ["qwen3_30b", "mixtral", "dsv3_ep8"])
 def test_lowering_at_real_shapes(shape):
-    """Pallas -> Mosaic GPU lowering on CPU at the layer sizes (TMA boxes, SMEM, layouts)."""
+    """Pallas -> Mosaic GPU lowering on CPU at the layer sizes (TMA boxes, SMEM, layouts), with
+    and without a live row count."""
     from jaxmoe.shapes import SHAPES
 
     config = SHAPES[shape].config
     m, f = SHAPES[shape].num_tokens * config.top_k, config.ffn_hidden_size
     s = jax.ShapeDtypeStruct
-    fn = lambda h, p, g: weighted_activation_backward(h, p, g, "silu", True, impl="pallas")
-    jax.jit(fn).trace(s((m, 2 * f), BF16), s((m,), F32), s((m, f), BF16)).lower(
-        lowering_platforms=("cuda",)
+    fn = lambda h, p, g, live: weighted_activation_backward(  # noqa: E731
+        h, p, g, "silu", True, live_rows=live, impl="pallas"
     )
+    for live in (None, s((), jnp.int32)):
+        jax.jit(fn).trace(s((m, 2 * f), BF16), s((m,), F32), s((m, f), BF16), live).lower(
+            lowering_platforms=("cuda",)
+        )

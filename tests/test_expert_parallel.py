@@ -45,6 +45,12 @@ MXFP8 = BF16.replace(
 BLOCKWISE_WIRE = BF16.replace(dispatch_dtype="fp8_blockwise", combine_bwd_dtype="fp8_blockwise")
 CONFIGS = {"bf16": BF16, "mxfp8": MXFP8}
 MXFP8_EXPERTS = MXFP8.replace(dispatch_dtype="bf16", combine_bwd_dtype="bf16")
+BLOCKWISE_EXPERTS = BF16.replace(  # H = 128 (`make(..., hidden_size=128)`)
+    expert_precision="fp8_blockwise",
+    expert_row_alignment=128,
+    ffn_hidden_size=128,
+    shared_expert_intermediate_size=None,
+)
 
 
 def make(config, hidden_size=H):
@@ -171,11 +177,8 @@ def test_blockwise_experts_same_bits_at_every_degree():
     (expert, source) blocks' weight-gradient partials summed in order, as for bf16: the same
     bits at ep = 1 and 8 (ep = 1 the single-device layer on each rank's tokens). Control: a
     change to one expert of the last rank changes y."""
-    config = BLOCKWISE_WIRE.replace(
-        expert_precision="fp8_blockwise",
-        expert_row_alignment=128,
-        ffn_hidden_size=128,
-        shared_expert_intermediate_size=None,
+    config = BLOCKWISE_EXPERTS.replace(
+        dispatch_dtype="fp8_blockwise", combine_bwd_dtype="fp8_blockwise"
     )
     model, x, cotangent = make(config, hidden_size=128)
     y1 = assert_same_bits_at_every_degree(model, x, cotangent, degrees=(1, 8))[0]
@@ -247,6 +250,35 @@ def test_any_data_axes(shape, names, like):
     want = step(model, x, cotangent, mesh_for(like))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert_bitwise(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    "config, hidden_size",
+    [(BF16, H), (MXFP8_EXPERTS, H), (BLOCKWISE_EXPERTS, 128)],
+    ids=["bf16", "mxfp8_experts", "fp8_blockwise_experts"],
+)
+def test_rows_past_the_blocks_never_reach_a_result(monkeypatch, config, hidden_size):
+    """The receiver's rows past its blocks (`ExchangedRoute.live_rows`) are skipped by the token
+    copy, the bf16 GEMMs and the activation's backward pass, and hold unspecified values: with
+    the XLA references filling them with NaN (`DEAD_ROW_FILL`), y, aux, d x and d params at
+    ep = 2 keep their bits (and no NaN). Control: one live row fewer (the last block's last row
+    filled too) changes them."""
+    from jaxmoe.ops import live_rows
+
+    model, x, cotangent = make(config, hidden_size)
+    zeros = step(model, x, cotangent, mesh_for(2))
+    monkeypatch.setattr(live_rows, "DEAD_ROW_FILL", np.nan)
+    poisoned = step(model, x, cotangent, mesh_for(2))
+    for a, b in zip(jax.tree.leaves(poisoned), jax.tree.leaves(zeros), strict=True):
+        assert_bitwise(np.asarray(a), np.asarray(b))
+        assert not np.any(np.isnan(np.asarray(a, np.float32)))
+    real = ExchangedRoute.live_rows
+    monkeypatch.setattr(ExchangedRoute, "live_rows", property(lambda r: real.fget(r) - 1))
+    short = step(model, x, cotangent, mesh_for(2))
+    assert any(
+        differs(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        for a, b in zip(jax.tree.leaves(short), jax.tree.leaves(zeros), strict=True)
+    )
 
 
 def test_control_one_group_per_expert_changes_the_gradient_bits(monkeypatch):

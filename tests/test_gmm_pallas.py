@@ -71,6 +71,40 @@ def test_forward_matches_xla(interpret, sizes, transpose_rhs):
     assert np.all(np.asarray(out)[sum(sizes) :] == 0)
 
 
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_rows_past_groups_are_left_unwritten_and_never_read(interpret, monkeypatch, impl):
+    """write_rows_past_groups=False (a buffer with dead rows past its groups,
+    `jaxmoe.ops.live_rows`): NaN in lhs's and the output gradient's dead rows, the forward,
+    d lhs and d rhs equal the default's on every live row and matrix; the dead rows of out and
+    d lhs are left unwritten (the interpreter's NaN) or filled (XLA, DEAD_ROW_FILL = NaN).
+    Control: by default they are zeros."""
+    from jaxmoe.ops import live_rows
+
+    monkeypatch.setattr(live_rows, "DEAD_ROW_FILL", np.nan)
+    sizes = SIZES["ragged_tail_and_empty"]
+    live = sum(sizes)
+    lhs, rhs = operands(200, 128, 64, 5, seed=7)
+    lhs = lhs.at[live:].set(jnp.nan)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    grad = jax.random.normal(jax.random.key(8), (200, 64), jnp.float32).at[live:].set(jnp.nan)
+    config = None if ON_HOPPER or impl == "xla" else SMALL
+
+    def run(written):
+        f = lambda a, b: gmm(  # noqa: E731
+            a, b, group_sizes, impl=impl, config=config, write_rows_past_groups=written
+        )
+        out, pull = jax.vjp(f, lhs, rhs)
+        return (out, *pull(grad))
+
+    (out, d_lhs, d_rhs), (ref, ref_lhs, ref_rhs) = run(False), run(True)
+    for ours, theirs in ((out, ref), (d_lhs, ref_lhs)):
+        np.testing.assert_array_equal(bits(ours[:live]), bits(theirs[:live]))
+        assert np.all(np.isnan(np.asarray(ours[live:], np.float32)))
+        assert np.all(np.asarray(theirs[live:]) == 0)
+    np.testing.assert_array_equal(bits(d_rhs), bits(ref_rhs))
+    assert not np.any(np.isnan(np.asarray(d_rhs, np.float32)))
+
+
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dgrad_layout"])
 def test_cluster_pairs_match_xla(interpret, transpose_rhs):
     """cluster_n=2: the two CTAs of a cluster share each row tile's lhs (multicast on the GPU)

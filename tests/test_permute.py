@@ -109,6 +109,33 @@ def test_dispatch_long_pipeline_reuses_every_slot(interpret):
     assert_bitwise(np.asarray(dispatch_pallas(x, rows)), xla_dispatch(x, rows))
 
 
+@pytest.mark.parametrize("live", [0, 1, 37, 90, 300], ids=lambda n: f"live{n}")
+def test_dispatch_gathers_only_the_live_rows(interpret, monkeypatch, live):
+    """With live_rows the kernel writes the tiles holding rows [0, live) and no other: the
+    live rows equal the reference's, every row of a tile past them keeps the interpreter's
+    uninitialized NaN (the control that the count is honoured: without it they are zeros or
+    tokens). The XLA reference fills rows at and past the count with DEAD_ROW_FILL."""
+    from jaxmoe.ops import live_rows as live_rows_module
+
+    num_tokens, h, num_rows = 16, 256, 300
+    tile_rows = row_pipeline.gather_plan(h, jnp.bfloat16)[0] * 32 // h
+    x = values((num_tokens, h), jnp.bfloat16, seed=20)
+    x = jnp.where(jnp.isnan(x), 1.0, x).astype(jnp.bfloat16)  # no NaN of its own
+    rows = row_tokens(num_tokens, num_rows, seed=21)
+    expected = xla_dispatch(x, rows)
+    out = np.asarray(dispatch_pallas(x, rows, live_rows=jnp.int32(live)), np.float32)
+    assert_bitwise(out[:live], np.asarray(expected, np.float32)[:live])
+    written = -(-live // tile_rows) * tile_rows
+    assert np.all(np.isnan(out[written:]))
+    assert not np.any(np.isnan(out[:written]))
+    monkeypatch.setattr(live_rows_module, "DEAD_ROW_FILL", np.nan)
+    reference = np.asarray(dispatch_rows(x, rows, live_rows=jnp.int32(live), impl="xla"))
+    assert_bitwise(reference[:live], expected[:live])
+    assert np.all(np.isnan(np.asarray(reference, np.float32)[live:]))
+    with pytest.raises(ValueError, match="live_rows"):
+        dispatch_rows(x, rows, live_rows=jnp.ones(2, jnp.int32), impl="xla")
+
+
 @pytest.mark.parametrize(
     "dtype,out_dtype,num_tokens,k,h,num_rows",
     [
@@ -210,6 +237,10 @@ def test_lowering_at_real_shapes(num_tokens, h, k):
             jax.jit(dispatch_pallas).trace(
                 s((num_tokens, h), dtype), s((num_rows,), jnp.int32)
             ).lower(lowering_platforms=("cuda",))
+        counted = lambda x, rows, live: dispatch_pallas(x, rows, live_rows=live)  # noqa: E731
+        jax.jit(counted).trace(
+            s((num_tokens, h), jnp.bfloat16), s((num_rows,), jnp.int32), s((), jnp.int32)
+        ).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.gpu
@@ -219,7 +250,8 @@ def test_lowering_at_real_shapes(num_tokens, h, k):
 )
 def test_gpu_kernels_equal_the_reference(num_tokens, h, k):
     """Both kernels on the H200 at the real sizes (and ragged ones) against the XLA references
-    on the same GPU (a GPU's fp32 add returns one canonical NaN, a CPU keeps the payload)."""
+    on the same GPU (a GPU's fp32 add returns one canonical NaN, a CPU keeps the payload); the
+    dispatch with a live row count on its live rows."""
     num_rows = num_tokens * k + 3
     x = values((num_tokens, h), jnp.bfloat16, seed=10)
     rows = row_tokens(num_tokens, num_rows, seed=11)
@@ -233,6 +265,9 @@ def test_gpu_kernels_equal_the_reference(num_tokens, h, k):
         np.asarray(dispatch_rows(x, slots, per_token=k, impl="pallas")), xla_dispatch(x, rows)
     )
     assert_bitwise(np.asarray(dispatch_rows(x, rows, impl="pallas")), xla_dispatch(x, rows))
+    live = num_rows // 3
+    counted = dispatch_rows(x, rows, live_rows=jnp.int32(live), impl="pallas")
+    assert_bitwise(np.asarray(counted)[:live], xla_dispatch(x, rows)[:live])
     if h % 128 == 0:  # float8 rows: a quantized copy's data
         x8 = values((num_tokens, h), jnp.float8_e4m3fn, seed=14)
         assert_bitwise(np.asarray(dispatch_rows(x8, rows, impl="pallas")), xla_dispatch(x8, rows))

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jaxmoe.mxfp8 import BLOCK_SIZE
 from jaxmoe.ops import registry
+from jaxmoe.ops.live_rows import check_live_rows, fill_dead_rows
 from jaxmoe.ops.pallas.activation_hopper import (
     swiglu_backward_problem,
     weighted_swiglu_backward_pallas,
@@ -58,18 +59,28 @@ def gated_activation(h: jax.Array, name: str, gated: bool) -> jax.Array:
 
 
 def weighted_activation_backward(
-    h: jax.Array, probs: jax.Array, g: jax.Array, name: str, gated: bool, *, impl: str = "auto"
+    h: jax.Array,
+    probs: jax.Array,
+    g: jax.Array,
+    name: str,
+    gated: bool,
+    *,
+    live_rows: jax.Array | None = None,
+    impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """(d h [M, 2F|F] in h.dtype, d probs [M] fp32) of a = round(act(h) * probs) for its
-    gradient g [M, F] (module docstring). probs: [M] fp32."""
+    gradient g [M, F] (module docstring). probs: [M] fp32. live_rows: an integer scalar, or
+    None; the rows at and past it are not computed and hold unspecified values
+    (`jaxmoe.ops.live_rows`)."""
     if h.ndim != 2 or g.ndim != 2 or probs.shape != h.shape[:1]:
         raise ValueError(
             f"weighted_activation_backward: needs h [M, 2F|F], probs [M], g [M, F], got "
             f"{h.shape}, {probs.shape}, {g.shape}"
         )
+    check_live_rows("weighted_activation_backward", live_rows)
     call = (h.shape, h.dtype, g.shape, g.dtype, name, gated)
     if registry.resolve("weighted_activation_backward", impl, *call) == "pallas":
-        d_h, partials = weighted_swiglu_backward_pallas(h, probs, g)
+        d_h, partials = weighted_swiglu_backward_pallas(h, probs, g, live_rows=live_rows)
         # The tree's later levels over the tiles, then over the 32 lanes.
         tiles = partials.reshape(h.shape[0], -1, BLOCK_SIZE)
         lanes = sum_in_order(tiles, axis=1, levels_per_pass=LEVELS_PER_PASS)
@@ -77,4 +88,5 @@ def weighted_activation_backward(
     out, pull = jax.vjp(lambda h: gated_activation(h, name, gated), h)
     g = g.astype(F32)
     (d_h,) = pull(g * probs.astype(F32)[:, None])
-    return d_h, row_sums_in_order(g * out)
+    d_probs = row_sums_in_order(g * out)
+    return fill_dead_rows(d_h, live_rows), fill_dead_rows(d_probs, live_rows)

@@ -2,8 +2,9 @@
 form `tgmm`, with a custom VJP so that the backward pass also runs through these two ops.
 
 Groups are consecutive row blocks of `lhs`: group g owns rows [offset_g, offset_g + group_sizes[g]),
-offset_g = sum(group_sizes[:g]). Rows at or past sum(group_sizes) produce zeros (gmm) and are left
-out (tgmm). Sizes must be >= 0 and add up to at most M (checked when they are concrete).
+offset_g = sum(group_sizes[:g]). Rows at or past sum(group_sizes) produce zeros (gmm; unspecified
+with `write_rows_past_groups=False`, `jaxmoe.ops.live_rows`) and are left out (tgmm). Sizes must
+be >= 0 and add up to at most M (checked when they are concrete).
 
 Several consecutive groups may share one matrix (`groups_per_weight` n: group g multiplies
 rhs[g // n]), as the blocks of one expert's rows from n sources do under expert parallelism.
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 from jaxmoe.ints import round_up
 from jaxmoe.ops import registry
 from jaxmoe.ops.checks import check_floating, check_group_sizes
+from jaxmoe.ops.live_rows import fill_dead_rows
 from jaxmoe.ops.pallas.gmm_common import GmmConfig
 from jaxmoe.ops.pallas.gmm_hopper import gmm_pallas
 from jaxmoe.ops.pallas.tgmm_hopper import TgmmConfig, tgmm_pallas
@@ -78,6 +80,7 @@ def gmm(
     preferred_element_type=jnp.float32,
     config: GmmConfig | None = None,
     groups_per_weight: int = 1,
+    write_rows_past_groups: bool = True,
 ) -> jax.Array:
     """out[m] = lhs[m] @ rhs[g(m) // groups_per_weight] for lhs [M, K], rhs [G / n, K, N] (or
     [G / n, N, K] with `transpose_rhs`; n = groups_per_weight), group_sizes [G] int; fp32
@@ -85,7 +88,10 @@ def gmm(
     rounded to lhs's dtype). Differentiable: dgrad is a gmm, wgrad a `tgmm` per group (summed
     over each matrix's groups in a fixed order), on the same implementation as the forward.
     `config` tiles the Pallas forward (None: the shape heuristic; the backward kernels use
-    their heuristics); no config changes the result bits."""
+    their heuristics); no config changes the result bits. write_rows_past_groups=False: the
+    rows at and past sum(group_sizes) of out (and of d lhs) are not computed and hold
+    unspecified values, for a buffer whose rows past its groups nothing reads
+    (`jaxmoe.ops.live_rows`)."""
     registry.check_impl("gmm", impl)
     if lhs.ndim != 2 or rhs.ndim != 3:
         raise ValueError(f"gmm: lhs must be [M, K] and rhs [G, K, N]; got {lhs.shape}, {rhs.shape}")
@@ -108,6 +114,7 @@ def gmm(
         resolved,
         config,
         groups_per_weight,
+        write_rows_past_groups,
     )
 
 
@@ -145,7 +152,15 @@ def tgmm(
 
 
 def gmm_product(
-    lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config=None, groups_per_weight=1
+    lhs,
+    rhs,
+    group_sizes,
+    transpose_rhs,
+    out_dtype,
+    impl,
+    config=None,
+    groups_per_weight=1,
+    write_rows_past_groups=True,
 ):
     """`gmm`'s product on the resolved implementation `impl` ("pallas" or "xla"): no argument
     checks, not differentiable. Group sizes known on the host (numpy) give the kernel's tile
@@ -161,13 +176,15 @@ def gmm_product(
             out_dtype=out_dtype,
             config=config,
             groups_per_weight=groups_per_weight,
+            write_rows_past_groups=write_rows_past_groups,
         )
         return out[:num_rows]
     rhs = jnp.repeat(rhs, groups_per_weight, axis=0) if groups_per_weight > 1 else rhs
     if transpose_rhs:
         rhs = jnp.swapaxes(rhs, 1, 2)
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
-    return out.astype(out_dtype)
+    out = out.astype(out_dtype)
+    return out if write_rows_past_groups else fill_dead_rows(out, jnp.sum(group_sizes))
 
 
 def tgmm_product(lhs, rhs, group_sizes, out_dtype, impl, config=None):
@@ -194,28 +211,30 @@ def tgmm_product(lhs, rhs, group_sizes, out_dtype, impl, config=None):
     return out.astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
 def _gmm_differentiable(
-    lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight
+    lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight, written
 ):
     return gmm_product(
-        lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight
+        lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight, written
     )
 
 
-def _gmm_fwd(lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight):
+def _gmm_fwd(
+    lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight, written
+):
     out = gmm_product(
-        lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight
+        lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight, written
     )
     return out, (lhs, rhs, group_sizes)
 
 
-def _gmm_bwd(transpose_rhs, out_dtype, impl, config, groups_per_weight, residuals, grad):
+def _gmm_bwd(transpose_rhs, out_dtype, impl, config, groups_per_weight, written, residuals, grad):
     lhs, rhs, group_sizes = residuals
     grad = grad.astype(lhs.dtype)
     # dgrad: d lhs = grad @ rhs[g]^T, i.e. a gmm against the other orientation of rhs.
     d_lhs = gmm_product(
-        grad, rhs, group_sizes, not transpose_rhs, lhs.dtype, impl, None, groups_per_weight
+        grad, rhs, group_sizes, not transpose_rhs, lhs.dtype, impl, None, groups_per_weight, written
     )
     if transpose_rhs:
         partials = tgmm_product(grad, lhs, group_sizes, lhs.dtype, impl)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.ops import registry
+from jaxmoe.ops.live_rows import check_live_rows, fill_dead_rows
 from jaxmoe.ops.pallas.combine_hopper import combine_pallas, combine_problem
 from jaxmoe.ops.pallas.dispatch_hopper import dispatch_pallas, dispatch_problem
 
@@ -33,20 +34,28 @@ def _with_zero_row(a: jax.Array) -> jax.Array:
 
 
 def dispatch_rows(
-    x: jax.Array, row_token: jax.Array, *, per_token: int = 1, impl: str = "auto"
+    x: jax.Array,
+    row_token: jax.Array,
+    *,
+    per_token: int = 1,
+    live_rows: jax.Array | None = None,
+    impl: str = "auto",
 ) -> jax.Array:
     """rows [M, H]: rows[r] = x[row_token[r] // per_token] for x [T, H], zeros where that is T
     (a padding row). row_token: [M] integers in [0, T * per_token]; per_token > 1 when they
     are the rows' slots (`jaxmoe.plan.Plan.row_slot`, per_token = top_k), whose division the
-    kernel makes as it reads them."""
+    kernel makes as it reads them. live_rows: an integer scalar, or None; rows at and past it
+    are not gathered and hold unspecified values (`jaxmoe.ops.live_rows`)."""
     if x.ndim != 2 or row_token.ndim != 1:
         raise ValueError(
             f"dispatch_rows: x must be [T, H] and row_token [M], got {x.shape} and "
             f"{row_token.shape}"
         )
+    check_live_rows("dispatch_rows", live_rows)
     if registry.resolve("dispatch_rows", impl, x.shape, x.dtype, row_token.shape[0]) == "pallas":
-        return dispatch_pallas(x, row_token, per_token=per_token)
-    return jnp.take(_with_zero_row(x), row_token // per_token, axis=0, mode="clip")
+        return dispatch_pallas(x, row_token, per_token=per_token, live_rows=live_rows)
+    rows = jnp.take(_with_zero_row(x), row_token // per_token, axis=0, mode="clip")
+    return fill_dead_rows(rows, live_rows)
 
 
 def combine_rows(

@@ -15,6 +15,7 @@ row's [F / (32 CHUNKS), 32]; rows outermost, so that a TMA store of a ragged las
 clipped at M: on the H200 a store into [F / (32 CHUNKS), M, 32] ran past M into the next
 partial's first rows);
 `jaxmoe.ops.activation` adds their remaining levels with `sum_in_order`: the same tree.
+Given a live row count (`jaxmoe.ops.live_rows`), only the row tiles holding rows below it run.
 docs/kernels.md describes the design."""
 
 from __future__ import annotations
@@ -57,18 +58,22 @@ def swiglu_backward_problem(h_shape, h_dtype, g_shape, g_dtype) -> str | None:
     return None
 
 
-def weighted_swiglu_backward_pallas(h, probs, g, *, interpret=None):
+def weighted_swiglu_backward_pallas(h, probs, g, *, live_rows=None, interpret=None):
     """(d_h [M, 2F] in h.dtype, partial row sums [M, F / CHUNKS] fp32) of the weighted
-    SwiGLU (module docstring); `swiglu_backward_problem` says what it takes."""
+    SwiGLU (module docstring); `swiglu_backward_problem` says what it takes. live_rows: an
+    int32 scalar in [0, M], or None: rows at and past it are not written (unspecified)."""
     problem = swiglu_backward_problem(h.shape, h.dtype, g.shape, g.dtype)
     if problem or probs.shape != h.shape[:1]:
         raise ValueError(
             f"weighted SwiGLU backward kernel: {problem or f'p must be [M], got {probs.shape}'}"
         )
     m, two_f = h.shape
-    kernel = _kernel(m, two_f // 2, jnp.dtype(h.dtype), interpret)
+    kernel = _kernel(m, two_f // 2, jnp.dtype(h.dtype), live_rows is not None, interpret)
     # p spread over the 32 lanes of its row (M x 128 bytes), loaded as its chunk's layout.
-    return kernel(h, g, jnp.broadcast_to(probs.astype(F32)[:, None], (m, BLOCK_SIZE)))
+    inputs = [h, g, jnp.broadcast_to(probs.astype(F32)[:, None], (m, BLOCK_SIZE))]
+    if live_rows is not None:
+        inputs.append(jnp.reshape(live_rows, (1,)).astype(jnp.int32))
+    return kernel(*inputs)
 
 
 def _push(stack, value):
@@ -80,7 +85,7 @@ def _push(stack, value):
 
 
 @functools.cache
-def _kernel(m, f, dtype, interpret):
+def _kernel(m, f, dtype, counted, interpret):
     chunk_tiles = f // (BLOCK_SIZE * CHUNKS)
     num_tiles = cdiv(m, ROWS) * chunk_tiles
     ctas = num_ctas(num_tiles, per_sm=CTAS_PER_SM)
@@ -92,9 +97,10 @@ def _kernel(m, f, dtype, interpret):
         chunk_tile = lax.rem(t, chunk_tiles)
         return rows, chunk_tile * (BLOCK_SIZE * CHUNKS), chunk_tile
 
-    def body(
-        h_gmem, g_gmem, p_gmem, dh_gmem, part_gmem, in_smem, p_smem, out_smem, part_smem, loaded
-    ):
+    def body(h_gmem, g_gmem, p_gmem, *refs):
+        live_gmem, refs = (refs[0], refs[1:]) if counted else (None, refs)
+        dh_gmem, part_gmem, in_smem, p_smem, out_smem, part_smem, loaded = refs
+
         def fetch(t):
             rows, col0, _ = place(t)
             sources = ((h_gmem, 0), (h_gmem, f), (g_gmem, 0))  # gate, up, gradient
@@ -142,7 +148,11 @@ def _kernel(m, f, dtype, interpret):
                 commit_group=False,
             )
 
-        pipeline(num_tiles, ctas, loaded, fetch, compute, store, stages=STAGES)
+        tiles = num_tiles
+        if counted:  # the row tiles holding rows [0, live_rows)
+            live = jnp.clip(live_gmem[0], 0, m)
+            tiles = lax.div(live + ROWS - 1, ROWS) * chunk_tiles
+        pipeline(tiles, ctas, loaded, fetch, compute, store, stages=STAGES)
 
     return plgpu.kernel(
         body,

@@ -1,6 +1,7 @@
 """The dispatch gather for Hopper (Pallas Mosaic GPU): rows[r] = x[row_token[r] // per_token],
 zeros where that is T (a padding row); bitwise a copy. A pure TMA copy through
-`row_pipeline.copy_pipeline`. docs/kernels.md describes the design."""
+`row_pipeline.copy_pipeline`; given a live row count (`jaxmoe.ops.live_rows`), only the tiles
+that hold live rows. docs/kernels.md describes the design."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -48,39 +50,58 @@ def dispatch_problem(shape, dtype, num_rows) -> str | None:
 
 
 def dispatch_pallas(
-    x: jax.Array, row_token: jax.Array, *, per_token: int = 1, interpret=None
+    x: jax.Array,
+    row_token: jax.Array,
+    *,
+    per_token: int = 1,
+    live_rows: jax.Array | None = None,
+    interpret=None,
 ) -> jax.Array:
     """rows [M, H]: row r is x[row_token[r] // per_token] (x [T, H]), or zeros where that is T.
-    row_token: [M] int32 in [0, T * per_token] (per_token > 1: the rows' slots)."""
+    row_token: [M] int32 in [0, T * per_token] (per_token > 1: the rows' slots). live_rows: an
+    int32 scalar in [0, M], or None: rows at and past it are not written (unspecified)."""
     problem = dispatch_problem(x.shape, x.dtype, row_token.shape[0])
     if problem:
         raise ValueError(problem)
     num_tokens, h = x.shape
     (num_rows,) = row_token.shape
     kernel = _dispatch_kernel(
-        num_tokens, num_rows, h // BLOCK_SIZE, per_token, jnp.dtype(x.dtype), interpret
+        num_tokens,
+        num_rows,
+        h // BLOCK_SIZE,
+        per_token,
+        jnp.dtype(x.dtype),
+        live_rows is not None,
+        interpret,
     )
-    out = kernel(row_token.astype(jnp.int32), x.reshape(num_tokens * h // BLOCK_SIZE, BLOCK_SIZE))
-    return out.reshape(num_rows, h)
+    inputs = [row_token.astype(jnp.int32), x.reshape(num_tokens * h // BLOCK_SIZE, BLOCK_SIZE)]
+    if live_rows is not None:
+        inputs.append(jnp.reshape(live_rows, (1,)).astype(jnp.int32))
+    return kernel(*inputs).reshape(num_rows, h)
 
 
 @functools.cache
-def _dispatch_kernel(num_tokens, num_rows, row_blocks, per_token, dtype, interpret):
+def _dispatch_kernel(num_tokens, num_rows, row_blocks, per_token, dtype, counted, interpret):
     tile, segment = gather_plan(row_blocks * BLOCK_SIZE, dtype)
     num_blocks = num_rows * row_blocks
     num_tiles = cdiv(num_blocks, tile)
     ctas = num_ctas(num_tiles)
 
-    def dispatch(token_gmem, x_gmem, out_gmem, x_smem, loaded):
+    def dispatch(token_gmem, x_gmem, *refs):
+        live_gmem, (out_gmem, x_smem, loaded) = (refs[0], refs[1:]) if counted else (None, refs)
         gather = (num_tokens, num_rows, row_blocks, per_token)
         fetch = gather_fetch(token_gmem, x_gmem, x_smem, tile, segment, gather)
+        tiles = num_tiles
+        if counted:  # the tiles holding rows [0, live_rows)
+            live = jnp.clip(live_gmem[0], 0, num_rows)
+            tiles = lax.div(live * row_blocks + tile - 1, tile)
 
         def store(t, slot):
             plgpu.copy_smem_to_gmem(
                 x_smem.at[slot], out_gmem.at[pl.ds(t * tile, tile)], commit_group=False
             )
 
-        copy_pipeline(num_tiles, ctas, loaded, fetch, store)
+        copy_pipeline(tiles, ctas, loaded, fetch, store)
 
     return plgpu.kernel(
         dispatch,

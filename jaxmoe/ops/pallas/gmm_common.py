@@ -244,6 +244,7 @@ def gmm_kernel_call(
     interpret,
     groups_per_weight: int = 1,
     scratch: tuple = (),
+    write_rows_past_groups: bool = True,
 ):
     """Tile the rows by group, order the work items and run the grouped-matmul kernel named
     kernel_name whose tiles `tile_matmul` (a module-level function: it keys the kernel cache)
@@ -252,7 +253,8 @@ def gmm_kernel_call(
     after its step (0, or 1 to keep a wgmma in flight); groups_per_weight: group g multiplies
     rhs[g // groups_per_weight] (and the extra inputs' entry of that index); scratch: SMEM
     buffers (`plgpu.SMEM(shape, dtype, transforms=...)`) each compute warpgroup gets for
-    itself (`TileContext.scratch`)."""
+    itself (`TileContext.scratch`); write_rows_past_groups: False leaves the output rows past
+    sum(group_sizes) unwritten (`jaxmoe.ops.live_rows`) instead of zeroing them."""
     num_rows, k = lhs.shape
     with metadata_scope(group_sizes):
         tiles = row_tiles(group_sizes, num_rows, config.cta_m, ROW_ALIGN, interpret=interpret)
@@ -272,6 +274,7 @@ def gmm_kernel_call(
         scratch,
         tiles.num_groups,
         groups_per_weight,
+        write_rows_past_groups,
     )
     return kernel(tiles.bounds, tiles.fields, lhs, rhs, *extra_inputs)
 
@@ -293,6 +296,7 @@ def _build_kernel(
     scratch,
     num_groups: int,
     groups_per_weight: int,
+    write_rows_past_groups: bool,
 ):
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     cta_m, cta_n, epi_n = config.cta_m, config.cta_n, config.epilogue_tile_n
@@ -499,13 +503,17 @@ def _build_kernel(
             )
             run_items(mine(num_matmul), lambda j, state: matmul_item(item_of(j), state), chained)
 
-            @pl.when(wg < NUM_COMPUTE_WGS)
-            def _zero_region():
-                @pl.loop(0, mine(num_zero))
-                def _each_zero(j):
-                    tile, column_tile = banded_item(item_of(j), num_zero, num_columns, grid_width)
-                    geo = tile_geometry(num_matmul + tile, column_tile)
-                    store(zero_accumulator(tile_m, tile_n), geo)
+            if write_rows_past_groups:
+
+                @pl.when(wg < NUM_COMPUTE_WGS)
+                def _zero_region():
+                    @pl.loop(0, mine(num_zero))
+                    def _each_zero(j):
+                        tile, column_tile = banded_item(
+                            item_of(j), num_zero, num_columns, grid_width
+                        )
+                        geo = tile_geometry(num_matmul + tile, column_tile)
+                        store(zero_accumulator(tile_m, tile_n), geo)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

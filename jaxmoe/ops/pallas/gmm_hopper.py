@@ -72,11 +72,13 @@ def gmm_pallas(
     config: GmmConfig | None = None,
     interpret=None,
     groups_per_weight: int = 1,
+    write_rows_past_groups: bool = True,
 ) -> jax.Array:
     """The kernel behind `jaxmoe.ops.gmm(impl="pallas")`: lhs [M, K] and rhs [G, K, N] (or
     [G, N, K] with transpose_rhs), both bf16 or both fp16, to out [M, N] in out_dtype; rows
-    past sum(group_sizes) are zeros. config: None for `default_config`. With groups_per_weight
-    n, rhs holds G / n matrices and group g multiplies rhs[g // n]."""
+    past sum(group_sizes) are zeros (unwritten with write_rows_past_groups=False). config: None
+    for `default_config`. With groups_per_weight n, rhs holds G / n matrices and group g
+    multiplies rhs[g // n]."""
     num_rows, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -103,6 +105,7 @@ def gmm_pallas(
         config=config,
         interpret=interpret,
         groups_per_weight=groups_per_weight,
+        write_rows_past_groups=write_rows_past_groups,
     )
 
 

@@ -48,9 +48,10 @@ def num_ctas(num_tiles: int, per_sm: int = CTAS_PER_SM) -> int:
 
 def _start(num_tiles, ctas, loaded, fetch, stages=STAGES):
     """This CTA's (tile of a step, step count), with the loads of its first `stages` tiles
-    issued into slots 0..stages-1."""
+    issued into slots 0..stages-1. num_tiles may be traced (a count read in the kernel, at most
+    the static count the grid was sized for): CTAs past it run no step."""
     cta = lax.axis_index("cta")
-    steps = (num_tiles - 1 - cta) // ctas + 1
+    steps = lax.div(jnp.maximum(num_tiles - cta + ctas - 1, 0), ctas)
 
     def tile(step):
         return cta + step * ctas

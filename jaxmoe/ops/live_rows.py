@@ -1,0 +1,37 @@
+"""Passes that skip a buffer's rows past a live count.
+
+Under expert parallelism the receiver's expert buffer has static room for every source's whole
+buffer (R x M rows) and about M real ones, packed at its start: rows [0, live_rows) hold the
+(expert, source) blocks, rows [live_rows, R x M) nothing. A pass given `live_rows` (an int32
+scalar, traced) computes only the live rows; its output rows at and past the count are
+unspecified, and no pass reads them into a live row's result (a row's GEMM output, activation
+and gradient depend on that row alone; the weight gradients read each group's rows only). The
+Pallas kernels leave those rows unwritten; the XLA references, which run over every row anyway,
+fill them with `DEAD_ROW_FILL`: zero, or NaN where a test checks that no dead row reaches a
+result.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+DEAD_ROW_FILL = 0.0  # the XLA references' value for rows past the live count
+
+
+def fill_dead_rows(x: jax.Array, live_rows: jax.Array | None) -> jax.Array:
+    """x [M, ...] with rows at and past `live_rows` set to `DEAD_ROW_FILL` (x itself when
+    live_rows is None)."""
+    if live_rows is None:
+        return x
+    live = jnp.arange(x.shape[0], dtype=jnp.int32) < live_rows
+    fill = jnp.asarray(DEAD_ROW_FILL, x.dtype)
+    return jnp.where(live.reshape((-1,) + (1,) * (x.ndim - 1)), x, fill)
+
+
+def check_live_rows(caller: str, live_rows) -> None:
+    """ValueError unless live_rows is None or an integer scalar."""
+    if live_rows is None:
+        return
+    if jnp.ndim(live_rows) != 0 or not jnp.issubdtype(jnp.result_type(live_rows), jnp.integer):
+        raise ValueError(f"{caller}: live_rows must be an integer scalar, got {live_rows!r}")
