@@ -145,6 +145,8 @@ class LocalRoute:
       row_group [M]    group of each buffer row (G past the last block)
       per_group(w)     an expert tensor [E, ...] -> one entry per group [G, ...]
       to_experts(x)    token rows [T, H] (array or quantized copy) -> buffer rows
+      to_experts_with_values(copy, dtype)  a quantized copy of token rows -> (its buffer rows,
+                       their dequantized values in dtype); no gradient
       to_tokens(rows)  buffer rows -> each token's rows combined [T, H]; VJP: to_experts
       slot_values(v)   per-slot values [T, k] -> per-row values [M]
       live_rows        None, or an int32 scalar: the buffer's rows at and past it hold no
@@ -175,6 +177,10 @@ class LocalRoute:
     def to_experts(self, x: jax.Array | QuantizedRows) -> jax.Array | QuantizedRows:
         return dispatch(x, self.plan, self.impl)
 
+    def to_experts_with_values(self, copy: QuantizedRows, dtype) -> tuple[QuantizedRows, jax.Array]:
+        rows_quantized = self.to_experts(copy)
+        return rows_quantized, dequantize_rows(rows_quantized, dtype)
+
     def to_tokens(self, rows: jax.Array) -> jax.Array:
         return combine(rows, self.plan, self.impl)
 
@@ -182,18 +188,22 @@ class LocalRoute:
         return gather_slots(values, self.plan)
 
 
-def dequantized_rows(tokens: jax.Array, rows_quantized: QuantizedRows, route) -> jax.Array:
-    """The dispatched quantized rows (`route.to_experts(quantize_tokens(tokens, ...))`) in
-    tokens.dtype: what the experts see when the quantized copy alone is dispatched. The gradient
-    goes to the tokens as the dispatch's would (`route.to_tokens`, its transpose), the quantizer
-    taken as the identity (straight-through, as Transformer Engine does).
+def dequantized_rows(
+    tokens: jax.Array, copy: QuantizedRows, route
+) -> tuple[QuantizedRows, jax.Array]:
+    """(the dispatched copy, its rows in tokens.dtype) for copy = `quantize_tokens(tokens, ...)`:
+    what the experts see when the quantized copy alone is dispatched
+    (`route.to_experts_with_values`). The rows' gradient goes to the tokens as the dispatch's
+    would (`route.to_tokens`, its transpose), the quantizer taken as the identity
+    (straight-through, as Transformer Engine does).
 
     On this device (a `LocalRoute`) an MXFP8 copy's values come from the tokens in one pass
     (`jaxmoe.ops.dispatch_fake_quantize`: gathered, quantized and dequantized, the same bits),
-    so the copy itself is computed only where something reads it."""
-    if isinstance(route, LocalRoute) and isinstance(rows_quantized, MXTensor):
-        return _fake_quantized_rows(tokens, route, rows_quantized.fmt)
-    return _dequantized_copy(tokens, rows_quantized, route)
+    so the dispatched copy itself is computed only where something reads it."""
+    if isinstance(route, LocalRoute) and isinstance(copy, MXTensor):
+        return route.to_experts(copy), _fake_quantized_rows(tokens, route, copy.fmt)
+    rows_quantized, values = route.to_experts_with_values(copy, tokens.dtype)
+    return rows_quantized, _straight_through(tokens, values, route)
 
 
 def _to_tokens_bwd(residuals, grad):
@@ -217,14 +227,16 @@ _fake_quantized_rows.defvjp(
 
 
 @jax.custom_vjp
-def _dequantized_copy(tokens, rows_quantized, route):
-    return dequantize_rows(rows_quantized, tokens.dtype)
+def _straight_through(tokens, values, route):
+    """values (the dispatched copy's, computed without a gradient), whose gradient goes to the
+    tokens through the route."""
+    return values
 
 
-def _dequantized_copy_fwd(tokens, rows_quantized, route):
-    return _dequantized_copy(tokens, rows_quantized, route), (route, jnp.zeros((0,), tokens.dtype))
+def _straight_through_fwd(tokens, values, route):
+    return values, (route, jnp.zeros((0,), tokens.dtype))
 
 
-_dequantized_copy.defvjp(
-    _dequantized_copy_fwd, lambda residuals, grad: (_to_tokens_bwd(residuals, grad), None, None)
+_straight_through.defvjp(
+    _straight_through_fwd, lambda residuals, grad: (_to_tokens_bwd(residuals, grad), None, None)
 )

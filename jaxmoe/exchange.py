@@ -42,7 +42,7 @@ from jaxmoe.ops.device import on_gpu
 from jaxmoe.ops.permute import dispatch_rows
 from jaxmoe.ordered import broadcast_in_order
 from jaxmoe.plan import Plan
-from jaxmoe.wire import QuantizedRows, move_rows, pack_rows, unpack_rows
+from jaxmoe.wire import QuantizedRows, dequantize_rows, move_rows, pack_rows, unpack_rows
 
 TRANSPORTS = ("dense", "ragged")
 # `ragged_all_to_all` moves about one thread block's worth a piece: issue 16 measured one piece
@@ -371,9 +371,35 @@ def send_tokens(
     (`jaxmoe.ops.live_rows`), a quantized copy's are zeros. impl: the row copy's
     (`jaxmoe.ops.dispatch_rows`). Not differentiable (the routes give it a VJP)."""
     if isinstance(x, QuantizedRows):
-        slots = unpack_rows(_token_slots(pack_rows(x), xplan, axis_name), x)
-        return move_rows(slots, lambda a: _take(a, xplan.recv_token))
-    slots = _token_slots(x, xplan, axis_name)
+        return _copy_rows(_quantized_token_slots(x, xplan, axis_name), xplan)
+    return _copy_live_rows(_token_slots(x, xplan, axis_name), xplan, impl)
+
+
+def send_tokens_with_values(
+    copy: QuantizedRows, xplan: ExchangePlan, axis_name: str, dtype, impl: str = "xla"
+) -> tuple[QuantizedRows, jax.Array]:
+    """(`send_tokens(copy)`, its values in dtype) from one exchange of the copy: the values are
+    dequantized in the token slots (R x T rows, each token once a peer) and copied into the
+    live rows, where dequantizing the copy's rows would run over all R x C of them (the same
+    bits: dequantizing is elementwise). Rows past the live ones: the copy's zeros, the values'
+    unspecified."""
+    slots = _quantized_token_slots(copy, xplan, axis_name)
+    values = _copy_live_rows(dequantize_rows(slots, dtype), xplan, impl)
+    return _copy_rows(slots, xplan), values
+
+
+def _quantized_token_slots(copy: QuantizedRows, xplan, axis_name) -> QuantizedRows:
+    """The token slots of a quantized copy, its data and scales packed on the wire."""
+    return unpack_rows(_token_slots(pack_rows(copy), xplan, axis_name), copy)
+
+
+def _copy_rows(slots: QuantizedRows, xplan) -> QuantizedRows:
+    """A quantized copy's token slots into the receiver's rows (zeros past the blocks)."""
+    return move_rows(slots, lambda a: _take(a, xplan.recv_token))
+
+
+def _copy_live_rows(slots: jax.Array, xplan, impl) -> jax.Array:
+    """Token slots into the receiver's live rows (`jaxmoe.ops.live_rows`)."""
     return dispatch_rows(slots, xplan.recv_token, live_rows=live_rows(xplan), impl=impl)
 
 
@@ -473,6 +499,11 @@ class ExchangedRoute:
         if isinstance(x, QuantizedRows):
             return send_tokens(x, self.exchange, self.axis_name, self.impl)
         return _route_to_experts(x, self)
+
+    def to_experts_with_values(self, copy: QuantizedRows, dtype) -> tuple[QuantizedRows, jax.Array]:
+        """A quantized copy of token rows -> (`to_experts(copy)`, its values in dtype, past the
+        live rows unspecified), one exchange (`send_tokens_with_values`); no gradient."""
+        return send_tokens_with_values(copy, self.exchange, self.axis_name, dtype, self.impl)
 
     def to_tokens(self, rows: jax.Array) -> jax.Array:
         """The receiver's buffer rows back to their sources, each token's rows combined there in

@@ -414,10 +414,8 @@ class MoE(nnx.Module):
                 # Each token quantized once (blocks along H); only the quantized copy is
                 # dispatched, and the experts' bf16 rows are its dequantized values (on one
                 # device made from the tokens in one pass, the copy left to whoever reads it).
-                rows_quantized = route.to_experts(
-                    quantize_tokens(tokens, config.dispatch_dtype, self.gmm_impl)
-                )
-                rows = dequantized_rows(tokens, rows_quantized, route)
+                copy = quantize_tokens(tokens, config.dispatch_dtype, self.gmm_impl)
+                rows_quantized, rows = dequantized_rows(tokens, copy, route)
             else:
                 rows, rows_quantized = route.to_experts(tokens), None
             row_probs = route.slot_values(routing.probs)

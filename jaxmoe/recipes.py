@@ -53,7 +53,7 @@ from jaxmoe.ops.mxfp8_gmm import (
     mxfp8_gmm_forward,
     quantize_weights,
 )
-from jaxmoe.wire import QuantizedRows, dequantize_rows, quantize_tokens
+from jaxmoe.wire import QuantizedRows, quantize_tokens
 
 F32 = jnp.float32
 
@@ -316,8 +316,7 @@ def _gradient_rows(
     along H once and sent to the expert rows quantized alone; (that copy, its dequantized rows
     in grad.dtype). The rows are what every other use of the gradient reads (fc2's weight-
     gradient copy and bias gradient; the whole backward pass of experts of another format)."""
-    quantized = route.to_experts(quantize_tokens(grad, wire_dtype, impl))
-    return quantized, dequantize_rows(quantized, grad.dtype)
+    return route.to_experts_with_values(quantize_tokens(grad, wire_dtype, impl), grad.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

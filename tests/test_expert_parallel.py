@@ -254,15 +254,35 @@ def test_any_data_axes(shape, names, like):
 
 @pytest.mark.parametrize(
     "config, hidden_size",
-    [(BF16, H), (MXFP8_EXPERTS, H), (BLOCKWISE_EXPERTS, 128)],
-    ids=["bf16", "mxfp8_experts", "fp8_blockwise_experts"],
+    [
+        (BF16, H),
+        (MXFP8_EXPERTS, H),
+        (MXFP8.replace(expert_precision="bf16"), H),
+        pytest.param(MXFP8, H, marks=pytest.mark.exhaustive),
+        pytest.param(BLOCKWISE_EXPERTS, 128, marks=pytest.mark.exhaustive),
+        pytest.param(
+            BLOCKWISE_EXPERTS.replace(
+                dispatch_dtype="fp8_blockwise", combine_bwd_dtype="fp8_blockwise"
+            ),
+            128,
+            marks=pytest.mark.exhaustive,
+        ),
+    ],
+    ids=[
+        "bf16",
+        "mxfp8_experts",
+        "mxfp8_wire",
+        "mxfp8",
+        "fp8_blockwise_experts",
+        "fp8_blockwise",
+    ],
 )
 def test_rows_past_the_blocks_never_reach_a_result(monkeypatch, config, hidden_size):
     """The receiver's rows past its blocks (`ExchangedRoute.live_rows`) are skipped by the token
-    copy, the bf16 GEMMs and the activation's backward pass, and hold unspecified values: with
-    the XLA references filling them with NaN (`DEAD_ROW_FILL`), y, aux, d x and d params at
-    ep = 2 keep their bits (and no NaN). Control: one live row fewer (the last block's last row
-    filled too) changes them."""
+    copy (and a quantized copy's values, `send_tokens_with_values`), the bf16 GEMMs and the
+    activation's backward pass, and hold unspecified values: with the XLA references filling
+    them with NaN (`DEAD_ROW_FILL`), y, aux, d x and d params at ep = 2 keep their bits (and no
+    NaN). Control: one live row fewer (the last block's last row filled too) changes them."""
     from jaxmoe.ops import live_rows
 
     model, x, cotangent = make(config, hidden_size)

@@ -109,7 +109,7 @@ def test_dispatch_long_pipeline_reuses_every_slot(interpret):
     assert_bitwise(np.asarray(dispatch_pallas(x, rows)), xla_dispatch(x, rows))
 
 
-@pytest.mark.parametrize("live", [0, 1, 37, 90, 300], ids=lambda n: f"live{n}")
+@pytest.mark.parametrize("live", [0, 37, 300], ids=lambda n: f"live{n}")
 def test_dispatch_gathers_only_the_live_rows(interpret, monkeypatch, live):
     """With live_rows the kernel writes the tiles holding rows [0, live) and no other: the
     live rows equal the reference's, every row of a tile past them keeps the interpreter's
