@@ -1,7 +1,7 @@
 """tools/hopper_program.py's reading of a compiled program (the compiling itself needs JAX's
 CUDA plugin, which CI does not install): the entry computation's launching instructions, in
 order, multi-output fusions, collectives and the root included, parameters, tuples and
-bitcasts left out."""
+bitcasts left out; the memory line."""
 
 import os
 import sys
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tools.hopper_program import LAUNCHING, is_collective, launches  # noqa: E402
+from tools.hopper_program import LAUNCHING, is_collective, launches, memory_line  # noqa: E402
 
 HLO = """HloModule m
 
@@ -67,3 +67,10 @@ def test_collectives_are_listed_and_nothing_else_new():
     assert is_collective("all-gather-done") and is_collective("collective-permute")
     assert not is_collective("bitcast") and not is_collective("get-tuple-element")
     assert not is_collective("all-to-all-begin")
+
+
+def test_the_memory_line_gives_the_programs_buffers():
+    """An XLA:CPU program's arguments (4 MiB of fp32) and outputs, in GiB."""
+    x = jnp.zeros((1024, 1024), jnp.float32)
+    line = memory_line(jax.jit(lambda x: x @ x).lower(x).compile())
+    assert line.startswith("memory a GPU: arguments 0.00391 GiB, outputs 0.00391 GiB, temporaries")

@@ -19,7 +19,8 @@ it (--precision mxfp8: `jaxmoe.mxfp8_inference`'s layer). --step train: the valu
 (w.r.t. the parameters and x) of sum(y) + the auxiliary losses, in the shape's precision.
 --ep R: that training step under `jaxmoe.expert_parallel_forward` over a (data, ep) = (1, R)
 mesh of R compile-only H200s, --tokens a GPU (`benchmarks/ep.py`'s layer part); the program is
-one GPU's, its collectives listed with the kernels.
+one GPU's, its collectives listed with the kernels. The first line also gives the memory XLA
+assigns one GPU (arguments, outputs, temporaries).
 """
 
 from __future__ import annotations
@@ -132,8 +133,8 @@ def program(
     step: str,
     devices: list,
     transport: str = "dense",
-) -> str:
-    """The compiled HLO text of the layer's `step` at `shape_name` with `tokens` tokens, for
+):
+    """The compiled executable of the layer's `step` at `shape_name` with `tokens` tokens, for
     `devices`: one, or R > 1 for the training step over a (1, R) mesh (`tokens` a GPU, the
     exchange by `transport`)."""
     from jaxmoe.expert_parallel import expert_parallel_forward, state_spec
@@ -186,7 +187,19 @@ def program(
         fn = jax.value_and_grad(loss, argnums=(0, 1))
     with compiling_for(devices[0]):
         traced = jax.jit(fn).trace(abstract(params), x, abstract(rest))
-    return traced.lower().compile().as_text()
+    return traced.lower().compile()
+
+
+def memory_line(compiled) -> str:
+    """One GPU's memory in the compiled program (XLA's buffer assignment): its arguments,
+    outputs and temporaries, in GiB."""
+    stats = compiled.memory_analysis()
+    gib = lambda n: n / 2**30  # noqa: E731
+    return (
+        f"memory a GPU: arguments {gib(stats.argument_size_in_bytes):.3g} GiB, outputs "
+        f"{gib(stats.output_size_in_bytes):.3g} GiB, temporaries "
+        f"{gib(stats.temp_size_in_bytes):.3g} GiB"
+    )
 
 
 def main(argv=None) -> list[dict]:
@@ -199,9 +212,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--transport", default="dense", help="the exchange's, with --ep")
     parser.add_argument("--hlo", help="also write the compiled HLO text here")
     args = parser.parse_args(argv)
-    text = program(
+    compiled = program(
         args.shape, args.tokens, args.precision, args.step, hopper_devices(args.ep), args.transport
     )
+    text = compiled.as_text()
     if args.hlo:
         with open(args.hlo, "w") as f:
             f.write(text)
@@ -209,7 +223,7 @@ def main(argv=None) -> list[dict]:
     where = f", ep = {args.ep} ({args.transport})" if args.ep > 1 else ""
     print(
         f"{args.shape} {args.step} {args.precision}, {args.tokens} tokens{where}: "
-        f"{len(found)} launches"
+        f"{len(found)} launches; {memory_line(compiled)}"
     )
     for k in found:
         print(f"  {k['name']:40s} {k['opcode']:12s} {k['shape'][:48]:48s} {k['op_name'][-60:]}")
