@@ -141,9 +141,10 @@ def program(
     from jaxmoe.inference import mxfp8_inference
     from jaxmoe.moe import MoE
     from jaxmoe.ops.device import compiling_for
-    from jaxmoe.shapes import SHAPES
+    from jaxmoe.shapes import DEEPSEEK_V3_FULL, SHAPES
 
-    shape = SHAPES[shape_name].with_precision(precision)
+    shapes = {**SHAPES, DEEPSEEK_V3_FULL.name: DEEPSEEK_V3_FULL}
+    shape = shapes[shape_name].with_precision(precision)
     inference = step == "inference" and precision == "mxfp8"
     ranks = len(devices)
     if ranks > 1 and step != "train":
@@ -204,7 +205,9 @@ def memory_line(compiled) -> str:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="qwen3_30b")
+    parser.add_argument(
+        "--shape", default="qwen3_30b", help="jaxmoe.shapes.SHAPES or deepseek_v3_full"
+    )
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--precision", default="mxfp8", choices=["bf16", "mxfp8", "fp8_blockwise"])
     parser.add_argument("--step", default="inference", choices=["inference", "train"])
