@@ -220,8 +220,9 @@ def fp8_blockwise_gmm(
     lhs [M, K] and rhs [G / n, K, N] high precision (n = groups_per_weight: consecutive groups
     sharing a matrix, the expert-parallel (expert, source) blocks; rhs rounded to lhs's dtype
     before it is quantized; its gradient in its own dtype); K, N and every group size multiples
-    of 128 (no 1x128 block along the rows mixes two groups; rows past the groups must be zeros,
-    as the plan makes them). lhs_quantized: the fprop copy of lhs quantized elsewhere (the
+    of 128 (no 1x128 block along the rows mixes two groups); a group's padding rows must be
+    zeros, as the plan makes them (they share the group's blocks along the rows); rows past the
+    groups reach no group's result (`jaxmoe.ops.live_rows`). lhs_quantized: the fprop copy of lhs quantized elsewhere (the
     dispatched 1x128 copy of the tokens, dispatch_dtype "fp8_blockwise"); it must equal
     `quantize_1x128(lhs, 1)` in value; None: quantize here. lhs_is_dequantized: lhs holds
     `dequantize(lhs_quantized, lhs.dtype)` (the layer's dispatched rows): the wgrad's copy is

@@ -13,8 +13,9 @@ Each GEMM is sum_k deq(a) * deq(b) with fp32 accumulation. Gradients reach the h
 lhs and rhs as if the quantizer were the identity (straight-through), as in TE.
 
 Columnwise blocks run along the rows of the expert buffer, so M and every group size must be
-multiples of 32 (no block mixes two groups) and rows that belong to no token must be zero (the
-plan guarantees both when expert_row_alignment % 32 == 0).
+multiples of 32 (no block mixes two groups) and a group's rows that belong to no token must be
+zero (the plan guarantees both when expert_row_alignment % 32 == 0); rows past the groups reach
+no group's result (`jaxmoe.ops.live_rows`).
 
 The rhs (the expert weights) is quantized in every call (along K for fprop and, when
 differentiating, along N for dgrad) unless the caller passes both copies, made once per optimizer
