@@ -271,6 +271,7 @@ class Fp8BlockwiseRecipe(Bf16Recipe):
             out_dtype=a.dtype,
             impl=impl,
             groups_per_weight=route.groups_per_weight,
+            write_rows_past_groups=route.live_rows is None,
         )
 
     def fc2_backward(self, residuals, d_rows, grad_quantized):
@@ -296,6 +297,7 @@ class Fp8BlockwiseRecipe(Bf16Recipe):
             impl=impl,
             preferred_element_type=out_dtype,
             groups_per_weight=route.groups_per_weight,
+            write_rows_past_groups=route.live_rows is None,
         )
 
 

@@ -327,6 +327,27 @@ def test_kernel_within_the_error_bound_on_random_data(interpret):
     assert np.all(np.abs(got - exact) <= bound) and np.all(got[124:] == 0)
 
 
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_rows_past_the_groups_left_unwritten(interpret, monkeypatch, impl):
+    """write_rows_past_groups=False (`jaxmoe.ops.live_rows`): the rows of the groups the
+    default call's bits, the rows past them left unwritten (the interpreter's NaN) or filled
+    (the reference, DEAD_ROW_FILL = NaN); by default zeros (control)."""
+    from jaxmoe.ops import live_rows
+
+    monkeypatch.setattr(live_rows, "DEAD_ROW_FILL", np.nan)
+    rng = np.random.default_rng(10)
+    lq = fb.quantize_1x128(jnp.asarray(rng.normal(size=(256, 256)), jnp.bfloat16))
+    rq = fb.quantize_128x128(jnp.asarray(rng.normal(size=(2, 256, 128)), jnp.bfloat16))
+    sizes = jnp.array([128, 0])
+    config = None if on_hopper() or impl == "xla" else SMALL
+    run = lambda written: np.asarray(  # noqa: E731
+        gmm_fp8_blockwise(lq, rq, sizes, impl=impl, config=config, write_rows_past_groups=written)
+    )
+    got, default = run(False), run(True)
+    np.testing.assert_array_equal(got[:128], default[:128])
+    assert np.all(np.isnan(got[128:])) and np.all(default[128:] == 0)
+
+
 def test_gmm_refuses_bad_operands():
     lq = fb.quantize_1x128(jnp.ones((32, 256)))
     rq = fb.quantize_128x128(jnp.ones((2, 256, 128)))

@@ -28,6 +28,7 @@ from jaxmoe.fp8_blockwise import BLOCK, BlockwiseTensor, gmm_reference, tgmm_ref
 from jaxmoe.ops import registry
 from jaxmoe.ops.checks import check_group_sizes
 from jaxmoe.ops.gmm import kernel_rows, pad_rows, sum_group_partials
+from jaxmoe.ops.live_rows import fill_dead_rows
 from jaxmoe.ops.pallas import tgmm_fp8_blockwise_hopper
 from jaxmoe.ops.pallas.gmm_common import GmmConfig
 from jaxmoe.ops.pallas.gmm_mxfp8_hopper import gmm_block_scaled_fp8_pallas
@@ -60,14 +61,16 @@ def gmm_fp8_blockwise(
     impl: str = "auto",
     preferred_element_type=jnp.float32,
     config: GmmConfig | None = None,
+    write_rows_past_groups: bool = True,
 ) -> jax.Array:
     """out[m] = lhs[m] @ rhs[g(m)] (fprop) or lhs[m] @ rhs[g(m)]^T (transpose_rhs: dgrad, the
     weights' 128 x 128 blocks serving the transposed product), fp32 accumulation.
 
     lhs: [M, C] in 1 x 128 blocks along C (the contraction); rhs: the weights [G, K, N] in
     128 x 128 blocks, contracted over K (C = K, out [M, N]) or, with transpose_rhs, over N
-    (C = N, out [M, K]). Rows past sum(group_sizes) give zeros. config: the Pallas kernel's
-    tiling (None: its heuristic). Not differentiable."""
+    (C = N, out [M, K]). Rows past sum(group_sizes) give zeros (unspecified with
+    write_rows_past_groups=False, `jaxmoe.ops.live_rows`). config: the Pallas kernel's tiling
+    (None: its heuristic). Not differentiable."""
     if not (
         isinstance(lhs, BlockwiseTensor)
         and isinstance(rhs, BlockwiseTensor)
@@ -89,8 +92,8 @@ def gmm_fp8_blockwise(
     check_group_sizes(group_sizes, num_weights, lhs.shape[0], "gmm_fp8_blockwise")
     out_dtype = jnp.dtype(preferred_element_type)
     if registry.resolve("gmm_fp8_blockwise", impl, contraction, out_n) == "xla":
-        out = gmm_reference(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
-        return out.astype(out_dtype)
+        out = gmm_reference(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs).astype(out_dtype)
+        return out if write_rows_past_groups else fill_dead_rows(out, jnp.sum(group_sizes))
     # The kernel reads both operands K-major: rhs [G, out_n, contraction], and the weight
     # scales as [G, C/128, out_n/128] (scale_inv is [G, K/128, N/128]).
     data, block_scale = rhs.data, rhs.scale_inv
@@ -109,6 +112,7 @@ def gmm_fp8_blockwise(
         scale_block=BLOCK,
         out_dtype=out_dtype,
         config=config,
+        write_rows_past_groups=write_rows_past_groups,
     )
     return out[:num_rows]
 
@@ -207,6 +211,7 @@ def fp8_blockwise_gmm(
     impl: str = "auto",
     preferred_element_type=jnp.float32,
     groups_per_weight: int = 1,
+    write_rows_past_groups: bool = True,
 ) -> jax.Array:
     """Grouped matmul out[m] = lhs[m] @ rhs[g(m) // groups_per_weight] with Transformer Engine's
     FP8 blockwise recipe, differentiable w.r.t. lhs and rhs (straight-through quantizers, as in
@@ -222,14 +227,17 @@ def fp8_blockwise_gmm(
     before it is quantized; its gradient in its own dtype); K, N and every group size multiples
     of 128 (no 1x128 block along the rows mixes two groups); a group's padding rows must be
     zeros, as the plan makes them (they share the group's blocks along the rows); rows past the
-    groups reach no group's result (`jaxmoe.ops.live_rows`). lhs_quantized: the fprop copy of lhs quantized elsewhere (the
-    dispatched 1x128 copy of the tokens, dispatch_dtype "fp8_blockwise"); it must equal
+    groups reach no group's result (`jaxmoe.ops.live_rows`). lhs_quantized: the fprop copy of
+    lhs quantized elsewhere (the dispatched 1x128 copy of the tokens, dispatch_dtype
+    "fp8_blockwise"); it must equal
     `quantize_1x128(lhs, 1)` in value; None: quantize here. lhs_is_dequantized: lhs holds
     `dequantize(lhs_quantized, lhs.dtype)` (the layer's dispatched rows): the wgrad's copy is
     then made from lhs_quantized's fp8 bytes (`requantize_1x128_transposed`, the same bits) and
     lhs's values are never read, so XLA need not compute them. rhs_quantized:
     `quantize_blockwise_weights(rhs)` made earlier in the step (None: quantize here). Neither
-    carries a gradient; lhs and rhs do. Result in `preferred_element_type`."""
+    carries a gradient; lhs and rhs do. Result in `preferred_element_type`.
+    write_rows_past_groups=False: the rows past the groups of out and d lhs are not computed
+    (unspecified, `jaxmoe.ops.live_rows`)."""
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(
             f"fp8_blockwise_gmm: lhs must be [M, K] and rhs [G, K, N]; got {lhs.shape}, {rhs.shape}"
@@ -276,6 +284,7 @@ def fp8_blockwise_gmm(
         impl,
         groups_per_weight,
         bool(lhs_is_dequantized),
+        bool(write_rows_past_groups),
     )
 
 
@@ -299,6 +308,7 @@ class Fp8BlockwiseGmmResiduals:
     rhs_dtype: Any = struct.field(pytree_node=False)
     impl: str = struct.field(pytree_node=False)
     groups_per_weight: int = struct.field(pytree_node=False)
+    write_rows_past_groups: bool = struct.field(pytree_node=False, default=True)
 
 
 def fp8_blockwise_gmm_forward(
@@ -312,6 +322,7 @@ def fp8_blockwise_gmm_forward(
     out_dtype,
     impl,
     groups_per_weight=1,
+    write_rows_past_groups=True,
 ) -> tuple[jax.Array, Fp8BlockwiseGmmResiduals]:
     """`fp8_blockwise_gmm`'s forward rule (no argument checks): the output and the residuals
     for `fp8_blockwise_gmm_backward`. Public for ops that fuse the GEMM with their neighbours."""
@@ -333,6 +344,7 @@ def fp8_blockwise_gmm_forward(
         transpose_rhs=True,
         impl=impl,
         preferred_element_type=out_dtype,
+        write_rows_past_groups=write_rows_past_groups,
     )
     residuals = Fp8BlockwiseGmmResiduals(
         lhs_t=lhs_t,
@@ -342,6 +354,7 @@ def fp8_blockwise_gmm_forward(
         rhs_dtype=jnp.dtype(rhs.dtype),
         impl=impl,
         groups_per_weight=groups_per_weight,
+        write_rows_past_groups=write_rows_past_groups,
     )
     return out, residuals
 
@@ -370,6 +383,7 @@ def fp8_blockwise_gmm_backward(
         transpose_rhs=True,
         impl=impl,
         preferred_element_type=dtype,
+        write_rows_past_groups=residuals.write_rows_past_groups,
     )
     partials = tgmm_fp8_blockwise(
         residuals.lhs_t,
@@ -382,17 +396,44 @@ def fp8_blockwise_gmm_backward(
     return d_lhs, sum_group_partials(partials, n, residuals.rhs_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
 def _fp8_blockwise_gmm(
-    lhs, rhs, group_sizes, lhs_quantized, rhs_quantized, out_dtype, impl, n, lhs_is_dequantized
+    lhs,
+    rhs,
+    group_sizes,
+    lhs_quantized,
+    rhs_quantized,
+    out_dtype,
+    impl,
+    n,
+    lhs_is_dequantized,
+    written,
 ):
     return _fp8_blockwise_gmm_fwd(
-        lhs, rhs, group_sizes, lhs_quantized, rhs_quantized, out_dtype, impl, n, lhs_is_dequantized
+        lhs,
+        rhs,
+        group_sizes,
+        lhs_quantized,
+        rhs_quantized,
+        out_dtype,
+        impl,
+        n,
+        lhs_is_dequantized,
+        written,
     )[0]
 
 
 def _fp8_blockwise_gmm_fwd(
-    lhs, rhs, group_sizes, lhs_quantized, rhs_quantized, out_dtype, impl, n, lhs_is_dequantized
+    lhs,
+    rhs,
+    group_sizes,
+    lhs_quantized,
+    rhs_quantized,
+    out_dtype,
+    impl,
+    n,
+    lhs_is_dequantized,
+    written,
 ):
     return fp8_blockwise_gmm_forward(
         lhs,
@@ -404,10 +445,11 @@ def _fp8_blockwise_gmm_fwd(
         out_dtype=out_dtype,
         impl=impl,
         groups_per_weight=n,
+        write_rows_past_groups=written,
     )
 
 
-def _fp8_blockwise_gmm_bwd(out_dtype, impl, n, lhs_is_dequantized, residuals, grad):
+def _fp8_blockwise_gmm_bwd(out_dtype, impl, n, lhs_is_dequantized, written, residuals, grad):
     d_lhs, d_rhs = fp8_blockwise_gmm_backward(residuals, grad)
     return d_lhs, d_rhs, None, None, None
 

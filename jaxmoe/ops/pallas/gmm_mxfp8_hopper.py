@@ -148,6 +148,7 @@ def gmm_block_scaled_fp8_pallas(
     config: GmmConfig | None = None,
     interpret=None,
     groups_per_weight: int = 1,
+    write_rows_past_groups: bool = True,
 ) -> jax.Array:
     """Block-scaled fp8 grouped matmul on Hopper (module docstring): lhs [M, K] and rhs
     [G, N, K] float8 (both K-major, as Hopper's fp8 wgmma reads them); lhs_scale [K/B, M] and
@@ -155,7 +156,8 @@ def gmm_block_scaled_fp8_pallas(
     block's scales for a row tile are contiguous; rhs_scale [G, K/32, N] for MXFP8 (a scale per
     column), [G, K/128, N/128] for FP8 blockwise (a scale per 128 x 128 block: a warpgroup's
     columns share one, so its fold is one multiply-add per element). Rows past sum(group_sizes)
-    are zeros. config: None for the heuristic of the recipe (`default_mxfp8_config`,
+    are zeros (unwritten with write_rows_past_groups=False, `jaxmoe.ops.live_rows`). config:
+    None for the heuristic of the recipe (`default_mxfp8_config`,
     `default_fp8_blockwise_config`). groups_per_weight as in `gmm_mxfp8_pallas`."""
     if scale_block not in _TILE_MATMULS:
         raise ValueError(f"gmm pallas fp8: scale_block must be one of {sorted(_TILE_MATMULS)}")
@@ -189,6 +191,7 @@ def gmm_block_scaled_fp8_pallas(
         config=config,
         interpret=interpret,
         groups_per_weight=groups_per_weight,
+        write_rows_past_groups=write_rows_past_groups,
     )
 
 
