@@ -195,6 +195,44 @@ def test_ops_return_the_references_blockwise_tensors(interpret):
         assert_bitwise(np.asarray(got.scale_inv), np.asarray(ref.scale_inv))
 
 
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_only_the_live_rows_are_quantized(interpret, monkeypatch, impl):
+    """live_rows (`jaxmoe.ops.live_rows`): the three activations' ops give the full call's bits
+    on the rows below it (the transposed copies' columns); the kernels leave the 128-row bands
+    past it unwritten (the interpreter's NaN in the rowwise data and every scale), the
+    references fill everything past it (DEAD_ROW_FILL = NaN). Control: the full call has no
+    NaN."""
+    from jaxmoe.ops import live_rows as live_rows_module
+
+    monkeypatch.setattr(live_rows_module, "DEAD_ROW_FILL", np.nan)
+    x = normal_range((384, 256), jnp.bfloat16, seed=7)
+    live, band_end = 150, 256
+    copy = fp8_blockwise.quantize_1x128(x, 1)
+    calls = {
+        "with_transpose": lambda **kw: quantize_1x128_with_transpose(x, impl=impl, **kw),
+        "transposed": lambda **kw: (quantize_1x128_transposed(x, impl=impl, **kw),),
+        "requantize": lambda **kw: (requantize_1x128_transposed(copy, BF16, impl=impl, **kw),),
+    }
+    dead = live if impl == "xla" else band_end
+    for name, call in calls.items():
+        full, counted = call(), call(live_rows=jnp.int32(live))
+        *rowwise, transposed = counted
+        *rowwise_full, transposed_full = full
+        for got, want in zip(rowwise, rowwise_full, strict=True):
+            assert_bitwise(np.asarray(got.data[:live]), np.asarray(want.data[:live]))
+            assert_bitwise(np.asarray(got.scale_inv[:live]), np.asarray(want.scale_inv[:live]))
+            assert np.all(np.isnan(np.asarray(got.data[dead:], np.float32))), name
+            assert np.all(np.isnan(np.asarray(got.scale_inv[dead:]))), name
+        assert_bitwise(
+            np.asarray(transposed.data[:, :live]), np.asarray(transposed_full.data[:, :live])
+        )
+        scales = np.asarray(transposed.scale_inv)
+        assert_bitwise(scales[:, :2], np.asarray(transposed_full.scale_inv)[:, :2])
+        assert np.all(np.isnan(scales[:, 2:])), name
+        for t in jax.tree.leaves(full):
+            assert not np.any(np.isnan(np.asarray(t, np.float32))), name
+
+
 def test_auto_falls_back_and_pallas_refuses_clearly():
     """Partial blocks and fp16 run on XLA under "auto" (the reference's bits) and are refused
     by "pallas" with the reason; inputs of the wrong rank are refused by every impl."""
@@ -222,8 +260,9 @@ def test_auto_falls_back_and_pallas_refuses_clearly():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_lowering_at_real_shapes(dtype, arithmetic):
     """Mosaic GPU lowering (sm_90a) at mixtral's expert weights (fc1 [8, 4096, 2 x 14336], fc2
-    [8, 14336, 4096]) and activations, within a CTA's shared memory (the activations' kernels:
-    its share under `default_transpose_config`, two CTAs an SM for bf16)."""
+    [8, 14336, 4096]) and activations (also with a live row count), within a CTA's shared
+    memory (the activations' kernels: its share under `default_transpose_config`, two CTAs an
+    SM for bf16)."""
     activations_budget = default_transpose_config(dtype).smem_budget
     assert activations_budget == (115712 if dtype == jnp.bfloat16 else MAX_SMEM_PER_CTA)
     calls = [
@@ -240,6 +279,10 @@ def test_lowering_at_real_shapes(dtype, arithmetic):
             fn = functools.partial(kernel, arithmetic=arithmetic)
             x = jax.ShapeDtypeStruct(shape, dtype)
             jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",))
+            if kernel is not quantize_128x128_pallas:  # with a live row count
+                counted = lambda x, live, fn=fn: fn(x, live_rows=live)  # noqa: E731
+                live = jax.ShapeDtypeStruct((), jnp.int32)
+                jax.jit(counted).trace(x, live).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -271,12 +314,23 @@ GPU_SHAPES = {
 @pytest.mark.parametrize("arithmetic", ["float", "exact"])
 def test_gpu_kernels_equal_the_reference_bitwise(arithmetic):
     """The three kernels and both arithmetics on the H200, specials and denormals included,
-    against the reference computed on the host CPU: long pipelines (many tiles a CTA)."""
+    against the reference computed on the host CPU: long pipelines (many tiles a CTA); with a
+    live row count, the full call's bits on its rows."""
     for dtype in (jnp.bfloat16, jnp.float32):
         for fmt in ("e4m3", "e5m2"):
             for kind, shape in GPU_SHAPES.items():
                 x = special_blocks(kind, tensor(shape, dtype, seed=3))
                 check_kernel(kind, x, fmt, arithmetic)
+    x = tensor(GPU_SHAPES["with_transpose"], BF16, seed=4)
+    live = x.shape[0] // 3
+    full = quantize_1x128_with_transpose_pallas(x, arithmetic=arithmetic)
+    counted = quantize_1x128_with_transpose_pallas(
+        x, arithmetic=arithmetic, live_rows=jnp.int32(live)
+    )
+    (data, _), (data_t, _) = full
+    (data_c, _), (data_t_c, _) = counted
+    assert_bitwise(np.asarray(data_c[:live]), np.asarray(data[:live]))
+    assert_bitwise(np.asarray(data_t_c[:, :live]), np.asarray(data_t[:, :live]))
 
 
 @pytest.mark.gpu

@@ -237,7 +237,7 @@ def fp8_blockwise_gmm(
     `quantize_blockwise_weights(rhs)` made earlier in the step (None: quantize here). Neither
     carries a gradient; lhs and rhs do. Result in `preferred_element_type`.
     write_rows_past_groups=False: the rows past the groups of out and d lhs are not computed
-    (unspecified, `jaxmoe.ops.live_rows`)."""
+    (unspecified, `jaxmoe.ops.live_rows`), nor quantized."""
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(
             f"fp8_blockwise_gmm: lhs must be [M, K] and rhs [G, K, N]; got {lhs.shape}, {rhs.shape}"
@@ -288,6 +288,11 @@ def fp8_blockwise_gmm(
     )
 
 
+def _live_rows(group_sizes, write_rows_past_groups: bool):
+    """The rows the quantizes must cover: all (None), or those of the groups."""
+    return None if write_rows_past_groups else jnp.sum(group_sizes)
+
+
 def _sizes_per_weight(group_sizes, groups_per_weight):
     """Rows per matrix: the n consecutive groups of a matrix are contiguous rows."""
     if groups_per_weight == 1:
@@ -330,13 +335,15 @@ def fp8_blockwise_gmm_forward(
     copies = rhs_quantized
     if copies is None:
         copies = quantize_blockwise_weights(rhs.astype(dtype), impl=impl)
+    live = _live_rows(group_sizes, write_rows_past_groups)
     if lhs_quantized is None:
-        lhs_rowwise, lhs_t = quantize_1x128_with_transpose(lhs, impl=impl)
+        lhs_rowwise, lhs_t = quantize_1x128_with_transpose(lhs, live_rows=live, impl=impl)
     elif lhs_is_dequantized:
         lhs_rowwise = lhs_quantized
-        lhs_t = requantize_1x128_transposed(lhs_quantized, dtype, impl=impl)
+        lhs_t = requantize_1x128_transposed(lhs_quantized, dtype, live_rows=live, impl=impl)
     else:
-        lhs_rowwise, lhs_t = lhs_quantized, quantize_1x128_transposed(lhs, impl=impl)
+        lhs_rowwise = lhs_quantized
+        lhs_t = quantize_1x128_transposed(lhs, live_rows=live, impl=impl)
     out = gmm_fp8_blockwise(
         lhs_rowwise,
         copies.transposed,
@@ -371,11 +378,14 @@ def fp8_blockwise_gmm_backward(
     same values as grad's copy, so the same products) and wgrad's copy is requantized from its
     fp8 bytes; grad's values are then never read."""
     dtype, impl, n = residuals.dtype, residuals.impl, residuals.groups_per_weight
+    live = _live_rows(residuals.group_sizes, residuals.write_rows_past_groups)
     if grad_quantized is None:
-        grad_rowwise, grad_t = quantize_1x128_with_transpose(grad.astype(dtype), impl=impl)
+        grad_rowwise, grad_t = quantize_1x128_with_transpose(
+            grad.astype(dtype), live_rows=live, impl=impl
+        )
     else:
         grad_rowwise = grad_quantized
-        grad_t = requantize_1x128_transposed(grad_quantized, dtype, impl=impl)
+        grad_t = requantize_1x128_transposed(grad_quantized, dtype, live_rows=live, impl=impl)
     d_lhs = gmm_fp8_blockwise(
         grad_rowwise,
         residuals.weights,

@@ -19,14 +19,15 @@ import jax.numpy as jnp
 DEAD_ROW_FILL = 0.0  # the XLA references' value for rows past the live count
 
 
-def fill_dead_rows(x: jax.Array, live_rows: jax.Array | None) -> jax.Array:
-    """x [M, ...] with rows at and past `live_rows` set to `DEAD_ROW_FILL` (x itself when
-    live_rows is None)."""
+def fill_dead_rows(x: jax.Array, live_rows: jax.Array | None, axis: int = 0) -> jax.Array:
+    """x with its entries at and past `live_rows` along `axis` (its rows, or the columns of a
+    transposed copy) set to `DEAD_ROW_FILL` (x itself when live_rows is None)."""
     if live_rows is None:
         return x
-    live = jnp.arange(x.shape[0], dtype=jnp.int32) < live_rows
-    fill = jnp.asarray(DEAD_ROW_FILL, x.dtype)
-    return jnp.where(live.reshape((-1,) + (1,) * (x.ndim - 1)), x, fill)
+    live = jnp.arange(x.shape[axis], dtype=jnp.int32) < live_rows
+    shape = [1] * x.ndim
+    shape[axis] = -1
+    return jnp.where(live.reshape(shape), x, jnp.asarray(DEAD_ROW_FILL, x.dtype))
 
 
 def check_live_rows(caller: str, live_rows) -> None:

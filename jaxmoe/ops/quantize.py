@@ -41,6 +41,7 @@ from jaxmoe import fp8_blockwise, mxfp8
 from jaxmoe.fp8_blockwise import BlockwiseTensor
 from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor
 from jaxmoe.ops import registry
+from jaxmoe.ops.live_rows import check_live_rows, fill_dead_rows
 from jaxmoe.ops.pallas.quantize_hopper import (
     FP8_BLOCKWISE,
     MXFP8,
@@ -260,54 +261,86 @@ def _check_ndim(name, x, ndim, shape):
 
 
 def quantize_1x128_with_transpose(
-    x: jax.Array, fmt: str = "e4m3", *, impl: str = "auto"
+    x: jax.Array, fmt: str = "e4m3", *, live_rows: jax.Array | None = None, impl: str = "auto"
 ) -> tuple[BlockwiseTensor, BlockwiseTensor]:
     """(`quantize_1x128(x, 1, fmt)`, `quantize_1x128(x.T, 1, fmt)`) of x [M, K] (same bits):
     the copy in 1 x 128 blocks along K and the K-major copy of x^T [K, M] in 1 x 128 blocks
-    along M (`quantize_1x128(x, 0)` transposed), from one read of x on "pallas". No gradient
-    flows through it (module docstring)."""
+    along M (`quantize_1x128(x, 0)` transposed), from one read of x on "pallas". live_rows: an
+    integer scalar, or None: x's rows at and past it are not quantized, and the copies' rows
+    (the transposed copy's columns) there are unspecified (`jaxmoe.ops.live_rows`; a 1 x 128
+    block along M that holds a live row is whole). No gradient flows through it (module
+    docstring)."""
     x = jax.lax.stop_gradient(jnp.asarray(x))
     _check_ndim("quantize_1x128_with_transpose", x, 2, "[M, K]")
+    check_live_rows("quantize_1x128_with_transpose", live_rows)
     if registry.resolve("quantize_1x128_with_transpose", impl, x) == "xla":
-        return fp8_blockwise.quantize_1x128(x, 1, fmt), fp8_blockwise.quantize_1x128(x.T, 1, fmt)
-    (data, scale_inv), (data_t, scale_inv_t) = quantize_1x128_with_transpose_pallas(x, fmt)
+        rowwise = fp8_blockwise.quantize_1x128(x, 1, fmt)
+        rowwise = jax.tree.map(lambda a: fill_dead_rows(a, live_rows), rowwise)
+        return rowwise, _dead_columns(fp8_blockwise.quantize_1x128(x.T, 1, fmt), live_rows)
+    (data, scale_inv), (data_t, scale_inv_t) = quantize_1x128_with_transpose_pallas(
+        x, fmt, live_rows=live_rows
+    )
     return (
         BlockwiseTensor(data, scale_inv, (1,), fmt),
         BlockwiseTensor(data_t, scale_inv_t, (1,), fmt),
     )
 
 
+def _dead_columns(t: BlockwiseTensor, live_rows) -> BlockwiseTensor:
+    """A transposed copy [K, M] in 1 x 128 blocks along M with its columns past `live_rows`
+    (its scales' blocks past the last live one) set to DEAD_ROW_FILL."""
+    if live_rows is None:
+        return t
+    live_blocks = (live_rows + fp8_blockwise.BLOCK - 1) // fp8_blockwise.BLOCK
+    return BlockwiseTensor(
+        fill_dead_rows(t.data, live_rows, axis=1),
+        fill_dead_rows(t.scale_inv, live_blocks, axis=1),
+        t.block_axes,
+        t.fmt,
+    )
+
+
 def quantize_1x128_transposed(
-    x: jax.Array, fmt: str = "e4m3", *, impl: str = "auto"
+    x: jax.Array, fmt: str = "e4m3", *, live_rows: jax.Array | None = None, impl: str = "auto"
 ) -> BlockwiseTensor:
     """`quantize_1x128(x.T, 1, fmt)` of x [M, K] (same bits): the K-major copy of x^T [K, M] in
-    1 x 128 blocks along M, without a transposed copy of x on "pallas". No gradient flows
-    through it (module docstring)."""
+    1 x 128 blocks along M, without a transposed copy of x on "pallas". live_rows as
+    `quantize_1x128_with_transpose`'s. No gradient flows through it (module docstring)."""
     x = jax.lax.stop_gradient(jnp.asarray(x))
     _check_ndim("quantize_1x128_transposed", x, 2, "[M, K]")
+    check_live_rows("quantize_1x128_transposed", live_rows)
     if registry.resolve("quantize_1x128_transposed", impl, x) == "xla":
-        return fp8_blockwise.quantize_1x128(x.T, 1, fmt)
-    data_t, scale_inv_t = quantize_1x128_transposed_pallas(x, fmt)
+        return _dead_columns(fp8_blockwise.quantize_1x128(x.T, 1, fmt), live_rows)
+    data_t, scale_inv_t = quantize_1x128_transposed_pallas(x, fmt, live_rows=live_rows)
     return BlockwiseTensor(data_t, scale_inv_t, (1,), fmt)
 
 
 def requantize_1x128_transposed(
-    x: BlockwiseTensor, dtype, fmt: str = "e4m3", *, impl: str = "auto"
+    x: BlockwiseTensor,
+    dtype,
+    fmt: str = "e4m3",
+    *,
+    live_rows: jax.Array | None = None,
+    impl: str = "auto",
 ) -> BlockwiseTensor:
     """`quantize_1x128(dequantize(x, dtype).T, 1, fmt)` of a copy x [M, K] in 1 x 128 blocks
     along K (same bits): the K-major copy of x's values transposed, in 1 x 128 blocks along M,
     as `quantize_1x128_transposed` makes it from those values in `dtype` (bf16 or fp32); on
-    "pallas" read from x's fp8 bytes, without its values in `dtype` in memory. No gradient
-    flows through it (module docstring)."""
+    "pallas" read from x's fp8 bytes, without its values in `dtype` in memory. live_rows as
+    `quantize_1x128_with_transpose`'s. No gradient flows through it (module docstring)."""
     if not isinstance(x, BlockwiseTensor) or x.ndim != 2 or x.block_axes != (1,):
         raise ValueError(
             "requantize_1x128_transposed: x must be a 2-D BlockwiseTensor in 1 x 128 blocks "
             f"along axis 1, got {x!r}"
         )
     x = jax.tree.map(jax.lax.stop_gradient, x)
+    check_live_rows("requantize_1x128_transposed", live_rows)
     if registry.resolve("requantize_1x128_transposed", impl, x, dtype) == "xla":
-        return fp8_blockwise.quantize_1x128(fp8_blockwise.dequantize(x, dtype).T, 1, fmt)
-    data_t, scale_inv_t = requantize_1x128_transposed_pallas(x.data, x.scale_inv, dtype, fmt)
+        values = fp8_blockwise.dequantize(x, dtype).T
+        return _dead_columns(fp8_blockwise.quantize_1x128(values, 1, fmt), live_rows)
+    data_t, scale_inv_t = requantize_1x128_transposed_pallas(
+        x.data, x.scale_inv, dtype, fmt, live_rows=live_rows
+    )
     return BlockwiseTensor(data_t, scale_inv_t, (1,), fmt)
 
 

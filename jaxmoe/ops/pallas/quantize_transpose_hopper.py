@@ -250,13 +250,14 @@ def requantize_1x128_transposed_pallas(
     *,
     arithmetic=None,
     config: TransposeQuantizeConfig | None = None,
+    live_rows=None,
     interpret=None,
 ):
     """(data_t [K, M], scale_inv_t [K, M/128]) of the copy x = (data [M, K] float8, scale_inv
     [M, K/128] fp32 multipliers) in 1 x 128 blocks along K: the bits of
     `quantize_1x128(dequantize(x, dequantized_dtype).T, 1)`, the copy of x^T in 1 x 128 blocks
     along M, from one read of the copy (1 byte an element, not the 2 or 4 of its dequantized
-    values). `config` as `quantize_1x128_transposed_pallas`'s."""
+    values). `config` and `live_rows` as `quantize_1x128_transposed_pallas`'s."""
     problem = requantize_problem(
         data.shape, data.dtype, scale_inv.shape, scale_inv.dtype, dequantized_dtype
     )
@@ -273,8 +274,9 @@ def requantize_1x128_transposed_pallas(
         interpret,
         rowwise=False,
         dequantized_dtype=jnp.dtype(dequantized_dtype),
+        counted=live_rows is not None,
     )
-    data_t, scale_column = kernel(data, scale_inv.T)
+    data_t, scale_column = kernel(data, scale_inv.T, *_live_input(live_rows))
     return _as_format(data_t, fmt), scale_column.T
 
 
@@ -310,6 +312,7 @@ def quantize_1x128_with_transpose_pallas(
     *,
     arithmetic=None,
     config: TransposeQuantizeConfig | None = None,
+    live_rows=None,
     interpret=None,
 ):
     """((data [M, K], scale_inv [M, K/128]), (data_t [K, M], scale_inv_t [K, M/128])) of
@@ -317,9 +320,12 @@ def quantize_1x128_with_transpose_pallas(
     `jaxmoe.fp8_blockwise.quantize_1x128(x, 1)` (the GEMM copy, blocks along K) and of
     `quantize_1x128(x.T, 1)` (blocks along M: `quantize_1x128(x, 0)` transposed, the K-major
     copy the weight gradient reads). `config`: how the kernel runs (None:
-    `default_transpose_config(x.dtype)`); the bits are the same under every one."""
+    `default_transpose_config(x.dtype)`); the bits are the same under every one. live_rows: an
+    int32 scalar, or None: only the 128-row bands holding rows below it are quantized, the
+    rest of both copies (rows, or columns of the transposed one) left unwritten
+    (`jaxmoe.ops.live_rows`)."""
     data, scale_row, data_t, scale_column = _quantize_1x128_transpose(
-        x, fmt, arithmetic, config, interpret, rowwise=True
+        x, fmt, arithmetic, config, interpret, rowwise=True, live_rows=live_rows
     )
     return (data, scale_row.T), (data_t, scale_column.T)
 
@@ -330,26 +336,40 @@ def quantize_1x128_transposed_pallas(
     *,
     arithmetic=None,
     config: TransposeQuantizeConfig | None = None,
+    live_rows=None,
     interpret=None,
 ):
     """(data_t [K, M], scale_inv_t [K, M/128]) of x [M, K] (bf16/fp32; M, K multiples of 128):
     `jaxmoe.fp8_blockwise.quantize_1x128(x.T, 1)`'s bits, the transposed copy of
-    `quantize_1x128_with_transpose_pallas` alone (`config` as there)."""
+    `quantize_1x128_with_transpose_pallas` alone (`config` and `live_rows` as there)."""
     data_t, scale_column = _quantize_1x128_transpose(
-        x, fmt, arithmetic, config, interpret, rowwise=False
+        x, fmt, arithmetic, config, interpret, rowwise=False, live_rows=live_rows
     )
     return data_t, scale_column.T
 
 
-def _quantize_1x128_transpose(x, fmt, arithmetic, config, interpret, rowwise):
+def _quantize_1x128_transpose(x, fmt, arithmetic, config, interpret, rowwise, live_rows):
     arithmetic = checked_arithmetic(transpose_problem(x.shape, x.dtype), fmt, arithmetic, interpret)
     m, k = x.shape
     config = config or default_transpose_config(x.dtype)
     kernel = _activations_kernel(
-        m, k, jnp.dtype(x.dtype), fmt, arithmetic, config, interpret, rowwise
+        m,
+        k,
+        jnp.dtype(x.dtype),
+        fmt,
+        arithmetic,
+        config,
+        interpret,
+        rowwise,
+        counted=live_rows is not None,
     )
-    *outputs, data_t, scale_column = kernel(x)
+    *outputs, data_t, scale_column = kernel(x, *_live_input(live_rows))
     return *outputs, _as_format(data_t, fmt), scale_column
+
+
+def _live_input(live_rows) -> tuple:
+    """The kernels' live row count input: int32 [1], or nothing."""
+    return () if live_rows is None else (jnp.reshape(live_rows, (1,)).astype(jnp.int32),)
 
 
 def _as_format(data, fmt):
@@ -557,14 +577,25 @@ def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, config, interpret):
 
 @functools.cache
 def _activations_kernel(
-    m, k, dtype, fmt_name, arithmetic, config, interpret, rowwise, dequantized_dtype=None
+    m,
+    k,
+    dtype,
+    fmt_name,
+    arithmetic,
+    config,
+    interpret,
+    rowwise,
+    dequantized_dtype=None,
+    counted=False,
 ):
     """Kernel of the 1 x 128 transposing quantize of x [M, K] under `config`: tile t is block
     row rb = t // (K/128), block column kb = t % (K/128). Outputs: with `rowwise`, data [M, K]
     and its scales [K/128, M]; then data_t [K, M] (int8) and its scales [M/128, K].
     `dequantized_dtype` (transposed copy only): x is a float8 copy in 1 x 128 blocks along K,
     with a second input, its multipliers transposed [K/128, M]; the kernel quantizes its values
-    dequantized in fp32 and rounded to `dequantized_dtype`, as `fp8_blockwise.dequantize`."""
+    dequantized in fp32 and rounded to `dequantized_dtype`, as `fp8_blockwise.dequantize`.
+    `counted`: a last input, the live row count [1] int32: only the block rows holding rows
+    below it run (`jaxmoe.ops.live_rows`)."""
     fmt = FORMATS[fmt_name]
     column_tiles = k // BLOCK
     num_tiles = m // BLOCK * column_tiles
@@ -590,7 +621,8 @@ def _activations_kernel(
         x_gmem, *inputs_and_outputs, x_smem, t_smem, loaded, column_scale_smem, **more_smem
     ):
         input_scale_gmem = inputs_and_outputs[0] if dequantizing else None
-        outputs = inputs_and_outputs[dequantizing:]
+        live_gmem = inputs_and_outputs[dequantizing] if counted else None
+        outputs = inputs_and_outputs[dequantizing + counted :]
         *rowwise_gmem, data_t_gmem, column_scale_gmem = outputs
         identity = _identity_halves()
 
@@ -663,7 +695,11 @@ def _activations_kernel(
                 commit_group=False,
             )
 
-        split_pipeline(num_tiles, ctas, loaded, fetch, compute, store, slots, output_slots)
+        tiles = num_tiles
+        if counted:  # the block rows holding rows [0, live_rows)
+            live = jnp.clip(live_gmem[0], 0, m)
+            tiles = lax.div(live + BLOCK - 1, BLOCK) * column_tiles
+        split_pipeline(tiles, ctas, loaded, fetch, compute, store, slots, output_slots)
 
     out_type = (
         jax.ShapeDtypeStruct((k, m), jnp.int8),
