@@ -367,11 +367,11 @@ def send_tokens(
     each peer that owns one of its experts, then copied into those experts' rows. A quantized
     copy (`jaxmoe.wire`) travels as one buffer of bytes a row (`pack_rows`: data and scales,
     one collective). The same values as `send_rows(dispatch(x, plan))` on the live rows (the
-    blocks, `live_rows`); an array's rows past them are not copied and hold unspecified values
-    (`jaxmoe.ops.live_rows`), a quantized copy's are zeros. impl: the row copy's
-    (`jaxmoe.ops.dispatch_rows`). Not differentiable (the routes give it a VJP)."""
+    blocks, `live_rows`); the rows past them are not copied and hold unspecified values
+    (`jaxmoe.ops.live_rows`). impl: the row copy's (`jaxmoe.ops.dispatch_rows`). Not
+    differentiable (the routes give it a VJP)."""
     if isinstance(x, QuantizedRows):
-        return _copy_rows(_quantized_token_slots(x, xplan, axis_name), xplan)
+        return _copy_rows(_quantized_token_slots(x, xplan, axis_name), xplan, impl)
     return _copy_live_rows(_token_slots(x, xplan, axis_name), xplan, impl)
 
 
@@ -381,11 +381,10 @@ def send_tokens_with_values(
     """(`send_tokens(copy)`, its values in dtype) from one exchange of the copy: the values are
     dequantized in the token slots (R x T rows, each token once a peer) and copied into the
     live rows, where dequantizing the copy's rows would run over all R x C of them (the same
-    bits: dequantizing is elementwise). Rows past the live ones: the copy's zeros, the values'
-    unspecified."""
+    bits: dequantizing is elementwise). Rows past the live ones: unspecified."""
     slots = _quantized_token_slots(copy, xplan, axis_name)
     values = _copy_live_rows(dequantize_rows(slots, dtype), xplan, impl)
-    return _copy_rows(slots, xplan), values
+    return _copy_rows(slots, xplan, impl), values
 
 
 def _quantized_token_slots(copy: QuantizedRows, xplan, axis_name) -> QuantizedRows:
@@ -393,13 +392,14 @@ def _quantized_token_slots(copy: QuantizedRows, xplan, axis_name) -> QuantizedRo
     return unpack_rows(_token_slots(pack_rows(copy), xplan, axis_name), copy)
 
 
-def _copy_rows(slots: QuantizedRows, xplan) -> QuantizedRows:
-    """A quantized copy's token slots into the receiver's rows (zeros past the blocks)."""
-    return move_rows(slots, lambda a: _take(a, xplan.recv_token))
+def _copy_rows(slots: QuantizedRows, xplan, impl) -> QuantizedRows:
+    """A quantized copy's token slots into the receiver's live rows, data and scales alike."""
+    return move_rows(slots, lambda a: _copy_live_rows(a, xplan, impl))
 
 
 def _copy_live_rows(slots: jax.Array, xplan, impl) -> jax.Array:
-    """Token slots into the receiver's live rows (`jaxmoe.ops.live_rows`)."""
+    """Token slots into the receiver's live rows (`jaxmoe.ops.live_rows`; the dispatch kernel
+    where it takes the rows, e.g. a copy's fp8 data, XLA's gather else)."""
     return dispatch_rows(slots, xplan.recv_token, live_rows=live_rows(xplan), impl=impl)
 
 

@@ -3,8 +3,9 @@ simulated H200 (`compiling_for`) while the training step and the MXFP8 inference
 traced at real shapes (abstract weights, so nothing is allocated or run). Their Pallas kernels, by name
 and count, are the ones docs/kernels.md describes; no matmul is left to XLA (on the GPU:
 cuBLAS, whose kernel choice depends on the batch); the dispatch kernel moves only whole token
-rows (a wire copy's scale rows stay on XLA's gather). The GPU suite runs these routes; this
-catches a changed route before it reaches the GPU."""
+rows (a wire copy's scale rows stay on XLA's gather); under expert parallelism the passes over
+the receiver's buffer take its live row count. The GPU suite runs these routes; this catches a
+changed route before it reaches the GPU."""
 
 import collections
 
@@ -14,6 +15,7 @@ import pytest
 from flax import nnx
 
 import jaxmoe.ops.device
+from jaxmoe.expert_parallel import expert_parallel_forward
 from jaxmoe.inference import mxfp8_inference
 from jaxmoe.moe import MoE
 from jaxmoe.shapes import SHAPES
@@ -171,6 +173,48 @@ def test_mxfp8_inference_on_an_h200_takes_these_kernels(simulated_h200, shape_na
     check_route(
         inference_forward(shape_name, count), FORWARDS[shape_name, count], shape_name, count
     )
+
+
+def expert_parallel_step(shape_name, precision, ep=2):
+    """`training_step` under `expert_parallel_forward` over a (1, ep) mesh of host devices,
+    TRAINING_TOKENS a rank."""
+    graphdef, params, rest = model(shape_name, precision)
+    mesh = jax.make_mesh((1, ep), ("data", "ep"), devices=jax.devices()[:ep])
+
+    def loss(params, x, rest):
+        y, aux = expert_parallel_forward(nnx.merge(graphdef, params, rest), x, mesh)
+        return jnp.sum(y.astype(jnp.float32)) + jnp.sum(aux.total_loss)
+
+    x = jax.ShapeDtypeStruct((ep, TRAINING_TOKENS, SHAPES[shape_name].hidden_size), jnp.bfloat16)
+    grad = jax.value_and_grad(loss, argnums=(0, 1))
+    return list(equations(live(jax.make_jaxpr(grad)(params, x, rest))))
+
+
+# Under expert parallelism the receiver's token rows (the tokens and the output gradient; with
+# fp8-blockwise wire copies their fp8 data rows) are copied on the dispatch kernel.
+EXPERT_PARALLEL_STEPS = {
+    "bf16": ROUTER["bf16"] + PERMUTES + EXPERTS["bf16"],
+    "fp8_blockwise": ROUTER["bf16"] + PERMUTES + EXPERTS["fp8_blockwise"],
+}
+# The kernels over the receiver's rows that take its live row count (`jaxmoe.ops.live_rows`).
+COUNTED = ("dispatch", "weighted_swiglu_backward", "quantize_1x128_transpose")
+COUNTED += ("requantize_1x128_transposed",)
+
+
+@pytest.mark.parametrize("precision", list(EXPERT_PARALLEL_STEPS))
+def test_expert_parallel_step_takes_these_kernels_on_its_live_rows(simulated_h200, precision):
+    """qwen3_30b at ep = 2: the kernels of the step, and every pass over the receiver's buffer
+    (R x M rows) on a kernel that takes the live row count (one int32 operand more). Control:
+    the combine (token rows) takes none."""
+    eqns = expert_parallel_step("qwen3_30b", precision)
+    taken = Kernels(e.params["name"] for e in eqns if e.primitive.name == KERNEL_PRIMITIVE)
+    assert taken == EXPERT_PARALLEL_STEPS[precision]
+    counted = [e for e in eqns if e.params.get("name") in COUNTED]
+    assert {e.params["name"] for e in counted} >= {"dispatch", "weighted_swiglu_backward"}
+    for e in counted:
+        assert e.invars[-1].aval.shape == (1,) and e.invars[-1].aval.dtype == jnp.int32
+    combines = [e for e in eqns if e.params.get("name") == "combine"]
+    assert combines and all(e.invars[-1].aval.shape != (1,) for e in combines)
 
 
 def test_without_the_simulated_h200_the_step_takes_no_kernel():

@@ -13,6 +13,8 @@ result.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -27,7 +29,15 @@ def fill_dead_rows(x: jax.Array, live_rows: jax.Array | None, axis: int = 0) -> 
     live = jnp.arange(x.shape[axis], dtype=jnp.int32) < live_rows
     shape = [1] * x.ndim
     shape[axis] = -1
-    return jnp.where(live.reshape(shape), x, jnp.asarray(DEAD_ROW_FILL, x.dtype))
+    return jnp.where(live.reshape(shape), x, _fill_value(x.dtype))
+
+
+def _fill_value(dtype):
+    """DEAD_ROW_FILL in dtype; an integer array (MXFP8's E8M0 scale bytes) takes its largest
+    value for NaN (0xFF: E8M0's NaN)."""
+    if jnp.issubdtype(dtype, jnp.floating) or not math.isnan(DEAD_ROW_FILL):
+        return jnp.asarray(DEAD_ROW_FILL, dtype)
+    return jnp.asarray(jnp.iinfo(dtype).max, dtype)
 
 
 def check_live_rows(caller: str, live_rows) -> None:
