@@ -421,7 +421,8 @@ def exchange_cases(
         return send_tokens(x, xplan, "ep", impl="auto")
 
     def send_mxfp8(xplan, x):  # as the layer: quantize the tokens, then send the copy
-        return jax.tree.leaves(send_tokens(quantize(x, axis=1, impl="auto"), xplan, "ep"))
+        copy = quantize(x, axis=1, impl="auto")
+        return jax.tree.leaves(send_tokens(copy, xplan, "ep", impl="auto"))
 
     def back(xplan, rows):
         return return_rows(rows, xplan, "ep")
