@@ -407,44 +407,12 @@ def fp8_blockwise_gmm_backward(
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _fp8_blockwise_gmm(
-    lhs,
-    rhs,
-    group_sizes,
-    lhs_quantized,
-    rhs_quantized,
-    out_dtype,
-    impl,
-    n,
-    lhs_is_dequantized,
-    written,
-):
-    return _fp8_blockwise_gmm_fwd(
-        lhs,
-        rhs,
-        group_sizes,
-        lhs_quantized,
-        rhs_quantized,
-        out_dtype,
-        impl,
-        n,
-        lhs_is_dequantized,
-        written,
-    )[0]
+def _fp8_blockwise_gmm(lhs, rhs, group_sizes, lhs_quantized, rhs_quantized, *static):
+    return _fp8_blockwise_gmm_fwd(lhs, rhs, group_sizes, lhs_quantized, rhs_quantized, *static)[0]
 
 
-def _fp8_blockwise_gmm_fwd(
-    lhs,
-    rhs,
-    group_sizes,
-    lhs_quantized,
-    rhs_quantized,
-    out_dtype,
-    impl,
-    n,
-    lhs_is_dequantized,
-    written,
-):
+def _fp8_blockwise_gmm_fwd(lhs, rhs, group_sizes, lhs_quantized, rhs_quantized, *static):
+    out_dtype, impl, n, lhs_is_dequantized, written = static
     return fp8_blockwise_gmm_forward(
         lhs,
         rhs,
