@@ -7,8 +7,8 @@ scalar, traced) computes only the live rows; its output rows at and past the cou
 unspecified, and no pass reads them into a live row's result (a row's GEMM output, activation
 and gradient depend on that row alone; the weight gradients read each group's rows only). The
 Pallas kernels leave those rows unwritten; the XLA references, which run over every row anyway,
-fill them with `DEAD_ROW_FILL`: zero, or NaN where a test checks that no dead row reaches a
-result.
+compute them as they come (no pass of their own), unless `DEAD_ROW_FILL` is set: a test sets
+NaN there to check that no dead row reaches a result.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import math
 import jax
 import jax.numpy as jnp
 
-DEAD_ROW_FILL = 0.0  # the XLA references' value for rows past the live count
+DEAD_ROW_FILL = None  # a value for the XLA references' rows past the live count (tests: NaN)
 
 
 def fill_dead_rows(x: jax.Array, live_rows: jax.Array | None, axis: int = 0) -> jax.Array:
     """x with its entries at and past `live_rows` along `axis` (its rows, or the columns of a
-    transposed copy) set to `DEAD_ROW_FILL` (x itself when live_rows is None)."""
-    if live_rows is None:
+    transposed copy) set to `DEAD_ROW_FILL` (x itself when either is None)."""
+    if live_rows is None or DEAD_ROW_FILL is None:
         return x
     live = jnp.arange(x.shape[axis], dtype=jnp.int32) < live_rows
     shape = [1] * x.ndim

@@ -30,7 +30,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.ints import cdiv
 from jaxmoe.mxfp8 import BLOCK_SIZE
-from jaxmoe.ops.pallas.row_pipeline import COMPILER_PARAMS, num_ctas, pipeline
+from jaxmoe.ops.pallas.row_pipeline import (
+    COMPILER_PARAMS,
+    live_input,
+    live_tiles,
+    num_ctas,
+    pipeline,
+)
 
 F32 = jnp.float32
 # Tiling (read when a kernel is built; clear `_kernel`'s cache after changing them). A slot holds
@@ -70,10 +76,8 @@ def weighted_swiglu_backward_pallas(h, probs, g, *, live_rows=None, interpret=No
     m, two_f = h.shape
     kernel = _kernel(m, two_f // 2, jnp.dtype(h.dtype), live_rows is not None, interpret)
     # p spread over the 32 lanes of its row (M x 128 bytes), loaded as its chunk's layout.
-    inputs = [h, g, jnp.broadcast_to(probs.astype(F32)[:, None], (m, BLOCK_SIZE))]
-    if live_rows is not None:
-        inputs.append(jnp.reshape(live_rows, (1,)).astype(jnp.int32))
-    return kernel(*inputs)
+    p = jnp.broadcast_to(probs.astype(F32)[:, None], (m, BLOCK_SIZE))
+    return kernel(h, g, p, *live_input(live_rows))
 
 
 def _push(stack, value):
@@ -148,10 +152,8 @@ def _kernel(m, f, dtype, counted, interpret):
                 commit_group=False,
             )
 
-        tiles = num_tiles
-        if counted:  # the row tiles holding rows [0, live_rows)
-            live = jnp.clip(live_gmem[0], 0, m)
-            tiles = lax.div(live + ROWS - 1, ROWS) * chunk_tiles
+        # Counted: the row tiles holding rows [0, live_rows).
+        tiles = live_tiles(live_gmem, m, ROWS, chunk_tiles) if counted else num_tiles
         pipeline(tiles, ctas, loaded, fetch, compute, store, stages=STAGES)
 
     return plgpu.kernel(

@@ -9,7 +9,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -22,6 +21,8 @@ from jaxmoe.ops.pallas.row_pipeline import (
     copy_pipeline,
     gather_fetch,
     gather_plan,
+    live_input,
+    live_tiles,
     num_ctas,
 )
 
@@ -74,10 +75,8 @@ def dispatch_pallas(
         live_rows is not None,
         interpret,
     )
-    inputs = [row_token.astype(jnp.int32), x.reshape(num_tokens * h // BLOCK_SIZE, BLOCK_SIZE)]
-    if live_rows is not None:
-        inputs.append(jnp.reshape(live_rows, (1,)).astype(jnp.int32))
-    return kernel(*inputs).reshape(num_rows, h)
+    blocks = x.reshape(num_tokens * h // BLOCK_SIZE, BLOCK_SIZE)
+    return kernel(row_token.astype(jnp.int32), blocks, *live_input(live_rows)).reshape(num_rows, h)
 
 
 @functools.cache
@@ -91,10 +90,10 @@ def _dispatch_kernel(num_tokens, num_rows, row_blocks, per_token, dtype, counted
         live_gmem, (out_gmem, x_smem, loaded) = (refs[0], refs[1:]) if counted else (None, refs)
         gather = (num_tokens, num_rows, row_blocks, per_token)
         fetch = gather_fetch(token_gmem, x_gmem, x_smem, tile, segment, gather)
-        tiles = num_tiles
-        if counted:  # the tiles holding rows [0, live_rows)
-            live = jnp.clip(live_gmem[0], 0, num_rows)
-            tiles = lax.div(live * row_blocks + tile - 1, tile)
+        # Counted: the tiles (of `tile` blocks, row_blocks a row) holding rows [0, live_rows).
+        tiles = (
+            live_tiles(live_gmem, num_rows, tile, row_units=row_blocks) if counted else num_tiles
+        )
 
         def store(t, slot):
             plgpu.copy_smem_to_gmem(

@@ -70,7 +70,7 @@ from jaxmoe.ops.pallas.quantize_hopper import (
     kernel_problem,
     rowwise_layout,
 )
-from jaxmoe.ops.pallas.row_pipeline import num_ctas, split_pipeline
+from jaxmoe.ops.pallas.row_pipeline import live_input, live_tiles, num_ctas, split_pipeline
 
 _LAYOUT = rowwise_layout(jnp.float32, BLOCK)  # a row a warp, 4 consecutive elements a lane
 _PART = 32  # tile rows in registers at a time
@@ -276,7 +276,7 @@ def requantize_1x128_transposed_pallas(
         dequantized_dtype=jnp.dtype(dequantized_dtype),
         counted=live_rows is not None,
     )
-    data_t, scale_column = kernel(data, scale_inv.T, *_live_input(live_rows))
+    data_t, scale_column = kernel(data, scale_inv.T, *live_input(live_rows))
     return _as_format(data_t, fmt), scale_column.T
 
 
@@ -363,13 +363,8 @@ def _quantize_1x128_transpose(x, fmt, arithmetic, config, interpret, rowwise, li
         rowwise,
         counted=live_rows is not None,
     )
-    *outputs, data_t, scale_column = kernel(x, *_live_input(live_rows))
+    *outputs, data_t, scale_column = kernel(x, *live_input(live_rows))
     return *outputs, _as_format(data_t, fmt), scale_column
-
-
-def _live_input(live_rows) -> tuple:
-    """The kernels' live row count input: int32 [1], or nothing."""
-    return () if live_rows is None else (jnp.reshape(live_rows, (1,)).astype(jnp.int32),)
 
 
 def _as_format(data, fmt):
@@ -695,10 +690,8 @@ def _activations_kernel(
                 commit_group=False,
             )
 
-        tiles = num_tiles
-        if counted:  # the block rows holding rows [0, live_rows)
-            live = jnp.clip(live_gmem[0], 0, m)
-            tiles = lax.div(live + BLOCK - 1, BLOCK) * column_tiles
+        # Counted: the block rows holding rows [0, live_rows).
+        tiles = live_tiles(live_gmem, m, BLOCK, column_tiles) if counted else num_tiles
         split_pipeline(tiles, ctas, loaded, fetch, compute, store, slots, output_slots)
 
     out_type = (

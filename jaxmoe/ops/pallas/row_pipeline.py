@@ -46,6 +46,20 @@ def num_ctas(num_tiles: int, per_sm: int = CTAS_PER_SM) -> int:
     return min(num_tiles, per_sm * num_sms())
 
 
+def live_input(live_rows) -> tuple:
+    """A kernel's live row count input (`jaxmoe.ops.live_rows`): (int32 [1],), or () without
+    one."""
+    return () if live_rows is None else (jnp.reshape(live_rows, (1,)).astype(jnp.int32),)
+
+
+def live_tiles(live_gmem, num_rows: int, band: int, tiles_per_band: int = 1, row_units: int = 1):
+    """The tiles that hold the rows below the count in live_gmem (read in the kernel), the rows
+    [0, num_rows) taken as `row_units` units each (e.g. 32-element blocks) and the tiles going
+    band by band over bands of `band` units, `tiles_per_band` a band."""
+    live = jnp.clip(live_gmem[0], 0, num_rows) * row_units
+    return lax.div(live + band - 1, band) * tiles_per_band
+
+
 def _start(num_tiles, ctas, loaded, fetch, stages=STAGES):
     """This CTA's (tile of a step, step count), with the loads of its first `stages` tiles
     issued into slots 0..stages-1. num_tiles may be traced (a count read in the kernel, at most
