@@ -14,7 +14,11 @@ bf16, incoming gradient [M, F] bf16, probabilities [M] fp32):
   kernel          `jaxmoe.ops.weighted_activation_backward(impl="pallas")`: the one-pass
                   Hopper kernel (silu GLU shapes; the CPU runs it interpreted), recorded with
                   how far it is from the first layout (`d_h_equal_fraction`, `d_p_max_rel`)
-  forward         the forward (act(gate) * up * p, rounded once)
+  forward_xla     the forward (act(gate) * up * p, rounded once), XLA's elementwise fusion
+  forward_kernel  `jaxmoe.ops.weighted_activation_forward(impl="pallas")` (silu GLU shapes),
+                  recorded with the fraction of its outputs bitwise XLA's (`a_equal_fraction`)
+  forward_kernel_live_eighth  the kernel given a live row count of M / 8 (an expert-parallel
+                  receiver's buffer at ep = 8 holds about that many live rows)
   copy_h          h * 2: the memory bandwidth on the same bytes
 Device time per call from the JAX profiler (`benchmarks.timing.device_seconds`; on a CPU the
 wall time of one call, a smoke test only). Writes activation_<date>[_tag].json to --out.
@@ -39,7 +43,7 @@ from benchmarks.report import add_output_arguments, log  # noqa: E402
 from benchmarks.timing import device_seconds  # noqa: E402
 from jaxmoe import ordered  # noqa: E402
 from jaxmoe.experts import weighted_activation  # noqa: E402
-from jaxmoe.ops import weighted_activation_backward  # noqa: E402
+from jaxmoe.ops import weighted_activation_backward, weighted_activation_forward  # noqa: E402
 from jaxmoe.shapes import SHAPES  # noqa: E402
 
 LAYOUTS = [(32, 3), (32, 4), (32, 5), (32, 6), (16, 4), (64, 3), (64, 4), (128, 3)]
@@ -57,8 +61,8 @@ def row_sum_layout(lanes: int, levels: int):
         ordered.LANES, ordered.LEVELS_PER_PASS = saved
 
 
-def programs(config) -> dict:
-    """name -> jitted fn(h, p, g) of every variant."""
+def programs(config, rows: int) -> dict:
+    """name -> jitted fn(h, p, g) of every variant, for h of `rows` rows."""
 
     def backward(lanes, levels):
         def fn(h, p, g):
@@ -69,11 +73,20 @@ def programs(config) -> dict:
         return jax.jit(fn)
 
     fns = {f"lanes{lanes}_levels{levels}": backward(lanes, levels) for lanes, levels in LAYOUTS}
-    if config.activation == "silu" and config.gated_linear_unit:
+    swiglu = config.activation == "silu" and config.gated_linear_unit
+    if swiglu:
         fns["kernel"] = jax.jit(
             lambda h, p, g: weighted_activation_backward(h, p, g, "silu", True, impl="pallas")
         )
-    fns["forward"] = jax.jit(lambda h, p, g: weighted_activation(h, p, config))
+    forward = lambda impl, live=None: jax.jit(  # noqa: E731
+        lambda h, p, g: weighted_activation_forward(
+            h, p, config.activation, config.gated_linear_unit, live_rows=live, impl=impl
+        )
+    )
+    fns["forward_xla"] = forward("xla")
+    if swiglu:
+        fns["forward_kernel"] = forward("pallas")
+        fns["forward_kernel_live_eighth"] = forward("pallas", jnp.int32(rows // 8))
     fns["copy_h"] = jax.jit(lambda h, p, g: h * 2)
     return fns
 
@@ -100,8 +113,8 @@ def bench_shape(name: str) -> dict:
         jax.random.normal(key_g, (rows, ffn), jnp.bfloat16),
     )
     record = {"rows": rows, "ffn": ffn, "variants": {}}
-    reference = None
-    for variant, fn in programs(config).items():
+    reference = forward_reference = None
+    for variant, fn in programs(config, rows).items():
         out = jax.block_until_ready(fn(*args))
         entry = {"us": seconds(fn, args) * 1e6}
         if variant.startswith("lanes"):
@@ -109,6 +122,10 @@ def bench_shape(name: str) -> dict:
             entry["same_bits"] = all(
                 bool(jnp.array_equal(a, b)) for a, b in zip(out, reference, strict=True)
             )
+        if variant == "forward_xla":
+            forward_reference = out
+        if variant == "forward_kernel":
+            entry["a_equal_fraction"] = float(jnp.mean(out == forward_reference))
         if variant == "kernel":
             entry["d_h_equal_fraction"] = float(jnp.mean(out[0] == reference[0]))
             relative = jnp.abs(out[1] - reference[1]) / jnp.maximum(jnp.abs(reference[1]), 1e-30)

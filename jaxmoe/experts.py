@@ -25,7 +25,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.ops.activation import gated_activation, weighted_activation_backward
+from jaxmoe.ops.activation import (
+    gated_activation,
+    weighted_activation_backward,
+    weighted_activation_forward,
+)
 from jaxmoe.ops.dense import bf16_pieces, dense
 from jaxmoe.ops.gmm import KERNEL_MULTIPLE, tgmm
 from jaxmoe.ordered import broadcast_in_order
@@ -44,11 +48,11 @@ def weighted_activation(
 ) -> jax.Array:
     """act(h) (times the per-row probability when given) computed in fp32, rounded once to h.dtype.
 
-    h: [M, 2F] ([gate; up]) with a GLU, else [M, F]; probs: [M] or None. Its backward pass is
-    `jaxmoe.ops.weighted_activation_backward` (`impl`): the probabilities' gradient is each
-    row's sum of d out * act(h) in a fixed order, with act(h) recomputed from h rather than kept
-    in fp32 between the passes. live_rows (with probs): the backward pass computes only the
-    rows below it (`jaxmoe.ops.live_rows`)."""
+    h: [M, 2F] ([gate; up]) with a GLU, else [M, F]; probs: [M] or None. With probs the two
+    passes are `jaxmoe.ops.weighted_activation_forward` and `weighted_activation_backward`
+    (`impl`): the probabilities' gradient is each row's sum of d out * act(h) in a fixed order,
+    with act(h) recomputed from h rather than kept in fp32 between the passes. live_rows (with
+    probs): both passes compute only the rows below it (`jaxmoe.ops.live_rows`)."""
     if probs is None:
         return gated_activation(h, config.activation, config.gated_linear_unit).astype(h.dtype)
     return _weighted(h, probs.astype(F32), live_rows, config, impl)
@@ -56,8 +60,14 @@ def weighted_activation(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _weighted(h, probs, live_rows, config, impl):
-    act = gated_activation(h, config.activation, config.gated_linear_unit)
-    return (act * probs[:, None]).astype(h.dtype)
+    return weighted_activation_forward(
+        h,
+        probs,
+        config.activation,
+        config.gated_linear_unit,
+        live_rows=live_rows,
+        impl=impl,
+    )
 
 
 def _weighted_fwd(h, probs, live_rows, config, impl):

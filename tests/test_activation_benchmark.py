@@ -16,7 +16,8 @@ def test_activation_benchmark_runs_and_records_every_layout(tmp_path, interpret)
     assert json.loads(path.read_text()) == json.loads(json.dumps(result))
     variants = result["shapes"]["dsv3_ep8"]["variants"]
     expected = {f"lanes{lanes}_levels{levels}" for lanes, levels in activation.LAYOUTS}
-    assert set(variants) == expected | {"kernel", "forward", "copy_h"}
+    forwards = {"forward_xla", "forward_kernel", "forward_kernel_live_eighth"}
+    assert set(variants) == expected | {"kernel", "copy_h"} | forwards
     assert all(v["us"] > 0 for v in variants.values())
     for lanes, levels in activation.LAYOUTS:
         if lanes == 32:
@@ -25,5 +26,6 @@ def test_activation_benchmark_runs_and_records_every_layout(tmp_path, interpret)
     # within the sigmoid's rounding.
     assert variants["kernel"]["d_h_equal_fraction"] > 0.99
     assert variants["kernel"]["d_p_max_rel"] < 1e-4
+    assert variants["forward_kernel"]["a_equal_fraction"] == 1.0  # the interpreter's sigmoid
     # Negative control: another lane count sums in another order, which changes some bits.
     assert not all(v["same_bits"] for k, v in variants.items() if k.startswith("lanes"))

@@ -1,7 +1,8 @@
-"""The one-pass weighted SwiGLU backward kernel (ops/pallas/activation_hopper.py, interpreted on
-CPU with the race detector) against the reference (`weighted_activation_backward(impl="xla")`):
-d h within a bf16 rounding, the probability gradient within the sigmoid's rounding, and the
-probability gradient's tree bitwise where the products are exact on both sides."""
+"""The weighted SwiGLU kernels (ops/pallas/activation_forward_hopper.py and
+activation_backward_hopper.py, interpreted on CPU with the race detector) against the references
+(`weighted_activation_forward` / `weighted_activation_backward(impl="xla")`): the forward
+bitwise; the one-pass backward's d h within a bf16 rounding, the probability gradient within the
+sigmoid's rounding, and its tree bitwise where the products are exact on both sides."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxmoe import ordered
-from jaxmoe.ops import registry, weighted_activation_backward
+from jaxmoe.ops import registry, weighted_activation_backward, weighted_activation_forward
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -66,6 +67,46 @@ def test_row_sums_take_the_reference_tree(interpret):
     assert_reference_tree(70, 768)
 
 
+def forward(h, p, impl, **kw):
+    return weighted_activation_forward(h, p, "silu", True, impl=impl, **kw)
+
+
+def assert_forward_is_the_reference(m, f, seed):
+    """The kernel's a is XLA's bits. Control: rounding twice (silu(gate) * up rounded to bf16
+    before the product with p) differs somewhere."""
+    h, p, _ = operands(m, f, seed=seed)
+    a, ref = forward(h, p, "pallas"), forward(h, p, "xla")
+    assert a.dtype == BF16 and a.shape == (m, f)
+    np.testing.assert_array_equal(np.asarray(a, F32), np.asarray(ref, F32))
+    gate, up = jnp.split(h.astype(F32), 2, axis=1)
+    twice = ((jax.nn.silu(gate) * up).astype(BF16).astype(F32) * p[:, None]).astype(BF16)
+    assert not np.array_equal(np.asarray(twice, F32), np.asarray(ref, F32))
+
+
+def test_forward_kernel_is_the_reference(interpret):
+    assert_forward_is_the_reference(70, 512, seed=4)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_only_the_live_rows_are_computed_forward(interpret, monkeypatch, impl):
+    """The forward with live_rows: the full call's bits below it; the kernel leaves the row tiles
+    past them unwritten (NaN in the interpreter), the reference fills the rows past the count
+    (DEAD_ROW_FILL = NaN). Control: without the count no row is NaN."""
+    from jaxmoe.ops import live_rows as live_rows_module
+    from jaxmoe.ops.pallas.activation_tiles import ROWS
+
+    monkeypatch.setattr(live_rows_module, "DEAD_ROW_FILL", np.nan)
+    m, f, live = 70, 256, 37
+    h, p, _ = operands(m, f, seed=5)
+    a, full = forward(h, p, impl, live_rows=jnp.int32(live)), forward(h, p, impl)
+    np.testing.assert_array_equal(np.asarray(a[:live], F32), np.asarray(full[:live], F32))
+    dead = -(-live // ROWS) * ROWS if impl == "pallas" else live
+    assert np.all(np.isnan(np.asarray(a[dead:], F32)))
+    assert not np.any(np.isnan(np.asarray(full, F32)))
+    with pytest.raises(ValueError, match="live_rows"):
+        forward(h, p, impl, live_rows=jnp.float32(3))
+
+
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
 def test_only_the_live_rows_are_computed(interpret, monkeypatch, impl):
     """live_rows: the rows below it equal the full call's bits; the kernel leaves the row tiles
@@ -73,7 +114,7 @@ def test_only_the_live_rows_are_computed(interpret, monkeypatch, impl):
     reference fills every row past the count (DEAD_ROW_FILL = NaN). Control: without the count
     no row is NaN."""
     from jaxmoe.ops import live_rows as live_rows_module
-    from jaxmoe.ops.pallas.activation_hopper import ROWS
+    from jaxmoe.ops.pallas.activation_tiles import ROWS
 
     monkeypatch.setattr(live_rows_module, "DEAD_ROW_FILL", np.nan)
     m, f, live = 70, 256, 37
@@ -89,22 +130,32 @@ def test_only_the_live_rows_are_computed(interpret, monkeypatch, impl):
         run(live_rows=jnp.float32(3))
 
 
-def test_what_the_kernel_takes():
+def test_what_the_kernels_take():
     h, p, g = operands(16, 256)
     call = (h.shape, h.dtype, g.shape, g.dtype)
     [kernel] = registry.kernels("weighted_activation_backward")
     assert kernel.problem(*call, "silu", True) is None
     assert "SwiGLU" in kernel.problem(*call, "gelu", True)
     assert "SwiGLU" in kernel.problem(*call, "silu", False)
+    [forward_kernel] = registry.kernels("weighted_activation_forward")
+    assert forward_kernel.problem(h.shape, h.dtype, "silu", True) is None
+    assert "SwiGLU" in forward_kernel.problem(h.shape, h.dtype, "gelu", True)
+    assert "bf16 or fp16" in forward_kernel.problem(h.shape, F32, "silu", True)
     with pytest.raises(ValueError, match="SwiGLU"):
         weighted_activation_backward(h, p, g, "gelu", True, impl="pallas")
+    with pytest.raises(ValueError, match="SwiGLU"):
+        weighted_activation_forward(h, p, "gelu", True, impl="pallas")
     h2, p2, g2 = operands(16, 96)
     with pytest.raises(ValueError, match="multiple of 256"):
         weighted_activation_backward(h2, p2, g2, "silu", True, impl="pallas")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        forward(h2, p2, "pallas")
     with pytest.raises(ValueError, match="one dtype"):
         weighted_activation_backward(h, p, g.astype(F32), "silu", True, impl="pallas")
     with pytest.raises(ValueError, match="probs"):
         weighted_activation_backward(h, p[:4], g, "silu", True, impl="xla")
+    with pytest.raises(ValueError, match="probs"):
+        forward(h, p[:4], "xla")
 
 
 @pytest.mark.gpu
@@ -125,10 +176,40 @@ def test_gpu_kernel_on_hardware():
     np.testing.assert_array_equal(np.asarray(counted_p[:live]), np.asarray(d_p[:live]))
 
 
+def every_finite_bf16(rows_of: int):
+    """Every finite bf16 value once, as [M, rows_of] (M = 65280 / rows_of), in bit order."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    values = bits.view(jnp.bfloat16)
+    finite = values[np.isfinite(values.astype(np.float32))]
+    return jnp.asarray(finite.reshape(-1, rows_of))
+
+
+@pytest.mark.gpu
+def test_gpu_forward_on_hardware():
+    """On an H100/H200: the forward kernel's a is XLA's bits for every finite bf16 gate value
+    (with random up and p: 8 draws) and at a layer's size (dsv3_ep8's F, a ragged last row
+    tile, `assert_forward_is_the_reference` with its control); with a live row count, the full
+    call's bits on its rows."""
+    gate = every_finite_bf16(256)
+    for seed in range(8):
+        ku, kp = jax.random.split(jax.random.key(seed))
+        up = jax.random.normal(ku, gate.shape, BF16) * 4
+        h = jnp.concatenate([gate, up], axis=1)
+        p = jax.random.uniform(kp, gate.shape[:1], F32)
+        a, ref = forward(h, p, "pallas"), forward(h, p, "xla")
+        np.testing.assert_array_equal(np.asarray(a, F32), np.asarray(ref, F32))
+    assert_forward_is_the_reference(4100, 2048, seed=6)
+    h, p, _ = operands(4100, 2048, seed=6)
+    live = 1500
+    counted = forward(h, p, "pallas", live_rows=jnp.int32(live))
+    full = forward(h, p, "pallas")
+    np.testing.assert_array_equal(np.asarray(counted[:live], F32), np.asarray(full[:live], F32))
+
+
 @pytest.mark.parametrize("shape", ["qwen3_30b", "mixtral", "dsv3_ep8"])
 def test_lowering_at_real_shapes(shape):
-    """Pallas -> Mosaic GPU lowering on CPU at the layer sizes (TMA boxes, SMEM, layouts), with
-    and without a live row count."""
+    """Pallas -> Mosaic GPU lowering on CPU at the layer sizes (TMA boxes, SMEM, layouts), both
+    kernels, with and without a live row count."""
     from jaxmoe.shapes import SHAPES
 
     config = SHAPES[shape].config
@@ -137,7 +218,11 @@ def test_lowering_at_real_shapes(shape):
     fn = lambda h, p, g, live: weighted_activation_backward(  # noqa: E731
         h, p, g, "silu", True, live_rows=live, impl="pallas"
     )
+    forward_fn = lambda h, p, live: forward(h, p, "pallas", live_rows=live)  # noqa: E731
     for live in (None, s((), jnp.int32)):
         jax.jit(fn).trace(s((m, 2 * f), BF16), s((m,), F32), s((m, f), BF16), live).lower(
+            lowering_platforms=("cuda",)
+        )
+        jax.jit(forward_fn).trace(s((m, 2 * f), BF16), s((m,), F32), live).lower(
             lowering_platforms=("cuda",)
         )

@@ -108,12 +108,18 @@ PERMUTES = Kernels(dispatch=2, combine=2)  # each the other's transpose
 # dequantization.
 PERMUTES_MXFP8_WIRE = Kernels(combine=2, dispatch_fake_quantize=1)
 EXPERTS = {
-    "bf16": Kernels(gmm=4, tgmm=2, weighted_swiglu_backward=1),  # fc1, fc2: fwd, dgrad; wgrad
+    # fc1, fc2: fwd, dgrad; wgrad; the activation's two passes
+    "bf16": Kernels(gmm=4, tgmm=2, weighted_swiglu_forward=1, weighted_swiglu_backward=1),
     # The bf16 GEMM kernels on dequantized copies. Rowwise copies: fc2's output gradient's
     # wire copy, the weights' fprop copies, fc2's input, fc1's output gradient; columnwise: the
     # weights' dgrad copies, the wgrad copies of both GEMMs' inputs and output gradients.
     "mxfp8": Kernels(
-        gmm=4, tgmm=2, weighted_swiglu_backward=1, quantize_rowwise=5, quantize_columnwise=6
+        gmm=4,
+        tgmm=2,
+        weighted_swiglu_forward=1,
+        weighted_swiglu_backward=1,
+        quantize_rowwise=5,
+        quantize_columnwise=6,
     ),
     "fp8_blockwise": Kernels(
         gmm_fp8_blockwise=4,  # fc1 and fc2: fprop and dgrad
@@ -122,6 +128,7 @@ EXPERTS = {
         quantize_rowwise_1x128=2,  # the wire copies: the tokens, fc2's output gradient
         requantize_1x128_transposed=2,  # their wgrad copies, from their bytes
         quantize_1x128_transpose=2,  # fc2's input, fc1's output gradient
+        weighted_swiglu_forward=1,
         weighted_swiglu_backward=1,
     ),
 }
@@ -147,10 +154,10 @@ STEPS = {  # (shape, precision): the kernels of its training step
     + EXPERTS["fp8_blockwise"],
 }
 # MXFP8 inference: the router (the narrow-tile kernel), the tokens' rows as their MXFP8 copy's
-# values made in one pass, the combine, and the experts' GEMMs: at up to 64 rows an expert on
-# the decode kernel (fc2's input quantized by XLA, which fuses it with the activation), above
-# on the bf16 kernel with dequantized weight copies (fc2's input on the quantize kernel).
-FORWARD = Kernels(dense_narrow=1, dispatch_fake_quantize=1, combine=1)
+# values made in one pass, the activation, the combine, and the experts' GEMMs: at up to 64
+# rows an expert on the decode kernel (fc2's input quantized by XLA), above on the bf16 kernel
+# with dequantized weight copies (fc2's input on the quantize kernel).
+FORWARD = Kernels(dense_narrow=1, dispatch_fake_quantize=1, weighted_swiglu_forward=1, combine=1)
 DECODE = FORWARD + Kernels(gmm_decode=2)
 DEQUANTIZE = FORWARD + Kernels(gmm=2, quantize_rowwise=1)
 SHARED_GATED_FORWARD = Kernels(dense_narrow=3)  # at 64 tokens
@@ -197,8 +204,8 @@ EXPERT_PARALLEL_STEPS = {
     "fp8_blockwise": ROUTER["bf16"] + PERMUTES + EXPERTS["fp8_blockwise"],
 }
 # The kernels over the receiver's rows that take its live row count (`jaxmoe.ops.live_rows`).
-COUNTED = ("dispatch", "weighted_swiglu_backward", "quantize_1x128_transpose")
-COUNTED += ("requantize_1x128_transposed",)
+COUNTED = ("dispatch", "weighted_swiglu_forward", "weighted_swiglu_backward")
+COUNTED += ("quantize_1x128_transpose", "requantize_1x128_transposed")
 
 
 @pytest.mark.parametrize("precision", list(EXPERT_PARALLEL_STEPS))
@@ -210,7 +217,11 @@ def test_expert_parallel_step_takes_these_kernels_on_its_live_rows(simulated_h20
     taken = Kernels(e.params["name"] for e in eqns if e.primitive.name == KERNEL_PRIMITIVE)
     assert taken == EXPERT_PARALLEL_STEPS[precision]
     counted = [e for e in eqns if e.params.get("name") in COUNTED]
-    assert {e.params["name"] for e in counted} >= {"dispatch", "weighted_swiglu_backward"}
+    assert {e.params["name"] for e in counted} >= {
+        "dispatch",
+        "weighted_swiglu_forward",
+        "weighted_swiglu_backward",
+    }
     for e in counted:
         assert e.invars[-1].aval.shape == (1,) and e.invars[-1].aval.dtype == jnp.int32
     combines = [e for e in eqns if e.params.get("name") == "combine"]

@@ -1,7 +1,7 @@
 """One public function per op; each takes `impl=` ("xla" reference, "auto", or a kernel registered
 for it in `jaxmoe.ops.registry`: "pallas")."""
 
-from jaxmoe.ops.activation import weighted_activation_backward
+from jaxmoe.ops.activation import weighted_activation_backward, weighted_activation_forward
 from jaxmoe.ops.dense import dense
 from jaxmoe.ops.device import on_hopper
 from jaxmoe.ops.fp8_blockwise_gmm import (
@@ -31,6 +31,7 @@ from jaxmoe.ops.quantize import (
 
 __all__ = [
     "dense",
+    "weighted_activation_forward",
     "weighted_activation_backward",
     "gmm",
     "tgmm",

@@ -1,15 +1,22 @@
-"""The experts' activation in fp32 (`activation`, `gated_activation`) and the backward pass of its
-probability-weighted form with a choice of implementation (`weighted_activation_backward`).
+"""The experts' activation in fp32 (`activation`, `gated_activation`) and the two passes of its
+probability-weighted form, each with a choice of implementation (`weighted_activation_forward`,
+`weighted_activation_backward`).
 
-For a = round(act(h) * p) (`jaxmoe.experts.weighted_activation`) and its incoming gradient g:
+Forward: a = round(act(h) * p), act(h) = `gated_activation` in fp32, rounded once.
+  impl "xla"     XLA's elementwise fusion (the reference).
+  impl "pallas"  SwiGLU (silu, gated) on Hopper (ops/pallas/activation_forward_hopper.py), the
+                 same operations in the same order; F a multiple of 256. Its sigmoid is
+                 Mosaic GPU's arithmetic, which need not be XLA's bits on a GPU.
+Backward, for a's incoming gradient g:
   d h = round(d/dh (act(h)) * g * p),   d p = each row's sum of g * act(h), in fp32
   impl "xla"     autodiff of `gated_activation` for d h, and `jaxmoe.ordered.row_sums_in_order`
                  for d p (the reference): two passes over h and g, the activation computed in
                  each.
-  impl "pallas"  SwiGLU (silu, gated) in one pass on Hopper (ops/pallas/activation_hopper.py):
+  impl "pallas"  SwiGLU in one pass on Hopper (ops/pallas/activation_backward_hopper.py):
                  d p in the same tree (bitwise the reference's sums of the kernel's products),
                  its elementwise arithmetic (sigmoid) the kernel's own; F a multiple of 256.
-  impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
+"auto" is "pallas" on a Hopper GPU when the problem qualifies, else "xla". Both passes take a
+live row count (`jaxmoe.ops.live_rows`).
 """
 
 from __future__ import annotations
@@ -20,22 +27,33 @@ import jax.numpy as jnp
 from jaxmoe.mxfp8 import BLOCK_SIZE
 from jaxmoe.ops import registry
 from jaxmoe.ops.live_rows import check_live_rows, fill_dead_rows
-from jaxmoe.ops.pallas.activation_hopper import (
+from jaxmoe.ops.pallas.activation_backward_hopper import (
     swiglu_backward_problem,
     weighted_swiglu_backward_pallas,
 )
+from jaxmoe.ops.pallas.activation_forward_hopper import weighted_swiglu_forward_pallas
+from jaxmoe.ops.pallas.activation_tiles import swiglu_problem
 from jaxmoe.ordered import LEVELS_PER_PASS, row_sums_in_order, sum_in_order
 
 F32 = jnp.float32
 
 
-def _problem(h_shape, h_dtype, g_shape, g_dtype, name, gated) -> str | None:
+def _not_swiglu(name, gated) -> str | None:
     if name != "silu" or not gated:
         return f"the kernel is SwiGLU's (silu, gated), got {name!r} gated={gated}"
-    return swiglu_backward_problem(h_shape, h_dtype, g_shape, g_dtype)
+    return None
 
 
-registry.register("weighted_activation_backward", "pallas", problem=_problem)
+def _forward_problem(h_shape, h_dtype, name, gated) -> str | None:
+    return _not_swiglu(name, gated) or swiglu_problem(h_shape, h_dtype)
+
+
+def _backward_problem(h_shape, h_dtype, g_shape, g_dtype, name, gated) -> str | None:
+    return _not_swiglu(name, gated) or swiglu_backward_problem(h_shape, h_dtype, g_shape, g_dtype)
+
+
+registry.register("weighted_activation_forward", "pallas", problem=_forward_problem)
+registry.register("weighted_activation_backward", "pallas", problem=_backward_problem)
 
 
 def activation(z: jax.Array, name: str) -> jax.Array:
@@ -56,6 +74,31 @@ def gated_activation(h: jax.Array, name: str, gated: bool) -> jax.Array:
         gate, up = jnp.split(z, 2, axis=-1)
         return activation(gate, name) * up
     return activation(z, name)
+
+
+def weighted_activation_forward(
+    h: jax.Array,
+    probs: jax.Array,
+    name: str,
+    gated: bool,
+    *,
+    live_rows: jax.Array | None = None,
+    impl: str = "auto",
+) -> jax.Array:
+    """a = round(act(h) * probs) [M, F] in h.dtype for h [M, 2F|F] (module docstring). probs:
+    [M], used in fp32. live_rows: an integer scalar, or None; the rows at and past it
+    are not computed and hold unspecified values (`jaxmoe.ops.live_rows`)."""
+    if h.ndim != 2 or probs.shape != h.shape[:1]:
+        raise ValueError(
+            f"weighted_activation_forward: needs h [M, 2F|F] and probs [M], got {h.shape}, "
+            f"{probs.shape}"
+        )
+    check_live_rows("weighted_activation_forward", live_rows)
+    call = (h.shape, h.dtype, name, gated)
+    if registry.resolve("weighted_activation_forward", impl, *call) == "pallas":
+        return weighted_swiglu_forward_pallas(h, probs, live_rows=live_rows)
+    out = gated_activation(h, name, gated) * probs.astype(F32)[:, None]
+    return fill_dead_rows(out.astype(h.dtype), live_rows)
 
 
 def weighted_activation_backward(
