@@ -87,6 +87,16 @@ def test_forward_kernel_is_the_reference(interpret):
     assert_forward_is_the_reference(70, 512, seed=4)
 
 
+def test_forward_kernel_in_fp32(interpret):
+    """fp32 h (two ring slots): the kernel's a is the reference's, a bf16 gate's silu in
+    every fp32 bit (the first 16 rows of `fp32_silu_cases`)."""
+    h, p = fp32_silu_cases()
+    h, p = h[:16], p[:16]
+    a = forward(h, p, "pallas")
+    assert a.dtype == F32
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(forward(h, p, "xla")))
+
+
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
 def test_only_the_live_rows_are_computed_forward(interpret, monkeypatch, impl):
     """The forward with live_rows: the full call's bits below it; the kernel leaves the row tiles
@@ -140,7 +150,11 @@ def test_what_the_kernels_take():
     [forward_kernel] = registry.kernels("weighted_activation_forward")
     assert forward_kernel.problem(h.shape, h.dtype, "silu", True) is None
     assert "SwiGLU" in forward_kernel.problem(h.shape, h.dtype, "gelu", True)
-    assert "bf16 or fp16" in forward_kernel.problem(h.shape, F32, "silu", True)
+    assert forward_kernel.problem(h.shape, F32, "silu", True) is None
+    assert "bfloat16 or float16 or float32" in forward_kernel.problem(
+        h.shape, jnp.float64, "silu", True
+    )
+    assert "bfloat16 or float16" in kernel.problem(h.shape, F32, g.shape, F32, "silu", True)
     with pytest.raises(ValueError, match="SwiGLU"):
         weighted_activation_backward(h, p, g, "gelu", True, impl="pallas")
     with pytest.raises(ValueError, match="SwiGLU"):
@@ -151,7 +165,7 @@ def test_what_the_kernels_take():
     with pytest.raises(ValueError, match="multiple of 256"):
         forward(h2, p2, "pallas")
     with pytest.raises(ValueError, match="one dtype"):
-        weighted_activation_backward(h, p, g.astype(F32), "silu", True, impl="pallas")
+        weighted_activation_backward(h, p, g.astype(jnp.float16), "silu", True, impl="pallas")
     with pytest.raises(ValueError, match="probs"):
         weighted_activation_backward(h, p[:4], g, "silu", True, impl="xla")
     with pytest.raises(ValueError, match="probs"):
@@ -184,12 +198,23 @@ def every_finite_bf16(rows_of: int):
     return jnp.asarray(finite.reshape(-1, rows_of))
 
 
+def fp32_silu_cases():
+    """(h [M, 512] fp32, p [M]): every finite bf16 value as a gate (in bit order, 256 a row)
+    with up = 1 and p = 1, so that a = silu(gate) in fp32, every bit of the sigmoid exposed."""
+    gate = every_finite_bf16(256).astype(F32)
+    return jnp.concatenate([gate, jnp.ones_like(gate)], axis=1), jnp.ones(gate.shape[:1], F32)
+
+
 @pytest.mark.gpu
 def test_gpu_forward_on_hardware():
-    """On an H100/H200: the forward kernel's a is XLA's bits for every finite bf16 gate value
-    (with random up and p: 8 draws) and at a layer's size (dsv3_ep8's F, a ragged last row
-    tile, `assert_forward_is_the_reference` with its control); with a live row count, the full
-    call's bits on its rows."""
+    """On an H100/H200 the forward kernel gives XLA's bits: in fp32 for every finite bf16 gate
+    value (`fp32_silu_cases`: the fp32 sigmoid itself, which the bf16 layer rounds), in bf16 with
+    random up and p (8 draws) and at a layer's size (dsv3_ep8's F, a ragged last row tile,
+    `assert_forward_is_the_reference` with its control); with a live row count, the full call's
+    bits on its rows. This is what lets "auto" take XLA's fusion over every row and the kernel
+    with a live row count."""
+    h, p = fp32_silu_cases()
+    np.testing.assert_array_equal(np.asarray(forward(h, p, "pallas")), forward(h, p, "xla"))
     gate = every_finite_bf16(256)
     for seed in range(8):
         ku, kp = jax.random.split(jax.random.key(seed))
@@ -223,6 +248,7 @@ def test_lowering_at_real_shapes(shape):
         jax.jit(fn).trace(s((m, 2 * f), BF16), s((m,), F32), s((m, f), BF16), live).lower(
             lowering_platforms=("cuda",)
         )
-        jax.jit(forward_fn).trace(s((m, 2 * f), BF16), s((m,), F32), live).lower(
-            lowering_platforms=("cuda",)
-        )
+        for dtype in (BF16, F32):
+            jax.jit(forward_fn).trace(s((m, 2 * f), dtype), s((m,), F32), live).lower(
+                lowering_platforms=("cuda",)
+            )

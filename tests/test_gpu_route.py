@@ -108,18 +108,12 @@ PERMUTES = Kernels(dispatch=2, combine=2)  # each the other's transpose
 # dequantization.
 PERMUTES_MXFP8_WIRE = Kernels(combine=2, dispatch_fake_quantize=1)
 EXPERTS = {
-    # fc1, fc2: fwd, dgrad; wgrad; the activation's two passes
-    "bf16": Kernels(gmm=4, tgmm=2, weighted_swiglu_forward=1, weighted_swiglu_backward=1),
+    "bf16": Kernels(gmm=4, tgmm=2, weighted_swiglu_backward=1),  # fc1, fc2: fwd, dgrad; wgrad
     # The bf16 GEMM kernels on dequantized copies. Rowwise copies: fc2's output gradient's
     # wire copy, the weights' fprop copies, fc2's input, fc1's output gradient; columnwise: the
     # weights' dgrad copies, the wgrad copies of both GEMMs' inputs and output gradients.
     "mxfp8": Kernels(
-        gmm=4,
-        tgmm=2,
-        weighted_swiglu_forward=1,
-        weighted_swiglu_backward=1,
-        quantize_rowwise=5,
-        quantize_columnwise=6,
+        gmm=4, tgmm=2, weighted_swiglu_backward=1, quantize_rowwise=5, quantize_columnwise=6
     ),
     "fp8_blockwise": Kernels(
         gmm_fp8_blockwise=4,  # fc1 and fc2: fprop and dgrad
@@ -128,7 +122,6 @@ EXPERTS = {
         quantize_rowwise_1x128=2,  # the wire copies: the tokens, fc2's output gradient
         requantize_1x128_transposed=2,  # their wgrad copies, from their bytes
         quantize_1x128_transpose=2,  # fc2's input, fc1's output gradient
-        weighted_swiglu_forward=1,
         weighted_swiglu_backward=1,
     ),
 }
@@ -154,10 +147,10 @@ STEPS = {  # (shape, precision): the kernels of its training step
     + EXPERTS["fp8_blockwise"],
 }
 # MXFP8 inference: the router (the narrow-tile kernel), the tokens' rows as their MXFP8 copy's
-# values made in one pass, the activation, the combine, and the experts' GEMMs: at up to 64
-# rows an expert on the decode kernel (fc2's input quantized by XLA), above on the bf16 kernel
-# with dequantized weight copies (fc2's input on the quantize kernel).
-FORWARD = Kernels(dense_narrow=1, dispatch_fake_quantize=1, weighted_swiglu_forward=1, combine=1)
+# values made in one pass, the combine, and the experts' GEMMs: at up to 64 rows an expert on
+# the decode kernel (fc2's input quantized by XLA, which fuses it with the activation), above
+# on the bf16 kernel with dequantized weight copies (fc2's input on the quantize kernel).
+FORWARD = Kernels(dense_narrow=1, dispatch_fake_quantize=1, combine=1)
 DECODE = FORWARD + Kernels(gmm_decode=2)
 DEQUANTIZE = FORWARD + Kernels(gmm=2, quantize_rowwise=1)
 SHARED_GATED_FORWARD = Kernels(dense_narrow=3)  # at 64 tokens
@@ -198,10 +191,12 @@ def expert_parallel_step(shape_name, precision, ep=2):
 
 
 # Under expert parallelism the receiver's token rows (the tokens and the output gradient; with
-# fp8-blockwise wire copies their fp8 data rows) are copied on the dispatch kernel.
+# fp8-blockwise wire copies their fp8 data rows) are copied on the dispatch kernel, and the
+# activation's forward runs on its kernel (over the live rows; XLA's fusion over every row on one
+# device).
 EXPERT_PARALLEL_STEPS = {
-    "bf16": ROUTER["bf16"] + PERMUTES + EXPERTS["bf16"],
-    "fp8_blockwise": ROUTER["bf16"] + PERMUTES + EXPERTS["fp8_blockwise"],
+    precision: ROUTER["bf16"] + PERMUTES + EXPERTS[precision] + Kernels(weighted_swiglu_forward=1)
+    for precision in ("bf16", "fp8_blockwise")
 }
 # The kernels over the receiver's rows that take its live row count (`jaxmoe.ops.live_rows`).
 COUNTED = ("dispatch", "weighted_swiglu_forward", "weighted_swiglu_backward")

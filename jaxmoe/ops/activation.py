@@ -5,8 +5,10 @@ probability-weighted form, each with a choice of implementation (`weighted_activ
 Forward: a = round(act(h) * p), act(h) = `gated_activation` in fp32, rounded once.
   impl "xla"     XLA's elementwise fusion (the reference).
   impl "pallas"  SwiGLU (silu, gated) on Hopper (ops/pallas/activation_forward_hopper.py), the
-                 same operations in the same order; F a multiple of 256. Its sigmoid is
-                 Mosaic GPU's arithmetic, which need not be XLA's bits on a GPU.
+                 same operations in the same order, bitwise XLA's on the GPU
+                 (tests/test_activation_pallas.py); F a multiple of 256.
+  impl "auto"    "pallas" on a Hopper GPU when the problem qualifies and a live row count is
+                 given (the rows past it are not read), else "xla" (faster over every row).
 Backward, for a's incoming gradient g:
   d h = round(d/dh (act(h)) * g * p),   d p = each row's sum of g * act(h), in fp32
   impl "xla"     autodiff of `gated_activation` for d h, and `jaxmoe.ordered.row_sums_in_order`
@@ -15,8 +17,8 @@ Backward, for a's incoming gradient g:
   impl "pallas"  SwiGLU in one pass on Hopper (ops/pallas/activation_backward_hopper.py):
                  d p in the same tree (bitwise the reference's sums of the kernel's products),
                  its elementwise arithmetic (sigmoid) the kernel's own; F a multiple of 256.
-"auto" is "pallas" on a Hopper GPU when the problem qualifies, else "xla". Both passes take a
-live row count (`jaxmoe.ops.live_rows`).
+  impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
+Both passes take a live row count (`jaxmoe.ops.live_rows`).
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from jaxmoe.ops.pallas.activation_backward_hopper import (
     swiglu_backward_problem,
     weighted_swiglu_backward_pallas,
 )
-from jaxmoe.ops.pallas.activation_forward_hopper import weighted_swiglu_forward_pallas
-from jaxmoe.ops.pallas.activation_tiles import swiglu_problem
+from jaxmoe.ops.pallas.activation_forward_hopper import (
+    forward_problem,
+    weighted_swiglu_forward_pallas,
+)
 from jaxmoe.ordered import LEVELS_PER_PASS, row_sums_in_order, sum_in_order
 
 F32 = jnp.float32
@@ -45,7 +49,7 @@ def _not_swiglu(name, gated) -> str | None:
 
 
 def _forward_problem(h_shape, h_dtype, name, gated) -> str | None:
-    return _not_swiglu(name, gated) or swiglu_problem(h_shape, h_dtype)
+    return _not_swiglu(name, gated) or forward_problem(h_shape, h_dtype)
 
 
 def _backward_problem(h_shape, h_dtype, g_shape, g_dtype, name, gated) -> str | None:
@@ -94,6 +98,11 @@ def weighted_activation_forward(
             f"{probs.shape}"
         )
     check_live_rows("weighted_activation_forward", live_rows)
+    registry.check_impl("weighted_activation_forward", impl)
+    if impl == "auto" and live_rows is None:
+        # Over every row XLA's fusion is faster, with the kernel's bits on Hopper (docs/kernels.md,
+        # "Weighted SwiGLU forward").
+        impl = registry.REFERENCE
     call = (h.shape, h.dtype, name, gated)
     if registry.resolve("weighted_activation_forward", impl, *call) == "pallas":
         return weighted_swiglu_forward_pallas(h, probs, live_rows=live_rows)

@@ -19,6 +19,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxmoe.mxfp8 import BLOCK_SIZE
 from jaxmoe.ops.pallas.activation_tiles import (
     CHUNKS,
+    HALF_DTYPES,
     ROWS,
     ChunkTiles,
     layout,
@@ -26,20 +27,28 @@ from jaxmoe.ops.pallas.activation_tiles import (
     spread_rows,
     swiglu_problem,
 )
+from jaxmoe.ops.pallas.hopper import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from jaxmoe.ops.pallas.row_pipeline import COMPILER_PARAMS, live_input, num_ctas, pipeline
 
 F32 = jnp.float32
-# Tiling (read when a kernel is built; clear `_kernel`'s cache after changing them). A slot holds
-# ~26 KB (gate and up in, a out, p).
-STAGES = 3
+DTYPES = HALF_DTYPES + (jnp.dtype(F32),)
+# Tiling (read when a kernel is built; clear `_kernel`'s cache after changing them): up to
+# MAX_STAGES ring slots (a slot holds gate and up in, a out and p: 26 KB in bf16, 50 in fp32) as
+# fit CTAS_PER_SM CTAs an SM.
+MAX_STAGES = 3
 CTAS_PER_SM = 2
 
 
+def forward_problem(h_shape, h_dtype) -> str | None:
+    """Why `weighted_swiglu_forward_pallas` cannot take h (None: it can)."""
+    return swiglu_problem(h_shape, h_dtype, DTYPES)
+
+
 def weighted_swiglu_forward_pallas(h, probs, *, live_rows=None, interpret=None):
-    """a [M, F] in h.dtype (module docstring); `activation_tiles.swiglu_problem` says what h
-    may be. probs: [M]. live_rows: an int32 scalar in [0, M], or None: rows at and past it are
-    not written (unspecified)."""
-    problem = swiglu_problem(h.shape, h.dtype)
+    """a [M, F] in h.dtype (module docstring) for h in bf16, fp16 or fp32 (`forward_problem`
+    says what it takes). probs: [M]. live_rows: an int32 scalar in [0, M], or None: rows at and
+    past it are not written (unspecified)."""
+    problem = forward_problem(h.shape, h.dtype)
     if problem or probs.shape != h.shape[:1]:
         raise ValueError(
             f"weighted SwiGLU forward kernel: {problem or f'p must be [M], got {probs.shape}'}"
@@ -49,8 +58,14 @@ def weighted_swiglu_forward_pallas(h, probs, *, live_rows=None, interpret=None):
     return kernel(h, spread_rows(probs), *live_input(live_rows))
 
 
+def _stages(dtype) -> int:
+    slot = (3 * dtype.itemsize * CHUNKS + 4) * ROWS * BLOCK_SIZE
+    return min(MAX_STAGES, (SMEM_PER_SM // CTAS_PER_SM - SMEM_RESERVED_PER_CTA) // slot)
+
+
 @functools.cache
 def _kernel(m, f, dtype, counted, interpret):
+    stages = _stages(dtype)
     tiles = ChunkTiles(m, f)
     ctas = num_ctas(tiles.num_tiles, per_sm=CTAS_PER_SM)
     chunk_layout = layout()
@@ -73,7 +88,7 @@ def _kernel(m, f, dtype, counted, interpret):
         def store(t, slot):
             tiles.store_chunks(t, slot, ((a_gmem, 0),), out_smem)
 
-        pipeline(tiles.count(live_gmem), ctas, loaded, fetch, compute, store, stages=STAGES)
+        pipeline(tiles.count(live_gmem), ctas, loaded, fetch, compute, store, stages=stages)
 
     return plgpu.kernel(
         body,
@@ -82,10 +97,10 @@ def _kernel(m, f, dtype, counted, interpret):
         grid=(ctas,),
         grid_names=("cta",),
         scratch_types=[
-            plgpu.SMEM((STAGES, 2, CHUNKS, ROWS, BLOCK_SIZE), dtype),
-            plgpu.SMEM((STAGES, ROWS, BLOCK_SIZE), F32),
-            plgpu.SMEM((STAGES, 1, CHUNKS, ROWS, BLOCK_SIZE), dtype),
-            plgpu.Barrier(num_arrivals=loads_per_tile(2), num_barriers=STAGES),
+            plgpu.SMEM((stages, 2, CHUNKS, ROWS, BLOCK_SIZE), dtype),
+            plgpu.SMEM((stages, ROWS, BLOCK_SIZE), F32),
+            plgpu.SMEM((stages, 1, CHUNKS, ROWS, BLOCK_SIZE), dtype),
+            plgpu.Barrier(num_arrivals=loads_per_tile(2), num_barriers=stages),
         ],
         compiler_params=COMPILER_PARAMS,
         interpret=interpret,

@@ -24,15 +24,16 @@ from jaxmoe.ops.pallas.row_pipeline import live_tiles
 ROWS = 16  # rows a tile: a [16, 32] chunk is one 4-element vector a thread
 CHUNKS = 8  # 32-column chunks a tile (the backward's row sums: 3 tree levels in registers)
 COLUMNS = BLOCK_SIZE * CHUNKS  # F must be a multiple of this
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def swiglu_problem(h_shape, h_dtype) -> str | None:
-    """Why a weighted SwiGLU kernel cannot take h (None: it can)."""
+def swiglu_problem(h_shape, h_dtype, dtypes=HALF_DTYPES) -> str | None:
+    """Why a weighted SwiGLU kernel taking h of `dtypes` cannot take h (None: it can)."""
     if len(h_shape) != 2 or h_shape[1] % 2:
         return f"needs h [M, 2F], got {tuple(h_shape)}"
-    if jnp.dtype(h_dtype) not in _DTYPES:
-        return f"needs bf16 or fp16 h, got {h_dtype}"
+    if jnp.dtype(h_dtype) not in dtypes:
+        names = " or ".join(jnp.dtype(d).name for d in dtypes)
+        return f"needs h in {names}, got {h_dtype}"
     m, two_f = h_shape
     if m == 0 or (two_f // 2) % COLUMNS:
         return f"needs M > 0 and F a multiple of {COLUMNS}, got M={m}, F={two_f // 2}"
