@@ -69,6 +69,7 @@ PALLAS_KERNEL_KINDS = {
     "quantize_1x128_transposed": "quantize",
     "dispatch": "other",
     "combine": "other",
+    "weighted_swiglu_forward": "other",
     "weighted_swiglu_backward": "other",
     "row_tiles": "other",
 }
