@@ -27,8 +27,13 @@ from jaxmoe.ops.pallas.activation_tiles import (
     spread_rows,
     swiglu_problem,
 )
-from jaxmoe.ops.pallas.hopper import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
-from jaxmoe.ops.pallas.row_pipeline import COMPILER_PARAMS, live_input, num_ctas, pipeline
+from jaxmoe.ops.pallas.row_pipeline import (
+    COMPILER_PARAMS,
+    live_input,
+    num_ctas,
+    pipeline,
+    smem_per_cta,
+)
 
 F32 = jnp.float32
 DTYPES = HALF_DTYPES + (jnp.dtype(F32),)
@@ -60,7 +65,7 @@ def weighted_swiglu_forward_pallas(h, probs, *, live_rows=None, interpret=None):
 
 def _stages(dtype) -> int:
     slot = (3 * dtype.itemsize * CHUNKS + 4) * ROWS * BLOCK_SIZE
-    return min(MAX_STAGES, (SMEM_PER_SM // CTAS_PER_SM - SMEM_RESERVED_PER_CTA) // slot)
+    return min(MAX_STAGES, smem_per_cta(CTAS_PER_SM) // slot)
 
 
 @functools.cache

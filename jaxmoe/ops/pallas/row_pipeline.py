@@ -26,7 +26,14 @@ TILE_BYTES = 16 * 1024  # input bytes per tile
 STAGES = 4  # SMEM ring slots per CTA: tiles in flight
 UNROLLED_GATHER_LOADS = 8  # a gather tile of more TMA loads issues them in a loop
 CTAS_PER_SM = 2  # persistent CTAs per SM
-SMEM_PER_CTA = SMEM_PER_SM // CTAS_PER_SM - SMEM_RESERVED_PER_CTA  # one CTA's share of the SM
+
+
+def smem_per_cta(per_sm: int) -> int:
+    """One CTA's share of an SM's shared memory when `per_sm` CTAs share it."""
+    return SMEM_PER_SM // per_sm - SMEM_RESERVED_PER_CTA
+
+
+SMEM_PER_CTA = smem_per_cta(CTAS_PER_SM)  # one CTA's share of the SM
 # No automatic warpgroup barriers around SMEM accesses: the pipelines place the ones they need.
 # No reduction crosses warps, so no SMEM is reserved for reductions.
 COMPILER_PARAMS = plgpu.CompilerParams(
