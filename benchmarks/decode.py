@@ -27,17 +27,20 @@ For each `jaxmoe.shapes` layer and token count T (one sequence of T tokens):
          (`gmm_mxfp8_decode[f=v,...]`: the same bits; on the integer route when the weights
          qualify)
   floor  the bytes of the active experts' weights (bf16: 2 bytes a weight; MXFP8: 1 + 1/32)
-         over the memory bandwidth measured in the same run: the higher of a device copy's
-         ((read + written bytes) / time) and a read-only pass's (bytes / time of a sum), both
-         recorded; a kernel that only reads its weights can beat the copy's rate (the bf16
-         gmm did, 2026-12-01), so the copy alone is no floor. `share_of_floor` = floor / time.
+         over the memory bandwidth measured in the same run: the higher of a device-to-device
+         copy's ((read + written bytes) / time) and a read-only pass's (bytes / time of a sum),
+         both recorded; a kernel that only reads its weights can beat the copy's rate (the
+         bf16 gmm did, 2026-12-01), so the copy alone is no floor. `share_of_floor` = floor /
+         time; `share_of_copy_floor` the same at the copy's rate (issue 19 defines its floor
+         so: the active experts' bytes over the copy bandwidth).
 No host dispatch is timed: each timed call runs `copies` forwards inside one executable
 (`lax.scan`; torch: one CUDA graph on a GPU), each on its own copy of the weights (so that no
 copy is served from L2) and its own tokens; times are per forward. --profile adds each
 implementation's device time per forward by kernel name (`kernels_us`, from a JAX profile; GPU
-only), which shows what besides the GEMM kernels a forward runs, and for the gmm part the GEMM
-calls' own device time (`gemm_us`: their kernels and tile metadata, not the scan and sums of
-the timing harness) and its share of the floor. Implementations take turns
+only), which shows what besides the GEMM kernels a forward runs, and the expert GEMM calls' own
+device time (`gemm_us`: in the gmm part their kernels and tile metadata, not the scan and sums of
+the timing harness; in jaxmoe's layers the kernels of the routed experts' fc1 and fc2 scopes) and
+its share of the floor. Implementations take turns
 (`benchmarks.timing.timed_runs`), median of the repeats; --impls runs only the named ones (and the
 --decode-sweep variants).
 Writes decode_<date>[_tag].json (after every shape) and, with matplotlib, decode_<date>[_tag].png
@@ -94,6 +97,9 @@ BYTES_PER_WEIGHT = {"bf16": 2.0, "mxfp8": 1.0 + 1.0 / BLOCK_SIZE}
 # The named scope of the gmm part's GEMM calls: their kernels (the GEMM and its tile metadata)
 # apart from the benchmark's own work (the scan, the sums that use the outputs).
 GEMM_SCOPE = "expert_gemm"
+# The scopes of each part's expert GEMM calls: in the layer, the routed experts' fc1 and fc2
+# (`jaxmoe.experts`, `jaxmoe.recipes`; the shared expert's GEMMs are in a scope of their own).
+GEMM_SCOPES = {"gmm": (GEMM_SCOPE,), "layer": ("fc1", "fc2")}
 
 
 def expert_weights_per_expert(shape: LayerShape) -> int:
@@ -295,8 +301,9 @@ def parse_variant(text: str) -> dict:
 
 
 # ------------------------------------------------------------------------------ the run
-def bench(shape: LayerShape, tokens: int, part: str, args, bandwidth: float, records: list):
-    """Time one part at one token count; append a record per implementation."""
+def bench(shape: LayerShape, tokens: int, part: str, args, bandwidths: dict, records: list):
+    """Time one part at one token count; append a record per implementation. bandwidths:
+    `memory_bandwidths`' copy and read rates; the floor is set by the higher."""
     on_gpu = jax.devices()[0].platform == "gpu"
     base = dict(shape=shape.name, tokens=tokens, part=part)
     try:
@@ -324,51 +331,60 @@ def bench(shape: LayerShape, tokens: int, part: str, args, bandwidth: float, rec
     runs = timed_runs(
         list(runnable.values()), iters=1, repeats=args.repeats, min_window=args.min_window
     )
+    bandwidth = max(bandwidths.values())
     floors = {p: floor_us(shape, active, p, bandwidth) for p in BYTES_PER_WEIGHT}
+    copy_floors = {p: floor_us(shape, active, p, bandwidths["copy"]) for p in BYTES_PER_WEIGHT}
     for impl, times in zip(runnable, runs):
         us = statistics.median(times) / args.copies * 1e6
         precision = "mxfp8" if "mxfp8" in impl else "bf16"
-        records.append(
-            dict(
-                base,
-                impl=impl,
-                us=us,
-                us_runs=[t / args.copies * 1e6 for t in times],
-                active_experts=active,
-                floor_us=floors[precision],
-                share_of_floor=floors[precision] / us,
-                **(
-                    kernel_breakdown(runnable[impl], args.copies, floors[precision], part)
-                    if args.profile and on_gpu
-                    else {}
-                ),
-            )
+        floor, copy_floor = floors[precision], copy_floors[precision]
+        record = dict(
+            base,
+            impl=impl,
+            us=us,
+            us_runs=[t / args.copies * 1e6 for t in times],
+            active_experts=active,
+            floor_us=floor,
+            share_of_floor=floor / us,
+            copy_floor_us=copy_floor,
+            share_of_copy_floor=copy_floor / us,
         )
+        if args.profile and on_gpu:
+            record.update(kernel_breakdown(runnable[impl], args.copies, part))
+            if record.get("gemm_us"):
+                record.update(
+                    gemm_share_of_floor=floor / record["gemm_us"],
+                    gemm_share_of_copy_floor=copy_floor / record["gemm_us"],
+                )
+        records.append(record)
         log(
             f"{shape.name} T={tokens:4d} {part}: {impl:22s} {us:9.1f} us "
-            f"({floors[precision] / us:6.1%} of the {precision} floor {floors[precision]:.1f} us)"
+            f"({floors[precision] / us:6.1%} of the {precision} floor {floors[precision]:.1f} us, "
+            f"{copy_floors[precision] / us:6.1%} at the copy's rate)"
         )
 
 
-def kernel_breakdown(call, copies: int, floor: float, part: str, runs: int = 2, top: int = 40):
+def kernel_breakdown(call, copies: int, part: str, runs: int = 2, top: int = 40):
     """Device us per forward of the GPU work a call launches, by kernel name (the `top`
     longest, the rest summed as "other"), from a profile of `runs` calls of `copies` forwards.
-    For the gmm part also the GEMM calls' own kernels (`gemm_kernels`: those of GEMM_SCOPE,
-    found by `scoped_kernel_names`), their device us per forward (`gemm_us`) and the floor's share of it
-    (`gemm_share_of_floor`): the time a user's two GEMM calls take, without the benchmark's."""
+    For a jitted call also the expert GEMM calls' own kernels (`gemm_kernels`: those of the
+    part's GEMM_SCOPES, found by `scoped_kernel_names`) and their device us per forward
+    (`gemm_us`; `bench` adds the floors' shares of it): in the gmm part the time a user's two
+    GEMM calls take, without the benchmark's; in the layer the routed experts' fc1 and fc2 calls
+    with what runs inside them (their tile metadata; with MXFP8, fc2's input quantize where XLA
+    keeps it there)."""
     per_kernel = collections.Counter()
     for event in gpu_stream_events(profile_events(call, runs=runs)):
         per_kernel[event.name] += event.dur_us / (runs * copies)
     longest = dict(per_kernel.most_common(top))
     longest["other"] = sum(per_kernel.values()) - sum(longest.values())
     result = dict(device_us=sum(per_kernel.values()), kernels_us=longest)
-    if part == "gmm" and isinstance(call, functools.partial):
+    if isinstance(call, functools.partial) and hasattr(call.func, "lower"):
         compiled = call.func.lower(*call.args, **call.keywords).compile().as_text()
-        own = sorted(scoped_kernel_names(compiled, GEMM_SCOPE) & set(per_kernel))
+        scoped = set().union(*(scoped_kernel_names(compiled, s) for s in GEMM_SCOPES[part]))
+        own = sorted(scoped & set(per_kernel))
         gemm_us = sum(per_kernel[name] for name in own)
-        result.update(
-            gemm_kernels=own, gemm_us=gemm_us, gemm_share_of_floor=floor / gemm_us if own else None
-        )
+        result.update(gemm_kernels=own, gemm_us=gemm_us if own else None)
     return result
 
 
@@ -497,7 +513,7 @@ def main(argv=None) -> dict:
     for name in shapes:
         for tokens in token_counts:
             for part in parts:
-                bench(known[name], tokens, part, args, bandwidth, result["records"])
+                bench(known[name], tokens, part, args, bandwidths, result["records"])
         result["summary"] = summarize(result["records"])
         with open(path, "w") as f:
             json.dump(result, f, indent=1)

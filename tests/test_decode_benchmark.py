@@ -83,6 +83,10 @@ def test_floors_count_the_active_experts_weights(result):
         per_weight = 2.0 if precision == "bf16" else 1 + 1 / 32
         assert r["floor_us"] == pytest.approx(weights * per_weight / bandwidth * 1e6)
         assert r["share_of_floor"] == pytest.approx(r["floor_us"] / r["us"])
+        copy = result["copy_bandwidth_bytes_per_s"]
+        assert r["copy_floor_us"] == pytest.approx(weights * per_weight / copy * 1e6)
+        assert r["share_of_copy_floor"] == pytest.approx(r["copy_floor_us"] / r["us"])
+        assert r["share_of_copy_floor"] >= r["share_of_floor"] * (1 - 1e-12)  # the lower rate
 
 
 def test_summary_gives_both_ratios_where_device_time_was_measured():
@@ -132,3 +136,26 @@ def test_the_gemm_scope_names_its_fusions_and_pallas_kernels_as_the_profiler_doe
     inside = decode.scoped_kernel_names(text, "expert_gemm")
     assert inside and inside < decode.scoped_kernel_names(text, "jit(f)")  # not the sum of sines
     assert not decode.scoped_kernel_names(text, "no_such_scope")
+
+
+def test_the_layers_gemm_scopes_hold_the_routed_experts_gemms_alone():
+    """The layer part's GEMM accounting (`gemm_us`) reads the fc1 and fc2 scopes: they hold the
+    routed experts' matmuls and none of the shared expert's or the router's."""
+    import re
+
+    from jaxmoe.shapes import TINY_SHAPES
+
+    shape = TINY_SHAPES["tiny_deepseek"]  # a shared expert beside the routed ones
+    assert shape.config.shared_expert_intermediate_size
+    candidates, _ = decode.layer_candidates(shape, tokens=8, copies=2, on_gpu=False)
+    call = candidates["jaxmoe_bf16"]
+    text = call.func.lower(*call.args).compile().as_text()
+    dots = lambda names: {n for n in names if re.search(r"(dot|gemm)", n)}  # noqa: E731
+    scoped = set().union(
+        *(decode.scoped_kernel_names(text, s) for s in decode.GEMM_SCOPES["layer"])
+    )
+    routed = dots(scoped)
+    everything = dots(decode.scoped_kernel_names(text, "jit(run)"))
+    shared = dots(decode.scoped_kernel_names(text, "shared_expert"))
+    assert routed and shared and not routed & shared
+    assert routed < everything  # the router's and the shared expert's matmuls are left out
