@@ -26,7 +26,8 @@ For each `jaxmoe.shapes` layer and token count T (one sequence of T tokens):
          ";"-separated variant, its `DecodeConfig` fields f set to v on the default config
          (`gmm_mxfp8_decode[f=v,...]`: the same bits; on the integer route when the weights
          qualify)
-  floor  the bytes of the active experts' weights (bf16: 2 bytes a weight; MXFP8: 1 + 1/32)
+  floor  the bytes of the active experts' weights (bf16: 2 bytes a weight; MXFP8: 1 + 1/32;
+         active: those jaxmoe's routing picks, the torch MoE's its own router's)
          over the memory bandwidth measured in the same run: the higher of a device-to-device
          copy's ((read + written bytes) / time) and a read-only pass's (bytes / time of a sum),
          both recorded; a kernel that only reads its weights can beat the copy's rate (the
@@ -135,7 +136,9 @@ def scanned(forward):
 
 # ---------------------------------------------------------------------------------- parts
 def layer_candidates(shape: LayerShape, tokens: int, copies: int, on_gpu: bool):
-    """impl -> call of the layer part, and the mean number of experts the tokens activate."""
+    """impl -> call of the layer part, the mean number of experts jaxmoe's routing activates,
+    and {impl: the same for an implementation that routes the tokens itself} (the torch MoE:
+    its bf16 router may pick other experts)."""
     keys = jax.random.split(jax.random.key(tokens), copies)
     xs = jax.vmap(lambda k: jax.random.normal(k, (1, tokens, shape.hidden_size), BF16))(keys)
     candidates = {}
@@ -169,22 +172,32 @@ def layer_candidates(shape: LayerShape, tokens: int, copies: int, on_gpu: bool):
     }
     torch_xs = torch.from_dlpack(xs.reshape(copies, tokens, shape.hidden_size))
 
+    def torch_forward(i):  # (y, aux, expert ids) of copy i
+        w = {name: a[i] for name, a in weights.items()}
+        return torch_moe(w, torch_xs[i], shape.config, tokens)
+
     def torch_copies():
         total = torch.zeros((), dtype=torch.float32, device=torch_xs.device)
         for i in range(copies):
-            w = {name: a[i] for name, a in weights.items()}
-            total = total + torch_moe(w, torch_xs[i], shape.config, tokens)[0].float().sum()
+            total = total + torch_forward(i)[0].float().sum()
         return total
 
+    def torch_experts(i):
+        with torch.no_grad():
+            return len(torch.unique(torch_forward(i)[2]))
+
+    torch_active = statistics.mean(torch_experts(i) for i in range(copies))
     if not on_gpu:
         candidates["torch_grouped_mm_eager"] = torch_copies
-        return candidates, active
+        return candidates, active, {"torch_grouped_mm_eager": torch_active}
     try:
         candidates["torch_grouped_mm"] = cuda_graph(torch_copies)
+        own = {"torch_grouped_mm": torch_active}
     except Exception as e:  # then timed with its host dispatch, under another name
         log(f"{shape.name} T={tokens}: no CUDA graph of the torch MoE ({error_text(e)})")
         candidates["torch_grouped_mm_eager"] = torch_copies
-    return candidates, active
+        own = {"torch_grouped_mm_eager": torch_active}
+    return candidates, active, own
 
 
 def cuda_graph(fn):
@@ -308,8 +321,9 @@ def bench(shape: LayerShape, tokens: int, part: str, args, bandwidths: dict, rec
     base = dict(shape=shape.name, tokens=tokens, part=part)
     try:
         if part == "layer":
-            candidates, active = layer_candidates(shape, tokens, args.copies, on_gpu)
+            candidates, active, own_active = layer_candidates(shape, tokens, args.copies, on_gpu)
         else:
+            own_active = {}
             candidates, active = gmm_candidates(
                 shape, tokens, args.copies, args.impl, args.decode_sweep
             )
@@ -332,18 +346,18 @@ def bench(shape: LayerShape, tokens: int, part: str, args, bandwidths: dict, rec
         list(runnable.values()), iters=1, repeats=args.repeats, min_window=args.min_window
     )
     bandwidth = max(bandwidths.values())
-    floors = {p: floor_us(shape, active, p, bandwidth) for p in BYTES_PER_WEIGHT}
-    copy_floors = {p: floor_us(shape, active, p, bandwidths["copy"]) for p in BYTES_PER_WEIGHT}
     for impl, times in zip(runnable, runs):
         us = statistics.median(times) / args.copies * 1e6
         precision = "mxfp8" if "mxfp8" in impl else "bf16"
-        floor, copy_floor = floors[precision], copy_floors[precision]
+        experts = own_active.get(impl, active)  # the experts this implementation's routing reads
+        floor = floor_us(shape, experts, precision, bandwidth)
+        copy_floor = floor_us(shape, experts, precision, bandwidths["copy"])
         record = dict(
             base,
             impl=impl,
             us=us,
             us_runs=[t / args.copies * 1e6 for t in times],
-            active_experts=active,
+            active_experts=experts,
             floor_us=floor,
             share_of_floor=floor / us,
             copy_floor_us=copy_floor,
@@ -359,8 +373,8 @@ def bench(shape: LayerShape, tokens: int, part: str, args, bandwidths: dict, rec
         records.append(record)
         log(
             f"{shape.name} T={tokens:4d} {part}: {impl:22s} {us:9.1f} us "
-            f"({floors[precision] / us:6.1%} of the {precision} floor {floors[precision]:.1f} us, "
-            f"{copy_floors[precision] / us:6.1%} at the copy's rate)"
+            f"({floor / us:6.1%} of the {precision} floor {floor:.1f} us for {experts:.1f} "
+            f"experts, {copy_floor / us:6.1%} at the copy's rate)"
         )
 
 

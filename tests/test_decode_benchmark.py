@@ -147,7 +147,7 @@ def test_the_layers_gemm_scopes_hold_the_routed_experts_gemms_alone():
 
     shape = TINY_SHAPES["tiny_deepseek"]  # a shared expert beside the routed ones
     assert shape.config.shared_expert_intermediate_size
-    candidates, _ = decode.layer_candidates(shape, tokens=8, copies=2, on_gpu=False)
+    candidates, _, _ = decode.layer_candidates(shape, tokens=8, copies=2, on_gpu=False)
     call = candidates["jaxmoe_bf16"]
     text = call.func.lower(*call.args).compile().as_text()
     dots = lambda names: {n for n in names if re.search(r"(dot|gemm)", n)}  # noqa: E731
