@@ -43,7 +43,7 @@ device time (`gemm_us`: in the gmm part their kernels and tile metadata, not the
 the timing harness; in jaxmoe's layers the kernels of the routed experts' fc1 and fc2 scopes) and
 its share of the floor. Implementations take turns
 (`benchmarks.timing.timed_runs`), median of the repeats; --impls runs only the named ones (and the
---decode-sweep variants).
+--decode-sweep variants; the layer part makes weight copies for those alone).
 Writes decode_<date>[_tag].json (after every shape) and, with matplotlib, decode_<date>[_tag].png
 to --out.
 """
@@ -135,10 +135,14 @@ def scanned(forward):
 
 
 # ---------------------------------------------------------------------------------- parts
-def layer_candidates(shape: LayerShape, tokens: int, copies: int, on_gpu: bool):
-    """impl -> call of the layer part, the mean number of experts jaxmoe's routing activates,
-    and {impl: the same for an implementation that routes the tokens itself} (the torch MoE:
-    its bf16 router may pick other experts)."""
+def layer_candidates(
+    shape: LayerShape, tokens: int, copies: int, on_gpu: bool, impls: frozenset = frozenset()
+):
+    """impl -> call of the layer part (only those in `impls`, or all when it is empty: each
+    holds `copies` copies of its weights), the mean number of experts jaxmoe's routing
+    activates, and {impl: the same for an implementation that routes the tokens itself} (the
+    torch MoE: its bf16 router may pick other experts)."""
+    wanted = lambda impl: not impls or impl in impls  # noqa: E731
     keys = jax.random.split(jax.random.key(tokens), copies)
     xs = jax.vmap(lambda k: jax.random.normal(k, (1, tokens, shape.hidden_size), BF16))(keys)
     candidates = {}
@@ -146,29 +150,37 @@ def layer_candidates(shape: LayerShape, tokens: int, copies: int, on_gpu: bool):
     mx_shape = shape.with_precision("mxfp8")
     mx_trained = MoE(mx_shape.config, shape.hidden_size, param_dtype=BF16, rngs=nnx.Rngs(0))
     models = {
-        "jaxmoe_bf16": bf16_model,
-        "jaxmoe_mxfp8": mxfp8_inference(mx_trained),
-        "jaxmoe_mxfp8_decode": mxfp8_inference(mx_trained, gemm_strategy="decode"),
+        "jaxmoe_bf16": lambda: bf16_model,
+        "jaxmoe_mxfp8": lambda: mxfp8_inference(mx_trained),
+        "jaxmoe_mxfp8_decode": lambda: mxfp8_inference(mx_trained, gemm_strategy="decode"),
     }
-    del mx_trained
 
     def forward(graphdef, state, x):
         y, aux = nnx.merge(graphdef, state)(x)
         return y, aux.tokens_per_expert
 
-    counts = None
+    torch_wanted = any(wanted(i) for i in ("torch_grouped_mm", "torch_grouped_mm_eager"))
+    counts, bf16_states = None, None
     for impl, model in models.items():
-        graphdef, state = nnx.split(model)
+        # The torch MoE reads the bf16 layer's stacked copies, so they are made for it too.
+        if not (wanted(impl) or (impl == "jaxmoe_bf16" and torch_wanted)):
+            continue
+        graphdef, state = nnx.split(model())
         states = stacked(state, copies)
         run = scanned(functools.partial(forward, graphdef))
-        candidates[impl] = functools.partial(run, states, xs)
-        if counts is None:
+        if wanted(impl):
+            candidates[impl] = functools.partial(run, states, xs)
+        if counts is None:  # every model routes alike: the same router weights
             counts = run(states, xs)[1]
-    active = float(jnp.mean(jnp.sum(counts > 0, axis=-1)))
+        if impl == "jaxmoe_bf16":
+            bf16_states = states
+    active = float(jnp.mean(jnp.sum(counts > 0, axis=-1))) if counts is not None else None
+    if not torch_wanted:
+        return candidates, active, {}
 
-    weights = {
+    weights = {  # in place (DLPack, no second copy)
         ".".join(map(str, path)): torch.from_dlpack(v[...])
-        for path, v in nnx.to_flat_state(stacked(nnx.state(bf16_model), copies))
+        for path, v in nnx.to_flat_state(bf16_states)
     }
     torch_xs = torch.from_dlpack(xs.reshape(copies, tokens, shape.hidden_size))
 
@@ -321,7 +333,9 @@ def bench(shape: LayerShape, tokens: int, part: str, args, bandwidths: dict, rec
     base = dict(shape=shape.name, tokens=tokens, part=part)
     try:
         if part == "layer":
-            candidates, active, own_active = layer_candidates(shape, tokens, args.copies, on_gpu)
+            candidates, active, own_active = layer_candidates(
+                shape, tokens, args.copies, on_gpu, frozenset(args.impls)
+            )
         else:
             own_active = {}
             candidates, active = gmm_candidates(

@@ -159,3 +159,18 @@ def test_the_layers_gemm_scopes_hold_the_routed_experts_gemms_alone():
     shared = dots(decode.scoped_kernel_names(text, "shared_expert"))
     assert routed and shared and not routed & shared
     assert routed < everything  # the router's and the shared expert's matmuls are left out
+
+
+def test_the_layer_part_builds_only_the_implementations_asked_for():
+    """`--impls` limits which layers the part stacks copies of (on an 80 GB GPU all of them at
+    mixtral's size did not fit); the torch MoE, which reads the bf16 layer's copies in place,
+    counts the experts its own router picks."""
+    shape = TINY_SHAPES["tiny"]
+    only, active, own = decode.layer_candidates(shape, 8, 2, False, frozenset({"jaxmoe_mxfp8"}))
+    assert set(only) == {"jaxmoe_mxfp8"} and own == {} and active >= 1
+    both, active_both, own = decode.layer_candidates(
+        shape, 8, 2, False, frozenset({"jaxmoe_bf16", "torch_grouped_mm_eager"})
+    )
+    assert set(both) == {"jaxmoe_bf16", "torch_grouped_mm_eager"}
+    assert active_both == active and set(own) == {"torch_grouped_mm_eager"}
+    assert 1 <= own["torch_grouped_mm_eager"] <= shape.config.num_experts
