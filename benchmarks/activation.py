@@ -47,7 +47,7 @@ from jaxmoe.ops import weighted_activation_backward, weighted_activation_forward
 from jaxmoe.shapes import SHAPES  # noqa: E402
 
 LAYOUTS = [(32, 3), (32, 4), (32, 5), (32, 6), (16, 4), (64, 3), (64, 4), (128, 3)]
-CPU_ROWS, CPU_MAX_FFN = 256, 512  # smoke sizes on a CPU
+CPU_ROWS, CPU_MAX_FFN = 128, 512  # smoke sizes on a CPU
 
 
 @contextlib.contextmanager

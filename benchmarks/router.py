@@ -118,8 +118,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
     parser.add_argument("--tokens", default="64,256")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument(
+        "--impls", default="", help='time only these ("a;b": names hold commas; dense always)'
+    )
     add_output_arguments(parser)
     args = parser.parse_args(argv)
+    wanted = {i for i in args.impls.split(";") if i}
     path = result_path(args.out, "router", args.tag)
     result = environment("router", command=" ".join(sys.argv), records=[])
     on_gpu = jax.devices()[0].platform == "gpu"
@@ -127,6 +131,10 @@ def main(argv=None) -> dict:
         shape = (SHAPES | TINY_SHAPES)[shape_name]
         for tokens in map(int, args.tokens.split(",")):
             calls, operands = candidates(tokens, shape.hidden_size, shape.config.num_experts)
+            if wanted:
+                if wanted - set(calls):
+                    parser.error(f"unknown --impls {sorted(wanted - set(calls))}: {sorted(calls)}")
+                calls = {k: v for k, v in calls.items() if k in wanted | {"dense"}}
             reference = calls["dense"](*operands)
             times = {name: [] for name in calls}
             bits = {}

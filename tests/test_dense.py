@@ -200,24 +200,24 @@ def test_kernel_tile_metadata_is_computed_at_trace_time():
     assert "reduce_sum" in traced
 
 
-def test_host_group_sizes_give_the_bits_of_traced_ones(interpret):
+@pytest.mark.parametrize("t", [37, 64])
+def test_host_group_sizes_give_the_bits_of_traced_ones(interpret, t):
     """The kernels with their tile metadata computed at trace time (dense) give the bits of
     the same kernels with the group sizes traced (metadata computed on the device): forward,
-    d x and the chunked d w, at a decode size and a row count that is no multiple of 8."""
-    for t in (64, 37):
-        x, w, _, dy = operands(t, 256, 128, seed=t)
-        dy = dy.astype(BF16)
-        y, vjp = jax.vjp(lambda x, w: dense(x, w, impl="pallas"), x, w)
-        d_x, d_w = vjp(dy)
-        chunks = _row_chunks(t, 256, 128)
+    d x and the chunked d w, at a row count that is no multiple of 8 and a decode size."""
+    x, w, _, dy = operands(t, 256, 128, seed=t)
+    dy = dy.astype(BF16)
+    y, vjp = jax.vjp(lambda x, w: dense(x, w, impl="pallas"), x, w)
+    d_x, d_w = vjp(dy)
+    chunks = _row_chunks(t, 256, 128)
 
-        @jax.jit
-        def traced(x, w, dy, one_group, chunks):
-            y, vjp = jax.vjp(
-                lambda x: gmm(x, w[None], one_group, impl="pallas", preferred_element_type=BF16), x
-            )
-            d_w = sum_in_order(tgmm(x, dy, chunks, impl="pallas", preferred_element_type=F32))
-            return y, vjp(dy)[0], d_w.astype(BF16)
+    @jax.jit
+    def traced(x, w, dy, one_group, chunks):
+        y, vjp = jax.vjp(
+            lambda x: gmm(x, w[None], one_group, impl="pallas", preferred_element_type=BF16), x
+        )
+        d_w = sum_in_order(tgmm(x, dy, chunks, impl="pallas", preferred_element_type=F32))
+        return y, vjp(dy)[0], d_w.astype(BF16)
 
-        for got, want in zip((y, d_x, d_w), traced(x, w, dy, np.array([t], np.int32), chunks)):
-            assert_bitwise(np.asarray(got), np.asarray(want))
+    for got, want in zip((y, d_x, d_w), traced(x, w, dy, np.array([t], np.int32), chunks)):
+        assert_bitwise(np.asarray(got), np.asarray(want))
