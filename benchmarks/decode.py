@@ -142,7 +142,10 @@ def layer_candidates(
     holds `copies` copies of its weights), the mean number of experts jaxmoe's routing
     activates, and {impl: the same for an implementation that routes the tokens itself} (the
     torch MoE: its bf16 router may pick other experts)."""
-    wanted = lambda impl: not impls or impl in impls  # noqa: E731
+
+    def wanted(impl: str) -> bool:
+        return not impls or impl in impls
+
     keys = jax.random.split(jax.random.key(tokens), copies)
     xs = jax.vmap(lambda k: jax.random.normal(k, (1, tokens, shape.hidden_size), BF16))(keys)
     candidates = {}
