@@ -3,7 +3,8 @@
     python benchmarks/gmm_mxfp8.py [--shapes mixtral,qwen3_30b,dsv3_ep8] [--out DIR]
 
 For each shape of `benchmarks/gmm.py`'s `SHAPES` (the layer sizes of `jaxmoe/shapes.py`;
-Dirichlet-skewed group sizes rounded to multiples of 32, the layer's MXFP8 alignment), in one
+Dirichlet-skewed group sizes rounded down to multiples of 128, the FP8-blockwise layer's
+alignment and a multiple of MXFP8's 32: every implementation gets the same groups), in one
 process, GEMMs on already-quantized operands:
   fwd    x @ W[g]        jaxmoe_mxfp8 (strategy "fp8_wgmma": the fp8 kernel) |
                          jaxmoe_mxfp8_dequant (strategy "dequantize": bf16 copies, then the bf16
@@ -17,8 +18,8 @@ process, GEMMs on already-quantized operands:
                          dense fp8 matmul of the same M x K x N, rowwise scales: the fp8 ceiling)
   dgrad  dy @ W[g]^T     the same but the dense one
   wgrad  x_g^T @ dy_g    jaxmoe_mxfp8 (dequantize + bf16 tgmm) | jaxmoe_fp8_blockwise
-                         (`ops.tgmm_fp8_blockwise` on group sizes rounded down to 128 and
-                         the K-major copies the layer makes, `tokens_last`) | jaxmoe_bf16 | torch (both)
+                         (`ops.tgmm_fp8_blockwise` on the K-major copies the layer makes,
+                         `tokens_last`) | jaxmoe_bf16 | torch (both)
   quantize               x rowwise and columnwise, and the fused gather + rowwise quantize
                          (dispatch_quantize), on XLA (the reference) and on the Pallas kernels,
                          MXFP8 and FP8 blockwise 1x128 rowwise (`_1x128`; its scales are as many
@@ -130,8 +131,10 @@ def quantize_configs(text: str) -> dict[str, TransposeQuantizeConfig]:
 
 
 def aligned_sizes(m: int, g: int) -> np.ndarray:
-    """Dirichlet sizes rounded down to multiples of 32 (what the MXFP8 layer's padding gives)."""
-    return (group_sizes_for("dirichlet", m, g) // BLOCK_SIZE * BLOCK_SIZE).astype(np.int32)
+    """Dirichlet sizes rounded down to multiples of 128: what the FP8-blockwise layer's padding
+    gives, and multiples of MXFP8's 32 too, so that every implementation multiplies the same
+    groups."""
+    return (group_sizes_for("dirichlet", m, g) // BLOCK * BLOCK).astype(np.int32)
 
 
 def torch_rowwise_fp8(torch, t, dim):
@@ -317,14 +320,12 @@ def bench_shape(
                 tgmm_fp8_blockwise, impl="pallas", preferred_element_type=BF16, tokens_last=True
             )
         )
-        # The blockwise recipe pads each expert's rows to 128: its own group sizes.
-        gs_128 = jnp.asarray(sizes // 128 * 128, jnp.int32)
         x_bt, dy_bt = quantize_1x128(x.T, 1), quantize_1x128(dy.T, 1)  # the layer's copies
         run("wgrad", "jaxmoe_mxfp8", lambda: mx_t(x_col, dy_col, gs))
         run(
             "wgrad",
             "jaxmoe_fp8_blockwise",
-            lambda: blockwise_t(x_bt, dy_bt, gs_128),
+            lambda: blockwise_t(x_bt, dy_bt, gs),
         )
         run("wgrad", "jaxmoe_bf16", lambda: bf_t(x, dy, gs))
         # 2d x 2d (ragged K): torch wants one scale per row of each operand *per group*; unit

@@ -268,14 +268,17 @@ def test_tgmm_reference_is_exact_on_exact_operands():
 
 
 @pytest.mark.parametrize(
-    "transpose_rhs,wg_split,tile_k",
-    [(False, "m", 128), (False, "m", 256), (True, "m", 128), (True, "n", 128)],
+    "transpose_rhs,wg_split,tile_k,lookahead",
+    [(False, "m", 128, 1), (False, "m", 256, 2), (True, "m", 128, 2), (True, "n", 128, 3)],
     ids=["fprop", "fprop-two-blocks-a-step", "dgrad", "dgrad-wg_n"],
 )
-def test_kernel_equals_the_reference_on_exact_operands(interpret, transpose_rhs, wg_split, tile_k):
+def test_kernel_equals_the_reference_on_exact_operands(
+    interpret, transpose_rhs, wg_split, tile_k, lookahead
+):
     """The 128-wide scale blocks' kernel (one fp8 wgmma per block, folded with the product of
     its scales; a warpgroup's columns share one weight block's scale, whichever way the
-    warpgroups split the tile; one or two blocks a K step, the default tiling's two) against
+    warpgroups split the tile; one or two blocks a K step, the default tiling's two; the
+    scales loaded 1, 2 (the default) or 3 K steps ahead, past the last step too) against
     the reference: equal where every partial is exact (the
     weight blocks' scales differ), zeros past the groups, empty groups; control: the reference
     with one lhs block's scale moved differs."""
@@ -292,7 +295,12 @@ def test_kernel_equals_the_reference_on_exact_operands(interpret, transpose_rhs,
     if not on_hopper():
         steps = min(SMALL.max_concurrent_steps, lhs.shape[1] // tile_k)
         config = dataclasses.replace(
-            SMALL, wg_split=wg_split, tile_n=tile_n, tile_k=tile_k, max_concurrent_steps=steps
+            SMALL,
+            wg_split=wg_split,
+            tile_n=tile_n,
+            tile_k=tile_k,
+            max_concurrent_steps=steps,
+            scale_lookahead=lookahead,
         )
     got = gmm_fp8_blockwise(
         lq, rq, sizes, transpose_rhs=transpose_rhs, impl="pallas", config=config
@@ -407,14 +415,15 @@ def exact_token_operands(m, k, n, seed):
 
 
 WGRAD_TILINGS = {  # BlockwiseTgmmConfig changes
-    "split_n": dict(wg_split="n", blocks_per_step=1),
+    # side by side along N the CTA tile is 256 columns wide, N's 256 hold no pair of them
+    "split_n": dict(wg_split="n", blocks_per_step=1, cluster_n=1),
     "split_k": dict(wg_split="k", blocks_per_step=1),
     "two_blocks": dict(wg_split="k", blocks_per_step=2),
     "unpaired": dict(cluster_n=1),
     "banded": dict(wg_split="k", blocks_per_step=2, grid_tile_width=3),
     "pairs": dict(wg_split="k", blocks_per_step=2, cluster_n=2, grid_tile_width=1),
     "l2_scales": dict(wg_split="k", blocks_per_step=2, scales="l2"),
-    "l2_scales_split_n": dict(wg_split="n", blocks_per_step=1, scales="l2"),
+    "l2_scales_split_n": dict(wg_split="n", blocks_per_step=1, scales="l2", cluster_n=1),
     "l2_banded_pairs": dict(scales="l2", grid_tile_width=1, cluster_n=2),
 }
 

@@ -524,6 +524,8 @@ def test_pallas_refuses_unsupported_problems():
         GmmConfig(epilogue_tile_n=32).validate(4096, 1024, 1024, out_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="cluster_n=3 must be 1 or 2"):
         GmmConfig(cluster_n=3).validate(4096, 1024, 1024)
+    with pytest.raises(ValueError, match="scale_lookahead=0 must be >= 1"):
+        GmmConfig(scale_lookahead=0).validate(4096, 1024, 1024)
     with pytest.raises(ValueError, match="times cluster_n=2"):
         GmmConfig(cluster_n=2).validate(4096, 1024, 768)  # three 256-wide CTA tiles
     lhs, rhs = operands(64, 96, 64, 2)

@@ -48,7 +48,9 @@ class GmmConfig:
     epilogue's SMEM tile, so a column chunk is written while the previous one is stored.
     grid_tile_width: width (in column tiles) of the bands of the work order (`tiles.banded_item`).
     cluster_n=2 pairs the CTAs along N, multicasting the lhs tile; the work items then cover
-    column-tile pairs. None of these change the K-reduction order."""
+    column-tile pairs. scale_lookahead: how many K steps ahead the FP8-blockwise kernel loads a
+    step's scales (they are carried until their step). None of these change the K-reduction
+    order."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -60,6 +62,7 @@ class GmmConfig:
     overlap_wgmma: bool = False
     epilogue_slots: int = 1
     cluster_n: int = 1
+    scale_lookahead: int = 1
     num_sms: int = NUM_SMS
 
     @property
@@ -126,6 +129,8 @@ class GmmConfig:
                 f"gmm pallas: max_concurrent_steps={self.max_concurrent_steps} "
                 f"exceeds the {k // self.tile_k} K steps"
             )
+        if self.scale_lookahead < 1:
+            raise ValueError(f"gmm pallas: scale_lookahead={self.scale_lookahead} must be >= 1")
         if self.cluster_n not in (1, 2) or self.num_sms % self.cluster_n:
             raise ValueError(
                 f"gmm pallas: cluster_n={self.cluster_n} must be 1 or 2 and divide "

@@ -65,7 +65,11 @@ def default_fp8_blockwise_config(
     config = default_mxfp8_config(num_rows, k, n, num_groups, out_dtype)
     tile_k = 256 if k % 256 == 0 else 128
     config = dataclasses.replace(
-        config, wg_split="m", tile_k=tile_k, max_concurrent_steps=min(4, k // tile_k)
+        config,
+        wg_split="m",
+        tile_k=tile_k,
+        max_concurrent_steps=min(4, k // tile_k),
+        scale_lookahead=2,
     )
     return config.with_fitting_stages(jnp.float8_e4m3fn, out_dtype)
 
@@ -202,8 +206,8 @@ def _multiply_scaled_tile(tile: TileContext, scale_block: int):
     read from GMEM (L2) straight into registers. MXFP8: issued before the block's wgmma so that
     their latency passes while it runs (the fold waits for both). FP8 blockwise: the
     warpgroup's columns share one weight scale, so the two scales' product is per row, and a
-    step's scales (a few registers) are loaded one K step ahead and carried: their latency
-    passes over a whole step instead of stalling the fold."""
+    step's scales (a few registers) are loaded `config.scale_lookahead` K steps ahead and
+    carried: their latency passes over whole steps instead of stalling the fold."""
     lhs_scale_gmem, rhs_scale_gmem = tile.inputs
     row_scales = lhs_scale_gmem.at[:, tile.rows]
     columns = column_block(scale_block)
@@ -249,6 +253,7 @@ def _multiply_scaled_tile(tile: TileContext, scale_block: int):
     weight_block = (tile.columns.start + tile.wg_columns.start) // columns
     weight_scales = rhs_scale_gmem.at[tile.group, :, weight_block]
     last_step = row_scales.shape[0] // blocks_per_step - 1
+    lookahead = tile.config.scale_lookahead
 
     def step_scales(k_step):
         """K step k_step's (row scales, weight scale) per block, as loads in flight."""
@@ -256,16 +261,17 @@ def _multiply_scaled_tile(tile: TileContext, scale_block: int):
         return tuple((load_row_scale(kb), weight_scales[kb]) for kb in blocks)
 
     def mma(step, lhs_smem, rhs_smem, carry):
-        acc, scales = carry
-        upcoming = step_scales(jnp.minimum(step[0] + 1, last_step))
+        acc, scales, *later = carry  # this step's scales, then the next steps' in order
+        upcoming = step_scales(jnp.minimum(step[0] + lookahead, last_step))
         a, b = tile.operands(lhs_smem, rhs_smem)
         for block, (row_scale, weight_scale) in enumerate(scales):
             part = block_product(a, b, pl.ds(block * scale_block, scale_block))
             acc = acc + part * (row_scale * weight_scale)[:, None]  # the same products, per row
-        return acc, upcoming
+        return (acc, *later, upcoming)
 
     def compute(eval_pipeline):
-        acc, _ = eval_pipeline((zero_accumulator(*tile.acc_shape), step_scales(0)))
+        first = [step_scales(min(k_step, last_step)) for k_step in range(lookahead)]
+        acc, *_ = eval_pipeline((zero_accumulator(*tile.acc_shape), *first))
         tile.store(acc)
 
     tile.run_pipeline(mma, compute)
