@@ -1,0 +1,26 @@
+"""benchmarks/gmm_power.py off the GPU: its nvidia-smi parsing and sample medians, and the
+refusal to run without a GPU."""
+
+import pytest
+
+from benchmarks import gmm_power
+
+
+def test_samples_parse_and_settle():
+    assert gmm_power.parse_sample("1410, 697.33, 58\n") == (1410.0, 697.33, 58.0)
+    with pytest.raises(ValueError, match="expected 3 values"):
+        gmm_power.parse_sample("1410, 697.33")
+    # the first two of more than four samples (the clock settling) are left out
+    samples = [(1980.0, 300.0, 40.0), (1700.0, 650.0, 45.0)] + [(1410.0, 698.0, 58.0)] * 3
+    assert gmm_power.sample_medians(samples) == dict(
+        sm_clock_mhz=1410.0, power_w=698.0, temperature_c=58.0, samples=3
+    )
+    assert gmm_power.sample_medians(samples[:3])["sm_clock_mhz"] == 1700.0
+    with pytest.raises(ValueError, match="no samples"):
+        gmm_power.sample_medians([])
+
+
+def test_refuses_to_run_without_a_gpu(capsys):
+    with pytest.raises(SystemExit):
+        gmm_power.main(["--shapes", "mixtral"])
+    assert "run it on an NVIDIA GPU" in capsys.readouterr().err
