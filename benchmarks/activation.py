@@ -19,6 +19,12 @@ bf16, incoming gradient [M, F] bf16, probabilities [M] fp32):
                   recorded with the fraction of its outputs bitwise XLA's (`a_equal_fraction`)
   forward_kernel_live_eighth  the kernel given a live row count of M / 8 (an expert-parallel
                   receiver's buffer at ep = 8 holds about that many live rows)
+  quantized_two_passes  fc2's two FP8-blockwise copies of a as the layer made them before the
+                  fused kernel: XLA's forward, then `quantize_1x128_with_transpose` (its kernel)
+  quantized_fused[_VARIANT]  the same copies from h in one pass
+                  (`weighted_activation_quantize_1x128_with_transpose(impl="pallas")`, and the
+                  kernel under each of FUSED_VARIANTS' configs), recorded with whether its four
+                  outputs are the two passes' bits (`same_bits`)
   copy_h          h * 2: the memory bandwidth on the same bytes
 Device time per call from the JAX profiler (`benchmarks.timing.device_seconds`; on a CPU the
 wall time of one call, a smoke test only). Writes activation_<date>[_tag].json to --out.
@@ -43,11 +49,30 @@ from benchmarks.report import add_output_arguments, log  # noqa: E402
 from benchmarks.timing import device_seconds  # noqa: E402
 from jaxmoe import ordered  # noqa: E402
 from jaxmoe.experts import weighted_activation  # noqa: E402
-from jaxmoe.ops import weighted_activation_backward, weighted_activation_forward  # noqa: E402
+from jaxmoe.ops import (  # noqa: E402
+    quantize_1x128_with_transpose,
+    weighted_activation_backward,
+    weighted_activation_forward,
+    weighted_activation_quantize_1x128_with_transpose,
+)
+from jaxmoe.ops.pallas.quantize_transpose_hopper import (  # noqa: E402
+    TransposeQuantizeConfig,
+    weighted_swiglu_quantize_1x128_with_transpose_pallas,
+)
 from jaxmoe.shapes import SHAPES  # noqa: E402
 
 LAYOUTS = [(32, 3), (32, 4), (32, 5), (32, 6), (16, 4), (64, 3), (64, 4), (128, 3)]
 CPU_ROWS, CPU_MAX_FFN = 128, 512  # smoke sizes on a CPU
+# The fused forward-and-quantize kernel's configs beside its default (bf16: two CTAs an SM, one
+# input slot each): one CTA with two or three input slots.
+FUSED_VARIANTS = {
+    "one_cta_two_slots": TransposeQuantizeConfig(
+        slots=2, output_slots=1, transpose="in_place", column_source="registers"
+    ),
+    "one_cta_two_slots_two_outputs": TransposeQuantizeConfig(
+        slots=2, output_slots=2, transpose="in_place", column_source="registers"
+    ),
+}
 
 
 @contextlib.contextmanager
@@ -87,6 +112,23 @@ def programs(config, rows: int) -> dict:
     if swiglu:
         fns["forward_kernel"] = forward("pallas")
         fns["forward_kernel_live_eighth"] = forward("pallas", jnp.int32(rows // 8))
+    if swiglu:
+        fns["quantized_two_passes"] = jax.jit(
+            lambda h, p, g: quantize_1x128_with_transpose(
+                weighted_activation_forward(h, p, "silu", True, impl="xla"), impl="pallas"
+            )
+        )
+        fns["quantized_fused"] = jax.jit(
+            lambda h, p, g: weighted_activation_quantize_1x128_with_transpose(
+                h, p, "silu", True, impl="pallas"
+            )
+        )
+        for name, fused_config in FUSED_VARIANTS.items():
+            fns[f"quantized_fused_{name}"] = jax.jit(
+                lambda h, p, g, c=fused_config: (
+                    weighted_swiglu_quantize_1x128_with_transpose_pallas(h, p, config=c)
+                )
+            )
     fns["copy_h"] = jax.jit(lambda h, p, g: h * 2)
     return fns
 
@@ -98,6 +140,17 @@ def seconds(fn, args) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     return time.perf_counter() - start
+
+
+def same_bits(arrays, references) -> bool:
+    """Whether each array has its reference's dtype, shape and bits."""
+    as_bits = lambda x: jax.lax.bitcast_convert_type(  # noqa: E731
+        x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    )
+    return all(
+        a.dtype == b.dtype and bool(jnp.array_equal(as_bits(a), as_bits(b)))
+        for a, b in zip(arrays, references, strict=True)
+    )
 
 
 def bench_shape(name: str) -> dict:
@@ -113,7 +166,7 @@ def bench_shape(name: str) -> dict:
         jax.random.normal(key_g, (rows, ffn), jnp.bfloat16),
     )
     record = {"rows": rows, "ffn": ffn, "variants": {}}
-    reference = forward_reference = None
+    reference = forward_reference = copies_reference = None
     for variant, fn in programs(config, rows).items():
         out = jax.block_until_ready(fn(*args))
         entry = {"us": seconds(fn, args) * 1e6}
@@ -126,6 +179,10 @@ def bench_shape(name: str) -> dict:
             forward_reference = out
         if variant == "forward_kernel":
             entry["a_equal_fraction"] = float(jnp.mean(out == forward_reference))
+        if variant == "quantized_two_passes":
+            copies_reference = jax.tree.leaves(out)
+        if variant.startswith("quantized_fused"):
+            entry["same_bits"] = same_bits(jax.tree.leaves(out), copies_reference)
         if variant == "kernel":
             entry["d_h_equal_fraction"] = float(jnp.mean(out[0] == reference[0]))
             relative = jnp.abs(out[1] - reference[1]) / jnp.maximum(jnp.abs(reference[1]), 1e-30)
@@ -134,6 +191,8 @@ def bench_shape(name: str) -> dict:
         log(f"{name} {variant}: {entry}")
     # One pass for the backward: read h and the gradient, write d h (bf16).
     record["one_pass_bytes"] = rows * 5 * ffn * 2
+    # The fused forward-and-quantize: read h, write both fp8 copies (scales aside).
+    record["quantized_fused_bytes"] = rows * ffn * (2 * 2 + 2)
     return record
 
 

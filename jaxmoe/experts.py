@@ -213,6 +213,7 @@ def grouped_mlp(
             "auto" if gmm_impl == "pallas" else gmm_impl,
             route.live_rows,
         )
+        a_quantized = recipe.activation_copies(h, row_probs, config, route.live_rows, gmm_impl)
     row_bias = None
     if fc2_bias is not None:
         row_bias = bias_per_row(fc2_bias, route, gmm_impl)
@@ -225,6 +226,7 @@ def grouped_mlp(
         weights=expert_weights,
         combine_bwd_dtype=config.combine_bwd_dtype,
         impl=gmm_impl,
+        a_quantized=a_quantized,
     )
     return ExpertStages(fc1_output=h, activation=a, output=out, combined=combined)
 

@@ -40,6 +40,7 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.fp8_blockwise import BlockwiseTensor
 from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops import fp8_blockwise_gmm, gmm
+from jaxmoe.ops.activation import not_swiglu, weighted_activation_quantize_1x128_with_transpose
 from jaxmoe.ops.fp8_blockwise_gmm import (
     BlockwiseWeights,
     fp8_blockwise_gmm_backward,
@@ -114,10 +115,20 @@ class ExpertRecipe(abc.ABC):
         weights,
         combine_bwd_dtype: str,
         impl: str,
+        a_quantized: Any = None,
     ) -> tuple[jax.Array, jax.Array]:
         """(out [M, H], route.to_tokens(out) [T, H]): fc2 of the activation a rounded to
         a.dtype, plus row_bias (fp32, or None) before that rounding, then the combine
-        (`jaxmoe.dispatch.LocalRoute` says what a route provides)."""
+        (`jaxmoe.dispatch.LocalRoute` says what a route provides). a_quantized: this recipe's
+        `activation_copies` of a, or None."""
+
+    def activation_copies(
+        self, h: jax.Array, probs: jax.Array, config: MoEConfig, live_rows, impl: str
+    ) -> Any:
+        """fc2's quantized copies of the weighted activation a = round(act(h) * probs), made
+        from h by a kernel that never writes a (passed to `fc2_and_combine` as a_quantized), or
+        None: fc2 quantizes a itself."""
+        return None
 
     def quantize_weights(self, fc1_kernel: jax.Array, fc2_kernel: jax.Array, impl: str):
         """Copies of the expert weights to share between the micro-batches of a step."""
@@ -165,7 +176,9 @@ class Bf16Recipe(ExpertRecipe):
         copies = None if weights is None else weights.fc1
         return self.gemm(rows, kernel, route, out_dtype, impl, copies, rows_quantized)
 
-    def fc2_and_combine(self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl):
+    def fc2_and_combine(
+        self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl, a_quantized=None
+    ):
         self.check_copies(weights)
         copies = None if weights is None else weights.fc2
         with jax.named_scope("fc2"):
@@ -200,16 +213,19 @@ class Mxfp8Recipe(ExpertRecipe):
             groups_per_weight=route.groups_per_weight,
         )
 
-    def fc2_and_combine(self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl):
+    def fc2_and_combine(
+        self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl, a_quantized=None
+    ):
         fc2_weights = None if weights is None else weights.fc2
         if kernel is None:  # inference on the stored fprop copy alone
-            return _fc2_then_combine(a, None, row_bias, route, fc2_weights, impl, self)
+            return _fc2_then_combine(a, None, row_bias, route, fc2_weights, None, impl, self)
         return _fc2_and_combine(
-            a, kernel, row_bias, route, fc2_weights, combine_bwd_dtype, impl, self
+            a, kernel, row_bias, route, fc2_weights, None, combine_bwd_dtype, impl, self
         )
 
-    def fc2_forward(self, a, kernel, route, fc2_weights, impl):
-        """(fc2's output rows in a.dtype, residuals for `fc2_backward`) (`_fc2_and_combine`)."""
+    def fc2_forward(self, a, kernel, route, fc2_weights, impl, a_quantized=None):
+        """(fc2's output rows in a.dtype, residuals for `fc2_backward`) (`_fc2_and_combine`);
+        a_quantized: `activation_copies` (None for this recipe)."""
         if kernel is None:
             out = mxfp8_gmm(
                 a,
@@ -254,19 +270,41 @@ class Fp8BlockwiseRecipe(Bf16Recipe):
                 "(fp8_blockwise copies)"
             )
 
-    def fc2_and_combine(self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl):
+    def fc2_and_combine(
+        self, a, kernel, row_bias, route, *, weights, combine_bwd_dtype, impl, a_quantized=None
+    ):
         self.check_copies(weights)
         fc2_weights = None if weights is None else weights.fc2
         return _fc2_and_combine(
-            a, kernel, row_bias, route, fc2_weights, combine_bwd_dtype, impl, self
+            a, kernel, row_bias, route, fc2_weights, a_quantized, combine_bwd_dtype, impl, self
         )
 
-    def fc2_forward(self, a, kernel, route, fc2_weights, impl):
-        """As `Mxfp8Recipe.fc2_forward`, in FP8 blockwise."""
+    def activation_copies(self, h, probs, config, live_rows, impl):
+        """fc2's two 1x128 copies of a (its fprop and wgrad operands) for SwiGLU experts, from
+        h in one pass (`ops.weighted_activation_quantize_1x128_with_transpose`, the bits fc2's
+        own quantize of a gives): the forward then never computes a. Other activations: None
+        (a would be computed twice)."""
+        if probs is None or not_swiglu(config.activation, config.gated_linear_unit):
+            return None
+        return weighted_activation_quantize_1x128_with_transpose(
+            h,
+            probs,
+            config.activation,
+            config.gated_linear_unit,
+            live_rows=live_rows,
+            impl=impl,
+        )
+
+    def fc2_forward(self, a, kernel, route, fc2_weights, impl, a_quantized=None):
+        """As `Mxfp8Recipe.fc2_forward`, in FP8 blockwise; a_quantized: `activation_copies`
+        (rowwise, transposed) or None (a quantized here)."""
+        rowwise, transposed = (None, None) if a_quantized is None else a_quantized
         return fp8_blockwise_gmm_forward(
             a,
             kernel,
             route.group_sizes,
+            lhs_quantized=rowwise,
+            lhs_t_quantized=transposed,
             rhs_quantized=fc2_weights,
             out_dtype=a.dtype,
             impl=impl,
@@ -348,37 +386,42 @@ class _Fc2CombineResiduals:
     has_bias: bool = struct.field(pytree_node=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def _fc2_and_combine(
-    a, fc2_kernel, row_bias, route, fc2_weights, combine_bwd_dtype, gmm_impl, recipe
+    a, fc2_kernel, row_bias, route, fc2_weights, a_quantized, combine_bwd_dtype, gmm_impl, recipe
 ):
     """(out, route.to_tokens(out)) with out = the recipe's fc2 of the activation a (+ the
-    per-row bias; `recipe.fc2_forward`).
+    per-row bias; `recipe.fc2_forward`; a_quantized: the recipe's `activation_copies` of a,
+    or None).
 
     One custom VJP for both, so that the backward can quantize the token-level gradient before
     dispatching it and hand that copy to fc2's backward (`recipe.fc2_backward`), which uses it
     as it is where it is of the recipe's own format (combine_bwd_dtype "mxfp8" for MXFP8
     experts, "fp8_blockwise" for FP8-blockwise ones) and takes the dequantized rows otherwise."""
-    return _fc2_then_combine(a, fc2_kernel, row_bias, route, fc2_weights, gmm_impl, recipe)
+    return _fc2_then_combine(
+        a, fc2_kernel, row_bias, route, fc2_weights, a_quantized, gmm_impl, recipe
+    )
 
 
-def _fc2_then_combine(a, fc2_kernel, row_bias, route, fc2_weights, gmm_impl, recipe):
+def _fc2_then_combine(a, fc2_kernel, row_bias, route, fc2_weights, a_quantized, gmm_impl, recipe):
     """`_fc2_and_combine` without its VJP (also MXFP8 inference on the stored fprop copy)."""
     with jax.named_scope("fc2"):
-        out, _ = recipe.fc2_forward(a, fc2_kernel, route, fc2_weights, gmm_impl)
+        out, _ = recipe.fc2_forward(a, fc2_kernel, route, fc2_weights, gmm_impl, a_quantized)
         out = add_row_bias(out, row_bias)
     with jax.named_scope("combine"):
         return out, route.to_tokens(out)
 
 
 def _fc2_and_combine_fwd(
-    a, fc2_kernel, row_bias, route, fc2_weights, combine_bwd_dtype, gmm_impl, recipe
+    a, fc2_kernel, row_bias, route, fc2_weights, a_quantized, combine_bwd_dtype, gmm_impl, recipe
 ):
-    a, fc2_kernel, row_bias, route, fc2_weights = custom_vjp_primal_tree_values(
-        (a, fc2_kernel, row_bias, route, fc2_weights)
+    a, fc2_kernel, row_bias, route, fc2_weights, a_quantized = custom_vjp_primal_tree_values(
+        (a, fc2_kernel, row_bias, route, fc2_weights, a_quantized)
     )
     with jax.named_scope("fc2"):
-        out, gemm_residuals = recipe.fc2_forward(a, fc2_kernel, route, fc2_weights, gmm_impl)
+        out, gemm_residuals = recipe.fc2_forward(
+            a, fc2_kernel, route, fc2_weights, gmm_impl, a_quantized
+        )
         out = add_row_bias(out, row_bias)
     residuals = _Fc2CombineResiduals(
         gemm=gemm_residuals, route=route, has_bias=row_bias is not None
@@ -406,7 +449,7 @@ def _fc2_and_combine_bwd(combine_bwd_dtype, gmm_impl, recipe, residuals, cotange
     with jax.named_scope("fc2"):
         d_a, d_kernel = recipe.fc2_backward(residuals.gemm, d_rows, grad_quantized)
     d_row_bias = d_rows.astype(F32) if residuals.has_bias else None
-    return d_a, d_kernel, d_row_bias, None, None
+    return d_a, d_kernel, d_row_bias, None, None, None
 
 
 _fc2_and_combine.defvjp(_fc2_and_combine_fwd, _fc2_and_combine_bwd, symbolic_zeros=True)

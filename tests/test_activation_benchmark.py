@@ -17,7 +17,9 @@ def test_activation_benchmark_runs_and_records_every_layout(tmp_path, interpret)
     variants = result["shapes"]["dsv3_ep8"]["variants"]
     expected = {f"lanes{lanes}_levels{levels}" for lanes, levels in activation.LAYOUTS}
     forwards = {"forward_xla", "forward_kernel", "forward_kernel_live_eighth"}
-    assert set(variants) == expected | {"kernel", "copy_h"} | forwards
+    quantized = {"quantized_two_passes", "quantized_fused"}
+    quantized |= {f"quantized_fused_{name}" for name in activation.FUSED_VARIANTS}
+    assert set(variants) == expected | {"kernel", "copy_h"} | forwards | quantized
     assert all(v["us"] > 0 for v in variants.values())
     for lanes, levels in activation.LAYOUTS:
         if lanes == 32:
@@ -27,5 +29,7 @@ def test_activation_benchmark_runs_and_records_every_layout(tmp_path, interpret)
     assert variants["kernel"]["d_h_equal_fraction"] > 0.99
     assert variants["kernel"]["d_p_max_rel"] < 1e-4
     assert variants["forward_kernel"]["a_equal_fraction"] == 1.0  # the interpreter's sigmoid
+    # fc2's copies of a from h in one pass: the two passes' bits under every config.
+    assert all(variants[name]["same_bits"] for name in quantized - {"quantized_two_passes"})
     # Negative control: another lane count sums in another order, which changes some bits.
     assert not all(v["same_bits"] for k, v in variants.items() if k.startswith("lanes"))

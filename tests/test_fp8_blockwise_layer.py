@@ -334,16 +334,19 @@ def test_blockwise_experts_with_a_blockwise_wire(option, bias):
 def test_fc1_takes_the_dispatched_copy_as_it_is(monkeypatch):
     """With dispatch_dtype "fp8_blockwise" the forward quantizes fc1's operand along K no more:
     fc1 makes only the weight gradient's K-major copy, from the dispatched copy's fp8 bytes
-    (`requantize_1x128_transposed`), fc2 both copies in one pass
-    (`quantize_1x128_with_transpose`); with bf16 rows both GEMMs make both."""
-    module = importlib.import_module("jaxmoe.ops.fp8_blockwise_gmm")  # not the function
+    (`requantize_1x128_transposed`); with bf16 rows fc1 makes both (`quantize_1x128_with_transpose`).
+    fc2's two copies come from the activation's quantize of h
+    (`weighted_activation_quantize_1x128_with_transpose`), not from a quantize of a."""
+    gmm_module = importlib.import_module("jaxmoe.ops.fp8_blockwise_gmm")  # not the function
+    recipes_module = importlib.import_module("jaxmoe.recipes")
     calls = []
-    names = (
-        "quantize_1x128_with_transpose",
-        "quantize_1x128_transposed",
-        "requantize_1x128_transposed",
-    )
-    for name in names:
+    spied = [
+        (gmm_module, "quantize_1x128_with_transpose"),
+        (gmm_module, "quantize_1x128_transposed"),
+        (gmm_module, "requantize_1x128_transposed"),
+        (recipes_module, "weighted_activation_quantize_1x128_with_transpose"),
+    ]
+    for module, name in spied:
         original = getattr(module, name)
 
         def spy(*args, impl="auto", _name=name, _original=original, **kwargs):
@@ -357,9 +360,10 @@ def test_fc1_takes_the_dispatched_copy_as_it_is(monkeypatch):
         calls.clear()
         nnx.eval_shape(lambda m, x: m(x), make(CONFIG.replace(dispatch_dtype=wire)), x)
         counts[wire] = sorted(calls)
+    fc2 = "weighted_activation_quantize_1x128_with_transpose"
     assert counts == {
-        "bf16": ["quantize_1x128_with_transpose"] * 2,
-        "fp8_blockwise": ["quantize_1x128_with_transpose", "requantize_1x128_transposed"],
+        "bf16": ["quantize_1x128_with_transpose", fc2],
+        "fp8_blockwise": ["requantize_1x128_transposed", fc2],
     }
 
 

@@ -1,7 +1,11 @@
 """One public function per op; each takes `impl=` ("xla" reference, "auto", or a kernel registered
 for it in `jaxmoe.ops.registry`: "pallas")."""
 
-from jaxmoe.ops.activation import weighted_activation_backward, weighted_activation_forward
+from jaxmoe.ops.activation import (
+    weighted_activation_backward,
+    weighted_activation_forward,
+    weighted_activation_quantize_1x128_with_transpose,
+)
 from jaxmoe.ops.dense import dense
 from jaxmoe.ops.device import on_hopper
 from jaxmoe.ops.fp8_blockwise_gmm import (
@@ -33,6 +37,7 @@ __all__ = [
     "dense",
     "weighted_activation_forward",
     "weighted_activation_backward",
+    "weighted_activation_quantize_1x128_with_transpose",
     "gmm",
     "tgmm",
     "mxfp8_gmm",

@@ -19,6 +19,14 @@ Backward, for a's incoming gradient g:
                  its elementwise arithmetic (sigmoid) the kernel's own; F a multiple of 256.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
 Both passes take a live row count (`jaxmoe.ops.live_rows`).
+
+FP8-blockwise copies of the forward, for fc2 (`weighted_activation_quantize_1x128_with_transpose`):
+  impl "xla"     the forward, then `jaxmoe.ops.quantize_1x128_with_transpose` of a.
+  impl "pallas"  SwiGLU in one Hopper kernel that computes a from each tile of h it loads and
+                 quantizes it both ways (ops/pallas/quantize_transpose_hopper.py): a is never
+                 in memory; the same bits as the forward's kernel and the quantize's.
+  impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else the forward and the
+                 quantize, each on "auto".
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.fp8_blockwise import BlockwiseTensor
 from jaxmoe.mxfp8 import BLOCK_SIZE
 from jaxmoe.ops import registry
 from jaxmoe.ops.live_rows import check_live_rows, fill_dead_rows
@@ -37,27 +46,41 @@ from jaxmoe.ops.pallas.activation_forward_hopper import (
     forward_problem,
     weighted_swiglu_forward_pallas,
 )
+from jaxmoe.ops.pallas.quantize_transpose_hopper import (
+    swiglu_transpose_problem,
+    weighted_swiglu_quantize_1x128_with_transpose_pallas,
+)
+from jaxmoe.ops.quantize import quantize_1x128_with_transpose
 from jaxmoe.ordered import LEVELS_PER_PASS, row_sums_in_order, sum_in_order
 
 F32 = jnp.float32
 
 
-def _not_swiglu(name, gated) -> str | None:
+def not_swiglu(name: str, gated: bool) -> str | None:
+    """Why the activation `name` (gated or not) is not the one the kernels compute, SwiGLU
+    (None: it is)."""
     if name != "silu" or not gated:
         return f"the kernel is SwiGLU's (silu, gated), got {name!r} gated={gated}"
     return None
 
 
 def _forward_problem(h_shape, h_dtype, name, gated) -> str | None:
-    return _not_swiglu(name, gated) or forward_problem(h_shape, h_dtype)
+    return not_swiglu(name, gated) or forward_problem(h_shape, h_dtype)
 
 
 def _backward_problem(h_shape, h_dtype, g_shape, g_dtype, name, gated) -> str | None:
-    return _not_swiglu(name, gated) or swiglu_backward_problem(h_shape, h_dtype, g_shape, g_dtype)
+    return not_swiglu(name, gated) or swiglu_backward_problem(h_shape, h_dtype, g_shape, g_dtype)
+
+
+def _quantized_problem(h_shape, h_dtype, probs_shape, name, gated) -> str | None:
+    return not_swiglu(name, gated) or swiglu_transpose_problem(h_shape, h_dtype, probs_shape)
 
 
 registry.register("weighted_activation_forward", "pallas", problem=_forward_problem)
 registry.register("weighted_activation_backward", "pallas", problem=_backward_problem)
+registry.register(
+    "weighted_activation_quantize_1x128_with_transpose", "pallas", problem=_quantized_problem
+)
 
 
 def activation(z: jax.Array, name: str) -> jax.Array:
@@ -142,3 +165,38 @@ def weighted_activation_backward(
     (d_h,) = pull(g * probs.astype(F32)[:, None])
     d_probs = row_sums_in_order(g * out)
     return fill_dead_rows(d_h, live_rows), fill_dead_rows(d_probs, live_rows)
+
+
+def weighted_activation_quantize_1x128_with_transpose(
+    h: jax.Array,
+    probs: jax.Array,
+    name: str,
+    gated: bool,
+    fmt: str = "e4m3",
+    *,
+    live_rows: jax.Array | None = None,
+    impl: str = "auto",
+) -> tuple[BlockwiseTensor, BlockwiseTensor]:
+    """`quantize_1x128_with_transpose(weighted_activation_forward(h, probs, name, gated), fmt)`,
+    the same bits: the FP8-blockwise copies of a = round(act(h) * probs) [M, F] that fc2 reads,
+    a in 1 x 128 blocks along F and a^T [F, M] in 1 x 128 blocks along M, on "pallas" made in
+    one pass over h without a in memory (module docstring). live_rows as
+    `quantize_1x128_with_transpose`'s. No gradient flows through it."""
+    h, probs = (jax.lax.stop_gradient(jnp.asarray(v)) for v in (h, probs))
+    if h.ndim != 2 or probs.shape != h.shape[:1]:
+        raise ValueError(
+            "weighted_activation_quantize_1x128_with_transpose: needs h [M, 2F|F] and probs "
+            f"[M], got {h.shape}, {probs.shape}"
+        )
+    check_live_rows("weighted_activation_quantize_1x128_with_transpose", live_rows)
+    call = (h.shape, h.dtype, probs.shape, name, gated)
+    if registry.resolve("weighted_activation_quantize_1x128_with_transpose", impl, *call) == "xla":
+        a = weighted_activation_forward(h, probs, name, gated, live_rows=live_rows, impl=impl)
+        return quantize_1x128_with_transpose(a, fmt, live_rows=live_rows, impl=impl)
+    (data, scale_inv), (data_t, scale_inv_t) = weighted_swiglu_quantize_1x128_with_transpose_pallas(
+        h, probs, fmt, live_rows=live_rows
+    )
+    return (
+        BlockwiseTensor(data, scale_inv, (1,), fmt),
+        BlockwiseTensor(data_t, scale_inv_t, (1,), fmt),
+    )

@@ -323,6 +323,7 @@ def fp8_blockwise_gmm_forward(
     *,
     lhs_quantized=None,
     lhs_is_dequantized=False,
+    lhs_t_quantized=None,
     rhs_quantized=None,
     out_dtype,
     impl,
@@ -330,13 +331,21 @@ def fp8_blockwise_gmm_forward(
     write_rows_past_groups=True,
 ) -> tuple[jax.Array, Fp8BlockwiseGmmResiduals]:
     """`fp8_blockwise_gmm`'s forward rule (no argument checks): the output and the residuals
-    for `fp8_blockwise_gmm_backward`. Public for ops that fuse the GEMM with their neighbours."""
+    for `fp8_blockwise_gmm_backward`. Public for ops that fuse the GEMM with their neighbours.
+    lhs_t_quantized (with lhs_quantized): the weight gradient's copy of lhs made elsewhere,
+    `quantize_1x128_transposed(lhs)` in value (the experts' activation quantized as it is
+    computed, `jaxmoe.ops.weighted_activation_quantize_1x128_with_transpose`): lhs's values
+    are then never read."""
     dtype = jnp.dtype(lhs.dtype)
     copies = rhs_quantized
     if copies is None:
         copies = quantize_blockwise_weights(rhs.astype(dtype), impl=impl)
     live = _live_rows(group_sizes, write_rows_past_groups)
-    if lhs_quantized is None:
+    if lhs_t_quantized is not None:
+        if lhs_quantized is None:
+            raise ValueError("fp8_blockwise_gmm_forward: lhs_t_quantized needs lhs_quantized")
+        lhs_rowwise, lhs_t = lhs_quantized, lhs_t_quantized
+    elif lhs_quantized is None:
         lhs_rowwise, lhs_t = quantize_1x128_with_transpose(lhs, live_rows=live, impl=impl)
     elif lhs_is_dequantized:
         lhs_rowwise = lhs_quantized

@@ -26,6 +26,7 @@ from jaxmoe.ops.pallas.activation_tiles import (
     loads_per_tile,
     spread_rows,
     swiglu_problem,
+    weighted_swiglu,
 )
 from jaxmoe.ops.pallas.row_pipeline import (
     COMPILER_PARAMS,
@@ -87,8 +88,7 @@ def _kernel(m, f, dtype, counted, interpret):
                     plgpu.load(in_smem.at[slot, a, q], layout=chunk_layout).astype(F32)
                     for a in range(2)
                 )
-                act = gate * jax.nn.sigmoid(gate)
-                out_smem.at[slot, 0, q][...] = ((act * up) * p).astype(dtype)
+                out_smem.at[slot, 0, q][...] = weighted_swiglu(gate, up, p).astype(dtype)
 
         def store(t, slot):
             tiles.store_chunks(t, slot, ((a_gmem, 0),), out_smem)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -38,6 +39,13 @@ def swiglu_problem(h_shape, h_dtype, dtypes=HALF_DTYPES) -> str | None:
     if m == 0 or (two_f // 2) % COLUMNS:
         return f"needs M > 0 and F a multiple of {COLUMNS}, got M={m}, F={two_f // 2}"
     return None
+
+
+def weighted_swiglu(gate, up, p):
+    """silu(gate) * up * p in fp32, in `jaxmoe.ops.activation.gated_activation`'s order
+    (silu(gate) = gate * sigmoid(gate), times up, then times p), for every kernel that computes
+    the weighted activation: their bits equal XLA's on the GPU (docs/kernels.md)."""
+    return ((gate * jax.nn.sigmoid(gate)) * up) * p
 
 
 def layout():
