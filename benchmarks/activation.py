@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import sys
 import time
@@ -58,7 +57,6 @@ from jaxmoe.ops import (  # noqa: E402
 )
 from jaxmoe.ops.pallas.quantize_transpose_hopper import (  # noqa: E402
     TransposeQuantizeConfig,
-    default_swiglu_config,
     weighted_swiglu_quantize_1x128_with_transpose_pallas,
 )
 from jaxmoe.shapes import SHAPES  # noqa: E402
@@ -66,10 +64,8 @@ from jaxmoe.shapes import SHAPES  # noqa: E402
 LAYOUTS = [(32, 3), (32, 4), (32, 5), (32, 6), (16, 4), (64, 3), (64, 4), (128, 3)]
 CPU_ROWS, CPU_MAX_FFN = 128, 512  # smoke sizes on a CPU
 # The fused forward-and-quantize kernel's configs beside its default (bf16: two CTAs an SM, one
-# input slot each): that one with each slot refilled as soon as its tile is in registers, and
-# one CTA with two input slots and one or two output slots.
+# input slot each): one CTA with two or three input slots.
 FUSED_VARIANTS = {
-    "refill_early": dataclasses.replace(default_swiglu_config(jnp.bfloat16), refill_early=True),
     "one_cta_two_slots": TransposeQuantizeConfig(
         slots=2, output_slots=1, transpose="in_place", column_source="registers"
     ),

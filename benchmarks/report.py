@@ -17,15 +17,13 @@ _START = time.perf_counter()
 
 
 def parse_variants(text: str) -> dict[str, dict]:
-    """ "name:field=value,...;..." -> {name: {field: value}} (ints where they parse, True and
-    False as bools), for `dataclasses.replace` of a kernel config."""
-    booleans = {"True": True, "False": False}
-    parse = lambda v: int(v) if v.lstrip("-").isdigit() else booleans.get(v, v)  # noqa: E731
+    """ "name:field=value,...;..." -> {name: {field: value}} (ints where they parse), for
+    `dataclasses.replace` of a kernel config."""
     variants = {}
     for item in filter(None, text.split(";")):
         name, _, fields = item.partition(":")
         pairs = (f.split("=") for f in filter(None, fields.split(",")))
-        variants[name] = {k: parse(v) for k, v in pairs}
+        variants[name] = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in pairs}
     return variants
 
 

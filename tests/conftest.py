@@ -104,11 +104,6 @@ FURTHER_CASES = frozenset(
         "test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape4-9-bfloat16]",
         "test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape4-9-float32]",
         "test_quantize_1x128_pallas.py::test_kernels_equal_the_reference_bitwise[gather-bf16-e5m2]",
-        "test_quantize_transpose_pallas.py::test_variants_equal_the_reference_bitwise"
-        "[transposed-refill_early]",
-        "test_quantize_transpose_pallas.py::test_variants_equal_the_reference_bitwise"
-        "[weights-refill_early]",
-        "test_quantize_transpose_pallas.py::test_requantize_variants_reuse_every_slot[refill_early]",
         "test_quantize_transpose_pallas.py::test_swiglu_copies_equal_the_reference_bitwise"
         "[one_cta_two_slots]",
         "test_gmm_pallas.py::test_lowering_for_hopper_is_as_fast_for_256_experts_as_for_8",

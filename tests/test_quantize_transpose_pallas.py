@@ -4,7 +4,6 @@ along M; the experts' weighted SwiGLU quantized so as it is computed) against
 `jaxmoe.fp8_blockwise`, bit for bit: on CPU in Mosaic GPU interpret mode with
 the race detector, on the H200 when marked `gpu`; lowering at the real shapes."""
 
-import dataclasses
 import functools
 
 import jax
@@ -52,14 +51,6 @@ VARIANTS = {
     "two_ctas": TransposeQuantizeConfig(ctas_per_sm=2, transpose="in_place"),
     "three_ctas": TransposeQuantizeConfig(
         ctas_per_sm=3, transpose="in_place", rowwise_encode="under_wgmma"
-    ),
-    "refill_early": TransposeQuantizeConfig(
-        ctas_per_sm=2,
-        slots=2,
-        output_slots=1,
-        transpose="in_place",
-        column_source="registers",
-        refill_early=True,
     ),
 }
 
@@ -143,8 +134,7 @@ def test_long_pipelines_reuse_every_slot(interpret, kind):
 @pytest.mark.parametrize(
     "kind, variant",
     [("with_transpose", name) for name in VARIANTS]
-    + [("transposed", "one_cta"), ("transposed", "refill_early")]
-    + [("weights", "two_ctas"), ("weights", "registers"), ("weights", "refill_early")],
+    + [("transposed", "one_cta"), ("weights", "two_ctas"), ("weights", "registers")],
 )
 def test_variants_equal_the_reference_bitwise(interpret, kind, variant):
     """Each config, specials included, over 3 tiles more than the interpreter's CTAs hold at
@@ -164,8 +154,6 @@ def test_configs_are_checked():
         (dict(column_source="l2"), "column_source must be one of"),
         (dict(slots=0), "slots must be a positive int"),
         (dict(output_slots=1.5), "output_slots must be a positive int"),
-        (dict(refill_early=True), "refill_early needs column_source='registers'"),
-        (dict(refill_early="yes", column_source="registers"), "refill_early must be a bool"),
     ]:
         with pytest.raises(ValueError, match=match):
             TransposeQuantizeConfig(**fields)
@@ -397,7 +385,7 @@ def test_requantize_equals_the_reference_bitwise(interpret, dtype, fmt):
     check_requantize(wire_copy((4 * BLOCK, 3 * BLOCK), fmt, seed=21), dtype, "exact")
 
 
-@pytest.mark.parametrize("variant", ["one_cta", "registers", "refill_early"])
+@pytest.mark.parametrize("variant", ["one_cta", "registers"])
 def test_requantize_variants_reuse_every_slot(interpret, variant):
     """The default config and two others over 3 tiles more than the CTAs hold in their rings."""
     config = VARIANTS[variant]
@@ -459,7 +447,6 @@ SWIGLU_VARIANTS = {
     "one_cta_two_slots": TransposeQuantizeConfig(
         slots=2, output_slots=1, transpose="in_place", column_source="registers"
     ),
-    "refill_early": dataclasses.replace(default_swiglu_config(BF16), refill_early=True),
 }
 
 

@@ -125,9 +125,6 @@ class TransposeQuantizeConfig:
                    amax alone, and the rowwise copy is encoded while the transposing wgmma
                    runs, the top half's 64 rows under the first instruction group, the bottom
                    half's under the second.
-    refill_early   (with column_source "registers") the input slot's next tile is loaded as
-                   soon as the tile is in registers, during the encodes and the transpose,
-                   rather than after the tile's stores are issued.
     """
 
     ctas_per_sm: int = 1
@@ -136,7 +133,6 @@ class TransposeQuantizeConfig:
     transpose: str = "separate"
     column_source: str = "smem"
     rowwise_encode: str = "first_pass"
-    refill_early: bool = False
 
     def __post_init__(self):
         choices = dict(
@@ -151,15 +147,6 @@ class TransposeQuantizeConfig:
                     f"TransposeQuantizeConfig.{field} must be one of {allowed}, got "
                     f"{getattr(self, field)!r}"
                 )
-        if not isinstance(self.refill_early, bool):
-            raise ValueError(
-                f"TransposeQuantizeConfig.refill_early must be a bool, got {self.refill_early!r}"
-            )
-        if self.refill_early and self.column_source != "registers":
-            raise ValueError(
-                "TransposeQuantizeConfig.refill_early needs column_source='registers' (the "
-                "column encode reads the tile from its input slot otherwise)"
-            )
         for field in ("slots", "output_slots"):
             value = getattr(self, field)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -516,25 +503,19 @@ def _smem_parts(x_smem):
     return lambda i: plgpu.load(x_smem.at[_PARTS[i]], layout=_LAYOUT)
 
 
-def _tile_parts(load, config, as_bits=None, convert_once=False, refill=None):
+def _tile_parts(load, config, as_bits=None, convert_once=False):
     """part_bits(i): the fp32 bits (as_bits(values, i); None: the values widened) of part i
     (`_PARTS`) of a tile whose values load(i) gives (from SMEM), loaded again at each call, or
     with `column_source="registers"` loaded once and held (converted once with
-    `convert_once`); then, given `refill` (`config.refill_early`), the input slot is handed
-    back to the pipeline."""
+    `convert_once`)."""
     as_bits = as_bits or (lambda values, _: float32_bits(values))
     if config.column_source != "registers":
         return lambda i: as_bits(load(i), i)
     if convert_once:
         held = [as_bits(load(i), i) for i in range(len(_PARTS))]
-        part_bits = lambda i: held[i]  # noqa: E731
-    else:
-        held = [load(i) for i in range(len(_PARTS))]  # as loaded: bf16 takes half the registers
-        part_bits = lambda i: as_bits(held[i], i)  # noqa: E731
-    if refill is not None:
-        plgpu.commit_smem()  # every warp's reads of the slot before the TMA writes it
-        refill()
-    return part_bits
+        return lambda i: held[i]
+    held = [load(i) for i in range(len(_PARTS))]  # as loaded: bf16 takes half the registers
+    return lambda i: as_bits(held[i], i)
 
 
 def _column_maxima(running, bits):
@@ -638,8 +619,8 @@ def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, config, interpret):
 
         fetch = _tile_fetch(x_gmem, x_smem, lambda t: [window(t)[:2]])
 
-        def compute(slot, out, refill=None):
-            part_bits = _tile_parts(_smem_parts(x_smem.at[slot]), config, refill=refill)
+        def compute(slot, out):
+            part_bits = _tile_parts(_smem_parts(x_smem.at[slot]), config)
             maxima = None
             for i in range(len(_PARTS)):
                 maxima = _column_maxima(maxima, part_bits(i))
@@ -663,17 +644,7 @@ def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, config, interpret):
                 t_smem.at[out], data_t_gmem.at[t_rows, t_columns], commit_group=False
             )
 
-        split_pipeline(
-            num_tiles,
-            ctas,
-            loaded,
-            fetch,
-            compute,
-            store,
-            slots,
-            output_slots,
-            config.refill_early,
-        )
+        split_pipeline(num_tiles, ctas, loaded, fetch, compute, store, slots, output_slots)
 
     return plgpu.kernel(
         quantize_128x128,
@@ -770,7 +741,7 @@ def _activations_kernel(
                 lambda t: (0 if swiglu else window(t)[1], window(t)[2]),
             )
 
-        def compute(slot, out, refill=None):
+        def compute(slot, out):
             as_bits, load = None, _smem_parts(x_smem.at[slot])
             if dequantizing:
                 as_bits = functools.partial(
@@ -783,7 +754,7 @@ def _activations_kernel(
                     more_smem["input_scale_smem"].at[slot],
                     dtype,
                 )
-            part_bits = _tile_parts(load, config, as_bits, dequantizing, refill)
+            part_bits = _tile_parts(load, config, as_bits, convert_once=dequantizing)
 
             def encode_rows(i, bits):
                 """The rowwise copy of part i."""
@@ -844,9 +815,7 @@ def _activations_kernel(
 
         # Counted: the block rows holding rows [0, live_rows).
         tiles = live_tiles(live_gmem, m, BLOCK, column_tiles) if counted else num_tiles
-        split_pipeline(
-            tiles, ctas, loaded, fetch, compute, store, slots, output_slots, config.refill_early
-        )
+        split_pipeline(tiles, ctas, loaded, fetch, compute, store, slots, output_slots)
 
     out_type = (
         jax.ShapeDtypeStruct((k, m), jnp.int8),

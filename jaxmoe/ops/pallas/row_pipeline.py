@@ -108,36 +108,24 @@ def pipeline(num_tiles, ctas, loaded, fetch, compute, store, stages=STAGES):
     )
 
 
-def split_pipeline(
-    num_tiles, ctas, loaded, fetch, compute, store, stages, output_slots, refill_early=False
-):
+def split_pipeline(num_tiles, ctas, loaded, fetch, compute, store, stages, output_slots):
     """`pipeline` with `output_slots` output buffers next to the `stages` input slots (fewer
     outputs leave SMEM for more loads in flight): step i reads input slot i % stages into
     output slot i % output_slots (compute(slot, out), then store(tile, out)), once the stores
-    of step i - output_slots have read that output slot. `refill_early`: compute(slot, out,
-    refill) calls refill() once, after its last read of the input slot (and a commit_smem that
-    orders those reads before the TMA's writes), so that the slot's next tile loads during the
-    rest of the compute; otherwise the slot is refilled after the step's stores are issued."""
+    of step i - output_slots have read that output slot."""
     tile, steps = _start(num_tiles, ctas, loaded, fetch, stages)
 
     def run_step(step, carry):
         slot = lax.rem(step, stages)
         out = lax.rem(step, output_slots)
         issue_next = fetch(tile(step + stages))
-        refill = lambda: pl.when(step + stages < steps)(  # noqa: E731
-            functools.partial(issue_next, slot, loaded.at[slot])
-        )
         plgpu.barrier_wait(loaded.at[slot])
         plgpu.wait_smem_to_gmem(output_slots - 1, wait_read_only=True)
-        if refill_early:
-            compute(slot, out, refill)
-        else:
-            compute(slot, out)
+        compute(slot, out)
         plgpu.commit_smem()
         store(tile(step), out)
         plgpu.commit_smem_to_gmem_group()
-        if not refill_early:
-            refill()
+        pl.when(step + stages < steps)(functools.partial(issue_next, slot, loaded.at[slot]))
         return carry
 
     lax.fori_loop(0, steps, run_step, None)
