@@ -5,7 +5,10 @@ recipe joins by subclassing `ExpertRecipe` and registering in RECIPES.
 
 A recipe decides the GEMM arithmetic only: the rounding points around it (fc1 output, the
 weighted activation, fc2 output, the combine) are the expert MLP's and the same for every
-recipe (docs/numerics.md, "Experts and rounding points").
+recipe (docs/numerics.md, "Experts and rounding points"). A recipe may make fc2's quantized
+copies of the activation from fc1's output directly (`activation_copies`: FP8-blockwise SwiGLU
+experts, in one kernel pass that never writes the activation), with the bits of quantizing
+the activation.
 
 The token-level options ("mxfp8" or "fp8_blockwise", `jaxmoe.wire`) work with every recipe
 (docs/numerics.md, "MXFP8" and "FP8 blockwise"):
