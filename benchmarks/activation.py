@@ -25,6 +25,12 @@ bf16, incoming gradient [M, F] bf16, probabilities [M] fp32):
                   (`weighted_activation_quantize_1x128_with_transpose(impl="pallas")`, and the
                   kernel under each of FUSED_VARIANTS' configs), recorded with whether its four
                   outputs are the two passes' bits (`same_bits`)
+  backward_quantized_two_passes  fc1's two FP8-blockwise copies of d h (and d p) as the layer
+                  made them before the fused kernel: the backward's kernel, then
+                  `quantize_1x128_with_transpose` (its kernel)
+  backward_quantized_fused  the same from h and the gradient in one pass
+                  (`weighted_activation_backward_quantize_1x128_with_transpose(impl="pallas")`),
+                  recorded with whether its five outputs are the two passes' bits (`same_bits`)
   copy_h          h * 2: the memory bandwidth on the same bytes
 Device time per call from the JAX profiler (`benchmarks.timing.device_seconds`; on a CPU the
 wall time of one call, a smoke test only). Writes activation_<date>[_tag].json to --out.
@@ -52,6 +58,7 @@ from jaxmoe.experts import weighted_activation  # noqa: E402
 from jaxmoe.ops import (  # noqa: E402
     quantize_1x128_with_transpose,
     weighted_activation_backward,
+    weighted_activation_backward_quantize_1x128_with_transpose,
     weighted_activation_forward,
     weighted_activation_quantize_1x128_with_transpose,
 )
@@ -123,6 +130,14 @@ def programs(config, rows: int) -> dict:
                 h, p, "silu", True, impl="pallas"
             )
         )
+        fns["backward_quantized_two_passes"] = jax.jit(
+            lambda h, p, g: two_copies_of_backward(h, p, g)
+        )
+        fns["backward_quantized_fused"] = jax.jit(
+            lambda h, p, g: weighted_activation_backward_quantize_1x128_with_transpose(
+                h, p, g, "silu", True, impl="pallas"
+            )
+        )
         for name, fused_config in FUSED_VARIANTS.items():
             fns[f"quantized_fused_{name}"] = jax.jit(
                 lambda h, p, g, c=fused_config: (
@@ -131,6 +146,13 @@ def programs(config, rows: int) -> dict:
             )
     fns["copy_h"] = jax.jit(lambda h, p, g: h * 2)
     return fns
+
+
+def two_copies_of_backward(h, p, g):
+    """fc1's two FP8-blockwise copies of d h and d p as the layer made them before the fused
+    kernel: the backward's kernel, then `quantize_1x128_with_transpose` (its kernel)."""
+    d_h, d_p = weighted_activation_backward(h, p, g, "silu", True, impl="pallas")
+    return (*quantize_1x128_with_transpose(d_h, impl="pallas"), d_p)
 
 
 def seconds(fn, args) -> float:
@@ -166,7 +188,7 @@ def bench_shape(name: str) -> dict:
         jax.random.normal(key_g, (rows, ffn), jnp.bfloat16),
     )
     record = {"rows": rows, "ffn": ffn, "variants": {}}
-    reference = forward_reference = copies_reference = None
+    reference = forward_reference = copies_reference = backward_reference = None
     for variant, fn in programs(config, rows).items():
         out = jax.block_until_ready(fn(*args))
         entry = {"us": seconds(fn, args) * 1e6}
@@ -183,6 +205,10 @@ def bench_shape(name: str) -> dict:
             copies_reference = jax.tree.leaves(out)
         if variant.startswith("quantized_fused"):
             entry["same_bits"] = same_bits(jax.tree.leaves(out), copies_reference)
+        if variant == "backward_quantized_two_passes":
+            backward_reference = jax.tree.leaves(out)
+        if variant == "backward_quantized_fused":
+            entry["same_bits"] = same_bits(jax.tree.leaves(out), backward_reference)
         if variant == "kernel":
             entry["d_h_equal_fraction"] = float(jnp.mean(out[0] == reference[0]))
             relative = jnp.abs(out[1] - reference[1]) / jnp.maximum(jnp.abs(reference[1]), 1e-30)
@@ -193,6 +219,8 @@ def bench_shape(name: str) -> dict:
     record["one_pass_bytes"] = rows * 5 * ffn * 2
     # The fused forward-and-quantize: read h, write both fp8 copies (scales aside).
     record["quantized_fused_bytes"] = rows * ffn * (2 * 2 + 2)
+    # The fused backward-and-quantize: read h and the gradient, write d h's two fp8 copies.
+    record["backward_quantized_fused_bytes"] = rows * ffn * (2 * 2 + 2 + 2 * 2)
     return record
 
 

@@ -190,29 +190,41 @@ def grouped_mlp(
     fc1_bias, fc2_bias = per_group(weights.fc1_bias), per_group(weights.fc2_bias)
     # The bias is added to the fp32 accumulator before the single rounding, as in TE's epilogue.
     fc1_out_dtype = F32 if fc1_bias is not None else dtype
-    with jax.named_scope("fc1"):
-        h = recipe.fc1(
+    # The activation's kernels take SwiGLU alone: the layer's "pallas" lets them run where they
+    # can ("auto"), XLA elsewhere.
+    activation_impl = "auto" if gmm_impl == "pallas" else gmm_impl
+    fused = None
+    if fc1_bias is None:
+        fused = recipe.fc1_and_activation(
             rows,
             fc1_kernel,
+            row_probs.astype(F32),
             route,
             rows_quantized=rows_quantized,
             weights=expert_weights,
-            out_dtype=fc1_out_dtype,
+            config=config,
             impl=gmm_impl,
+            activation_impl=activation_impl,
         )
-        if fc1_bias is not None:
-            h = h + bias_per_row(fc1_bias, route, gmm_impl)
-        h = h.astype(dtype)
+    if fused is not None:
+        h, a = fused
+    else:
+        with jax.named_scope("fc1"):
+            h = recipe.fc1(
+                rows,
+                fc1_kernel,
+                route,
+                rows_quantized=rows_quantized,
+                weights=expert_weights,
+                out_dtype=fc1_out_dtype,
+                impl=gmm_impl,
+            )
+            if fc1_bias is not None:
+                h = h + bias_per_row(fc1_bias, route, gmm_impl)
+            h = h.astype(dtype)
+        with jax.named_scope("activation"):
+            a = weighted_activation(h, row_probs, config, activation_impl, route.live_rows)
     with jax.named_scope("activation"):
-        # The activation's kernel takes SwiGLU alone: the layer's "pallas" lets it run where
-        # it can ("auto"), XLA elsewhere.
-        a = weighted_activation(
-            h,
-            row_probs,
-            config,
-            "auto" if gmm_impl == "pallas" else gmm_impl,
-            route.live_rows,
-        )
         a_quantized = recipe.activation_copies(h, row_probs, config, route.live_rows, gmm_impl)
     row_bias = None
     if fc2_bias is not None:

@@ -43,7 +43,13 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.fp8_blockwise import BlockwiseTensor
 from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops import fp8_blockwise_gmm, gmm
-from jaxmoe.ops.activation import not_swiglu, weighted_activation_quantize_1x128_with_transpose
+from jaxmoe.ops.activation import (
+    not_swiglu,
+    weighted_activation_backward,
+    weighted_activation_backward_quantize_1x128_with_transpose,
+    weighted_activation_forward,
+    weighted_activation_quantize_1x128_with_transpose,
+)
 from jaxmoe.ops.fp8_blockwise_gmm import (
     BlockwiseWeights,
     fp8_blockwise_gmm_backward,
@@ -124,6 +130,27 @@ class ExpertRecipe(abc.ABC):
         a.dtype, plus row_bias (fp32, or None) before that rounding, then the combine
         (`jaxmoe.dispatch.LocalRoute` says what a route provides). a_quantized: this recipe's
         `activation_copies` of a, or None."""
+
+    def fc1_and_activation(
+        self,
+        rows: jax.Array,
+        kernel: jax.Array,
+        probs: jax.Array,
+        route: Any,
+        *,
+        rows_quantized: QuantizedRows | None,
+        weights,
+        config: MoEConfig,
+        impl: str,
+        activation_impl: str,
+    ) -> tuple[jax.Array, jax.Array] | None:
+        """(h, a): fc1 in rows' dtype (no bias) and the weighted activation
+        a = round(act(h) * probs) (probs [M] fp32; `jaxmoe.ops.weighted_activation_forward`
+        with activation_impl), with the bits of `fc1` then the expert MLP's activation, as one
+        VJP whose backward hands fc1's backward its quantized copies of d h made by the
+        activation's backward (FP8-blockwise SwiGLU experts: d h is then never in memory); or
+        None: the expert MLP runs the two itself."""
+        return None
 
     def activation_copies(
         self, h: jax.Array, probs: jax.Array, config: MoEConfig, live_rows, impl: str
@@ -280,6 +307,27 @@ class Fp8BlockwiseRecipe(Bf16Recipe):
         fc2_weights = None if weights is None else weights.fc2
         return _fc2_and_combine(
             a, kernel, row_bias, route, fc2_weights, a_quantized, combine_bwd_dtype, impl, self
+        )
+
+    def fc1_and_activation(
+        self, rows, kernel, probs, route, *, rows_quantized, weights, config, impl, activation_impl
+    ):
+        """SwiGLU experts: fc1 and the activation in one VJP whose backward makes d h's two
+        1x128 copies in one pass over h and the activation's gradient
+        (`ops.weighted_activation_backward_quantize_1x128_with_transpose`, the bits fc1's own
+        quantize of d h gives) and hands them to fc1's backward. Other activations: None."""
+        if not_swiglu(config.activation, config.gated_linear_unit):
+            return None
+        self.check_copies(weights)
+        return _fc1_and_swiglu(
+            rows,
+            kernel,
+            probs,
+            route,
+            None if weights is None else weights.fc1,
+            rows_quantized if isinstance(rows_quantized, BlockwiseTensor) else None,
+            impl,
+            activation_impl,
         )
 
     def activation_copies(self, h, probs, config, live_rows, impl):
@@ -456,3 +504,79 @@ def _fc2_and_combine_bwd(combine_bwd_dtype, gmm_impl, recipe, residuals, cotange
 
 
 _fc2_and_combine.defvjp(_fc2_and_combine_fwd, _fc2_and_combine_bwd, symbolic_zeros=True)
+
+
+@struct.dataclass
+class _Fc1ActivationResiduals:
+    gemm: Any  # fc1's `Fp8BlockwiseGmmResiduals`
+    h: jax.Array
+    probs: jax.Array
+    live_rows: Any
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _fc1_and_swiglu(rows, kernel, probs, route, fc1_weights, rows_quantized, gmm_impl, act_impl):
+    """(h, a) of FP8-blockwise fc1 (`Fp8BlockwiseRecipe.gemm`'s bits) and the weighted SwiGLU
+    (`Fp8BlockwiseRecipe.fc1_and_activation`)."""
+    return _fc1_then_swiglu(
+        rows, kernel, probs, route, fc1_weights, rows_quantized, gmm_impl, act_impl
+    )[0]
+
+
+def _fc1_and_swiglu_fwd(
+    rows, kernel, probs, route, fc1_weights, rows_quantized, gmm_impl, act_impl
+):
+    primals = custom_vjp_primal_tree_values(
+        (rows, kernel, probs, route, fc1_weights, rows_quantized)
+    )
+    return _fc1_then_swiglu(*primals, gmm_impl, act_impl)
+
+
+def _fc1_then_swiglu(rows, kernel, probs, route, fc1_weights, rows_quantized, gmm_impl, act_impl):
+    """((h, a), the backward's residuals)."""
+    with jax.named_scope("fc1"):
+        h, gemm_residuals = fp8_blockwise_gmm_forward(
+            rows,
+            kernel,
+            route.group_sizes,
+            lhs_quantized=rows_quantized,
+            lhs_is_dequantized=rows_quantized is not None,  # the dispatched wire rows
+            rhs_quantized=fc1_weights,
+            out_dtype=rows.dtype,
+            impl=gmm_impl,
+            groups_per_weight=route.groups_per_weight,
+            write_rows_past_groups=route.live_rows is None,
+        )
+    with jax.named_scope("activation"):
+        a = weighted_activation_forward(
+            h, probs, "silu", True, live_rows=route.live_rows, impl=act_impl
+        )
+    residuals = _Fc1ActivationResiduals(gemm_residuals, h, probs, route.live_rows)
+    return (h, a), residuals
+
+
+def _fc1_and_swiglu_bwd(gmm_impl, act_impl, residuals, cotangents):
+    d_h_direct, d_a = cotangents
+    h, probs, live_rows = residuals.h, residuals.probs, residuals.live_rows
+    if isinstance(d_a, SymbolicZero):  # only the fc1_output stage is used
+        d_a = jnp.zeros(d_a.shape, d_a.dtype)
+    with jax.named_scope("activation"):
+        if isinstance(d_h_direct, SymbolicZero):
+            d_h_rowwise, d_h_t, d_probs = (
+                weighted_activation_backward_quantize_1x128_with_transpose(
+                    h, probs, d_a, "silu", True, live_rows=live_rows, impl=act_impl
+                )
+            )
+            d_h = None
+        else:
+            # The fc1_output stage itself is differentiated: fc1's gradient is the sum.
+            d_h, d_probs = weighted_activation_backward(
+                h, probs, d_a, "silu", True, live_rows=live_rows, impl=act_impl
+            )
+            d_h, d_h_rowwise, d_h_t = d_h + d_h_direct, None, None
+    with jax.named_scope("fc1"):
+        d_rows, d_kernel = fp8_blockwise_gmm_backward(residuals.gemm, d_h, d_h_rowwise, d_h_t)
+    return d_rows, d_kernel, d_probs, None, None, None
+
+
+_fc1_and_swiglu.defvjp(_fc1_and_swiglu_fwd, _fc1_and_swiglu_bwd, symbolic_zeros=True)

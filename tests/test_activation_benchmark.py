@@ -19,6 +19,7 @@ def test_activation_benchmark_runs_and_records_every_layout(tmp_path, interpret)
     forwards = {"forward_xla", "forward_kernel", "forward_kernel_live_eighth"}
     quantized = {"quantized_two_passes", "quantized_fused"}
     quantized |= {f"quantized_fused_{name}" for name in activation.FUSED_VARIANTS}
+    quantized |= {"backward_quantized_two_passes", "backward_quantized_fused"}
     assert set(variants) == expected | {"kernel", "copy_h"} | forwards | quantized
     assert all(v["us"] > 0 for v in variants.values())
     for lanes, levels in activation.LAYOUTS:
@@ -29,7 +30,9 @@ def test_activation_benchmark_runs_and_records_every_layout(tmp_path, interpret)
     assert variants["kernel"]["d_h_equal_fraction"] > 0.99
     assert variants["kernel"]["d_p_max_rel"] < 1e-4
     assert variants["forward_kernel"]["a_equal_fraction"] == 1.0  # the interpreter's sigmoid
-    # fc2's copies of a from h in one pass: the two passes' bits under every config.
-    assert all(variants[name]["same_bits"] for name in quantized - {"quantized_two_passes"})
+    # fc2's copies of a from h in one pass, and fc1's copies of d h from h and the gradient:
+    # the two passes' bits.
+    two_passes = {"quantized_two_passes", "backward_quantized_two_passes"}
+    assert all(variants[name]["same_bits"] for name in quantized - two_passes)
     # Negative control: another lane count sums in another order, which changes some bits.
     assert not all(v["same_bits"] for k, v in variants.items() if k.startswith("lanes"))

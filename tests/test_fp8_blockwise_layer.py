@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmoe import MoE, MoEConfig
+from jaxmoe import MoE, MoEConfig, recipes
 from jaxmoe import fp8_blockwise as fb
 from jaxmoe.ops import fp8_blockwise_gmm, gmm_fp8_blockwise, tgmm
 from jaxmoe.ops.fp8_blockwise_gmm import (
@@ -389,3 +389,40 @@ def test_bf16_experts_take_the_dequantized_wire_rows():
     assert differs(inference(bf16_wire, x), y1)  # control
     alone = inference(model, x[:, 5:6])
     assert_bitwise(inference(model, x)[:, 5:6], alone)
+
+
+@pytest.mark.parametrize("loss_of", ["y", "y_and_fc1_output", "fc1_output"])
+def test_fc1_and_activation_in_one_vjp_give_the_unfused_bits(monkeypatch, loss_of):
+    """SwiGLU experts run fc1 and the activation as one VJP (`Fp8BlockwiseRecipe.
+    fc1_and_activation`), whose backward quantizes d h as the activation's backward makes it
+    (`ops.weighted_activation_backward_quantize_1x128_with_transpose`) and hands both copies
+    to fc1's backward: every gradient is bitwise that of fc1 then the activation, for a loss
+    of y, of y and the fc1_output stage (d h is then the sum, quantized by fc1's backward),
+    and of that stage alone. Control: the fused copies are made exactly when d h is the
+    activation's alone."""
+    calls = []
+    fused_op = recipes.weighted_activation_backward_quantize_1x128_with_transpose
+    monkeypatch.setattr(
+        recipes,
+        "weighted_activation_backward_quantize_1x128_with_transpose",
+        lambda *args, **kwargs: calls.append(1) or fused_op(*args, **kwargs),
+    )
+
+    def gradients():
+        def loss(model, x):
+            y, aux, stages = model.forward_with_stages(x)
+            total = aux.total_loss
+            if loss_of.startswith("y"):
+                total += jnp.sum(y.astype(jnp.float32) ** 2)
+            if loss_of.endswith("fc1_output"):
+                total += 1e-3 * jnp.sum(stages.fc1_output.astype(jnp.float32) ** 2)
+            return total
+
+        return nnx.jit(nnx.grad(loss))(make(), tokens(64).reshape(2, 32, H))
+
+    fused = gradients()
+    assert len(calls) == (loss_of == "y")
+    monkeypatch.setattr(recipes.Fp8BlockwiseRecipe, "fc1_and_activation", lambda *a, **k: None)
+    unfused = gradients()
+    for ours, theirs in zip(jax.tree.leaves(fused), jax.tree.leaves(unfused), strict=True):
+        assert_bitwise(ours, theirs)

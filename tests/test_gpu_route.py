@@ -121,10 +121,10 @@ EXPERTS = {
         quantize_128x128_transpose=2,  # each weight's two copies
         quantize_rowwise_1x128=2,  # the wire copies: the tokens, fc2's output gradient
         requantize_1x128_transposed=2,  # their wgrad copies, from their bytes
-        quantize_1x128_transpose=1,  # fc1's output gradient
         # fc2's input, quantized as the activation computes it: a itself is never computed
         weighted_swiglu_quantize_1x128_transpose=1,
-        weighted_swiglu_backward=1,
+        # fc1's output gradient, quantized as the activation's backward computes it
+        weighted_swiglu_backward_quantize_1x128_transpose=1,
     ),
 }
 # With few experts and row tiles (mixtral's 8 at these token counts) each call of a grouped
@@ -204,6 +204,12 @@ EXPERT_PARALLEL_STEPS = {
 COUNTED = ("dispatch", "weighted_swiglu_forward", "weighted_swiglu_backward")
 COUNTED += ("quantize_1x128_transpose", "requantize_1x128_transposed")
 COUNTED += ("weighted_swiglu_quantize_1x128_transpose",)
+COUNTED += ("weighted_swiglu_backward_quantize_1x128_transpose",)
+# The activation's passes over the live rows, by precision: (forward, backward).
+ACTIVATION_PASSES = {
+    "bf16": ("weighted_swiglu_forward", "weighted_swiglu_backward"),
+    "fp8_blockwise": COUNTED[-2:],
+}
 
 
 @pytest.mark.parametrize("precision", list(EXPERT_PARALLEL_STEPS))
@@ -215,8 +221,7 @@ def test_expert_parallel_step_takes_these_kernels_on_its_live_rows(simulated_h20
     taken = Kernels(e.params["name"] for e in eqns if e.primitive.name == KERNEL_PRIMITIVE)
     assert taken == EXPERT_PARALLEL_STEPS[precision]
     counted = [e for e in eqns if e.params.get("name") in COUNTED]
-    forward = "weighted_swiglu_forward" if precision == "bf16" else COUNTED[-1]
-    assert {e.params["name"] for e in counted} >= {"dispatch", forward, "weighted_swiglu_backward"}
+    assert {e.params["name"] for e in counted} >= {"dispatch", *ACTIVATION_PASSES[precision]}
     for e in counted:
         assert e.invars[-1].aval.shape == (1,) and e.invars[-1].aval.dtype == jnp.int32
     combines = [e for e in eqns if e.params.get("name") == "combine"]

@@ -3,6 +3,7 @@ for it in `jaxmoe.ops.registry`: "pallas")."""
 
 from jaxmoe.ops.activation import (
     weighted_activation_backward,
+    weighted_activation_backward_quantize_1x128_with_transpose,
     weighted_activation_forward,
     weighted_activation_quantize_1x128_with_transpose,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "weighted_activation_forward",
     "weighted_activation_backward",
     "weighted_activation_quantize_1x128_with_transpose",
+    "weighted_activation_backward_quantize_1x128_with_transpose",
     "gmm",
     "tgmm",
     "mxfp8_gmm",

@@ -27,6 +27,15 @@ FP8-blockwise copies of the forward, for fc2 (`weighted_activation_quantize_1x12
                  in memory; the same bits as the forward's kernel and the quantize's.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else the forward and the
                  quantize, each on "auto".
+FP8-blockwise copies of the backward's d h, for fc1's backward
+(`weighted_activation_backward_quantize_1x128_with_transpose`):
+  impl "xla"     the backward, then `jaxmoe.ops.quantize_1x128_with_transpose` of d h.
+  impl "pallas"  SwiGLU in one Hopper kernel that computes d h from each tile of h and g it
+                 loads and quantizes it both ways, with d p's first tree levels
+                 (ops/pallas/swiglu_backward_quantize_hopper.py): d h is never in memory; the
+                 bits of the backward's kernel and the quantize's.
+  impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else the backward and the
+                 quantize, each on "auto".
 """
 
 from __future__ import annotations
@@ -49,6 +58,10 @@ from jaxmoe.ops.pallas.activation_forward_hopper import (
 from jaxmoe.ops.pallas.quantize_transpose_hopper import (
     swiglu_transpose_problem,
     weighted_swiglu_quantize_1x128_with_transpose_pallas,
+)
+from jaxmoe.ops.pallas.swiglu_backward_quantize_hopper import (
+    swiglu_backward_quantize_problem,
+    weighted_swiglu_backward_quantize_1x128_with_transpose_pallas,
 )
 from jaxmoe.ops.quantize import quantize_1x128_with_transpose
 from jaxmoe.ordered import LEVELS_PER_PASS, row_sums_in_order, sum_in_order
@@ -78,8 +91,21 @@ def _quantized_problem(h_shape, h_dtype, probs_shape, name, gated) -> str | None
 
 registry.register("weighted_activation_forward", "pallas", problem=_forward_problem)
 registry.register("weighted_activation_backward", "pallas", problem=_backward_problem)
+
+
+def _quantized_backward_problem(h_shape, h_dtype, probs_shape, g_shape, g_dtype, name, gated):
+    return not_swiglu(name, gated) or swiglu_backward_quantize_problem(
+        h_shape, h_dtype, probs_shape, g_shape, g_dtype
+    )
+
+
 registry.register(
     "weighted_activation_quantize_1x128_with_transpose", "pallas", problem=_quantized_problem
+)
+registry.register(
+    "weighted_activation_backward_quantize_1x128_with_transpose",
+    "pallas",
+    problem=_quantized_backward_problem,
 )
 
 
@@ -156,10 +182,7 @@ def weighted_activation_backward(
     call = (h.shape, h.dtype, g.shape, g.dtype, name, gated)
     if registry.resolve("weighted_activation_backward", impl, *call) == "pallas":
         d_h, partials = weighted_swiglu_backward_pallas(h, probs, g, live_rows=live_rows)
-        # The tree's later levels over the tiles, then over the 32 lanes.
-        tiles = partials.reshape(h.shape[0], -1, BLOCK_SIZE)
-        lanes = sum_in_order(tiles, axis=1, levels_per_pass=LEVELS_PER_PASS)
-        return d_h, sum_in_order(lanes, axis=-1)
+        return d_h, _row_sums_of_partials(partials)
     out, pull = jax.vjp(lambda h: gated_activation(h, name, gated), h)
     g = g.astype(F32)
     (d_h,) = pull(g * probs.astype(F32)[:, None])
@@ -200,3 +223,58 @@ def weighted_activation_quantize_1x128_with_transpose(
         BlockwiseTensor(data, scale_inv, (1,), fmt),
         BlockwiseTensor(data_t, scale_inv_t, (1,), fmt),
     )
+
+
+def weighted_activation_backward_quantize_1x128_with_transpose(
+    h: jax.Array,
+    probs: jax.Array,
+    g: jax.Array,
+    name: str,
+    gated: bool,
+    fmt: str = "e4m3",
+    *,
+    live_rows: jax.Array | None = None,
+    impl: str = "auto",
+) -> tuple[BlockwiseTensor, BlockwiseTensor, jax.Array]:
+    """(d h's two FP8-blockwise copies, d probs) for a = round(act(h) * probs) and its gradient
+    g [M, F]: `quantize_1x128_with_transpose` of `weighted_activation_backward`'s d h (d h in
+    1 x 128 blocks along 2F|F, the dgrad operand of fc1, and d h^T [2F|F, M] in 1 x 128 blocks
+    along M, its wgrad operand) and that op's d probs [M] fp32, the same bits; on "pallas" made
+    in one pass over h and g without d h in memory (module docstring). live_rows as
+    `weighted_activation_backward`'s and `quantize_1x128_with_transpose`'s. No gradient flows
+    through it."""
+    h, probs, g = (jax.lax.stop_gradient(jnp.asarray(v)) for v in (h, probs, g))
+    if h.ndim != 2 or g.ndim != 2 or probs.shape != h.shape[:1]:
+        raise ValueError(
+            "weighted_activation_backward_quantize_1x128_with_transpose: needs h [M, 2F|F], "
+            f"probs [M] and g [M, F], got {h.shape}, {probs.shape}, {g.shape}"
+        )
+    op = "weighted_activation_backward_quantize_1x128_with_transpose"
+    check_live_rows(op, live_rows)
+    call = (h.shape, h.dtype, probs.shape, g.shape, g.dtype, name, gated)
+    if registry.resolve(op, impl, *call) == "xla":
+        d_h, d_probs = weighted_activation_backward(
+            h, probs, g, name, gated, live_rows=live_rows, impl=impl
+        )
+        rowwise, transposed = quantize_1x128_with_transpose(
+            d_h, fmt, live_rows=live_rows, impl=impl
+        )
+        return rowwise, transposed, d_probs
+    copies, partials = weighted_swiglu_backward_quantize_1x128_with_transpose_pallas(
+        h, probs, g, fmt, live_rows=live_rows
+    )
+    (data, scale_inv), (data_t, scale_inv_t) = copies
+    return (
+        BlockwiseTensor(data, scale_inv, (1,), fmt),
+        BlockwiseTensor(data_t, scale_inv_t, (1,), fmt),
+        _row_sums_of_partials(partials),
+    )
+
+
+def _row_sums_of_partials(partials: jax.Array) -> jax.Array:
+    """Each row's sum from a kernel's partial sums [M, C x 32] (its first tree levels over the
+    row's 32-column chunks, 32 lanes a block of columns): the tree's later levels over the
+    blocks, then over the lanes, as `row_sums_in_order` adds them."""
+    blocks = partials.reshape(partials.shape[0], -1, BLOCK_SIZE)
+    lanes = sum_in_order(blocks, axis=1, levels_per_pass=LEVELS_PER_PASS)
+    return sum_in_order(lanes, axis=-1)

@@ -377,18 +377,27 @@ def fp8_blockwise_gmm_forward(
 
 def fp8_blockwise_gmm_backward(
     residuals: Fp8BlockwiseGmmResiduals,
-    grad: jax.Array,
+    grad: jax.Array | None,
     grad_quantized: BlockwiseTensor | None = None,
+    grad_t_quantized: BlockwiseTensor | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`fp8_blockwise_gmm`'s backward rule: (d_lhs, d_rhs) for the output gradient grad
     [M, N], rounded to the compute dtype and quantized in 1 x 128 blocks along N (dgrad) and
     along the rows (wgrad). grad_quantized: a 1 x 128 copy along N whose dequantized values in
     the compute dtype are grad (the combine gradient's wire copy): dgrad takes it as it is (the
     same values as grad's copy, so the same products) and wgrad's copy is requantized from its
-    fp8 bytes; grad's values are then never read."""
+    fp8 bytes; grad's values are then never read. grad_t_quantized (with grad_quantized): the
+    wgrad copy made elsewhere, `quantize_1x128_transposed` of the rounded grad in value (the
+    experts' activation gradient quantized as it is computed,
+    `jaxmoe.ops.weighted_activation_backward_quantize_1x128_with_transpose`); grad may then be
+    None."""
     dtype, impl, n = residuals.dtype, residuals.impl, residuals.groups_per_weight
     live = _live_rows(residuals.group_sizes, residuals.write_rows_past_groups)
-    if grad_quantized is None:
+    if grad_t_quantized is not None:
+        if grad_quantized is None:
+            raise ValueError("fp8_blockwise_gmm_backward: grad_t_quantized needs grad_quantized")
+        grad_rowwise, grad_t = grad_quantized, grad_t_quantized
+    elif grad_quantized is None:
         grad_rowwise, grad_t = quantize_1x128_with_transpose(
             grad.astype(dtype), live_rows=live, impl=impl
         )

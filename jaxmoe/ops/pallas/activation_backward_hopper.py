@@ -35,6 +35,7 @@ from jaxmoe.ops.pallas.activation_tiles import (
     loads_per_tile,
     spread_rows,
     swiglu_problem,
+    weighted_swiglu_backward,
 )
 from jaxmoe.ops.pallas.row_pipeline import COMPILER_PARAMS, live_input, num_ctas, pipeline
 
@@ -101,14 +102,10 @@ def _kernel(m, f, dtype, counted, interpret):
                     plgpu.load(in_smem.at[slot, a, q], layout=chunk_layout).astype(F32)
                     for a in range(3)
                 )
-                s = jax.nn.sigmoid(gate)
-                act = gate * s
-                ct = g * p
-                d_act = ct * up
-                d_gate = d_act * s + (d_act * gate) * (s * (1.0 - s))
+                d_gate, d_up, product = weighted_swiglu_backward(gate, up, g, p)
                 out_smem.at[slot, 0, q][...] = d_gate.astype(dtype)
-                out_smem.at[slot, 1, q][...] = (ct * act).astype(dtype)
-                _push(stack, g * (act * up))
+                out_smem.at[slot, 1, q][...] = d_up.astype(dtype)
+                _push(stack, product)
             [(_, total)] = stack
             part_smem.at[slot][...] = total
 

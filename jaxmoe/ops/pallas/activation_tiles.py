@@ -48,6 +48,19 @@ def weighted_swiglu(gate, up, p):
     return ((gate * jax.nn.sigmoid(gate)) * up) * p
 
 
+def weighted_swiglu_backward(gate, up, g, p):
+    """(d gate, d up, g * silu(gate) * up) in fp32 of the weighted SwiGLU for its gradient g, for
+    every kernel that computes the backward (their bits agree): with s = sigmoid(gate),
+    d up = g p silu(gate) and d gate = g p up s + (g p up gate) (s (1 - s)), as JAX's autodiff
+    orders them; the third is the per-element term of the probability gradient."""
+    s = jax.nn.sigmoid(gate)
+    act = gate * s
+    ct = g * p
+    d_act = ct * up
+    d_gate = d_act * s + (d_act * gate) * (s * (1.0 - s))
+    return d_gate, ct * act, g * (act * up)
+
+
 def layout():
     """The register layout of every [ROWS, 32] chunk."""
     return plgpu.Layout.WG_STRIDED((ROWS, BLOCK_SIZE), vec_size=ROWS * BLOCK_SIZE // 128)

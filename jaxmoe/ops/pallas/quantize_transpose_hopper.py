@@ -82,18 +82,18 @@ _PART = 32  # tile rows in registers at a time
 _PARTS = [pl.ds(p * _PART, _PART) for p in range(BLOCK // _PART)]
 _WGMMA_M = 64  # rows of a Hopper wgmma instruction
 _HALVES = [pl.ds(h * _WGMMA_M, _WGMMA_M) for h in range(BLOCK // _WGMMA_M)]
-_BYTE_TILE = swizzled(jnp.int8, BLOCK)  # SMEM transforms of a tile of 128-byte rows
+BYTE_TILE = swizzled(jnp.int8, BLOCK)  # SMEM transforms of a tile of 128-byte rows
 # A cross-warp max of [128] uint32 (the column amax): 4 warps x 32 lanes x 16 bytes.
-_REDUCTION_SCRATCH = 4 * 32 * 16
-_COMPILER_PARAMS = plgpu.CompilerParams(
+REDUCTION_SCRATCH = 4 * 32 * 16
+COMPILER_PARAMS = plgpu.CompilerParams(
     lowering_semantics=plgpu.LoweringSemantics.Lane,
     unsafe_no_auto_barriers=True,
-    reduction_scratch_bytes=_REDUCTION_SCRATCH,
+    reduction_scratch_bytes=REDUCTION_SCRATCH,
 )
 _MAX_STAGES = 4
 _FP8_INPUTS = tuple(jnp.dtype(f.dtype) for f in FORMATS.values())
 _DEQUANTIZED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-_SMEM_SLACK = 1024  # barriers and the alignment of the allocations
+SMEM_SLACK = 1024  # barriers and the alignment of the allocations
 TRANSPOSES = ("separate", "in_place")
 COLUMN_SOURCES = ("smem", "registers")
 ROWWISE_ENCODES = ("first_pass", "under_wgmma")
@@ -307,7 +307,7 @@ def requantize_1x128_transposed_pallas(
         counted=live_rows is not None,
     )
     data_t, scale_column = kernel(data, scale_inv.T, *live_input(live_rows))
-    return _as_format(data_t, fmt), scale_column.T
+    return as_format(data_t, fmt), scale_column.T
 
 
 def quantize_128x128_pallas(
@@ -332,7 +332,7 @@ def quantize_128x128_pallas(
     return (
         data.reshape(g, k, n),
         scale_inv.reshape(g, k // BLOCK, n // BLOCK),
-        _as_format(data_t, fmt).reshape(g, n, k),
+        as_format(data_t, fmt).reshape(g, n, k),
     )
 
 
@@ -412,7 +412,7 @@ def weighted_swiglu_quantize_1x128_with_transpose_pallas(
     )
     p_row = probs.astype(jnp.float32)[None, :]
     data, scale_row, data_t, scale_column = kernel(h, p_row, *live_input(live_rows))
-    return (data, scale_row.T), (_as_format(data_t, fmt), scale_column.T)
+    return (data, scale_row.T), (as_format(data_t, fmt), scale_column.T)
 
 
 def _quantize_1x128_transpose(x, fmt, arithmetic, config, interpret, rowwise, live_rows):
@@ -431,10 +431,10 @@ def _quantize_1x128_transpose(x, fmt, arithmetic, config, interpret, rowwise, li
         counted=live_rows is not None,
     )
     *outputs, data_t, scale_column = kernel(x, *live_input(live_rows))
-    return *outputs, _as_format(data_t, fmt), scale_column
+    return *outputs, as_format(data_t, fmt), scale_column
 
 
-def _as_format(data, fmt):
+def as_format(data, fmt):
     """The kernels' int8 bytes as the format's fp8 (a bitcast)."""
     return lax.bitcast_convert_type(data, FORMATS[fmt].dtype)
 
@@ -447,22 +447,22 @@ def _ring(dtype, output_bytes, config, with_row_scales=False, input_tiles=1):
     byte tile C."""
     tile = BLOCK * BLOCK
     separate = config.transpose == "separate"
-    fixed = separate * tile + _REDUCTION_SCRATCH + _SMEM_SLACK
+    fixed = separate * tile + REDUCTION_SCRATCH + SMEM_SLACK
     input_bytes = input_tiles * tile * dtype.itemsize + with_row_scales * BLOCK * 4
     slots, outputs = config.ring(input_bytes, tile + output_bytes, fixed)
     scratch = dict(
         x_smem=plgpu.SMEM((slots * input_tiles, BLOCK, BLOCK), dtype),
-        t_smem=plgpu.SMEM((outputs, BLOCK, BLOCK), jnp.int8, transforms=_BYTE_TILE),
+        t_smem=plgpu.SMEM((outputs, BLOCK, BLOCK), jnp.int8, transforms=BYTE_TILE),
         loaded=plgpu.Barrier(num_arrivals=input_tiles + with_row_scales, num_barriers=slots),
     )
     if with_row_scales:
         scratch["input_scale_smem"] = plgpu.SMEM((slots, 1, BLOCK), jnp.float32)
     if separate:
-        scratch["c_smem"] = plgpu.SMEM((BLOCK, BLOCK), jnp.int8, transforms=_BYTE_TILE)
+        scratch["c_smem"] = plgpu.SMEM((BLOCK, BLOCK), jnp.int8, transforms=BYTE_TILE)
     return slots, outputs, scratch
 
 
-def _identity_halves():
+def identity_halves():
     """The int8 identity as two [64, 128] halves in registers: the A operands of the
     transposing wgmma."""
     rows, columns = (
@@ -472,7 +472,7 @@ def _identity_halves():
     return [(rows + h * _WGMMA_M == columns).astype(jnp.int8) for h in range(len(_HALVES))]
 
 
-def _store_transposed(identity, c_smem, t_smem, in_place=False, under_halves=None):
+def store_transposed(identity, c_smem, t_smem, in_place=False, under_halves=None):
     """t_smem = C^T for the byte tile C just written to c_smem (int8 both): D = I @ C^T on
     the tensor core (module docstring), 64 rows at a time. `in_place` (c_smem is t_smem): each
     half's D waits in registers until both halves have read C. under_halves: a function a half
@@ -615,7 +615,7 @@ def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, config, interpret):
         x_gmem, data_gmem, scale_gmem, data_t_gmem, *, x_smem, t_smem, loaded, **more_smem
     ):
         data_smem, scale_smem = more_smem["data_smem"], more_smem["scale_smem"]
-        identity = _identity_halves()
+        identity = identity_halves()
 
         fetch = _tile_fetch(x_gmem, x_smem, lambda t: [window(t)[:2]])
 
@@ -632,7 +632,7 @@ def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, config, interpret):
                 encoded = encode_blocks(part_bits(i), e_columns, 0, _LAYOUT, fmt, arithmetic)
                 data_smem.at[out, part][...] = encoded
                 c_smem.at[part][...] = _as_bytes(encoded)
-            _store_transposed(identity, c_smem, t_smem.at[out], in_place)
+            store_transposed(identity, c_smem, t_smem.at[out], in_place)
 
         def store(t, out):
             rows, columns, t_rows, t_columns = window(t)
@@ -661,7 +661,7 @@ def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, config, interpret):
             scale_smem=plgpu.SMEM((output_slots,), jnp.float32),
             **scratch,
         ),
-        compiler_params=_COMPILER_PARAMS,
+        compiler_params=COMPILER_PARAMS,
         interpret=interpret,
     )
 
@@ -724,7 +724,7 @@ def _activations_kernel(
         live_gmem = inputs_and_outputs[row_input] if counted else None
         outputs = inputs_and_outputs[row_input + counted :]
         *rowwise_gmem, data_t_gmem, column_scale_gmem = outputs
-        identity = _identity_halves()
+        identity = identity_halves()
 
         def input_windows(t):
             _, kb, rows, columns = window(t)
@@ -788,7 +788,7 @@ def _activations_kernel(
                     return encode
 
                 under_halves = [rows_of_half(h) for h in range(len(_HALVES))]
-            _store_transposed(identity, c_smem, t_smem.at[out], in_place, under_halves)
+            store_transposed(identity, c_smem, t_smem.at[out], in_place, under_halves)
 
         def store(t, out):
             rb, kb, rows, columns = window(t)
@@ -842,6 +842,6 @@ def _activations_kernel(
         grid=(ctas,),
         grid_names=("cta",),
         scratch_types=scratch,
-        compiler_params=_COMPILER_PARAMS,
+        compiler_params=COMPILER_PARAMS,
         interpret=interpret,
     )
