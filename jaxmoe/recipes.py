@@ -8,7 +8,9 @@ weighted activation, fc2 output, the combine) are the expert MLP's and the same 
 recipe (docs/numerics.md, "Experts and rounding points"). A recipe may make fc2's quantized
 copies of the activation from fc1's output directly (`activation_copies`: FP8-blockwise SwiGLU
 experts, in one kernel pass that never writes the activation), with the bits of quantizing
-the activation.
+the activation, and run fc1 and the activation as one VJP whose backward makes fc1's copies of
+d h as the activation's backward computes it (`fc1_and_activation`: the same experts, d h never
+written), with the bits of quantizing d h.
 
 The token-level options ("mxfp8" or "fp8_blockwise", `jaxmoe.wire`) work with every recipe
 (docs/numerics.md, "MXFP8" and "FP8 blockwise"):

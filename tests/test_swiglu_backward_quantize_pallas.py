@@ -158,13 +158,13 @@ def test_op_falls_back_and_refuses_clearly(interpret):
 
 
 def test_ring_slots_fit_the_cta_share():
-    """As many 32-row slots as fit a CTA's share of shared memory next to the rest (one at two
+    """As many 32-row slots as fit a CTA's share of shared memory next to the rest (two at two
     CTAs an SM, six at one); a count that does not fit, or a CTA count other than 1 or 2, is
     refused."""
-    assert ring_slots(DEFAULT_CTAS_PER_SM, None) == 1
+    assert ring_slots(DEFAULT_CTAS_PER_SM, None) == 2
     assert ring_slots(1, None) == 6
     with pytest.raises(ValueError, match="do not fit"):
-        ring_slots(2, 2)
+        ring_slots(2, 3)
     with pytest.raises(ValueError, match="ctas_per_sm"):
         ring_slots(3, None)
 

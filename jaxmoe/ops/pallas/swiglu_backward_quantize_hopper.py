@@ -14,20 +14,20 @@ first two levels of `jaxmoe.ordered.row_sums_in_order`'s tree (the row's four 32
 of a 128-column block, paired as that tree pairs them); the op adds the rest.
 
 A tile is 128 rows by 128 columns of F: gate's, up's and g's tiles give d gate's and d up's
-tiles, one after the other (a pass of its own over the inputs for each: the second reads
-them from L2). A pass streams the tile's 32-row parts through a ring of SMEM slots (gate, up
-and g parts and the rows' p, 24.1 KB for bf16), so that two CTAs share an SM. Per part the
-registers take the inputs in a layout where a thread holds the same 4 columns of each
-32-column chunk of its row (`_LAYOUT`), so that the partial sums' chunk pairs are register
-adds, and the slot is refilled at once; then, 16 rows at a time, the half's d is computed and
-rounded, written to a bf16 tile in SMEM, its rowwise copy (a row's 128 columns are in
-registers) and the partial sums written to a two-part staging ring and stored by TMA, and its
-column magnitudes kept as a running maximum. After the fourth part the column scales are
-known: the SMEM tile is encoded into the output tile, transposed there by the tensor core
-(`quantize_transpose_hopper.store_transposed`) and stored. The parts and the column encode
-are loops, not unrolled: a fully unrolled tile (each part's values waiting in registers)
-spilled and, at about 13,000 instructions a tile, stalled on instruction fetch
-(docs/kernels.md).
+tiles, one after the other (a pass of its own over the inputs for each, the second reading
+them from L2; one loop body for both, d picked by its bits). A pass streams the tile's 32-row
+parts through a ring of SMEM slots (gate, up and g parts and the rows' p, 24.1 KB for bf16;
+two a CTA, two CTAs an SM). Per part the registers take the inputs in a layout where a thread
+holds the same 4 columns of each 32-column chunk of its row (`_LAYOUT`), so that the partial
+sums' chunk pairs are register adds, and the slot is refilled at once; then, 16 rows at a
+time, the half's d is computed and rounded, written to a bf16 tile in SMEM, its rowwise copy
+(a row's 128 columns are in registers) and the partial sums written to a staging buffer and
+stored by TMA, and its column magnitudes kept as a running maximum. After the fourth part the
+column scales are known: the SMEM tile is encoded into the output tile, transposed there by
+the tensor core (`quantize_transpose_hopper.store_transposed`) and stored. The halves, the
+parts and the column encode are loops, not unrolled: a fully unrolled tile (each part's
+values waiting in registers) spilled and, at about 13,000 instructions a tile, stalled on
+instruction fetch (docs/kernels.md, where the variants are measured).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ _LAYOUT = plgpu.Layout.TILED(
     lane_dims=(-3, -2),
     vector_dim=-1,
 )
-_STAGING = 2  # parts whose rowwise copies and partial sums may be storing at once
+_STAGING = 1  # parts whose rowwise copies and partial sums may be storing at once (2: slower)
 _MAX_SLOTS = 8
 DEFAULT_CTAS_PER_SM = 2
 
@@ -215,8 +215,8 @@ def _kernel(m, f, fmt_name, arithmetic, ctas_per_sm, slots, counted, interpret):
 
         def part(step, half, i, maxima):
             """Part i of the step's tile for d gate (half 0, with the partial sums) or d up
-            (half 1): its rounded values into held_smem, their rowwise copy and partial sums
-            stored; `maxima` updated with their column magnitudes."""
+            (half 1, traced): its rounded values into held_smem, their rowwise copy and
+            partial sums stored; `maxima` updated with their column magnitudes."""
             entry = (step * 2 + half) * _PARTS + i
             slot = lax.rem(entry, slots)
             plgpu.barrier_wait(loaded.at[slot])
@@ -224,7 +224,7 @@ def _kernel(m, f, fmt_name, arithmetic, ctas_per_sm, slots, counted, interpret):
             p_rows = plgpu.load(p_smem.at[slot, 0], layout=row_layout)
             plgpu.commit_smem()  # every thread has read the slot before the TMA refills it
             pl.when(entry + slots < entries)(functools.partial(issue, entry + slots, slot))
-            # The staging entry's last stores (two parts back) and everything before them.
+            # The staging buffer's last stores (the previous part's) have read it.
             r = lax.rem(i, _STAGING)
             plgpu.wait_smem_to_gmem(_STAGING - 1, wait_read_only=True)
             for piece in range(_PART // _PIECE):
@@ -232,7 +232,12 @@ def _kernel(m, f, fmt_name, arithmetic, ctas_per_sm, slots, counted, interpret):
                 gate, up, g = (x[at].astype(F32) for x in inputs)
                 p = plgpu.layout_cast(lax.broadcast_in_dim(p_rows[at], gate.shape, (0,)), _LAYOUT)
                 d_gate, d_up, product = weighted_swiglu_backward(gate, up, g, p)
-                d = (d_gate, d_up)[half].astype(dtype)
+                # d gate or d up by its bits (all ones picks d up), one body for both halves.
+                as_u16 = lambda x: lax.bitcast_convert_type(x.astype(dtype), jnp.uint16)  # noqa: E731
+                pick = jnp.uint16(0) - half.astype(jnp.uint16)
+                d = lax.bitcast_convert_type(
+                    (as_u16(d_gate) & ~pick) | (as_u16(d_up) & pick), dtype
+                )
                 held_smem.at[pl.ds(i * _PART + piece * _PIECE, _PIECE)][...] = d
                 bits = float32_bits(d)
                 e = FP8_BLOCKWISE.exponent(block_amax_bits(bits, 1), fmt)
@@ -240,9 +245,13 @@ def _kernel(m, f, fmt_name, arithmetic, ctas_per_sm, slots, counted, interpret):
                 row_scale_smem.at[r, 0, rows_at][...] = FP8_BLOCKWISE.stored(e)
                 encoded = encode_blocks(bits, e, 1, _LAYOUT, fmt, arithmetic)
                 data_smem.at[r, rows_at][...] = encoded
-                if half == 0:
-                    chunk = lambda c: product[:, c * BLOCK_SIZE : (c + 1) * BLOCK_SIZE]  # noqa: E731
-                    part_smem.at[r, rows_at][...] = (chunk(0) + chunk(1)) + (chunk(2) + chunk(3))
+                chunk = lambda c: product[:, c * BLOCK_SIZE : (c + 1) * BLOCK_SIZE]  # noqa: E731
+                partial = (chunk(0) + chunk(1)) + (chunk(2) + chunk(3))
+
+                @pl.when(half == 0)
+                def _(partial=partial, rows_at=rows_at):
+                    part_smem.at[r, rows_at][...] = partial
+
                 maxima = jnp.maximum(maxima, _magnitudes(bits))
             plgpu.commit_smem()
             rows, _, kb = place(entry)
@@ -255,12 +264,15 @@ def _kernel(m, f, fmt_name, arithmetic, ctas_per_sm, slots, counted, interpret):
                 row_scale_gmem.at[pl.ds(column // BLOCK, 1), rows],
                 commit_group=False,
             )
-            if half == 0:
+
+            @pl.when(half == 0)
+            def _():
                 plgpu.copy_smem_to_gmem(
                     part_smem.at[r],
                     part_gmem.at[rows, pl.ds(kb * BLOCK_SIZE, BLOCK_SIZE)],
                     commit_group=False,
                 )
+
             plgpu.commit_smem_to_gmem_group()
             return maxima
 
@@ -299,13 +311,15 @@ def _kernel(m, f, fmt_name, arithmetic, ctas_per_sm, slots, counted, interpret):
         zeros = plgpu.layout_cast(jnp.zeros((_PIECE, BLOCK), jnp.uint32), _LAYOUT)
 
         def run_step(step, carry):
-            for half in range(2):
+            @pl.loop(0, 2)
+            def _(half):
                 maxima = lax.fori_loop(
-                    0, _PARTS, lambda i, maxima, h=half: part(step, h, i, maxima), zeros
+                    0, _PARTS, lambda i, maxima: part(step, half, i, maxima), zeros
                 )
                 # Every thread's held values are in SMEM before any thread encodes them.
                 plgpu.commit_smem()
                 transposed_copy(step, half, maxima)
+
             return carry
 
         lax.fori_loop(0, steps, run_step, None)
