@@ -216,13 +216,10 @@ def weighted_activation_quantize_1x128_with_transpose(
     if registry.resolve("weighted_activation_quantize_1x128_with_transpose", impl, *call) == "xla":
         a = weighted_activation_forward(h, probs, name, gated, live_rows=live_rows, impl=impl)
         return quantize_1x128_with_transpose(a, fmt, live_rows=live_rows, impl=impl)
-    (data, scale_inv), (data_t, scale_inv_t) = weighted_swiglu_quantize_1x128_with_transpose_pallas(
+    copies = weighted_swiglu_quantize_1x128_with_transpose_pallas(
         h, probs, fmt, live_rows=live_rows
     )
-    return (
-        BlockwiseTensor(data, scale_inv, (1,), fmt),
-        BlockwiseTensor(data_t, scale_inv_t, (1,), fmt),
-    )
+    return _as_blockwise_tensors(copies, fmt)
 
 
 def weighted_activation_backward_quantize_1x128_with_transpose(
@@ -263,12 +260,12 @@ def weighted_activation_backward_quantize_1x128_with_transpose(
     copies, partials = weighted_swiglu_backward_quantize_1x128_with_transpose_pallas(
         h, probs, g, fmt, live_rows=live_rows
     )
-    (data, scale_inv), (data_t, scale_inv_t) = copies
-    return (
-        BlockwiseTensor(data, scale_inv, (1,), fmt),
-        BlockwiseTensor(data_t, scale_inv_t, (1,), fmt),
-        _row_sums_of_partials(partials),
-    )
+    return (*_as_blockwise_tensors(copies, fmt), _row_sums_of_partials(partials))
+
+
+def _as_blockwise_tensors(copies, fmt: str) -> tuple[BlockwiseTensor, BlockwiseTensor]:
+    """A kernel's ((data, scale_inv), (data_t, scale_inv_t)) as the two 1 x 128 copies."""
+    return tuple(BlockwiseTensor(data, scale_inv, (1,), fmt) for data, scale_inv in copies)
 
 
 def _row_sums_of_partials(partials: jax.Array) -> jax.Array:
