@@ -65,7 +65,6 @@ F32 = jnp.float32
 _PART = 32  # rows a ring slot
 _PARTS = BLOCK // _PART
 _PIECE = 16  # rows computed at a time (the layout's base tile): fewer live registers
-_CHUNKS = BLOCK // BLOCK_SIZE  # 32-column chunks of a tile's row: the partial sums' first levels
 # 16 rows by 32 columns a base tile: warps take 4-row groups, a warp's lanes 4 rows by 8 groups
 # of 4 consecutive columns; a part's four chunks are four registers of the same lanes.
 _LAYOUT = plgpu.Layout.TILED(
@@ -245,8 +244,7 @@ def _kernel(m, f, fmt_name, arithmetic, ctas_per_sm, slots, counted, interpret):
                 row_scale_smem.at[r, 0, rows_at][...] = FP8_BLOCKWISE.stored(e)
                 encoded = encode_blocks(bits, e, 1, _LAYOUT, fmt, arithmetic)
                 data_smem.at[r, rows_at][...] = encoded
-                chunk = lambda c: product[:, c * BLOCK_SIZE : (c + 1) * BLOCK_SIZE]  # noqa: E731
-                partial = (chunk(0) + chunk(1)) + (chunk(2) + chunk(3))
+                partial = _first_tree_levels(product)
 
                 @pl.when(half == 0)
                 def _(partial=partial, rows_at=rows_at):
@@ -359,3 +357,10 @@ def _magnitudes(bits):
     registers), so that the column amax crosses the lanes and warps once a tile."""
     magnitudes = bits & FP32_ABS_MASK
     return jnp.where(magnitudes > FP32_INF_BITS, jnp.uint32(0), magnitudes)
+
+
+def _first_tree_levels(product):
+    """((c0 + c1) + (c2 + c3)) of the four 32-column chunks c of a [rows, 128] array: the
+    first two levels of `row_sums_in_order`'s tree (its chunks are registers of one thread)."""
+    chunk = lambda c: product[:, c * BLOCK_SIZE : (c + 1) * BLOCK_SIZE]  # noqa: E731
+    return (chunk(0) + chunk(1)) + (chunk(2) + chunk(3))
