@@ -75,13 +75,16 @@ class BlockwiseTensor:
 
     @property
     def shape(self):
+        """The original tensor's shape (data's)."""
         return self.data.shape
 
     @property
     def ndim(self):
+        """The original tensor's rank."""
         return self.data.ndim
 
     def dequantize(self, dtype=jnp.float32):
+        """data * scale_inv per block, in `dtype` (`dequantize`)."""
         return dequantize(self, dtype)
 
 

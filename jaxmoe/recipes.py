@@ -296,6 +296,7 @@ class Fp8BlockwiseRecipe(Bf16Recipe):
     name = "fp8_blockwise"
 
     def check_copies(self, weights) -> None:
+        """ValueError unless `weights` is None or this recipe's weight copies."""
         if weights is not None and not isinstance(weights, ExpertWeightsBlockwise):
             raise ValueError(
                 "grouped_mlp: expert_weights must be this layer's quantize_expert_weights() "
@@ -378,6 +379,9 @@ class Fp8BlockwiseRecipe(Bf16Recipe):
         )
 
     def gemm(self, lhs, kernel, route, out_dtype, impl, copies=None, lhs_quantized=None):
+        """lhs rows @ kernel[expert] over the route's groups in FP8 blockwise
+        (`fp8_blockwise_gmm`): copies, the kernel's 128x128 copies made earlier in the step (or
+        None); lhs_quantized, the rows' 1x128 wire copy when they came quantized."""
         return fp8_blockwise_gmm(
             lhs,
             kernel,
