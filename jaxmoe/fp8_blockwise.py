@@ -168,9 +168,9 @@ def block_multipliers(t: BlockwiseTensor) -> jax.Array:
 
 def dequantize(t: BlockwiseTensor, dtype=jnp.float32):
     """fp8 * scale_inv, exact in fp32 (a power-of-two scale) where float arithmetic keeps
-    subnormals (GPUs; XLA:CPU flushes products below 2^-126), rounded to `dtype`. The fprop and
-    dgrad GEMMs fold the scales per block instead; the wgrad of `fp8_blockwise_gmm` multiplies
-    dequantized copies for now."""
+    subnormals (GPUs; XLA:CPU flushes products below 2^-126), rounded to `dtype`. The GEMMs
+    (`gmm_reference`, `tgmm_reference` and their kernels) never dequantize: they fold the scales
+    into each block's fp32 product."""
     return (t.data.astype(jnp.float32) * block_multipliers(t)).astype(dtype)
 
 
