@@ -74,7 +74,7 @@ def split(stage_record: dict, kernels: list[dict]) -> dict[str, float]:
     return {part: ms * scale for part, ms in raw.items()}
 
 
-def weight_bytes(shape: dict) -> int:
+def weight_elements(shape: dict) -> int:
     """Elements of the routed experts' fc1 and fc2 weights."""
     fc1_out = shape["ffn_hidden_size"] * (2 if shape["gated_linear_unit"] else 1)
     return shape["num_experts"] * shape["hidden"] * (fc1_out + shape["ffn_hidden_size"])
@@ -84,7 +84,7 @@ def ceilings(parts: dict, shape: dict, bandwidth: dict, targets: dict) -> dict:
     """The bounds of the module docstring for one shape: parts[variant] from `split`."""
     bf16, fp8, cached = parts["bf16"], parts["fp8"], parts["cached"]
     step = {name: sum(p.values()) for name, p in parts.items()}
-    elements = weight_bytes(shape)
+    elements = weight_elements(shape)
     weight_quantize = {
         "measured": fp8["weight_quantize"],
         "copy_floor": elements * (2 + 1 + 1) / bandwidth["copy"] * 1e3,
