@@ -13,6 +13,8 @@ device time over the profiled steps):
              dgrad = those of the backward, wgrad = the weight-gradient kernels), the weights'
              128 x 128 quantize (kernels named quantize_128x128*), and the rest of the step
              (router, dispatch, activation, combine, quantizes of activations and gradients)
+  rest       the rest by profile stage and direction (e.g. "activation backward"), and the FP8
+             variants' excess over bf16's there, largest first: where the FP8-only passes cost
   measured   bf16 ms / FP8 ms, with and without the cached weight copies
   ceilings   bf16 ms / the FP8 step with its rest at bf16's rest (every FP8-only pass but the
              weights' quantize free): at the measured FP8 GEMMs, and at GEMMs exactly
@@ -61,17 +63,39 @@ def kernel_pass(row: dict) -> str:
     return "rest"
 
 
-def split(stage_record: dict, kernels: list[dict]) -> dict[str, float]:
-    """ms a step of each part (`kernel_pass`), the profiled step's kernels scaled to the
-    variant's mean device time; their sum is that time."""
-    raw = dict.fromkeys((*PASSES, "weight_quantize", "rest"), 0.0)
-    for row in kernels:
-        raw[kernel_pass(row)] += row["dur_us"] / 1e3
-    total = sum(raw.values())
+def scaled_ms(stage_record: dict, kernels: list[dict]) -> list[tuple[dict, float]]:
+    """Each profiled kernel with its ms a step: the profiled step's kernels scaled to the
+    variant's mean device time, so that they sum to it."""
+    total = sum(row["dur_us"] for row in kernels) / 1e3
     if total <= 0:
         raise ValueError("no kernels in the profiled step")
     scale = stage_record["device_ms"] / total
-    return {part: ms * scale for part, ms in raw.items()}
+    return [(row, row["dur_us"] / 1e3 * scale) for row in kernels]
+
+
+def split(scaled: list[tuple[dict, float]]) -> dict[str, float]:
+    """ms a step of each part (`kernel_pass`) of `scaled_ms`'s kernels."""
+    parts = dict.fromkeys((*PASSES, "weight_quantize", "rest"), 0.0)
+    for row, ms in scaled:
+        parts[kernel_pass(row)] += ms
+    return parts
+
+
+def rest_by_stage(scaled: list[tuple[dict, float]]) -> dict[str, float]:
+    """ms a step of the rest's kernels by profile stage and direction."""
+    stages = {}
+    for row, ms in scaled:
+        if kernel_pass(row) == "rest":
+            key = f"{row['stage']} {'backward' if row['backward'] else 'forward'}"
+            stages[key] = stages.get(key, 0.0) + ms
+    return stages
+
+
+def excess_over(base: dict[str, float], other: dict[str, float]) -> dict[str, float]:
+    """other - base for every key of either, largest first."""
+    keys = set(base) | set(other)
+    excess = {k: other.get(k, 0.0) - base.get(k, 0.0) for k in keys}
+    return dict(sorted(excess.items(), key=lambda item: -item[1]))
 
 
 def weight_elements(shape: dict) -> int:
@@ -134,15 +158,21 @@ def analyse(layer_path: str, targets: dict) -> dict:
         missing = [impl for impl in VARIANTS.values() if impl not in records]
         if missing:
             raise ValueError(f"{layer_path}: {shape_name} has no train stage records of {missing}")
-        parts = {
-            name: split(records[impl], kernels[f"{shape_name}/train/{impl}"]["kernels"])
+        scaled = {
+            name: scaled_ms(records[impl], kernels[f"{shape_name}/train/{impl}"]["kernels"])
             for name, impl in VARIANTS.items()
         }
+        parts = {name: split(rows) for name, rows in scaled.items()}
+        rest = {name: rest_by_stage(rows) for name, rows in scaled.items()}
         out[shape_name] = dict(
             source=os.path.basename(layer_path),
             device=layer["device"],
             date=layer["date"],
             parts_ms=parts,
+            rest_by_stage_ms=rest,
+            rest_excess_over_bf16_ms={
+                name: excess_over(rest["bf16"], rest[name]) for name in ("fp8", "cached")
+            },
             **ceilings(parts, shape, layer["bandwidth_bytes_per_s"], targets),
         )
     return out
@@ -160,6 +190,11 @@ def print_table(result: dict) -> None:
         for gemm, row in r["ceiling_speedup"].items():
             values = " / ".join(f"{v:.3f}" for v in row.values())
             print(f"{'':10s} GEMMs {gemm:8s} ({r['expert_gemm_ms'][gemm]:7.3f} ms): {values}")
+        largest = list(r["rest_excess_over_bf16_ms"]["cached"].items())[:3]
+        print(
+            f"{'':10s} rest over bf16's (cached): "
+            + ", ".join(f"{stage} {ms:+.3f} ms" for stage, ms in largest)
+        )
 
 
 def main(argv=None):

@@ -74,6 +74,15 @@ def test_bounds_of_a_synthetic_step(tmp_path):
         dict(fprop=2, dgrad=2, wgrad=3, weight_quantize=1, rest=2)
     )
     assert r["measured_speedup"] == pytest.approx(dict(uncached=13 / 10, cached=13 / 9))
+    assert r["rest_by_stage_ms"]["bf16"] == pytest.approx(
+        {"router forward": 0.5, "activation backward": 0.5}
+    )
+    assert r["rest_by_stage_ms"]["fp8"] == pytest.approx(
+        {"router forward": 1.0, "activation backward": 1.0}
+    )
+    assert r["rest_excess_over_bf16_ms"]["cached"] == pytest.approx(
+        {"router forward": 0.5, "activation backward": 0.5}
+    )
     elements = 2 * 1000 * (1000 + 500)
     quantize = dict(
         measured=1.0,
@@ -117,3 +126,8 @@ def test_the_committed_h100_step_is_below_its_ceilings():
     assert device["bf16"] == pytest.approx(25.371, abs=1e-3)  # the stage record's mean
     assert r["measured_speedup"]["cached"] < r["ceiling_speedup"]["measured"]["cached"]
     assert r["measured_speedup"]["uncached"] < r["ceiling_speedup"]["measured"]["measured"]
+    # the rest's excess over bf16's, by stage, adds up to the rest's
+    excess = r["rest_excess_over_bf16_ms"]["cached"]
+    rest = {name: p["rest"] for name, p in r["parts_ms"].items()}
+    assert sum(excess.values()) == pytest.approx(rest["cached"] - rest["bf16"])
+    assert list(excess.values()) == sorted(excess.values(), reverse=True)
