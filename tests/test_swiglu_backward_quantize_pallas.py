@@ -24,7 +24,6 @@ from jaxmoe.ops.pallas.activation_backward_hopper import weighted_swiglu_backwar
 from jaxmoe.ops.pallas.quantize_transpose_hopper import quantize_1x128_with_transpose_pallas
 from jaxmoe.ops.pallas.row_pipeline import smem_per_cta
 from jaxmoe.ops.pallas.swiglu_backward_quantize_hopper import (
-    DEFAULT_CTAS_PER_SM,
     ring_slots,
     weighted_swiglu_backward_quantize_1x128_with_transpose_pallas,
 )
@@ -71,14 +70,15 @@ def check(h, p, g, fmt="e4m3", arithmetic="exact", **kwargs):
     return copies, partials
 
 
-@pytest.mark.parametrize("ctas_per_sm", [2, 1])
-def test_copies_and_partial_sums_equal_the_two_kernels_bitwise(interpret, ctas_per_sm):
+@pytest.mark.parametrize("slots", [None, 1])
+def test_copies_and_partial_sums_equal_the_two_kernels_bitwise(interpret, slots):
     """Specials, zero and padding rows in h and g, over more tiles than the interpreter's CTAs
-    (every ring slot reused across tiles). Control: the copies of d h left in fp32 (not
+    (every ring slot reused across tiles, each CTA's warpgroups meeting on several tiles), with
+    the default ring and with one slot a warpgroup. Control: the copies of d h left in fp32 (not
     rounded to bf16 before the quantize) differ."""
-    tiles = ctas_per_sm * num_sms() + 3
+    tiles = num_sms() + 3
     h, p, g = operands(2 * BLOCK, -(-tiles // 4) * 2 * BLOCK, seed=41)
-    (rowwise, transposed), _ = check(h, p, g, ctas_per_sm=ctas_per_sm)
+    (rowwise, transposed), _ = check(h, p, g, slots=slots)
     d_h_fp32 = jax.vjp(
         lambda h: jax.nn.silu(h[:, : g.shape[1]]) * h[:, g.shape[1] :],
         h.astype(jnp.float32),
@@ -158,45 +158,41 @@ def test_op_falls_back_and_refuses_clearly(interpret):
 
 
 def test_ring_slots_fit_the_cta_share():
-    """As many 32-row slots as fit a CTA's share of shared memory next to the rest (two at two
-    CTAs an SM, six at one); a count that does not fit, or a CTA count other than 1 or 2, is
-    refused."""
-    assert ring_slots(DEFAULT_CTAS_PER_SM, None) == 2
-    assert ring_slots(1, None) == 6
-    with pytest.raises(ValueError, match="do not fit"):
-        ring_slots(2, 3)
-    with pytest.raises(ValueError, match="ctas_per_sm"):
-        ring_slots(3, None)
+    """Four 32-row slots a warpgroup by default (they fit beside the tiles); a count that does
+    not fit, or none, is refused."""
+    assert ring_slots(None) == 4
+    assert ring_slots(2) == 2
+    for bad in (5, 0):
+        with pytest.raises(ValueError, match="do not fit"):
+            ring_slots(bad)
 
 
 @pytest.mark.parametrize("shape", ["qwen3_30b", "mixtral", "dsv3_ep8"])
 def test_lowers_at_real_shapes(shape):
-    """Lowering for sm_90a at the layers' expert rows within the CTA's share of shared memory
-    (two CTAs an SM, and one), with and without a live row count."""
+    """Lowering for sm_90a at the layers' expert rows within the shared memory of one CTA an
+    SM, with and without a live row count."""
     from jaxmoe.shapes import SHAPES
 
     config = SHAPES[shape].config
     m, f = SHAPES[shape].num_tokens * config.top_k, config.ffn_hidden_size
     s = jax.ShapeDtypeStruct
-    for ctas in (2, 1):
-        fn = lambda h, p, g, live, c=ctas: fused(  # noqa: E731
-            h, p, g, arithmetic="float", ctas_per_sm=c, live_rows=live
-        )
-        with artificial_shared_memory_limit(smem_per_cta(ctas)):
-            for live in (None, s((), jnp.int32)):
-                args = s((m, 2 * f), BF16), s((m,), jnp.float32), s((m, f), BF16), live
-                jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    fn = lambda h, p, g, live: fused(h, p, g, arithmetic="float", live_rows=live)  # noqa: E731
+    with artificial_shared_memory_limit(smem_per_cta(1)):
+        for live in (None, s((), jnp.int32)):
+            args = s((m, 2 * f), BF16), s((m,), jnp.float32), s((m, f), BF16), live
+            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arithmetic", ["float", "exact"])
 def test_gpu_copies_and_partial_sums_equal_the_two_kernels_bitwise(arithmetic):
-    """On the GPU: specials and padding rows, both formats, both CTA counts; with a live row
-    count, the full call's bits on its rows."""
+    """On the GPU: specials and padding rows, both formats, one and four ring slots; with a
+    live row count, the full call's bits on its rows."""
     h, p, g = operands(4096, 2048, seed=46)
     for fmt in ("e4m3", "e5m2"):
         check(h, p, g, fmt, arithmetic)
-    full = check(h, p, g, "e4m3", arithmetic, ctas_per_sm=1)
+    check(h, p, g, "e4m3", arithmetic, slots=1)
+    full = check(h, p, g, "e4m3", arithmetic)
     live = 1536
     counted = fused(h, p, g, arithmetic=arithmetic, live_rows=jnp.int32(live))
     (data, _), (data_t, _) = full[0]

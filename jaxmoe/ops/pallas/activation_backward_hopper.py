@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.mxfp8 import BLOCK_SIZE
+from jaxmoe.ops.device import compiled_for_gpu
 from jaxmoe.ops.pallas.activation_tiles import (
     CHUNKS,
     ROWS,
@@ -70,7 +71,10 @@ def weighted_swiglu_backward_pallas(h, probs, g, *, live_rows=None, interpret=No
             f"weighted SwiGLU backward kernel: {problem or f'p must be [M], got {probs.shape}'}"
         )
     m, two_f = h.shape
-    kernel = _kernel(m, two_f // 2, jnp.dtype(h.dtype), live_rows is not None, interpret)
+    counted = live_rows is not None
+    kernel = _kernel(
+        m, two_f // 2, jnp.dtype(h.dtype), counted, compiled_for_gpu(interpret), interpret
+    )
     return kernel(h, g, spread_rows(probs), *live_input(live_rows))
 
 
@@ -83,10 +87,11 @@ def _push(stack, value):
 
 
 @functools.cache
-def _kernel(m, f, dtype, counted, interpret):
+def _kernel(m, f, dtype, counted, compiled, interpret):
     tiles = ChunkTiles(m, f)
     ctas = num_ctas(tiles.num_tiles, per_sm=CTAS_PER_SM)
     chunk_layout = layout()
+    barrier_layout = chunk_layout if compiled else None
 
     def body(h_gmem, g_gmem, p_gmem, *refs):
         live_gmem, refs = (refs[0], refs[1:]) if counted else (None, refs)
@@ -102,7 +107,7 @@ def _kernel(m, f, dtype, counted, interpret):
                     plgpu.load(in_smem.at[slot, a, q], layout=chunk_layout).astype(F32)
                     for a in range(3)
                 )
-                d_gate, d_up, product = weighted_swiglu_backward(gate, up, g, p)
+                d_gate, d_up, product = weighted_swiglu_backward(gate, up, g, p, barrier_layout)
                 out_smem.at[slot, 0, q][...] = d_gate.astype(dtype)
                 out_smem.at[slot, 1, q][...] = d_up.astype(dtype)
                 _push(stack, product)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -48,17 +49,42 @@ def weighted_swiglu(gate, up, p):
     return ((gate * jax.nn.sigmoid(gate)) * up) * p
 
 
-def weighted_swiglu_backward(gate, up, g, p):
+def weighted_swiglu_backward(gate, up, g, p, layout=None):
     """(d gate, d up, g * silu(gate) * up) in fp32 of the weighted SwiGLU for its gradient g, for
     every kernel that computes the backward (their bits agree): with s = sigmoid(gate),
     d up = g p silu(gate) and d gate = g p up s + (g p up gate) (s (1 - s)), as JAX's autodiff
-    orders them; the third is the per-element term of the probability gradient."""
+    orders them; the third is the per-element term of the probability gradient, which the
+    kernels sum.
+
+    Compiled for the GPU (`layout`: the operands' register layout; None when interpreted), the
+    products that an add consumes (d gate's two terms, and the third output) pass through an
+    LLVM optimization barrier: Mosaic GPU marks float arithmetic `contract`, so LLVM would
+    otherwise fuse a product into the add as it sees fit, which depends on the code around it
+    (one kernel fused the row sums' products, another did not: docs/kernels.md). Each operation
+    then rounds on its own, in every kernel alike."""
     s = jax.nn.sigmoid(gate)
     act = gate * s
     ct = g * p
     d_act = ct * up
-    d_gate = d_act * s + (d_act * gate) * (s * (1.0 - s))
-    return d_gate, ct * act, g * (act * up)
+    first, second, product = _unfused(
+        layout, d_act * s, (d_act * gate) * (s * (1.0 - s)), g * (act * up)
+    )
+    return first + second, ct * act, product
+
+
+def _unfused(layout, *products):
+    """`products` as they are; on the GPU through one LLVM optimization barrier, so that no add
+    that consumes them is fused with the multiply that made them."""
+    if layout is None:
+        return products
+    like = plgpu.ShapeDtypeStruct(products[0].shape, products[0].dtype, layout=layout)
+
+    @plgpu.inline_mgpu(arg_types=(layout,) * len(products), return_type=(like,) * len(products))
+    def barrier(_, *arrays):
+        out = mgpu.optimization_barrier(*arrays)
+        return tuple(out) if len(arrays) > 1 else (out,)
+
+    return barrier(*products)
 
 
 def layout():

@@ -13,21 +13,20 @@ rules, so both copies are bitwise those of the two kernels in turn. The partial 
 first two levels of `jaxmoe.ordered.row_sums_in_order`'s tree (the row's four 32-column chunks
 of a 128-column block, paired as that tree pairs them); the op adds the rest.
 
-A tile is 128 rows by 128 columns of F: gate's, up's and g's tiles give d gate's and d up's
-tiles, one after the other (a pass of its own over the inputs for each, the second reading
-them from L2; one loop body for both, d picked by its bits). A pass streams the tile's 32-row
-parts through a ring of SMEM slots (gate, up and g parts and the rows' p, 24.1 KB for bf16;
-two a CTA, two CTAs an SM). Per part the registers take the inputs in a layout where a thread
-holds the same 4 columns of each 32-column chunk of its row (`_LAYOUT`), so that the partial
-sums' chunk pairs are register adds, and the slot is refilled at once; then, 16 rows at a
-time, the half's d is computed and rounded, written to a bf16 tile in SMEM, its rowwise copy
-(a row's 128 columns are in registers) and the partial sums written to a staging buffer and
-stored by TMA, and its column magnitudes kept as a running maximum. After the fourth part the
-column scales are known: the SMEM tile is encoded into the output tile, transposed there by
-the tensor core (`quantize_transpose_hopper.store_transposed`) and stored. The halves, the
-parts and the column encode are loops, not unrolled: a fully unrolled tile (each part's
-values waiting in registers) spilled and, at about 13,000 instructions a tile, stalled on
-instruction fetch (docs/kernels.md, where the variants are measured).
+A tile is 128 rows by 128 columns of F, made in one pass by the CTA's two warpgroups (one CTA
+an SM). Each streams its 16 rows of every 32-row part of the tile (gate, up and g, and the
+part's p) through a ring of its own (its own TMA loads and barriers), computes d gate and d up
+once from them, writes both halves' rows to bf16 tiles in SMEM, writes their rowwise copies and
+the partial sums through a staging buffer of its own, and keeps both halves' running column
+maxima. In the register layout (`_LAYOUT`) a thread holds the same 4 columns of each 32-column
+chunk of its row, so that the partial sums' chunk pairs are register adds and a row's 128
+columns (a rowwise block) are in registers. After the fourth part the warpgroups meet: each
+hands the other its maxima of the other's half through SMEM, and warpgroup w encodes half w's
+SMEM tile with the column scales, transposes it on the tensor core
+(`quantize_transpose_hopper.store_transposed`) and stores it. Mosaic GPU's cross-warp
+reductions share one SMEM scratch in the CTA, so the warpgroups take the column amax in turn.
+The parts and the column encode are loops, not unrolled (an unrolled tile spilled and stalled
+on instruction fetch: docs/kernels.md, where the variants are measured).
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.fp8_blockwise import BLOCK
 from jaxmoe.mxfp8 import BLOCK_SIZE, FORMATS, FP32_ABS_MASK, FP32_INF_BITS, float32_bits
+from jaxmoe.ops.device import compiled_for_gpu
 from jaxmoe.ops.pallas.activation_tiles import COLUMNS, weighted_swiglu_backward
 from jaxmoe.ops.pallas.quantize_hopper import (
     FP8_BLOCKWISE,
@@ -73,9 +73,6 @@ _LAYOUT = plgpu.Layout.TILED(
     lane_dims=(-3, -2),
     vector_dim=-1,
 )
-_STAGING = 1  # parts whose rowwise copies and partial sums may be storing at once (2: slower)
-_MAX_SLOTS = 8
-DEFAULT_CTAS_PER_SM = 2
 
 
 def swiglu_backward_quantize_problem(h_shape, h_dtype, probs_shape, g_shape, g_dtype):
@@ -118,7 +115,6 @@ def weighted_swiglu_backward_quantize_1x128_with_transpose_pallas(
     fmt: str = "e4m3",
     *,
     arithmetic=None,
-    ctas_per_sm: int = DEFAULT_CTAS_PER_SM,
     slots: int | None = None,
     live_rows=None,
     interpret=None,
@@ -129,198 +125,223 @@ def weighted_swiglu_backward_quantize_1x128_with_transpose_pallas(
     128 and F of 256: `quantize_1x128_with_transpose_pallas(d h)` of `weighted_swiglu_backward_pallas`'s
     d h, and for each row and 128-column block of F the 32 lane sums
     ((c0 + c1) + (c2 + c3)) of its four 32-column chunks c of g * silu(gate) * up (module
-    docstring). ctas_per_sm (1 or 2) and slots (32-row parts in flight, None: as many as fit)
-    say how it runs, never its bits. live_rows: an int32 scalar, or None: only the 128-row bands
+    docstring). slots (each warpgroup's ring of 32-row parts, None: as many as fit, at most 4)
+    says how it runs, never its bits. live_rows: an int32 scalar, or None: only the 128-row bands
     holding rows below it run, the rest of every output left unwritten."""
     problem = swiglu_backward_quantize_problem(h.shape, h.dtype, probs.shape, g.shape, g.dtype)
     arithmetic = checked_arithmetic(problem, fmt, arithmetic, interpret)
     m, two_f = h.shape
-    kernel = _kernel(
-        m, two_f // 2, fmt, arithmetic, ctas_per_sm, slots, live_rows is not None, interpret
-    )
+    counted = live_rows is not None
+    compiled = compiled_for_gpu(interpret)
+    kernel = _kernel(m, two_f // 2, fmt, arithmetic, slots, counted, compiled, interpret)
     p_row = probs.astype(F32)[None, :]
     data, scale_row, data_t, scale_column, partials = kernel(h, g, p_row, *live_input(live_rows))
     return ((data, scale_row.T), (as_format(data_t, fmt), scale_column.T)), partials
 
 
-def ring_slots(ctas_per_sm: int, slots: int | None) -> int:
-    """Input slots a CTA runs with: `slots`, or as many as fit its share of shared memory;
-    ValueError where they do not fit."""
-    if ctas_per_sm not in (1, 2):
-        raise ValueError(f"ctas_per_sm must be 1 or 2, got {ctas_per_sm!r}")
-    budget = smem_per_cta(ctas_per_sm) - _fixed_smem_bytes()
-    fit = min(_MAX_SLOTS, budget // _SLOT_BYTES)
+_WGS = 2  # warpgroups a CTA: each takes 16 rows of every part and one half's transposed copy
+_ROWS = _PART // _WGS
+
+
+def ring_slots(slots: int | None) -> int:
+    """Input slots of each warpgroup's ring: `slots`, or as many as fit the CTA's shared memory
+    beside its tiles (at most 4)."""
+    budget = smem_per_cta(1) - _fixed_smem_bytes()
+    fit = min(4, budget // (_WGS * _SLOT_BYTES))
     chosen = fit if slots is None else slots
     if not isinstance(chosen, int) or chosen < 1 or chosen > fit:
-        raise ValueError(
-            f"{slots!r} input slots of {_SLOT_BYTES} bytes do not fit the "
-            f"{budget} bytes left to a CTA at {ctas_per_sm} CTA(s) an SM (at most {fit})"
-        )
+        raise ValueError(f"{slots!r} slots do not fit (at most {fit})")
     return chosen
 
 
-_SLOT_BYTES = 3 * _PART * BLOCK * 2 + _PART * 4  # gate, up, g parts (bf16) and p
+_SLOT_BYTES = 3 * _ROWS * BLOCK * 2 + _PART * 4  # a warpgroup's gate, up, g rows; the part's p
 
 
 def _fixed_smem_bytes() -> int:
     tile = BLOCK * BLOCK
-    held_and_transposed = 2 * tile + tile + BLOCK * 4  # a half's bf16 d, bytes, scales
-    staging = _STAGING * (_PART * BLOCK + _PART * 4 + _PART * BLOCK_SIZE * 4)
-    return held_and_transposed + staging + REDUCTION_SCRATCH + SMEM_SLACK
+    held = 2 * tile * 2  # both halves' bf16 d
+    transposed = 2 * tile + 2 * BLOCK * 4  # a byte tile and column scales per half
+    maxima = 2 * _ROWS * BLOCK * 4
+    staging = _WGS * (2 * _ROWS * BLOCK + 2 * _ROWS * 4 + _ROWS * BLOCK_SIZE * 4)
+    return held + transposed + maxima + staging + REDUCTION_SCRATCH + SMEM_SLACK
 
 
 @functools.cache
-def _kernel(m, f, fmt_name, arithmetic, ctas_per_sm, slots, counted, interpret):
-    """Tile t: block row rb = t // (F/128), block column kb = t % (F/128) of F; part i of the
-    CTA's s-th tile in the pass for d gate (half 0) or d up (half 1) is its ring entry
-    (2 s + half) 4 + i."""
+def _kernel(m, f, fmt_name, arithmetic, slots, counted, compiled, interpret):
+    """Tile t: block row rb = t // (F/128), block column kb = t % (F/128) of F. Warpgroup w
+    loads and computes rows [16 w, 16 w + 16) of each 32-row part of the CTA's tiles (both
+    halves), then encodes, transposes and stores half w of the tile."""
     fmt = FORMATS[fmt_name]
     dtype = jnp.dtype(jnp.bfloat16)
     column_tiles = f // BLOCK
     num_tiles = m // BLOCK * column_tiles
-    ctas = num_ctas(num_tiles, ctas_per_sm)
-    slots = ring_slots(ctas_per_sm, slots)
+    ctas = num_ctas(num_tiles, 1)
+    slots = ring_slots(slots)
     row_layout = _LAYOUT.reduce(1)
+    barrier_layout = _LAYOUT if compiled else None
 
-    def body(h_gmem, g_gmem, p_gmem, *refs, in_smem, p_smem, held_smem, t_smem, **staging):
+    def body(h_gmem, g_gmem, p_gmem, *refs, in_smem, p_smem, held_smem, t_smem, **scratch):
         live_gmem, outputs = (refs[0], refs[1:]) if counted else (None, refs)
         data_gmem, row_scale_gmem, data_t_gmem, column_scale_gmem, part_gmem = outputs
-        data_smem, row_scale_smem = staging["data_smem"], staging["row_scale_smem"]
-        part_smem, column_scale_smem = staging["part_smem"], staging["column_scale_smem"]
-        loaded = staging["loaded"]
-        cta = lax.axis_index("cta")
+        data_smem, row_scale_smem = scratch["data_smem"], scratch["row_scale_smem"]
+        part_smem, column_scale_smem = scratch["part_smem"], scratch["column_scale_smem"]
+        maxima_smem, loaded = scratch["maxima_smem"], scratch["loaded"]
+        parts_done, encodes_done = scratch["parts_done"], scratch["encodes_done"]
+        reduced = scratch["reduced"]
+        cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
         tiles = live_tiles(live_gmem, m, BLOCK, column_tiles) if counted else num_tiles
         steps = lax.div(jnp.maximum(tiles - cta + ctas - 1, 0), ctas)
-        entries = steps * 2 * _PARTS  # per tile: d gate's parts, then d up's
+        entries = steps * _PARTS
 
         def place(entry):
-            """(rows of the part, block row, block column) of the CTA's ring entry."""
-            t = cta + (entry // (2 * _PARTS)) * ctas
+            """(this warpgroup's rows of the part, block row, block column) of ring entry."""
+            t = cta + (entry // _PARTS) * ctas
             rb, kb = t // column_tiles, t % column_tiles
-            return pl.ds(rb * BLOCK + (entry % _PARTS) * _PART, _PART), rb, kb
+            first = rb * BLOCK + (entry % _PARTS) * _PART + wg * _ROWS
+            return pl.ds(first, _ROWS), rb, kb
 
         def issue(entry, slot):
             rows, _, kb = place(entry)
-            barrier = loaded.at[slot]
+            part_rows = pl.ds(rows.start - wg * _ROWS, _PART)  # p's copy: 128 bytes at least
+            barrier = loaded.at[wg * slots + slot]
             sources = (h_gmem, kb * BLOCK), (h_gmem, f + kb * BLOCK), (g_gmem, kb * BLOCK)
             for a, (src, column) in enumerate(sources):
                 plgpu.copy_gmem_to_smem(
-                    src.at[rows, pl.ds(column, BLOCK)], in_smem.at[slot * 3 + a], barrier
+                    src.at[rows, pl.ds(column, BLOCK)],
+                    in_smem.at[(wg * slots + slot) * 3 + a],
+                    barrier,
                 )
-            plgpu.copy_gmem_to_smem(p_gmem.at[pl.ds(0, 1), rows], p_smem.at[slot], barrier)
+            plgpu.copy_gmem_to_smem(
+                p_gmem.at[pl.ds(0, 1), part_rows], p_smem.at[wg * slots + slot], barrier
+            )
 
         for entry in range(slots):
             pl.when(entry < entries)(functools.partial(issue, entry, entry))
 
-        def part(step, half, i, maxima):
-            """Part i of the step's tile for d gate (half 0, with the partial sums) or d up
-            (half 1, traced): its rounded values into held_smem, their rowwise copy and
-            partial sums stored; `maxima` updated with their column magnitudes."""
-            entry = (step * 2 + half) * _PARTS + i
+        def part(step, i, maxima):
+            """Part i of the step's tile: this warpgroup's 16 rows of d gate and d up into
+            held_smem, their rowwise copies and partial sums stored; `maxima` (per half)
+            updated with their column magnitudes."""
+            entry = step * _PARTS + i
             slot = lax.rem(entry, slots)
-            plgpu.barrier_wait(loaded.at[slot])
-            inputs = [plgpu.load(in_smem.at[slot * 3 + a], layout=_LAYOUT) for a in range(3)]
-            p_rows = plgpu.load(p_smem.at[slot, 0], layout=row_layout)
+            ring = wg * slots + slot
+            plgpu.barrier_wait(loaded.at[ring])
+            gate, up, g = (
+                plgpu.load(in_smem.at[ring * 3 + a], layout=_LAYOUT).astype(F32) for a in range(3)
+            )
+            p_rows = plgpu.load(p_smem.at[ring, 0, pl.ds(wg * _ROWS, _ROWS)], layout=row_layout)
             plgpu.commit_smem()  # every thread has read the slot before the TMA refills it
             pl.when(entry + slots < entries)(functools.partial(issue, entry + slots, slot))
+            p = plgpu.layout_cast(lax.broadcast_in_dim(p_rows, gate.shape, (0,)), _LAYOUT)
+            d_gate, d_up, product = weighted_swiglu_backward(gate, up, g, p, barrier_layout)
             # The staging buffer's last stores (the previous part's) have read it.
-            r = lax.rem(i, _STAGING)
-            plgpu.wait_smem_to_gmem(_STAGING - 1, wait_read_only=True)
-            for piece in range(_PART // _PIECE):
-                at = slice(piece * _PIECE, (piece + 1) * _PIECE)
-                gate, up, g = (x[at].astype(F32) for x in inputs)
-                p = plgpu.layout_cast(lax.broadcast_in_dim(p_rows[at], gate.shape, (0,)), _LAYOUT)
-                d_gate, d_up, product = weighted_swiglu_backward(gate, up, g, p)
-                # d gate or d up by its bits (all ones picks d up), one body for both halves.
-                as_u16 = lambda x: lax.bitcast_convert_type(x.astype(dtype), jnp.uint16)  # noqa: E731
-                pick = jnp.uint16(0) - half.astype(jnp.uint16)
-                d = lax.bitcast_convert_type(
-                    (as_u16(d_gate) & ~pick) | (as_u16(d_up) & pick), dtype
-                )
-                held_smem.at[pl.ds(i * _PART + piece * _PIECE, _PIECE)][...] = d
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            # Both warpgroups' encodes of the previous tile have read held_smem.
+            @pl.when(jnp.logical_and(i == 0, step > 0))
+            def _():
+                plgpu.barrier_wait(encodes_done.at[0])
+
+            held_rows = pl.ds(i * _PART + wg * _ROWS, _ROWS)
+            updated = []
+            for half, d in enumerate((d_gate, d_up)):
+                d = d.astype(dtype)
+                held_smem.at[half, held_rows][...] = d
                 bits = float32_bits(d)
                 e = FP8_BLOCKWISE.exponent(block_amax_bits(bits, 1), fmt)
-                rows_at = pl.ds(piece * _PIECE, _PIECE)
-                row_scale_smem.at[r, 0, rows_at][...] = FP8_BLOCKWISE.stored(e)
-                encoded = encode_blocks(bits, e, 1, _LAYOUT, fmt, arithmetic)
-                data_smem.at[r, rows_at][...] = encoded
-                partial = _first_tree_levels(product)
-
-                @pl.when(half == 0)
-                def _(partial=partial, rows_at=rows_at):
-                    part_smem.at[r, rows_at][...] = partial
-
-                maxima = jnp.maximum(maxima, _magnitudes(bits))
+                row_scale_smem.at[wg, half, 0][...] = FP8_BLOCKWISE.stored(e)
+                data_smem.at[wg, half][...] = encode_blocks(bits, e, 1, _LAYOUT, fmt, arithmetic)
+                updated.append(jnp.maximum(maxima[half], _magnitudes(bits)))
+            part_smem.at[wg][...] = _first_tree_levels(product)
             plgpu.commit_smem()
             rows, _, kb = place(entry)
-            column = half * f + kb * BLOCK
-            plgpu.copy_smem_to_gmem(
-                data_smem.at[r], data_gmem.at[rows, pl.ds(column, BLOCK)], commit_group=False
-            )
-            plgpu.copy_smem_to_gmem(
-                row_scale_smem.at[r],
-                row_scale_gmem.at[pl.ds(column // BLOCK, 1), rows],
-                commit_group=False,
-            )
-
-            @pl.when(half == 0)
-            def _():
+            for half in range(2):
+                column = half * f + kb * BLOCK
                 plgpu.copy_smem_to_gmem(
-                    part_smem.at[r],
-                    part_gmem.at[rows, pl.ds(kb * BLOCK_SIZE, BLOCK_SIZE)],
+                    data_smem.at[wg, half],
+                    data_gmem.at[rows, pl.ds(column, BLOCK)],
                     commit_group=False,
                 )
-
+                plgpu.copy_smem_to_gmem(
+                    row_scale_smem.at[wg, half],
+                    row_scale_gmem.at[pl.ds(column // BLOCK, 1), rows],
+                    commit_group=False,
+                )
+            plgpu.copy_smem_to_gmem(
+                part_smem.at[wg],
+                part_gmem.at[rows, pl.ds(kb * BLOCK_SIZE, BLOCK_SIZE)],
+                commit_group=False,
+            )
             plgpu.commit_smem_to_gmem_group()
-            return maxima
+            return tuple(updated)
 
-        def transposed_copy(step, half, maxima):
-            """The half's tile (held_smem) encoded with its column scales into the output
-            tile, transposed there, and both stored."""
-            _, rb, kb = place((step * 2 + half) * _PARTS)
-            e = FP8_BLOCKWISE.exponent(jnp.max(maxima, axis=0), fmt)
-            # The previous transposed stores have read the output tile (the half's part
-            # stores since may still run).
-            plgpu.wait_smem_to_gmem(_PARTS, wait_read_only=True)
-            column_scale_smem.at[0][...] = FP8_BLOCKWISE.stored(e)
+        def transposed_copy(step, maxima):
+            """Half wg of the step's tile: its column maxima met with the other warpgroup's,
+            its bf16 tile encoded with the column scales, transposed and stored."""
+            _, rb, kb = place(step * _PARTS)
+            # The other warpgroup's maxima of this half, and every row of both halves, are in
+            # SMEM; Mosaic's cross-warp reduction has one scratch for the CTA, so the
+            # warpgroups reduce in turn (the first one's next reduction comes after the
+            # second's, past the next tile's meeting).
+            ones = jnp.uint32(0) - wg.astype(jnp.uint32)  # all ones in warpgroup 1
+            mine = (maxima[0] & ~ones) | (maxima[1] & ones)
+            maxima_smem.at[1 - wg][...] = (maxima[0] & ones) | (maxima[1] & ~ones)
+            plgpu.barrier_arrive(parts_done.at[0])
+            plgpu.barrier_wait(parts_done.at[0])
+            met = jnp.maximum(mine, plgpu.load(maxima_smem.at[wg], layout=_LAYOUT))
+
+            @pl.when(wg == 1)
+            def _():
+                plgpu.barrier_wait(reduced.at[0])
+
+            e = FP8_BLOCKWISE.exponent(jnp.max(met, axis=0), fmt)
+
+            @pl.when(wg == 0)
+            def _():
+                plgpu.barrier_arrive(reduced.at[0])
+                plgpu.barrier_wait(reduced.at[0])  # its own arrival: every thread sees each phase
+
+            # The previous transposed stores have read the output tile.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            column_scale_smem.at[wg, 0][...] = FP8_BLOCKWISE.stored(e)
+            held, out = held_smem.at[wg], t_smem.at[wg]
 
             @pl.loop(0, BLOCK // _PIECE)
             def _(j):
                 rows_at = pl.ds(j * _PIECE, _PIECE)
-                d = plgpu.load(held_smem.at[rows_at], layout=_LAYOUT)
+                d = plgpu.load(held.at[rows_at], layout=_LAYOUT)
                 encoded = encode_blocks(float32_bits(d), e, 0, _LAYOUT, fmt, arithmetic)
-                t_smem.at[rows_at][...] = lax.bitcast_convert_type(encoded, jnp.int8)
+                out.at[rows_at][...] = lax.bitcast_convert_type(encoded, jnp.int8)
 
-            store_transposed(identity_halves(), t_smem, t_smem, in_place=True)
+            plgpu.barrier_arrive(encodes_done.at[0])
+            store_transposed(identity_halves(), out, out, in_place=True)
             plgpu.commit_smem()
-            column = half * f + kb * BLOCK
+            column = wg * f + kb * BLOCK
             plgpu.copy_smem_to_gmem(
-                t_smem,
+                out,
                 data_t_gmem.at[pl.ds(column, BLOCK), pl.ds(rb * BLOCK, BLOCK)],
                 commit_group=False,
             )
             plgpu.copy_smem_to_gmem(
-                column_scale_smem,
+                column_scale_smem.at[wg],
                 column_scale_gmem.at[pl.ds(rb, 1), pl.ds(column, BLOCK)],
                 commit_group=False,
             )
             plgpu.commit_smem_to_gmem_group()
 
-        zeros = plgpu.layout_cast(jnp.zeros((_PIECE, BLOCK), jnp.uint32), _LAYOUT)
+        zeros = plgpu.layout_cast(jnp.zeros((_ROWS, BLOCK), jnp.uint32), _LAYOUT)
 
         def run_step(step, carry):
-            @pl.loop(0, 2)
-            def _(half):
-                maxima = lax.fori_loop(
-                    0, _PARTS, lambda i, maxima: part(step, half, i, maxima), zeros
-                )
-                # Every thread's held values are in SMEM before any thread encodes them.
-                plgpu.commit_smem()
-                transposed_copy(step, half, maxima)
-
+            maxima = lax.fori_loop(0, _PARTS, lambda i, mx: part(step, i, mx), (zeros, zeros))
+            transposed_copy(step, maxima)
             return carry
 
         lax.fori_loop(0, steps, run_step, None)
+
+        @pl.when(steps > 0)
+        def _():
+            plgpu.barrier_wait(encodes_done.at[0])  # the last tile's, which no part waited for
+
         plgpu.wait_smem_to_gmem(0)
 
     two_f = 2 * f
@@ -336,16 +357,22 @@ def _kernel(m, f, fmt_name, arithmetic, ctas_per_sm, slots, counted, interpret):
         ),
         grid=(ctas,),
         grid_names=("cta",),
+        num_threads=_WGS,
+        thread_name="wg",
         scratch_types=dict(
-            in_smem=plgpu.SMEM((slots * 3, _PART, BLOCK), dtype),
-            p_smem=plgpu.SMEM((slots, 1, _PART), F32),
-            held_smem=plgpu.SMEM((BLOCK, BLOCK), dtype),
-            t_smem=plgpu.SMEM((BLOCK, BLOCK), jnp.int8, transforms=BYTE_TILE),
-            column_scale_smem=plgpu.SMEM((1, BLOCK), F32),
-            data_smem=plgpu.SMEM((_STAGING, _PART, BLOCK), fmt.dtype),
-            row_scale_smem=plgpu.SMEM((_STAGING, 1, _PART), F32),
-            part_smem=plgpu.SMEM((_STAGING, _PART, BLOCK_SIZE), F32),
-            loaded=plgpu.Barrier(num_arrivals=4, num_barriers=slots),
+            in_smem=plgpu.SMEM((_WGS * slots * 3, _ROWS, BLOCK), dtype),
+            p_smem=plgpu.SMEM((_WGS * slots, 1, _PART), F32),
+            held_smem=plgpu.SMEM((2, BLOCK, BLOCK), dtype),
+            t_smem=plgpu.SMEM((2, BLOCK, BLOCK), jnp.int8, transforms=BYTE_TILE),
+            column_scale_smem=plgpu.SMEM((2, 1, BLOCK), F32),
+            maxima_smem=plgpu.SMEM((2, _ROWS, BLOCK), jnp.uint32),
+            data_smem=plgpu.SMEM((_WGS, 2, _ROWS, BLOCK), fmt.dtype),
+            row_scale_smem=plgpu.SMEM((_WGS, 2, 1, _ROWS), F32),
+            part_smem=plgpu.SMEM((_WGS, _ROWS, BLOCK_SIZE), F32),
+            loaded=plgpu.Barrier(num_arrivals=4, num_barriers=_WGS * slots),
+            parts_done=plgpu.Barrier(num_arrivals=_WGS, num_barriers=1),
+            encodes_done=plgpu.Barrier(num_arrivals=_WGS, num_barriers=1),
+            reduced=plgpu.Barrier(num_arrivals=1, num_barriers=1),
         ),
         compiler_params=COMPILER_PARAMS,
         interpret=interpret,
