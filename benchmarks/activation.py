@@ -23,7 +23,7 @@ bf16, incoming gradient [M, F] bf16, probabilities [M] fp32):
                   fused kernel: XLA's forward, then `quantize_1x128_with_transpose` (its kernel)
   quantized_fused[_VARIANT]  the same copies from h in one pass
                   (`weighted_activation_quantize_1x128_with_transpose(impl="pallas")`, and the
-                  kernel under each of FUSED_VARIANTS' configs), recorded with whether its four
+                  kernel with each of FUSED_VARIANTS' ring sizes), recorded with whether its four
                   outputs are the two passes' bits (`same_bits`)
   backward_quantized_two_passes  fc1's two FP8-blockwise copies of d h (and d p) as the layer
                   made them before the fused kernel: the backward's kernel, then
@@ -62,24 +62,16 @@ from jaxmoe.ops import (  # noqa: E402
     weighted_activation_forward,
     weighted_activation_quantize_1x128_with_transpose,
 )
-from jaxmoe.ops.pallas.quantize_transpose_hopper import (  # noqa: E402
-    TransposeQuantizeConfig,
+from jaxmoe.ops.pallas.swiglu_quantize_hopper import (  # noqa: E402
     weighted_swiglu_quantize_1x128_with_transpose_pallas,
 )
 from jaxmoe.shapes import SHAPES  # noqa: E402
 
 LAYOUTS = [(32, 3), (32, 4), (32, 5), (32, 6), (16, 4), (64, 3), (64, 4), (128, 3)]
 CPU_ROWS, CPU_MAX_FFN = 128, 512  # smoke sizes on a CPU
-# The fused forward-and-quantize kernel's configs beside its default (bf16: two CTAs an SM, one
-# input slot each): one CTA with two or three input slots.
-FUSED_VARIANTS = {
-    "one_cta_two_slots": TransposeQuantizeConfig(
-        slots=2, output_slots=1, transpose="in_place", column_source="registers"
-    ),
-    "one_cta_two_slots_two_outputs": TransposeQuantizeConfig(
-        slots=2, output_slots=2, transpose="in_place", column_source="registers"
-    ),
-}
+# The fused forward-and-quantize kernel's ring sizes beside its default (three 32-row slots a
+# warpgroup): two slots.
+FUSED_VARIANTS = {"two_slots": 2}
 
 
 @contextlib.contextmanager
@@ -138,10 +130,10 @@ def programs(config, rows: int) -> dict:
                 h, p, g, "silu", True, impl="pallas"
             )
         )
-        for name, fused_config in FUSED_VARIANTS.items():
+        for name, slots in FUSED_VARIANTS.items():
             fns[f"quantized_fused_{name}"] = jax.jit(
-                lambda h, p, g, c=fused_config: (
-                    weighted_swiglu_quantize_1x128_with_transpose_pallas(h, p, config=c)
+                lambda h, p, g, s=slots: weighted_swiglu_quantize_1x128_with_transpose_pallas(
+                    h, p, slots=s
                 )
             )
     fns["copy_h"] = jax.jit(lambda h, p, g: h * 2)

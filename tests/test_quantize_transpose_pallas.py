@@ -1,7 +1,6 @@
 """The transposing FP8-blockwise quantize kernels (weights in 128 x 128 blocks with their
 [G, N, K] copy; activations in 1 x 128 blocks along K with the copy of x^T in 1 x 128 blocks
-along M; the experts' weighted SwiGLU quantized so as it is computed) against
-`jaxmoe.fp8_blockwise`, bit for bit: on CPU in Mosaic GPU interpret mode with
+along M) against `jaxmoe.fp8_blockwise`, bit for bit: on CPU in Mosaic GPU interpret mode with
 the race detector, on the H200 when marked `gpu`; lowering at the real shapes."""
 
 import functools
@@ -18,23 +17,19 @@ from jaxmoe.ops import (
     quantize_1x128_with_transpose,
     quantize_128x128_with_transpose,
     requantize_1x128_transposed,
-    weighted_activation_forward,
-    weighted_activation_quantize_1x128_with_transpose,
 )
 from jaxmoe.ops.device import num_sms
 from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
 from jaxmoe.ops.pallas.quantize_transpose_hopper import (
     TransposeQuantizeConfig,
-    default_swiglu_config,
     default_transpose_config,
     quantize_1x128_transposed_pallas,
     quantize_1x128_with_transpose_pallas,
     quantize_128x128_pallas,
     requantize_1x128_transposed_pallas,
-    weighted_swiglu_quantize_1x128_with_transpose_pallas,
 )
 
-from bitwise import assert_bitwise, differs
+from bitwise import assert_bitwise
 from quantize_inputs import normal_range, tensor
 
 BLOCK = fp8_blockwise.BLOCK
@@ -439,166 +434,3 @@ def test_gpu_requantize_equals_the_reference_bitwise(arithmetic):
     for fmt in ("e4m3", "e5m2"):
         for dtype in (jnp.bfloat16, jnp.float32):
             check_requantize(wire_copy(GPU_SHAPES["transposed"], fmt, seed=25), dtype, arithmetic)
-
-
-# ------------------------------------- the experts' weighted SwiGLU, quantized as it is computed
-SWIGLU_VARIANTS = {
-    "default": None,  # bf16: two CTAs an SM, one slot each
-    "one_cta_two_slots": TransposeQuantizeConfig(
-        slots=2, output_slots=1, transpose="in_place", column_source="registers"
-    ),
-}
-
-
-def swiglu_operands(m, f, dtype, seed, special=True):
-    """(h [M, 2F], p [M]): h over many binades with specials (`tensor`), or normal-range values;
-    the last 128 rows are padding as the plan makes them (h = 0, p = 0)."""
-    make = tensor if special else normal_range
-    h = make((m, 2 * f), jnp.float32, seed=seed).at[-BLOCK:].set(0).astype(dtype)
-    p = jax.random.uniform(jax.random.key(seed), (m,)).at[-BLOCK:].set(0)
-    return h, p
-
-
-def swiglu_reference(h, p, fmt="e4m3", twice=False):
-    """Both 1 x 128 copies (host CPU) of a = weighted_activation_forward(h, p) computed on the
-    default device (XLA's fusion, whose bits the kernel's arithmetic shares there); `twice`:
-    the control, a rounded to h's dtype before the product with p."""
-    a = weighted_activation_forward(h, p, "silu", True, impl="xla")
-    if twice:
-        gate, up = jnp.split(h.astype(jnp.float32), 2, axis=1)
-        a = ((jax.nn.silu(gate) * up).astype(h.dtype).astype(jnp.float32) * p[:, None]).astype(
-            h.dtype
-        )
-    host_a = np.asarray(a)
-    with jax.default_device(jax.devices("cpu")[0]):
-        rowwise, transposed = (fp8_blockwise.quantize_1x128(x, 1, fmt) for x in (host_a, host_a.T))
-    return (rowwise.data, rowwise.scale_inv), (transposed.data, transposed.scale_inv)
-
-
-def check_swiglu(h, p, fmt, arithmetic, config=None):
-    """The fused kernel's four outputs against `swiglu_reference`, bit for bit."""
-    kwargs = {} if config is None else dict(config=config)
-    got = weighted_swiglu_quantize_1x128_with_transpose_pallas(
-        h, p, fmt, arithmetic=arithmetic, **kwargs
-    )
-    for ours, theirs in zip(jax.tree.leaves(got), jax.tree.leaves(swiglu_reference(h, p, fmt))):
-        assert_bitwise(np.asarray(ours), np.asarray(theirs))
-    return got
-
-
-@pytest.mark.parametrize("variant", SWIGLU_VARIANTS)
-def test_swiglu_copies_equal_the_reference_bitwise(interpret, variant):
-    """bf16 h with specials, zero/denormal blocks and padding rows, over 3 tiles more than the
-    interpreter's CTAs hold (every slot reused). Control: the copies of a rounded twice (before
-    the product with p) differ."""
-    config = SWIGLU_VARIANTS[variant]
-    ctas = (config or default_swiglu_config(BF16)).ctas_per_sm
-    tiles = 3 * ctas * num_sms() + 3
-    h, p = swiglu_operands(3 * BLOCK, -(-tiles // 3) * BLOCK, BF16, seed=31)
-    (data, _), (data_t, _) = check_swiglu(h, p, "e4m3", "exact", config)
-    (control, _), (control_t, _) = swiglu_reference(h, p, twice=True)
-    assert differs(np.asarray(data), np.asarray(control))
-    assert differs(np.asarray(data_t), np.asarray(control_t))
-
-
-def test_swiglu_copies_in_fp32_and_e5m2(interpret):
-    """fp32 h (one CTA an SM, its tiles twice the bytes) in e4m3, and bf16 h in e5m2."""
-    check_swiglu(*swiglu_operands(2 * BLOCK, 2 * BLOCK, jnp.float32, seed=32), "e4m3", "exact")
-    check_swiglu(*swiglu_operands(2 * BLOCK, BLOCK, BF16, seed=33), "e5m2", "exact")
-
-
-@pytest.mark.parametrize("impl", ["pallas", "xla"])
-def test_swiglu_copies_of_the_live_rows(interpret, monkeypatch, impl):
-    """With a live row count (the layer's: whole 128-row blocks): the full call's bits on the
-    live rows; the rows past them unwritten by the kernel (NaN in the interpreter) and filled by
-    the reference (DEAD_ROW_FILL = NaN). Control: without the count no scale is NaN."""
-    from jaxmoe.ops import live_rows as live_rows_module
-
-    monkeypatch.setattr(live_rows_module, "DEAD_ROW_FILL", np.nan)
-    h, p = swiglu_operands(3 * BLOCK, BLOCK, BF16, seed=34, special=False)
-    live = 2 * BLOCK
-    run = functools.partial(weighted_activation_quantize_1x128_with_transpose, impl=impl)
-    counted = run(h, p, "silu", True, live_rows=jnp.int32(live))
-    full = run(h, p, "silu", True)
-    for copy in full:
-        assert not np.any(np.isnan(np.asarray(copy.scale_inv)))
-    assert_bitwise(np.asarray(counted[0].data[:live]), np.asarray(full[0].data[:live]))
-    assert_bitwise(np.asarray(counted[1].data[:, :live]), np.asarray(full[1].data[:, :live]))
-    assert_bitwise(np.asarray(counted[0].scale_inv[:live]), np.asarray(full[0].scale_inv[:live]))
-    assert np.all(np.isnan(np.asarray(counted[0].scale_inv[live:])))
-    assert np.all(np.isnan(np.asarray(counted[1].scale_inv[:, live // BLOCK :])))
-
-
-def test_swiglu_op_falls_back_and_refuses_clearly(interpret):
-    """`jaxmoe.ops.weighted_activation_quantize_1x128_with_transpose`: "pallas" equals "xla",
-    which is the forward then `quantize_1x128_with_transpose`; "auto" falls back for what the
-    kernel cannot take (another activation, rows or F not multiples of 128); "pallas" refuses
-    it with the reason."""
-    h, p = swiglu_operands(2 * BLOCK, BLOCK, BF16, seed=35, special=False)
-    op = weighted_activation_quantize_1x128_with_transpose
-    want = quantize_1x128_with_transpose(forward_activation(h, p, "silu"), impl="xla")
-    for impl in ("pallas", "xla", "auto"):
-        got = op(h, p, "silu", True, impl=impl)
-        assert [t.block_axes for t in got] == [(1,), (1,)] and got[0].fmt == "e4m3"
-        for ours, theirs in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            assert_bitwise(np.asarray(ours), np.asarray(theirs))
-    gelu = op(h, p, "gelu", True)
-    assert_bitwise(
-        np.asarray(gelu[1].data),
-        np.asarray(quantize_1x128_with_transpose(forward_activation(h, p, "gelu"))[1].data),
-    )
-    ragged_h, ragged_p = h[:200], p[:200]
-    assert op(ragged_h, ragged_p, "silu", True)[1].shape == (BLOCK, 200)
-    with pytest.raises(ValueError, match="SwiGLU"):
-        op(h, p, "gelu", True, impl="pallas")
-    with pytest.raises(ValueError, match="M and F multiples of 128"):
-        op(ragged_h, ragged_p, "silu", True, impl="pallas")
-    with pytest.raises(ValueError, match="probs"):
-        op(h, p[:5], "silu", True)
-    with pytest.raises(ValueError, match="float32/bfloat16"):
-        op(h.astype(jnp.float16), p, "silu", True, impl="pallas")
-
-
-def forward_activation(h, p, name):
-    return weighted_activation_forward(h, p, name, True, impl="xla")
-
-
-@pytest.mark.parametrize("shape", ["qwen3_30b", "mixtral", "dsv3_ep8"])
-def test_swiglu_copies_lower_at_real_shapes(shape):
-    """Lowering for sm_90a at the layers' expert rows (bf16 within its CTA's share of shared
-    memory at two CTAs an SM, fp32 at one), with and without a live row count."""
-    from jaxmoe.shapes import SHAPES
-
-    config = SHAPES[shape].config
-    m, f = SHAPES[shape].num_tokens * config.top_k, config.ffn_hidden_size
-    s = jax.ShapeDtypeStruct
-    fn = lambda h, p, live: weighted_swiglu_quantize_1x128_with_transpose_pallas(  # noqa: E731
-        h, p, arithmetic="float", live_rows=live
-    )
-    for dtype in (BF16, jnp.float32):
-        with artificial_shared_memory_limit(default_swiglu_config(dtype).smem_budget):
-            for live in (None, s((), jnp.int32)):
-                jax.jit(fn).trace(s((m, 2 * f), dtype), s((m,), jnp.float32), live).lower(
-                    lowering_platforms=("cuda",)
-                )
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("arithmetic", ["float", "exact"])
-def test_gpu_swiglu_copies_equal_the_reference_bitwise(arithmetic):
-    """On the GPU, bf16 and fp32 h with specials and padding rows, both formats: the copies of
-    XLA's a (which the forward kernel's bits equal there); each variant; with a live row count,
-    the full call's bits on its rows."""
-    for dtype in (BF16, jnp.float32):
-        for fmt in ("e4m3", "e5m2"):
-            check_swiglu(*swiglu_operands(4096, 2048, dtype, seed=36), fmt, arithmetic)
-    h, p = swiglu_operands(4096, 2048, BF16, seed=37)
-    for config in SWIGLU_VARIANTS.values():
-        full = check_swiglu(h, p, "e4m3", arithmetic, config)
-    live = 1500
-    (data, _), (data_t, _) = full
-    (data_c, _), (data_t_c, _) = weighted_swiglu_quantize_1x128_with_transpose_pallas(
-        h, p, arithmetic=arithmetic, live_rows=jnp.int32(live)
-    )
-    assert_bitwise(np.asarray(data_c[:live]), np.asarray(data[:live]))
-    assert_bitwise(np.asarray(data_t_c[:, :live]), np.asarray(data_t[:, :live]))

@@ -23,8 +23,9 @@ Both passes take a live row count (`jaxmoe.ops.live_rows`).
 FP8-blockwise copies of the forward, for fc2 (`weighted_activation_quantize_1x128_with_transpose`):
   impl "xla"     the forward, then `jaxmoe.ops.quantize_1x128_with_transpose` of a.
   impl "pallas"  SwiGLU in one Hopper kernel that computes a from each tile of h it loads and
-                 quantizes it both ways (ops/pallas/quantize_transpose_hopper.py): a is never
-                 in memory; the same bits as the forward's kernel and the quantize's.
+                 quantizes it both ways (ops/pallas/swiglu_quantize_hopper.py): a is never in
+                 memory; the same bits as the forward's kernel and the quantize's; bf16 h, F a
+                 multiple of 256.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else the forward and the
                  quantize, each on "auto".
 FP8-blockwise copies of the backward's d h, for fc1's backward
@@ -55,13 +56,13 @@ from jaxmoe.ops.pallas.activation_forward_hopper import (
     forward_problem,
     weighted_swiglu_forward_pallas,
 )
-from jaxmoe.ops.pallas.quantize_transpose_hopper import (
-    swiglu_transpose_problem,
-    weighted_swiglu_quantize_1x128_with_transpose_pallas,
-)
 from jaxmoe.ops.pallas.swiglu_backward_quantize_hopper import (
     swiglu_backward_quantize_problem,
     weighted_swiglu_backward_quantize_1x128_with_transpose_pallas,
+)
+from jaxmoe.ops.pallas.swiglu_quantize_hopper import (
+    swiglu_quantize_problem,
+    weighted_swiglu_quantize_1x128_with_transpose_pallas,
 )
 from jaxmoe.ops.quantize import quantize_1x128_with_transpose
 from jaxmoe.ordered import LEVELS_PER_PASS, row_sums_in_order, sum_in_order
@@ -86,7 +87,7 @@ def _backward_problem(h_shape, h_dtype, g_shape, g_dtype, name, gated) -> str | 
 
 
 def _quantized_problem(h_shape, h_dtype, probs_shape, name, gated) -> str | None:
-    return not_swiglu(name, gated) or swiglu_transpose_problem(h_shape, h_dtype, probs_shape)
+    return not_swiglu(name, gated) or swiglu_quantize_problem(h_shape, h_dtype, probs_shape)
 
 
 registry.register("weighted_activation_forward", "pallas", problem=_forward_problem)

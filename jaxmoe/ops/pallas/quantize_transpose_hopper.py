@@ -9,10 +9,6 @@ the input, bitwise equal to `jaxmoe.fp8_blockwise`:
   quantize_1x128_transposed_pallas       the second alone
   requantize_1x128_transposed_pallas     the second of an fp8 copy's values (1 x 128 blocks
                                          along K, e.g. the dispatched tokens), read as fp8
-  weighted_swiglu_quantize_1x128_with_transpose_pallas
-                                         both copies of the experts' weighted SwiGLU
-                                         a = round(silu(gate) * up * p) for h = [gate; up],
-                                         computed from h as it is loaded (a is never stored)
 
 A persistent CTA (one warpgroup) walks 128 x 128 input tiles through a TMA ring
 (`row_pipeline.split_pipeline`): each tile is loaded once, quantized in registers with
@@ -64,7 +60,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.fp8_blockwise import BLOCK
 from jaxmoe.mxfp8 import FORMATS, FP32_ABS_MASK, FP32_INF_BITS, float32_bits
-from jaxmoe.ops.pallas.activation_tiles import weighted_swiglu
 from jaxmoe.ops.pallas.gmm_common import swizzled
 from jaxmoe.ops.pallas.hopper import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from jaxmoe.ops.pallas.quantize_hopper import (
@@ -195,13 +190,6 @@ def default_transpose_config(dtype) -> TransposeQuantizeConfig:
     )
 
 
-def default_swiglu_config(dtype) -> TransposeQuantizeConfig:
-    """The config `weighted_swiglu_quantize_1x128_with_transpose_pallas` runs when given none:
-    as `default_transpose_config`, with as many input slots as fit (an input slot holds a gate
-    and an up tile: one slot a CTA at two CTAs an SM for 2-byte h)."""
-    return dataclasses.replace(default_transpose_config(dtype), slots=None)
-
-
 def weights_problem(shape, dtype) -> str | None:
     """Why `quantize_128x128_pallas` cannot take weights of this shape/dtype (None: it can)."""
     if len(shape) != 3 or not shape[0]:
@@ -226,24 +214,6 @@ def transpose_problem(shape, dtype) -> str | None:
         shape,
         dtype,
         [(f"M and K multiples of {BLOCK}", lambda m, k: m % BLOCK == 0 and k % BLOCK == 0)],
-        "FP8 blockwise",
-    )
-
-
-def swiglu_transpose_problem(h_shape, h_dtype, probs_shape) -> str | None:
-    """Why `weighted_swiglu_quantize_1x128_with_transpose_pallas` cannot take h [M, 2F] and
-    probs (None: it can)."""
-    if len(h_shape) != 2 or h_shape[1] % 2 or tuple(probs_shape) != tuple(h_shape[:1]):
-        return (
-            "weighted SwiGLU 1x128 transpose quantize kernel: needs h [M, 2F] and probs [M], got "
-            f"{tuple(h_shape)} and {tuple(probs_shape)}"
-        )
-    m, two_f = h_shape
-    return kernel_problem(
-        "weighted SwiGLU 1x128 transpose",
-        (m, two_f // 2),
-        h_dtype,
-        [(f"M and F multiples of {BLOCK}", lambda m, f: m % BLOCK == 0 and f % BLOCK == 0)],
         "FP8 blockwise",
     )
 
@@ -378,43 +348,6 @@ def quantize_1x128_transposed_pallas(
     return data_t, scale_column.T
 
 
-def weighted_swiglu_quantize_1x128_with_transpose_pallas(
-    h: jax.Array,
-    probs: jax.Array,
-    fmt: str = "e4m3",
-    *,
-    arithmetic=None,
-    config: TransposeQuantizeConfig | None = None,
-    live_rows=None,
-    interpret=None,
-):
-    """`quantize_1x128_with_transpose_pallas(a)`'s two copies of the experts' weighted SwiGLU
-    a = round(silu(gate) * up * p) [M, F] (`jaxmoe.ops.activation.weighted_activation_forward`'s
-    values and rounding to h's dtype; h = [gate; up] [M, 2F] bf16/fp32, probs [M] used in fp32;
-    M, F multiples of 128), computed from each loaded tile of h, so that a is neither written
-    nor read again. `config`: how the kernel runs (None: `default_swiglu_config(h.dtype)`);
-    live_rows as `quantize_1x128_with_transpose_pallas`'s."""
-    problem = swiglu_transpose_problem(h.shape, h.dtype, probs.shape)
-    arithmetic = checked_arithmetic(problem, fmt, arithmetic, interpret)
-    m, two_f = h.shape
-    config = config or default_swiglu_config(h.dtype)
-    kernel = _activations_kernel(
-        m,
-        two_f // 2,
-        jnp.dtype(h.dtype),
-        fmt,
-        arithmetic,
-        config,
-        interpret,
-        rowwise=True,
-        counted=live_rows is not None,
-        swiglu=True,
-    )
-    p_row = probs.astype(jnp.float32)[None, :]
-    data, scale_row, data_t, scale_column = kernel(h, p_row, *live_input(live_rows))
-    return (data, scale_row.T), (as_format(data_t, fmt), scale_column.T)
-
-
 def _quantize_1x128_transpose(x, fmt, arithmetic, config, interpret, rowwise, live_rows):
     arithmetic = checked_arithmetic(transpose_problem(x.shape, x.dtype), fmt, arithmetic, interpret)
     m, k = x.shape
@@ -439,21 +372,21 @@ def as_format(data, fmt):
     return lax.bitcast_convert_type(data, FORMATS[fmt].dtype)
 
 
-def _ring(dtype, output_bytes, config, with_row_scales=False, input_tiles=1):
-    """(slots, output slots, SMEM scratch) of a kernel whose input slots hold `input_tiles`
-    tiles (slot s: x_smem[s * input_tiles + j]; with `with_row_scales` also the rows' 128 fp32
-    scales) and whose output slots its transposed bytes and `output_bytes` more
+def _ring(dtype, output_bytes, config, with_row_scales=False):
+    """(slots, output slots, SMEM scratch) of a kernel whose input slots hold a tile (with
+    `with_row_scales` also the rows' 128 fp32 scales) and whose output slots its transposed
+    bytes and `output_bytes` more
     (`config.ring`), next to the reduction scratch and, unless the transpose is in place, the
     byte tile C."""
     tile = BLOCK * BLOCK
     separate = config.transpose == "separate"
     fixed = separate * tile + REDUCTION_SCRATCH + SMEM_SLACK
-    input_bytes = input_tiles * tile * dtype.itemsize + with_row_scales * BLOCK * 4
+    input_bytes = tile * dtype.itemsize + with_row_scales * BLOCK * 4
     slots, outputs = config.ring(input_bytes, tile + output_bytes, fixed)
     scratch = dict(
-        x_smem=plgpu.SMEM((slots * input_tiles, BLOCK, BLOCK), dtype),
+        x_smem=plgpu.SMEM((slots, BLOCK, BLOCK), dtype),
         t_smem=plgpu.SMEM((outputs, BLOCK, BLOCK), jnp.int8, transforms=BYTE_TILE),
-        loaded=plgpu.Barrier(num_arrivals=input_tiles + with_row_scales, num_barriers=slots),
+        loaded=plgpu.Barrier(num_arrivals=1 + with_row_scales, num_barriers=slots),
     )
     if with_row_scales:
         scratch["input_scale_smem"] = plgpu.SMEM((slots, 1, BLOCK), jnp.float32)
@@ -530,18 +463,15 @@ def _as_bytes(encoded):
     return lax.bitcast_convert_type(encoded, jnp.int8)
 
 
-def _tile_fetch(x_gmem, x_smem, input_windows):
-    """The pipeline's loads: tile t is x_gmem's windows (rows, columns) in input_windows(t), one
-    TMA each, the j-th into x_smem[slot * len(windows) + j]."""
+def _tile_fetch(x_gmem, x_smem, input_window):
+    """The pipeline's loads: tile t is x_gmem's window (rows, columns) = input_window(t), one
+    TMA into x_smem[slot]."""
 
     def fetch(t):
-        windows = input_windows(t)
+        rows, columns = input_window(t)
 
         def issue(slot, barrier):
-            for j, (rows, columns) in enumerate(windows):
-                plgpu.copy_gmem_to_smem(
-                    x_gmem.at[rows, columns], x_smem.at[slot * len(windows) + j], barrier
-                )
+            plgpu.copy_gmem_to_smem(x_gmem.at[rows, columns], x_smem.at[slot], barrier)
 
         return issue
 
@@ -581,17 +511,6 @@ def _dequantized_bits(scale_smem, dtype, values, i):
     return float32_bits((values.astype(jnp.float32) * scale).astype(dtype))
 
 
-def _weighted_swiglu_parts(gate_smem, up_smem, p_smem, dtype):
-    """load(i): part i of a = round(silu(gate) * up * p) to dtype, from the SMEM tiles of gate
-    and up and the rows' p (p_smem [1, 128] fp32)."""
-
-    def load(i):
-        gate, up = (_smem_parts(t)(i).astype(jnp.float32) for t in (gate_smem, up_smem))
-        return weighted_swiglu(gate, up, _row_values(p_smem, i, gate)).astype(dtype)
-
-    return load
-
-
 @functools.cache
 def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, config, interpret):
     """Kernel of `quantize_128x128_pallas` on w viewed as [G * K, N] under `config`: tile t is
@@ -617,7 +536,7 @@ def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, config, interpret):
         data_smem, scale_smem = more_smem["data_smem"], more_smem["scale_smem"]
         identity = identity_halves()
 
-        fetch = _tile_fetch(x_gmem, x_smem, lambda t: [window(t)[:2]])
+        fetch = _tile_fetch(x_gmem, x_smem, lambda t: window(t)[:2])
 
         def compute(slot, out):
             part_bits = _tile_parts(_smem_parts(x_smem.at[slot]), config)
@@ -678,7 +597,6 @@ def _activations_kernel(
     rowwise,
     dequantized_dtype=None,
     counted=False,
-    swiglu=False,
 ):
     """Kernel of the 1 x 128 transposing quantize of x [M, K] under `config`: tile t is block
     row rb = t // (K/128), block column kb = t % (K/128). Outputs: with `rowwise`, data [M, K]
@@ -686,8 +604,6 @@ def _activations_kernel(
     `dequantized_dtype` (transposed copy only): x is a float8 copy in 1 x 128 blocks along K,
     with a second input, its multipliers transposed [K/128, M]; the kernel quantizes its values
     dequantized in fp32 and rounded to `dequantized_dtype`, as `fp8_blockwise.dequantize`.
-    `swiglu`: the first input is h [M, 2K] = [gate; up] and the second p [1, M] fp32; x is the
-    weighted SwiGLU of them rounded to h's dtype (a tile of each half loaded a step).
     `counted`: a last input, the live row count [1] int32: only the block rows holding rows
     below it run (`jaxmoe.ops.live_rows`)."""
     fmt = FORMATS[fmt_name]
@@ -696,14 +612,8 @@ def _activations_kernel(
     ctas = num_ctas(num_tiles, config.ctas_per_sm)
     scale_row = BLOCK * 4  # a tile's 128 fp32 scales of one copy
     dequantizing = dequantized_dtype is not None
-    row_input = dequantizing or swiglu  # a second input with a [1, 128] fp32 row a tile
-    input_tiles = 2 if swiglu else 1
     slots, output_slots, scratch = _ring(
-        dtype,
-        (BLOCK * BLOCK + 2 * scale_row) if rowwise else scale_row,
-        config,
-        row_input,
-        input_tiles,
+        dtype, (BLOCK * BLOCK + 2 * scale_row) if rowwise else scale_row, config, dequantizing
     )
     scale_slots = plgpu.SMEM((output_slots, 1, BLOCK), jnp.float32)
     scratch["column_scale_smem"] = scale_slots
@@ -720,25 +630,16 @@ def _activations_kernel(
     def quantize_1x128_transpose(
         x_gmem, *inputs_and_outputs, x_smem, t_smem, loaded, column_scale_smem, **more_smem
     ):
-        row_input_gmem = inputs_and_outputs[0] if row_input else None
-        live_gmem = inputs_and_outputs[row_input] if counted else None
-        outputs = inputs_and_outputs[row_input + counted :]
+        scale_gmem = inputs_and_outputs[0] if dequantizing else None
+        live_gmem = inputs_and_outputs[dequantizing] if counted else None
+        outputs = inputs_and_outputs[dequantizing + counted :]
         *rowwise_gmem, data_t_gmem, column_scale_gmem = outputs
         identity = identity_halves()
 
-        def input_windows(t):
-            _, kb, rows, columns = window(t)
-            if swiglu:  # gate's and up's tiles
-                return [(rows, pl.ds(half * k + kb * BLOCK, BLOCK)) for half in range(2)]
-            return [(rows, columns)]
-
-        fetch = _tile_fetch(x_gmem, x_smem, input_windows)
-        if row_input:  # the multipliers' block row kb, or p's one row
+        fetch = _tile_fetch(x_gmem, x_smem, lambda t: window(t)[2:])
+        if dequantizing:  # the multipliers' block row kb
             fetch = _with_row_scales(
-                fetch,
-                row_input_gmem,
-                more_smem["input_scale_smem"],
-                lambda t: (0 if swiglu else window(t)[1], window(t)[2]),
+                fetch, scale_gmem, more_smem["input_scale_smem"], lambda t: window(t)[1:3]
             )
 
         def compute(slot, out):
@@ -746,13 +647,6 @@ def _activations_kernel(
             if dequantizing:
                 as_bits = functools.partial(
                     _dequantized_bits, more_smem["input_scale_smem"].at[slot], dequantized_dtype
-                )
-            if swiglu:
-                load = _weighted_swiglu_parts(
-                    x_smem.at[2 * slot],
-                    x_smem.at[2 * slot + 1],
-                    more_smem["input_scale_smem"].at[slot],
-                    dtype,
                 )
             part_bits = _tile_parts(load, config, as_bits, convert_once=dequantizing)
 
@@ -830,9 +724,7 @@ def _activations_kernel(
     return plgpu.kernel(
         quantize_1x128_transpose,
         kernel_name=(
-            "weighted_swiglu_quantize_1x128_transpose"
-            if swiglu
-            else "quantize_1x128_transpose"
+            "quantize_1x128_transpose"
             if rowwise
             else "requantize_1x128_transposed"
             if dequantizing
