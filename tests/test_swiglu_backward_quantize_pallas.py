@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.mosaic.gpu.core import artificial_shared_memory_limit
 
 from jaxmoe import fp8_blockwise
 from jaxmoe.ops import (
@@ -22,9 +21,7 @@ from jaxmoe.ops import (
 from jaxmoe.ops.device import num_sms
 from jaxmoe.ops.pallas.activation_backward_hopper import weighted_swiglu_backward_pallas
 from jaxmoe.ops.pallas.quantize_transpose_hopper import quantize_1x128_with_transpose_pallas
-from jaxmoe.ops.pallas.row_pipeline import smem_per_cta
 from jaxmoe.ops.pallas.swiglu_backward_quantize_hopper import (
-    ring_slots,
     weighted_swiglu_backward_quantize_1x128_with_transpose_pallas,
 )
 
@@ -155,32 +152,6 @@ def test_op_falls_back_and_refuses_clearly(interpret):
         op(h.astype(jnp.float16), p, g.astype(jnp.float16), "silu", True, impl="pallas")
     with pytest.raises(ValueError, match="g"):
         op(h, p, g[:, :64], "silu", True)
-
-
-def test_ring_slots_fit_the_cta_share():
-    """Four 32-row slots a warpgroup by default (they fit beside the tiles); a count that does
-    not fit, or none, is refused."""
-    assert ring_slots(None) == 4
-    assert ring_slots(2) == 2
-    for bad in (5, 0):
-        with pytest.raises(ValueError, match="do not fit"):
-            ring_slots(bad)
-
-
-@pytest.mark.parametrize("shape", ["qwen3_30b", "mixtral", "dsv3_ep8"])
-def test_lowers_at_real_shapes(shape):
-    """Lowering for sm_90a at the layers' expert rows within the shared memory of one CTA an
-    SM, with and without a live row count."""
-    from jaxmoe.shapes import SHAPES
-
-    config = SHAPES[shape].config
-    m, f = SHAPES[shape].num_tokens * config.top_k, config.ffn_hidden_size
-    s = jax.ShapeDtypeStruct
-    fn = lambda h, p, g, live: fused(h, p, g, arithmetic="float", live_rows=live)  # noqa: E731
-    with artificial_shared_memory_limit(smem_per_cta(1)):
-        for live in (None, s((), jnp.int32)):
-            args = s((m, 2 * f), BF16), s((m,), jnp.float32), s((m, f), BF16), live
-            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.gpu

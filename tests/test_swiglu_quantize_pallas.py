@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.mosaic.gpu.core import artificial_shared_memory_limit
 
 from jaxmoe import fp8_blockwise
 from jaxmoe.ops import (
@@ -19,9 +18,7 @@ from jaxmoe.ops import (
     weighted_activation_quantize_1x128_with_transpose,
 )
 from jaxmoe.ops.device import num_sms
-from jaxmoe.ops.pallas.row_pipeline import smem_per_cta
 from jaxmoe.ops.pallas.swiglu_quantize_hopper import (
-    ring_slots,
     weighted_swiglu_quantize_1x128_with_transpose_pallas,
 )
 
@@ -148,32 +145,6 @@ def test_op_falls_back_and_refuses_clearly(interpret):
         op(fp32_h, p, "silu", True, impl="pallas")
     with pytest.raises(ValueError, match="probs"):
         op(h, p[:5], "silu", True)
-
-
-def test_ring_slots_fit_the_cta_share():
-    """Three 32-row slots a warpgroup by default (they fit beside the tiles); a count that does
-    not fit, or none, is refused."""
-    assert ring_slots(None) == 3
-    assert ring_slots(2) == 2
-    for bad in (4, 0):
-        with pytest.raises(ValueError, match="do not fit"):
-            ring_slots(bad)
-
-
-@pytest.mark.parametrize("shape", ["qwen3_30b", "mixtral", "dsv3_ep8"])
-def test_lowers_at_real_shapes(shape):
-    """Lowering for sm_90a at the layers' expert rows within the shared memory of one CTA an
-    SM, with and without a live row count."""
-    from jaxmoe.shapes import SHAPES
-
-    config = SHAPES[shape].config
-    m, f = SHAPES[shape].num_tokens * config.top_k, config.ffn_hidden_size
-    s = jax.ShapeDtypeStruct
-    fn = lambda h, p, live: fused(h, p, arithmetic="float", live_rows=live)  # noqa: E731
-    with artificial_shared_memory_limit(smem_per_cta(1)):
-        for live in (None, s((), jnp.int32)):
-            args = s((m, 2 * f), BF16), s((m,), jnp.float32), live
-            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.gpu

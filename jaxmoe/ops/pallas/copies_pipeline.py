@@ -31,7 +31,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.fp8_blockwise import BLOCK
 from jaxmoe.mxfp8 import BLOCK_SIZE, FORMATS, FP32_ABS_MASK, FP32_INF_BITS, float32_bits
-from jaxmoe.ops.pallas.quantize_hopper import FP8_BLOCKWISE, block_amax_bits, encode_blocks
+from jaxmoe.ops.pallas.activation_tiles import COLUMNS
+from jaxmoe.ops.pallas.quantize_hopper import (
+    FP8_BLOCKWISE,
+    block_amax_bits,
+    encode_blocks,
+    kernel_problem,
+)
 from jaxmoe.ops.pallas.quantize_transpose_hopper import (
     BYTE_TILE,
     COMPILER_PARAMS,
@@ -58,6 +64,26 @@ LAYOUT = plgpu.Layout.TILED(
     lane_dims=(-3, -2),
     vector_dim=-1,
 )
+
+
+def copies_problem(name: str, h_shape, h_dtype) -> str | None:
+    """Why the SwiGLU copies kernel `name` cannot take h [M, 2F] of h_dtype (None: it can): bf16,
+    M a multiple of 128 and F of 256, as the activation backward's kernel takes F, so that "auto"
+    runs these kernels exactly where it would run that one."""
+    m, two_f = h_shape
+    return kernel_problem(
+        name,
+        (m, two_f // 2),
+        h_dtype,
+        [
+            ("bfloat16", lambda m, f: jnp.dtype(h_dtype) == BF16),
+            (
+                f"M a multiple of {BLOCK} and F of {COLUMNS}",
+                lambda m, f: m % BLOCK == 0 and f % COLUMNS == 0,
+            ),
+        ],
+        "FP8 blockwise",
+    )
 
 
 def ring_slots(slots: int | None, windows: int, extra_columns: int = 0) -> int:

@@ -30,10 +30,10 @@ import jax.numpy as jnp
 from jaxmoe.fp8_blockwise import BLOCK
 from jaxmoe.mxfp8 import BLOCK_SIZE
 from jaxmoe.ops.device import compiled_for_gpu
-from jaxmoe.ops.pallas.activation_tiles import COLUMNS, weighted_swiglu_backward
-from jaxmoe.ops.pallas.copies_pipeline import LAYOUT, copies_kernel
+from jaxmoe.ops.pallas.activation_tiles import weighted_swiglu_backward
+from jaxmoe.ops.pallas.copies_pipeline import LAYOUT, copies_kernel, copies_problem
 from jaxmoe.ops.pallas.copies_pipeline import ring_slots as pipeline_ring_slots
-from jaxmoe.ops.pallas.quantize_hopper import checked_arithmetic, kernel_problem
+from jaxmoe.ops.pallas.quantize_hopper import checked_arithmetic
 from jaxmoe.ops.pallas.quantize_transpose_hopper import as_format
 from jaxmoe.ops.pallas.row_pipeline import live_input
 
@@ -56,22 +56,7 @@ def swiglu_backward_quantize_problem(h_shape, h_dtype, probs_shape, g_shape, g_d
             f"[M] and g [M, F] of h's dtype, got {tuple(h_shape)}, {tuple(probs_shape)}, "
             f"{tuple(g_shape)} {jnp.dtype(g_dtype).name}"
         )
-    m, two_f = h_shape
-    return kernel_problem(
-        "weighted SwiGLU backward 1x128 transpose",
-        (m, two_f // 2),
-        h_dtype,
-        [
-            ("bfloat16", lambda m, f: jnp.dtype(h_dtype) == jnp.dtype(jnp.bfloat16)),
-            # F as the backward's kernel takes it, so that "auto" runs this kernel exactly
-            # where it would run that one (their d h bits are not XLA's).
-            (
-                f"M a multiple of {BLOCK} and F of {COLUMNS}",
-                lambda m, f: m % BLOCK == 0 and f % COLUMNS == 0,
-            ),
-        ],
-        "FP8 blockwise",
-    )
+    return copies_problem("weighted SwiGLU backward 1x128 transpose", h_shape, h_dtype)
 
 
 def weighted_swiglu_backward_quantize_1x128_with_transpose_pallas(

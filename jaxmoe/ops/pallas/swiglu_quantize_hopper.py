@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.fp8_blockwise import BLOCK
-from jaxmoe.ops.pallas.activation_tiles import COLUMNS, weighted_swiglu
-from jaxmoe.ops.pallas.copies_pipeline import copies_kernel
+from jaxmoe.ops.pallas.activation_tiles import weighted_swiglu
+from jaxmoe.ops.pallas.copies_pipeline import copies_kernel, copies_problem
 from jaxmoe.ops.pallas.copies_pipeline import ring_slots as pipeline_ring_slots
-from jaxmoe.ops.pallas.quantize_hopper import checked_arithmetic, kernel_problem
+from jaxmoe.ops.pallas.quantize_hopper import checked_arithmetic
 from jaxmoe.ops.pallas.quantize_transpose_hopper import as_format
 from jaxmoe.ops.pallas.row_pipeline import live_input
 
@@ -40,20 +40,7 @@ def swiglu_quantize_problem(h_shape, h_dtype, probs_shape) -> str | None:
             "weighted SwiGLU 1x128 transpose quantize kernel: needs h [M, 2F] and probs [M], "
             f"got {tuple(h_shape)}, {tuple(probs_shape)}"
         )
-    m, two_f = h_shape
-    return kernel_problem(
-        "weighted SwiGLU 1x128 transpose",
-        (m, two_f // 2),
-        h_dtype,
-        [
-            ("bfloat16", lambda m, f: jnp.dtype(h_dtype) == jnp.dtype(jnp.bfloat16)),
-            (
-                f"M a multiple of {BLOCK} and F of {COLUMNS}",
-                lambda m, f: m % BLOCK == 0 and f % COLUMNS == 0,
-            ),
-        ],
-        "FP8 blockwise",
-    )
+    return copies_problem("weighted SwiGLU 1x128 transpose", h_shape, h_dtype)
 
 
 def weighted_swiglu_quantize_1x128_with_transpose_pallas(

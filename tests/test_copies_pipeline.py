@@ -1,0 +1,65 @@
+"""What the SwiGLU copy kernels share on `copies_pipeline` (the forward's
+`swiglu_quantize_hopper`, the backward's `swiglu_backward_quantize_hopper`): the ring's default
+size and its refusals, and lowering for sm_90a at the layers' real shapes within the shared
+memory of one CTA an SM. Their bits are tested in tests/test_swiglu_quantize_pallas.py and
+tests/test_swiglu_backward_quantize_pallas.py."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental.mosaic.gpu.core import artificial_shared_memory_limit
+
+from jaxmoe.ops.pallas import swiglu_backward_quantize_hopper as backward
+from jaxmoe.ops.pallas import swiglu_quantize_hopper as forward
+from jaxmoe.ops.pallas.row_pipeline import smem_per_cta
+from jaxmoe.shapes import SHAPES
+
+BF16 = jnp.bfloat16
+S = jax.ShapeDtypeStruct
+
+
+def forward_call(m, f, live):
+    fn = lambda h, p, live: forward.weighted_swiglu_quantize_1x128_with_transpose_pallas(  # noqa: E731
+        h, p, arithmetic="float", live_rows=live
+    )
+    return fn, (S((m, 2 * f), BF16), S((m,), jnp.float32), live)
+
+
+def backward_call(m, f, live):
+    fn = lambda h, p, g, live: (  # noqa: E731
+        backward.weighted_swiglu_backward_quantize_1x128_with_transpose_pallas(
+            h, p, g, arithmetic="float", live_rows=live
+        )
+    )
+    return fn, (S((m, 2 * f), BF16), S((m,), jnp.float32), S((m, f), BF16), live)
+
+
+# kernel -> (module, its default slots a warpgroup, a call (fn, operand shapes) at M, F)
+KERNELS = {"forward": (forward, 3, forward_call), "backward": (backward, 4, backward_call)}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_ring_slots_fit_the_cta_share(kernel):
+    """As many 32-row slots a warpgroup by default as fit beside the tiles (three for the
+    forward's four input windows, four for the backward's three); a count that does not fit,
+    or none, is refused."""
+    module, default, _ = KERNELS[kernel]
+    assert module.ring_slots(None) == default
+    assert module.ring_slots(2) == 2
+    for bad in (default + 1, 0):
+        with pytest.raises(ValueError, match="do not fit"):
+            module.ring_slots(bad)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("shape", ["qwen3_30b", "mixtral", "dsv3_ep8"])
+def test_lowers_at_real_shapes(kernel, shape):
+    """Lowering for sm_90a at the layers' expert rows within the shared memory of one CTA an
+    SM, with and without a live row count."""
+    config = SHAPES[shape].config
+    m, f = SHAPES[shape].num_tokens * config.top_k, config.ffn_hidden_size
+    call = KERNELS[kernel][2]
+    with artificial_shared_memory_limit(smem_per_cta(1)):
+        for live in (None, S((), jnp.int32)):
+            fn, args = call(m, f, live)
+            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
