@@ -1,4 +1,5 @@
-"""Grouped-matmul or MXFP8-quantize calls between cudaProfilerStart/Stop, for Nsight Compute.
+"""Grouped-matmul, quantize or SwiGLU-copies calls between cudaProfilerStart/Stop, for Nsight
+Compute.
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \\
         python benchmarks/profile_gmm.py --shape mixtral --op fwd [--impl pallas|torch] \\
@@ -6,12 +7,16 @@
 
 Same shapes, data and Dirichlet routing as benchmarks/gmm.py and benchmarks/gmm_mxfp8.py.
 --op takes a comma-separated list (fwd, dgrad, wgrad, fwd_fp8_blockwise, wgrad_fp8_blockwise,
-quantize_rowwise, quantize_columnwise, dispatch_quantize, copy); every call is compiled and run
+quantize_rowwise, quantize_columnwise, dispatch_quantize, swiglu_copies, swiglu_backward_copies,
+copy); every call is compiled and run
 once before the profiled ones, so only the measured calls' kernels are captured, in the order
 given. The fp8_blockwise ops run the FP8-blockwise kernels on operands quantized beforehand, as
 benchmarks/gmm_fp8_blockwise_tiling.py times them. "copy" is torch's device copy of the bytes a
 quantize reads and writes (the bandwidth ceiling the quantize kernels are held to); the quantize,
-fp8_blockwise and copy ops ignore --impl. --config (JSON) changes fields of the default Pallas
+fp8_blockwise and copy ops ignore --impl. swiglu_copies and swiglu_backward_copies run the
+SwiGLU's FP8-blockwise copy kernels (`swiglu_quantize_hopper`, `swiglu_backward_quantize_hopper`)
+on fc1's output h [M, N] (N = 2F), with p [M] and, for the backward, a's gradient [M, N/2].
+--config (JSON) changes fields of the default Pallas
 kernel config of the grouped-matmul ops (GmmConfig for fwd/dgrad/fwd_fp8_blockwise, TgmmConfig
 for wgrad, BlockwiseTgmmConfig for wgrad_fp8_blockwise). Warp-stall samples by SASS line:
 
@@ -50,6 +55,12 @@ from jaxmoe.ops.pallas.quantize_hopper import (  # noqa: E402
     quantize_columnwise_pallas,
     quantize_rowwise_pallas,
 )
+from jaxmoe.ops.pallas.swiglu_backward_quantize_hopper import (  # noqa: E402
+    weighted_swiglu_backward_quantize_1x128_with_transpose_pallas,
+)
+from jaxmoe.ops.pallas.swiglu_quantize_hopper import (  # noqa: E402
+    weighted_swiglu_quantize_1x128_with_transpose_pallas,
+)
 from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import (  # noqa: E402
     default_config as default_tgmm_config,
 )
@@ -64,6 +75,8 @@ OPS = (
     "quantize_rowwise",
     "quantize_columnwise",
     "dispatch_quantize",
+    "swiglu_copies",
+    "swiglu_backward_copies",
     "copy",
 )
 
@@ -85,6 +98,8 @@ def make_call(op, impl, shape, torch, changes=None):
         return (lambda: fn(x)), jax.block_until_ready
     if op.endswith("_fp8_blockwise"):
         return fp8_blockwise_call(op, m, k, n, g, changes), jax.block_until_ready
+    if op.startswith("swiglu"):
+        return swiglu_call(op, m, n), jax.block_until_ready
     if op == "copy":
         src = torch.empty(
             (x.size * 3 + x.size // BLOCK_SIZE) // 2, dtype=torch.uint8, device="cuda"
@@ -133,6 +148,20 @@ def fp8_blockwise_call(op, m, k, n, g, changes):
     config = dataclasses.replace(config, **(changes or {}))
     fn = jax.jit(functools.partial(kernel, out_dtype=jnp.bfloat16, config=config))
     return lambda: fn(*operands)
+
+
+def swiglu_call(op, m, n):
+    """The SwiGLU copy kernel of `op` on h [m, n] (fc1's output: n = 2F), p [m] and, for the
+    backward, a's gradient [m, n / 2], random."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    h = jax.random.normal(keys[0], (m, n), jnp.bfloat16)
+    p = jax.random.uniform(keys[1], (m,), jnp.float32)
+    if op == "swiglu_copies":
+        fn = jax.jit(weighted_swiglu_quantize_1x128_with_transpose_pallas)
+        return lambda: fn(h, p)
+    g = jax.random.normal(keys[2], (m, n // 2), jnp.bfloat16)
+    fn = jax.jit(weighted_swiglu_backward_quantize_1x128_with_transpose_pallas)
+    return lambda: fn(h, p, g)
 
 
 def main(argv=None):

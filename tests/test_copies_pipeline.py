@@ -63,3 +63,33 @@ def test_lowers_at_real_shapes(kernel, shape):
         for live in (None, S((), jnp.int32)):
             fn, args = call(m, f, live)
             jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def test_profile_script_runs_both_kernels(interpret):
+    """benchmarks/profile_gmm.py's SwiGLU ops (for Nsight Compute) run the two kernels on fc1's
+    output: the forward's copies are the forward then the quantize, the backward's those of the
+    backward kernel then the quantize kernel."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import profile_gmm
+    from jaxmoe.ops import quantize_1x128_with_transpose, weighted_activation_forward
+    from jaxmoe.ops.pallas.activation_backward_hopper import weighted_swiglu_backward_pallas
+
+    from bitwise import assert_bitwise
+
+    m, n = 256, 512
+    keys = jax.random.split(jax.random.key(3), 3)  # profile_gmm.swiglu_call's operands
+    h = jax.random.normal(keys[0], (m, n), jnp.bfloat16)
+    p = jax.random.uniform(keys[1], (m,), jnp.float32)
+    g = jax.random.normal(keys[2], (m, n // 2), jnp.bfloat16)
+    forward_copies = profile_gmm.swiglu_call("swiglu_copies", m, n)()
+    a = weighted_activation_forward(h, p, "silu", True, impl="xla")
+    want = quantize_1x128_with_transpose(a, impl="xla")
+    for ours, theirs in zip(jax.tree.leaves(forward_copies), jax.tree.leaves(want), strict=True):
+        assert_bitwise(np.asarray(ours), np.asarray(theirs))
+    backward_copies, _ = profile_gmm.swiglu_call("swiglu_backward_copies", m, n)()
+    d_h, _ = weighted_swiglu_backward_pallas(h, p, g)
+    want = quantize_1x128_with_transpose(d_h, impl="xla")
+    for ours, theirs in zip(jax.tree.leaves(backward_copies), jax.tree.leaves(want), strict=True):
+        assert_bitwise(np.asarray(ours), np.asarray(theirs))
