@@ -114,6 +114,7 @@ def _fixed_smem_bytes(extra_columns: int) -> int:
 def copies_kernel(
     name: str,
     m: int,
+    *,
     column_tiles: int,
     width: int,
     inputs: int,

@@ -110,17 +110,17 @@ def _kernel(m, f, fmt_name, arithmetic, slots, counted, compiled, interpret):
     return copies_kernel(
         "weighted_swiglu_backward_quantize_1x128_transpose",
         m,
-        f // BLOCK,
-        2 * f,
-        2,
-        lambda kb: [(0, kb * BLOCK), (0, f + kb * BLOCK), (1, kb * BLOCK)],
-        compute,
-        lambda half, kb: half * f + kb * BLOCK,
-        fmt_name,
-        arithmetic,
-        slots,
-        counted,
-        interpret,
+        column_tiles=f // BLOCK,
+        width=2 * f,
+        inputs=2,  # h, g
+        sources=lambda kb: [(0, kb * BLOCK), (0, f + kb * BLOCK), (1, kb * BLOCK)],
+        compute=compute,
+        half_column=lambda half, kb: half * f + kb * BLOCK,
+        fmt_name=fmt_name,
+        arithmetic=arithmetic,
+        slots=slots,
+        counted=counted,
+        interpret=interpret,
         extra_columns=BLOCK_SIZE,
     )
 
