@@ -30,13 +30,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.fp8_blockwise import BLOCK
-from jaxmoe.mxfp8 import BLOCK_SIZE, FORMATS, FP32_ABS_MASK, FP32_INF_BITS, float32_bits
+from jaxmoe.mxfp8 import BLOCK_SIZE, FORMATS, float32_bits
 from jaxmoe.ops.pallas.activation_tiles import COLUMNS
 from jaxmoe.ops.pallas.quantize_hopper import (
     FP8_BLOCKWISE,
-    block_amax_bits,
     encode_blocks,
     kernel_problem,
+    magnitude_bits,
 )
 from jaxmoe.ops.pallas.quantize_transpose_hopper import (
     BYTE_TILE,
@@ -125,6 +125,7 @@ def copies_kernel(
     arithmetic: str,
     slots: int | None,
     counted: bool,
+    compiled: bool,
     interpret,
     extra_columns: int = 0,
 ):
@@ -137,7 +138,9 @@ def copies_kernel(
     are the columns [half_column(h, kb), + 128) of the copies' [M, width] source; extra (fp32
     [16, extra_columns], or None without them) is stored at [rows, kb * extra_columns]. Outputs:
     data [M, width], its scales [width / 128, M], data_t [width, M] (int8) and its scales
-    [M / 128, width], then the extra [M, column_tiles * extra_columns]."""
+    [M / 128, width], then the extra [M, column_tiles * extra_columns]. `compiled`: built for
+    the GPU (`jaxmoe.ops.device.compiled_for_gpu`), where the amaxes' magnitudes are PTX
+    (`quantize_hopper.magnitude_bits`)."""
     fmt = FORMATS[fmt_name]
     windows = len(sources(0))
     num_tiles = m // BLOCK * column_tiles
@@ -214,10 +217,11 @@ def copies_kernel(
                 values = values.astype(BF16)
                 held_smem.at[half, held_rows][...] = values
                 bits = float32_bits(values)
-                e = FP8_BLOCKWISE.exponent(block_amax_bits(bits, 1), fmt)
+                magnitudes = magnitude_bits(bits, LAYOUT if compiled else None)
+                e = FP8_BLOCKWISE.exponent(jnp.max(magnitudes, axis=1), fmt)
                 row_scale_smem.at[wg, half, 0][...] = FP8_BLOCKWISE.stored(e)
                 data_smem.at[wg, half][...] = encode_blocks(bits, e, 1, LAYOUT, fmt, arithmetic)
-                updated.append(jnp.maximum(maxima[half], _magnitudes(bits)))
+                updated.append(jnp.maximum(maxima[half], magnitudes))
             if extra_columns:
                 scratch["extra_smem"].at[wg][...] = extra
             plgpu.commit_smem()
@@ -347,10 +351,3 @@ def copies_kernel(
         compiler_params=COMPILER_PARAMS,
         interpret=interpret,
     )
-
-
-def _magnitudes(bits):
-    """fp32 magnitude bits, NaNs as 0: a tile's pieces meet elementwise (a thread's own
-    registers), so that the column amax crosses the lanes and warps once a tile."""
-    magnitudes = bits & FP32_ABS_MASK
-    return jnp.where(magnitudes > FP32_INF_BITS, jnp.uint32(0), magnitudes)

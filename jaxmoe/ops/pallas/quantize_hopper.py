@@ -26,10 +26,14 @@ import dataclasses
 import functools
 
 import jax
+import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import llvm, vector
 
 from jaxmoe import fp8_blockwise
 from jaxmoe.ints import cdiv, round_up
@@ -127,10 +131,49 @@ def _columnwise_layout(dtype):
     )
 
 
-def block_amax_bits(bits, axis):
-    """max |x| over `axis` on the fp32 bits (monotone in |x|), NaNs counted as 0."""
-    mag = bits & FP32_ABS_MASK
-    return jnp.max(jnp.where(mag > FP32_INF_BITS, jnp.uint32(0), mag), axis=axis)
+def block_amax_bits(bits, axis, layout=None):
+    """max |x| over `axis` on the fp32 bits (monotone in |x|), NaNs counted as 0
+    (`magnitude_bits`)."""
+    return jnp.max(magnitude_bits(bits, layout), axis=axis)
+
+
+# |x| for fp32 bits x, NaN as +0: PTX max returns the operand that is not NaN.
+_MAGNITUDE = """{
+.reg .f32 t;
+abs.f32 t, $1;
+max.f32 $0, t, 0f00000000;
+}"""
+
+
+def magnitude_bits(bits, layout=None):
+    """The fp32 bits of |x| for the fp32 bits `bits` (uint32), NaN as 0: ordered as |x| (a
+    block's amax is their integer max). With `layout`, bits' register layout in a kernel
+    compiled for the GPU: one PTX float max of |x| and 0 an element (`_MAGNITUDE`); without
+    (the interpreter, which cannot run PTX): a mask, a compare and a select. The same bits."""
+    if layout is None:
+        magnitudes = bits & FP32_ABS_MASK
+        return jnp.where(magnitudes > FP32_INF_BITS, jnp.uint32(0), magnitudes)
+
+    @plgpu.inline_mgpu(
+        arg_types=(layout,),
+        return_type=plgpu.ShapeDtypeStruct(bits.shape, jnp.uint32, layout=layout),
+    )
+    def magnitudes(_, words: mgpu.FragmentedArray):
+        i32 = ir.IntegerType.get_signless(32)
+        out = np.empty_like(words.registers)
+        magnitude = lambda word: llvm.inline_asm(i32, [word], _MAGNITUDE, "=r,r")  # noqa: E731
+        for index, register in np.ndenumerate(words.registers):
+            if not isinstance(register.type, ir.VectorType):
+                out[index] = magnitude(register)
+                continue
+            result = llvm.mlir_undef(register.type)
+            for lane in range(ir.VectorType(register.type).shape[0]):
+                word = magnitude(vector.extract(register, [], [lane]))
+                result = vector.insert(word, result, [], [lane])
+            out[index] = result
+        return mgpu.FragmentedArray(_registers=out, _layout=words.layout, _is_signed=False)
+
+    return magnitudes(bits)
 
 
 def spread_blocks(per_block, shape, axis, layout):

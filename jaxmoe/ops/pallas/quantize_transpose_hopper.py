@@ -59,15 +59,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe.fp8_blockwise import BLOCK
-from jaxmoe.mxfp8 import FORMATS, FP32_ABS_MASK, FP32_INF_BITS, float32_bits
+from jaxmoe.mxfp8 import FORMATS, float32_bits
+from jaxmoe.ops.device import compiled_for_gpu
 from jaxmoe.ops.pallas.gmm_common import swizzled
 from jaxmoe.ops.pallas.hopper import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from jaxmoe.ops.pallas.quantize_hopper import (
     FP8_BLOCKWISE,
-    block_amax_bits,
     checked_arithmetic,
     encode_blocks,
     kernel_problem,
+    magnitude_bits,
     rowwise_layout,
 )
 from jaxmoe.ops.pallas.row_pipeline import live_input, live_tiles, num_ctas, split_pipeline
@@ -271,6 +272,7 @@ def requantize_1x128_transposed_pallas(
         fmt,
         arithmetic,
         config,
+        compiled_for_gpu(interpret),
         interpret,
         rowwise=False,
         dequantized_dtype=jnp.dtype(dequantized_dtype),
@@ -297,7 +299,9 @@ def quantize_128x128_pallas(
     arithmetic = checked_arithmetic(weights_problem(w.shape, w.dtype), fmt, arithmetic, interpret)
     g, k, n = w.shape
     config = config or default_transpose_config(w.dtype)
-    kernel = _weights_kernel(g, k, n, jnp.dtype(w.dtype), fmt, arithmetic, config, interpret)
+    kernel = _weights_kernel(
+        g, k, n, jnp.dtype(w.dtype), fmt, arithmetic, config, compiled_for_gpu(interpret), interpret
+    )
     data, scale_inv, data_t = kernel(w.reshape(g * k, n))
     return (
         data.reshape(g, k, n),
@@ -359,6 +363,7 @@ def _quantize_1x128_transpose(x, fmt, arithmetic, config, interpret, rowwise, li
         fmt,
         arithmetic,
         config,
+        compiled_for_gpu(interpret),
         interpret,
         rowwise,
         counted=live_rows is not None,
@@ -451,12 +456,10 @@ def _tile_parts(load, config, as_bits=None, convert_once=False):
     return lambda i: as_bits(held[i], i)
 
 
-def _column_maxima(running, bits):
-    """`running` (None at the first part) updated with a part's magnitude bits, NaNs as 0:
-    the parts meet elementwise, so that the column amax crosses the warps once a tile."""
-    mag = bits & FP32_ABS_MASK
-    mag = jnp.where(mag > FP32_INF_BITS, jnp.uint32(0), mag)
-    return mag if running is None else jnp.maximum(running, mag)
+def _column_maxima(running, magnitudes):
+    """`running` (None at the first part) updated with a part's `magnitude_bits`: the parts
+    meet elementwise, so that the column amax crosses the warps once a tile."""
+    return magnitudes if running is None else jnp.maximum(running, magnitudes)
 
 
 def _as_bytes(encoded):
@@ -512,12 +515,14 @@ def _dequantized_bits(scale_smem, dtype, values, i):
 
 
 @functools.cache
-def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, config, interpret):
+def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, config, compiled, interpret):
     """Kernel of `quantize_128x128_pallas` on w viewed as [G * K, N] under `config`: tile t is
     block row t // (N/128) (expert e, block row kb of its K), block column nb = t % (N/128);
     outputs data [G * K, N], scale_inv [G * K/128 * N/128] (tile t's scale at t) and data_t
-    [G * N, K] (tile t at block row e * N/128 + nb, block column kb)."""
+    [G * N, K] (tile t at block row e * N/128 + nb, block column kb). `compiled`: built for the
+    GPU, where the magnitudes are PTX (`magnitude_bits`)."""
     fmt = FORMATS[fmt_name]
+    layout = _LAYOUT if compiled else None
     column_tiles = n // BLOCK
     num_tiles = g * k // BLOCK * column_tiles
     ctas = num_ctas(num_tiles, config.ctas_per_sm)
@@ -542,7 +547,7 @@ def _weights_kernel(g, k, n, dtype, fmt_name, arithmetic, config, interpret):
             part_bits = _tile_parts(_smem_parts(x_smem.at[slot]), config)
             maxima = None
             for i in range(len(_PARTS)):
-                maxima = _column_maxima(maxima, part_bits(i))
+                maxima = _column_maxima(maxima, magnitude_bits(part_bits(i), layout))
             e = FP8_BLOCKWISE.exponent(jnp.max(jnp.max(maxima, axis=0)), fmt)
             scale_smem[out] = FP8_BLOCKWISE.stored(e)
             e_columns = lax.broadcast_in_dim(e, (BLOCK,), ())  # as if a block a column
@@ -593,6 +598,7 @@ def _activations_kernel(
     fmt_name,
     arithmetic,
     config,
+    compiled,
     interpret,
     rowwise,
     dequantized_dtype=None,
@@ -605,8 +611,10 @@ def _activations_kernel(
     with a second input, its multipliers transposed [K/128, M]; the kernel quantizes its values
     dequantized in fp32 and rounded to `dequantized_dtype`, as `fp8_blockwise.dequantize`.
     `counted`: a last input, the live row count [1] int32: only the block rows holding rows
-    below it run (`jaxmoe.ops.live_rows`)."""
+    below it run (`jaxmoe.ops.live_rows`). `compiled`: built for the GPU, where the magnitudes
+    are PTX (`magnitude_bits`)."""
     fmt = FORMATS[fmt_name]
+    layout = _LAYOUT if compiled else None
     column_tiles = k // BLOCK
     num_tiles = m // BLOCK * column_tiles
     ctas = num_ctas(num_tiles, config.ctas_per_sm)
@@ -650,10 +658,10 @@ def _activations_kernel(
                 )
             part_bits = _tile_parts(load, config, as_bits, convert_once=dequantizing)
 
-            def encode_rows(i, bits):
+            def encode_rows(i, bits, magnitudes):
                 """The rowwise copy of part i."""
                 part = _PARTS[i]
-                e = FP8_BLOCKWISE.exponent(block_amax_bits(bits, 1), fmt)
+                e = FP8_BLOCKWISE.exponent(jnp.max(magnitudes, axis=1), fmt)
                 more_smem["row_scale_smem"].at[out, 0, part][...] = FP8_BLOCKWISE.stored(e)
                 encoded = encode_blocks(bits, e, 1, _LAYOUT, fmt, arithmetic)
                 more_smem["data_smem"].at[out, part][...] = encoded
@@ -661,9 +669,10 @@ def _activations_kernel(
             maxima = None
             for i in range(len(_PARTS)):
                 bits = part_bits(i)
-                maxima = _column_maxima(maxima, bits)
+                magnitudes = magnitude_bits(bits, layout)
+                maxima = _column_maxima(maxima, magnitudes)
                 if rowwise and not rows_under_wgmma:
-                    encode_rows(i, bits)
+                    encode_rows(i, bits, magnitudes)
             e = FP8_BLOCKWISE.exponent(jnp.max(maxima, axis=0), fmt)
             column_scale_smem.at[out, 0][...] = FP8_BLOCKWISE.stored(e)
             c_smem = t_smem.at[out] if in_place else more_smem["c_smem"]
@@ -677,7 +686,8 @@ def _activations_kernel(
                 def rows_of_half(h):
                     def encode():
                         for i in range(h * per_half, (h + 1) * per_half):
-                            encode_rows(i, part_bits(i))
+                            bits = part_bits(i)
+                            encode_rows(i, bits, magnitude_bits(bits, layout))
 
                     return encode
 

@@ -120,6 +120,7 @@ def _kernel(m, f, fmt_name, arithmetic, slots, counted, compiled, interpret):
         arithmetic=arithmetic,
         slots=slots,
         counted=counted,
+        compiled=compiled,
         interpret=interpret,
         extra_columns=BLOCK_SIZE,
     )

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.fp8_blockwise import BLOCK
+from jaxmoe.ops.device import compiled_for_gpu
 from jaxmoe.ops.pallas.activation_tiles import weighted_swiglu
 from jaxmoe.ops.pallas.copies_pipeline import copies_kernel, copies_problem
 from jaxmoe.ops.pallas.copies_pipeline import ring_slots as pipeline_ring_slots
@@ -63,7 +64,10 @@ def weighted_swiglu_quantize_1x128_with_transpose_pallas(
     problem = swiglu_quantize_problem(h.shape, h.dtype, probs.shape)
     arithmetic = checked_arithmetic(problem, fmt, arithmetic, interpret)
     m, two_f = h.shape
-    kernel = _kernel(m, two_f // 2, fmt, arithmetic, slots, live_rows is not None, interpret)
+    compiled = compiled_for_gpu(interpret)
+    kernel = _kernel(
+        m, two_f // 2, fmt, arithmetic, slots, live_rows is not None, compiled, interpret
+    )
     p_row = probs.astype(jnp.float32)[None, :]
     data, scale_row, data_t, scale_column = kernel(h, p_row, *live_input(live_rows))
     return (data, scale_row.T), (as_format(data_t, fmt), scale_column.T)
@@ -76,7 +80,7 @@ def ring_slots(slots: int | None) -> int:
 
 
 @functools.cache
-def _kernel(m, f, fmt_name, arithmetic, slots, counted, interpret):
+def _kernel(m, f, fmt_name, arithmetic, slots, counted, compiled, interpret):
     """Tile column kb: columns [kb * 256, + 256) of F, half j its j-th 128-column block."""
 
     def compute(windows, p):
@@ -100,5 +104,6 @@ def _kernel(m, f, fmt_name, arithmetic, slots, counted, interpret):
         arithmetic=arithmetic,
         slots=slots,
         counted=counted,
+        compiled=compiled,
         interpret=interpret,
     )
