@@ -131,10 +131,10 @@ def _columnwise_layout(dtype):
     )
 
 
-def block_amax_bits(bits, axis, layout=None):
+def block_amax_bits(bits, axis):
     """max |x| over `axis` on the fp32 bits (monotone in |x|), NaNs counted as 0
-    (`magnitude_bits`)."""
-    return jnp.max(magnitude_bits(bits, layout), axis=axis)
+    (`magnitude_bits`' integer form)."""
+    return jnp.max(magnitude_bits(bits), axis=axis)
 
 
 # |x| for fp32 bits x, NaN as +0: PTX max returns the operand that is not NaN.
