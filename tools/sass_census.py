@@ -139,21 +139,22 @@ def compile_ptx(ptx: str, workdir: str) -> tuple[str, str]:
     source, cubin = os.path.join(workdir, "kernel.ptx"), os.path.join(workdir, "kernel.cubin")
     with open(source, "w") as f:
         f.write(ptx)
-    built = subprocess.run(
-        [tool("ptxas"), "-arch=sm_90a", "-O3", "-v", source, "-o", cubin],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    built = _run([tool("ptxas"), "-arch=sm_90a", "-O3", "-v", source, "-o", cubin])
     resources = "\n".join(
         line.strip()
         for line in (built.stdout + built.stderr).splitlines()
         if "registers" in line or "spill" in line
     )
-    listing = subprocess.run(
-        [tool("nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True
-    ).stdout
-    return resources, listing
+    return resources, _run([tool("nvdisasm"), "-c", cubin]).stdout
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    """The finished command; RuntimeError with its error output if it failed."""
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        name = os.path.basename(command[0])
+        raise RuntimeError(f"sass_census: {name} failed ({done.returncode}):\n{done.stderr}")
+    return done
 
 
 def main(argv=None) -> str:
