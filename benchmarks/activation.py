@@ -2,7 +2,8 @@
 gradient, the row sums of `jaxmoe.ordered`) with the row sums laid out in several ways, next to
 its forward and a copy of h, at the real layer sizes.
 
-    PYTHONPATH=. python benchmarks/activation.py [--shapes qwen3_30b,...] [--tag TAG] [--out DIR]
+    PYTHONPATH=. python benchmarks/activation.py [--shapes qwen3_30b,...] [--variants REGEX]
+        [--turns N] [--tag TAG] [--out DIR]
 
 For each `jaxmoe.shapes` layer (M = tokens x top_k rows, F = ffn_hidden_size; random h [M, 2F]
 bf16, incoming gradient [M, F] bf16, probabilities [M] fp32):
@@ -23,17 +24,21 @@ bf16, incoming gradient [M, F] bf16, probabilities [M] fp32):
                   fused kernel: XLA's forward, then `quantize_1x128_with_transpose` (its kernel)
   quantized_fused[_VARIANT]  the same copies from h in one pass
                   (`weighted_activation_quantize_1x128_with_transpose(impl="pallas")`, and the
-                  kernel with each of FUSED_VARIANTS' ring sizes), recorded with whether its four
-                  outputs are the two passes' bits (`same_bits`)
+                  kernel in each of FUSED_VARIANTS' configurations), recorded with whether its
+                  four outputs are the two passes' bits (`same_bits`)
   backward_quantized_two_passes  fc1's two FP8-blockwise copies of d h (and d p) as the layer
                   made them before the fused kernel: the backward's kernel, then
                   `quantize_1x128_with_transpose` (its kernel)
-  backward_quantized_fused  the same from h and the gradient in one pass
-                  (`weighted_activation_backward_quantize_1x128_with_transpose(impl="pallas")`),
-                  recorded with whether its five outputs are the two passes' bits (`same_bits`)
+  backward_quantized_fused[_VARIANT]  the same from h and the gradient in one pass
+                  (`weighted_activation_backward_quantize_1x128_with_transpose(impl="pallas")`,
+                  and the kernel in each of FUSED_VARIANTS' configurations: its copies),
+                  recorded with whether its outputs are the two passes' bits (`same_bits`)
   copy_h          h * 2: the memory bandwidth on the same bytes
-Device time per call from the JAX profiler (`benchmarks.timing.device_seconds`; on a CPU the
-wall time of one call, a smoke test only). Writes activation_<date>[_tag].json to --out.
+--variants: only the variants whose names match REGEX (a variant compared with a reference
+that is left out records `same_bits` null). Device time per call from the JAX profiler
+(`benchmarks.timing.device_seconds`; on a CPU the wall time of one call, a smoke test only),
+measured --turns times (default 1) in turns over the variants on the same data: `us` the
+median, `us_turns` each. Writes activation_<date>[_tag].json to --out.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
+import statistics
 import sys
 import time
 
@@ -62,6 +69,9 @@ from jaxmoe.ops import (  # noqa: E402
     weighted_activation_forward,
     weighted_activation_quantize_1x128_with_transpose,
 )
+from jaxmoe.ops.pallas.swiglu_backward_quantize_hopper import (  # noqa: E402
+    weighted_swiglu_backward_quantize_1x128_with_transpose_pallas,
+)
 from jaxmoe.ops.pallas.swiglu_quantize_hopper import (  # noqa: E402
     weighted_swiglu_quantize_1x128_with_transpose_pallas,
 )
@@ -69,9 +79,9 @@ from jaxmoe.shapes import SHAPES  # noqa: E402
 
 LAYOUTS = [(32, 3), (32, 4), (32, 5), (32, 6), (16, 4), (64, 3), (64, 4), (128, 3)]
 CPU_ROWS, CPU_MAX_FFN = 128, 512  # smoke sizes on a CPU
-# The fused forward-and-quantize kernel's ring sizes beside its default (three 32-row slots a
-# warpgroup): two slots.
-FUSED_VARIANTS = {"two_slots": 2}
+# The fused kernels' configurations beside their defaults (`copies_pipeline`): two ring slots
+# a warpgroup, and four warpgroups a CTA.
+FUSED_VARIANTS = {"two_slots": dict(slots=2), "four_warpgroups": dict(warpgroups=4)}
 
 
 @contextlib.contextmanager
@@ -130,10 +140,15 @@ def programs(config, rows: int) -> dict:
                 h, p, g, "silu", True, impl="pallas"
             )
         )
-        for name, slots in FUSED_VARIANTS.items():
+        for name, options in FUSED_VARIANTS.items():
             fns[f"quantized_fused_{name}"] = jax.jit(
-                lambda h, p, g, s=slots: weighted_swiglu_quantize_1x128_with_transpose_pallas(
-                    h, p, slots=s
+                lambda h, p, g, o=options: weighted_swiglu_quantize_1x128_with_transpose_pallas(
+                    h, p, **o
+                )
+            )
+            fns[f"backward_quantized_fused_{name}"] = jax.jit(
+                lambda h, p, g, o=options: (
+                    weighted_swiglu_backward_quantize_1x128_with_transpose_pallas(h, p, g, **o)[0]
                 )
             )
     fns["copy_h"] = jax.jit(lambda h, p, g: h * 2)
@@ -167,8 +182,9 @@ def same_bits(arrays, references) -> bool:
     )
 
 
-def bench_shape(name: str) -> dict:
-    """The record of one layer shape."""
+def bench_shape(name: str, variants: str = "", turns: int = 1) -> dict:
+    """The record of one layer shape: the variants whose names match the regex `variants`,
+    checked, then timed `turns` times in turns."""
     config = SHAPES[name].config
     rows, ffn = SHAPES[name].num_tokens * config.top_k, config.ffn_hidden_size
     if jax.devices()[0].platform != "gpu":
@@ -179,33 +195,17 @@ def bench_shape(name: str) -> dict:
         jax.random.uniform(key_p, (rows,), jnp.float32),
         jax.random.normal(key_g, (rows, ffn), jnp.bfloat16),
     )
+    fns = {v: fn for v, fn in programs(config, rows).items() if re.search(variants, v)}
     record = {"rows": rows, "ffn": ffn, "variants": {}}
-    reference = forward_reference = copies_reference = backward_reference = None
-    for variant, fn in programs(config, rows).items():
+    references: dict = {}
+    for variant, fn in fns.items():
         out = jax.block_until_ready(fn(*args))
-        entry = {"us": seconds(fn, args) * 1e6}
-        if variant.startswith("lanes"):
-            reference = out if reference is None else reference
-            entry["same_bits"] = all(
-                bool(jnp.array_equal(a, b)) for a, b in zip(out, reference, strict=True)
-            )
-        if variant == "forward_xla":
-            forward_reference = out
-        if variant == "forward_kernel":
-            entry["a_equal_fraction"] = float(jnp.mean(out == forward_reference))
-        if variant == "quantized_two_passes":
-            copies_reference = jax.tree.leaves(out)
-        if variant.startswith("quantized_fused"):
-            entry["same_bits"] = same_bits(jax.tree.leaves(out), copies_reference)
-        if variant == "backward_quantized_two_passes":
-            backward_reference = jax.tree.leaves(out)
-        if variant == "backward_quantized_fused":
-            entry["same_bits"] = same_bits(jax.tree.leaves(out), backward_reference)
-        if variant == "kernel":
-            entry["d_h_equal_fraction"] = float(jnp.mean(out[0] == reference[0]))
-            relative = jnp.abs(out[1] - reference[1]) / jnp.maximum(jnp.abs(reference[1]), 1e-30)
-            entry["d_p_max_rel"] = float(jnp.max(relative))
-        record["variants"][variant] = entry
+        record["variants"][variant] = check(variant, out, references)
+    for _ in range(turns):
+        for variant, fn in fns.items():
+            record["variants"][variant].setdefault("us_turns", []).append(seconds(fn, args) * 1e6)
+    for variant, entry in record["variants"].items():
+        entry["us"] = statistics.median(entry["us_turns"])
         log(f"{name} {variant}: {entry}")
     # One pass for the backward: read h and the gradient, write d h (bf16).
     record["one_pass_bytes"] = rows * 5 * ffn * 2
@@ -216,17 +216,52 @@ def bench_shape(name: str) -> dict:
     return record
 
 
+def check(variant: str, out, references: dict) -> dict:
+    """A variant's checks against the reference variants run before it (`references`: name ->
+    outputs, which a reference variant's outputs join)."""
+    entry: dict = {}
+    leaves = jax.tree.leaves(out)
+
+    def compare(reference: str, count=None):
+        want = references.get(reference)
+        return None if want is None else same_bits(leaves, want[:count])
+
+    if variant.startswith("lanes"):
+        references.setdefault("lanes", out)
+        entry["same_bits"] = all(
+            bool(jnp.array_equal(a, b)) for a, b in zip(out, references["lanes"], strict=True)
+        )
+    elif variant in ("forward_xla", "quantized_two_passes", "backward_quantized_two_passes"):
+        references[variant] = leaves
+    elif variant == "forward_kernel" and "forward_xla" in references:
+        entry["a_equal_fraction"] = float(jnp.mean(out == references["forward_xla"][0]))
+    elif variant.startswith("quantized_fused"):
+        entry["same_bits"] = compare("quantized_two_passes")
+    elif variant == "backward_quantized_fused":
+        entry["same_bits"] = compare("backward_quantized_two_passes")
+    elif variant.startswith("backward_quantized_fused_"):  # the kernel's copies, not d p
+        entry["same_bits"] = compare("backward_quantized_two_passes", len(leaves))
+    elif variant == "kernel" and "lanes" in references:
+        reference = references["lanes"]
+        entry["d_h_equal_fraction"] = float(jnp.mean(out[0] == reference[0]))
+        relative = jnp.abs(out[1] - reference[1]) / jnp.maximum(jnp.abs(reference[1]), 1e-30)
+        entry["d_p_max_rel"] = float(jnp.max(relative))
+    return entry
+
+
 def main(argv=None):
     """Parse the command line (`argv`: None for sys.argv) and benchmark every shape in turn,
     writing the JSON after each."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--variants", default="", help="only the variants matching this regex")
+    parser.add_argument("--turns", type=int, default=1, help="timings of each variant, in turns")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     result = report.environment("activation", layouts=LAYOUTS, shapes={})
     path = report.result_path(args.out, "activation", args.tag)
     for name in [s for s in args.shapes.split(",") if s]:
-        result["shapes"][name] = bench_shape(name)
+        result["shapes"][name] = bench_shape(name, args.variants, args.turns)
         report.write_result(result, path)
     log(f"wrote {path}")
     return result

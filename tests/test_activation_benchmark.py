@@ -18,10 +18,11 @@ def test_activation_benchmark_runs_and_records_every_layout(tmp_path, interpret)
     expected = {f"lanes{lanes}_levels{levels}" for lanes, levels in activation.LAYOUTS}
     forwards = {"forward_xla", "forward_kernel", "forward_kernel_live_eighth"}
     quantized = {"quantized_two_passes", "quantized_fused"}
-    quantized |= {f"quantized_fused_{name}" for name in activation.FUSED_VARIANTS}
+    for name in activation.FUSED_VARIANTS:
+        quantized |= {f"quantized_fused_{name}", f"backward_quantized_fused_{name}"}
     quantized |= {"backward_quantized_two_passes", "backward_quantized_fused"}
     assert set(variants) == expected | {"kernel", "copy_h"} | forwards | quantized
-    assert all(v["us"] > 0 for v in variants.values())
+    assert all(v["us"] > 0 and len(v["us_turns"]) == 1 for v in variants.values())
     for lanes, levels in activation.LAYOUTS:
         if lanes == 32:
             assert variants[f"lanes{lanes}_levels{levels}"]["same_bits"]
@@ -36,3 +37,19 @@ def test_activation_benchmark_runs_and_records_every_layout(tmp_path, interpret)
     assert all(variants[name]["same_bits"] for name in quantized - two_passes)
     # Negative control: another lane count sums in another order, which changes some bits.
     assert not all(v["same_bits"] for k, v in variants.items() if k.startswith("lanes"))
+
+
+def test_chosen_variants_in_turns(tmp_path, interpret):
+    """--variants keeps the variants its regex matches, --turns times each that often; a
+    variant whose reference is left out records no comparison."""
+    result = activation.main(
+        ["--shapes", "dsv3_ep8", "--variants", "quantized_fused_four", "--turns", "2"]
+        + ["--out", str(tmp_path)]
+    )
+    variants = result["shapes"]["dsv3_ep8"]["variants"]
+    assert set(variants) == {
+        "quantized_fused_four_warpgroups",
+        "backward_quantized_fused_four_warpgroups",
+    }
+    for entry in variants.values():
+        assert len(entry["us_turns"]) == 2 and entry["same_bits"] is None
