@@ -104,9 +104,9 @@ FURTHER_CASES = frozenset(
         "test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape4-9-bfloat16]",
         "test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape4-9-float32]",
         "test_quantize_1x128_pallas.py::test_kernels_equal_the_reference_bitwise[gather-bf16-e5m2]",
-        "test_swiglu_quantize_pallas.py::test_copies_equal_the_reference_bitwise[2-1]",
+        "test_swiglu_quantize_pallas.py::test_copies_equal_the_reference_bitwise[1]",
         "test_swiglu_backward_quantize_pallas.py::"
-        "test_copies_and_partial_sums_equal_the_two_kernels_bitwise[2-1]",
+        "test_copies_and_partial_sums_equal_the_two_kernels_bitwise[1]",
         "test_swiglu_backward_quantize_pallas.py::test_e5m2_and_float_arithmetic",
         "test_gmm_pallas.py::test_lowering_for_hopper_is_as_fast_for_256_experts_as_for_8",
         "test_gmm_pallas.py::test_cluster_pairs_match_xla[dgrad_layout]",

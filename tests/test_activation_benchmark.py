@@ -43,13 +43,13 @@ def test_chosen_variants_in_turns(tmp_path, interpret):
     """--variants keeps the variants its regex matches, --turns times each that often; a
     variant whose reference is left out records no comparison."""
     result = activation.main(
-        ["--shapes", "dsv3_ep8", "--variants", "quantized_fused_four", "--turns", "2"]
+        ["--shapes", "dsv3_ep8", "--variants", "quantized_fused_two", "--turns", "2"]
         + ["--out", str(tmp_path)]
     )
     variants = result["shapes"]["dsv3_ep8"]["variants"]
     assert set(variants) == {
-        "quantized_fused_four_warpgroups",
-        "backward_quantized_fused_four_warpgroups",
+        "quantized_fused_two_slots",
+        "backward_quantized_fused_two_slots",
     }
     for entry in variants.values():
         assert len(entry["us_turns"]) == 2 and entry["same_bits"] is None

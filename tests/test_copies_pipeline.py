@@ -11,7 +11,6 @@ from jax.experimental.mosaic.gpu.core import artificial_shared_memory_limit
 
 from jaxmoe.ops.pallas import swiglu_backward_quantize_hopper as backward
 from jaxmoe.ops.pallas import swiglu_quantize_hopper as forward
-from jaxmoe.ops.pallas.copies_pipeline import DEFAULT_WARPGROUPS, WARPGROUPS
 from jaxmoe.ops.pallas.row_pipeline import smem_per_cta
 from jaxmoe.shapes import SHAPES
 
@@ -19,69 +18,50 @@ BF16 = jnp.bfloat16
 S = jax.ShapeDtypeStruct
 
 
-def forward_call(m, f, live, warpgroups):
+def forward_call(m, f, live):
     fn = lambda h, p, live: forward.weighted_swiglu_quantize_1x128_with_transpose_pallas(  # noqa: E731
-        h, p, arithmetic="float", live_rows=live, warpgroups=warpgroups
+        h, p, arithmetic="float", live_rows=live
     )
     return fn, (S((m, 2 * f), BF16), S((m,), jnp.float32), live)
 
 
-def backward_call(m, f, live, warpgroups):
+def backward_call(m, f, live):
     fn = lambda h, p, g, live: (  # noqa: E731
         backward.weighted_swiglu_backward_quantize_1x128_with_transpose_pallas(
-            h, p, g, arithmetic="float", live_rows=live, warpgroups=warpgroups
+            h, p, g, arithmetic="float", live_rows=live
         )
     )
     return fn, (S((m, 2 * f), BF16), S((m,), jnp.float32), S((m, f), BF16), live)
 
 
-# kernel -> (module, its default slots a warpgroup by warpgroups a CTA, a call (fn, operand
-# shapes) at M, F)
-KERNELS = {
-    "forward": (forward, {2: 3, 4: 1}, forward_call),
-    "backward": (backward, {2: 4, 4: 1}, backward_call),
-}
+# kernel -> (module, its default slots a warpgroup, a call (fn, operand shapes) at M, F)
+KERNELS = {"forward": (forward, 3, forward_call), "backward": (backward, 3, backward_call)}
 
 
-@pytest.mark.parametrize("warpgroups", WARPGROUPS)
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_ring_slots_fit_the_cta_share(kernel, warpgroups):
-    """As many slots a warpgroup by default as fit beside the tiles (with two warpgroups three
-    for the forward's four input windows, four for the backward's three; with four, one); a
-    count that does not fit, or none, is refused."""
-    module, defaults, _ = KERNELS[kernel]
-    default = defaults[warpgroups]
-    assert module.ring_slots(None, warpgroups) == default
-    assert module.ring_slots(1, warpgroups) == 1
+def test_ring_slots_fit_the_cta_share(kernel):
+    """As many 32-row slots a warpgroup by default as fit beside the tiles, at most three (the
+    forward's four input windows fit three; the backward's three would fit a fourth, measured
+    slower); a count past that, or none, is refused."""
+    module, default, _ = KERNELS[kernel]
+    assert module.ring_slots(None) == default
+    assert module.ring_slots(2) == 2
     for bad in (default + 1, 0):
-        with pytest.raises(ValueError, match="do not fit"):
-            module.ring_slots(bad, warpgroups)
+        with pytest.raises(ValueError, match="slots a warpgroup: the ring takes 1 to 3"):
+            module.ring_slots(bad)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_other_warpgroup_counts_are_refused(kernel):
-    module, _, call = KERNELS[kernel]
-    assert module.ring_slots(None) == module.ring_slots(None, DEFAULT_WARPGROUPS)
-    for bad in (1, 3, 8):
-        with pytest.raises(ValueError, match="warpgroups a CTA"):
-            module.ring_slots(None, bad)
-        fn, args = call(256, 256, None, bad)
-        with pytest.raises(ValueError, match="warpgroups a CTA"):
-            jax.eval_shape(fn, *args)
-
-
-@pytest.mark.parametrize("warpgroups", WARPGROUPS)
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("shape", ["qwen3_30b", "mixtral", "dsv3_ep8"])
-def test_lowers_at_real_shapes(kernel, shape, warpgroups):
+def test_lowers_at_real_shapes(kernel, shape):
     """Lowering for sm_90a at the layers' expert rows within the shared memory of one CTA an
-    SM, with and without a live row count, in CTAs of two and four warpgroups."""
+    SM, with and without a live row count."""
     config = SHAPES[shape].config
     m, f = SHAPES[shape].num_tokens * config.top_k, config.ffn_hidden_size
     call = KERNELS[kernel][2]
     with artificial_shared_memory_limit(smem_per_cta(1)):
         for live in (None, S((), jnp.int32)):
-            fn, args = call(m, f, live, warpgroups)
+            fn, args = call(m, f, live)
             jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 

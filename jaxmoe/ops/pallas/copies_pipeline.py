@@ -4,21 +4,19 @@ rows), never the values themselves: the weighted SwiGLU's forward (`swiglu_quant
 and backward (`swiglu_backward_quantize_hopper.py`).
 
 A tile is 128 rows by two 128-column halves of the copies' columns, made in one pass by the
-CTA's two or four warpgroups (one CTA an SM). Warpgroup w streams rows [16 w, 16 w + 16) of
-every part of the tile (a part is 16 rows a warpgroup: 32 or 64; the kernel's 128-column input
-windows, and the part's p) through a ring of its own (its own TMA loads and barriers), computes
-both halves' values from them (`compute`), rounds them to bf16, writes them to SMEM tiles,
-writes their rowwise copies (and a kernel's extra fp32 output) through a staging buffer of its
-own, and keeps both halves' running column maxima. In the register layout (`LAYOUT`) a thread
-holds the same 4 columns of each 32-column chunk of its row, so a row's 128 columns (a rowwise
-block) are in registers. After the tile's last part the warpgroups meet: warpgroups 0 and 1 own
-halves 0 and 1, every warpgroup leaves its maxima of the halves it does not own in SMEM (their
-top 16 bits: they are bf16 values' magnitudes), and owner w encodes half w's SMEM tile with the
-column scales, transposes it on the tensor core (`quantize_transpose_hopper.store_transposed`)
-and stores it, while the other warpgroups go on to the next tile's parts. Mosaic GPU's
-cross-warp reductions share one SMEM scratch in the CTA, so the owners take the column amax in
-turn. The parts and the column encode are loops, not unrolled (an unrolled tile spilled and
-stalled on instruction fetch: docs/kernels.md, where the variants are measured).
+CTA's two warpgroups (one CTA an SM). Each streams its 16 rows of every 32-row part of the tile
+(the kernel's 128-column input windows, and the part's p) through a ring of its own (its own TMA
+loads and barriers), computes both halves' values from them (`compute`), rounds them to bf16,
+writes them to SMEM tiles, writes their rowwise copies (and a kernel's extra fp32 output)
+through a staging buffer of its own, and keeps both halves' running column maxima. In the
+register layout (`LAYOUT`) a thread holds the same 4 columns of each 32-column chunk of its row,
+so a row's 128 columns (a rowwise block) are in registers. After the fourth part the warpgroups
+meet: each hands the other its maxima of the other's half through SMEM, and warpgroup w encodes
+half w's SMEM tile with the column scales, transposes it on the tensor core
+(`quantize_transpose_hopper.store_transposed`) and stores it. Mosaic GPU's cross-warp reductions
+share one SMEM scratch in the CTA, so the warpgroups take the column amax in turn. The parts and
+the column encode are loops, not unrolled (an unrolled tile spilled and stalled on instruction
+fetch: docs/kernels.md, where the variants are measured).
 """
 
 from __future__ import annotations
@@ -52,12 +50,12 @@ from jaxmoe.ops.pallas.row_pipeline import live_tiles, num_ctas, smem_per_cta
 
 F32 = jnp.float32
 BF16 = jnp.dtype(jnp.bfloat16)
-_ROWS = 16  # rows a warpgroup takes of every part (a ring entry of 16 x warpgroups rows)
-_OWNERS = 2  # warpgroups 0 and 1 make the transposed copies of halves 0 and 1
-WARPGROUPS = (2, 4)  # a CTA's warpgroups: the choices
-DEFAULT_WARPGROUPS = 2
+_PART = 32  # rows a ring entry
+_PARTS = BLOCK // _PART
+_WGS = 2  # warpgroups a CTA: each takes 16 rows of every part and one half's transposed copy
+_ROWS = _PART // _WGS
 _PIECE = 16  # rows the column encode takes at a time: fewer live registers
-_MAX_SLOTS = 4
+_MAX_SLOTS = 3  # a fourth slot (it fits the backward) made it 6-8% slower: docs/kernels.md
 # 16 rows by 32 columns a base tile: warps take 4-row groups, a warp's lanes 4 rows by 8 groups
 # of 4 consecutive columns; a part's four chunks are four registers of the same lanes.
 LAYOUT = plgpu.Layout.TILED(
@@ -88,53 +86,31 @@ def copies_problem(name: str, h_shape, h_dtype) -> str | None:
     )
 
 
-def checked_warpgroups(warpgroups: int | None) -> int:
-    """A CTA's warpgroups: `warpgroups`, or `DEFAULT_WARPGROUPS`; one of `WARPGROUPS`."""
-    chosen = DEFAULT_WARPGROUPS if warpgroups is None else warpgroups
-    if chosen not in WARPGROUPS:
-        raise ValueError(f"{warpgroups!r} warpgroups a CTA: the copies pipeline takes {WARPGROUPS}")
-    return chosen
-
-
-def ring_slots(
-    slots: int | None, windows: int, extra_columns: int = 0, warpgroups: int | None = None
-) -> int:
-    """Input slots of each warpgroup's ring when a part loads `windows` 128-column windows, the
-    kernel stages `extra_columns` fp32 columns a row and a CTA has `warpgroups` warpgroups:
-    `slots`, or as many as fit the CTA's shared memory beside its tiles (at most 4)."""
-    warpgroups = checked_warpgroups(warpgroups)
-    budget = smem_per_cta(1) - _fixed_smem_bytes(extra_columns, warpgroups)
-    fit = min(_MAX_SLOTS, budget // (warpgroups * _slot_bytes(windows, warpgroups)))
+def ring_slots(slots: int | None, windows: int, extra_columns: int = 0) -> int:
+    """Input slots of each warpgroup's ring when a part loads `windows` 128-column windows and
+    the kernel stages `extra_columns` fp32 columns a row: `slots`, or as many as fit the CTA's
+    shared memory beside its tiles (at most 3)."""
+    budget = smem_per_cta(1) - _fixed_smem_bytes(extra_columns)
+    fit = min(_MAX_SLOTS, budget // (_WGS * _slot_bytes(windows)))
     chosen = fit if slots is None else slots
     if not isinstance(chosen, int) or chosen < 1 or chosen > fit:
-        raise ValueError(f"{slots!r} slots do not fit (at most {fit})")
+        raise ValueError(
+            f"{slots!r} slots a warpgroup: the ring takes 1 to {fit} (as many as fit the CTA's "
+            f"shared memory, at most {_MAX_SLOTS})"
+        )
     return chosen
 
 
-def _slot_bytes(windows: int, warpgroups: int) -> int:
-    return windows * _ROWS * BLOCK * BF16.itemsize + _ROWS * warpgroups * 4  # its rows; p
+def _slot_bytes(windows: int) -> int:
+    return windows * _ROWS * BLOCK * BF16.itemsize + _PART * 4  # a warpgroup's rows; p
 
 
-def _exchanged_maxima(warpgroups: int) -> int:
-    """Slots of the column maxima handed to the owners: each warpgroup's of the halves it does
-    not own."""
-    return 2 * warpgroups - _OWNERS
-
-
-def _exchange_slot(writer, half):
-    """Where warpgroup `writer` leaves its column maxima of `half` (one it does not own)."""
-    helper_slot = _OWNERS + (writer - _OWNERS) * 2 + half
-    if isinstance(writer, int):
-        return writer if writer < _OWNERS else helper_slot
-    return jnp.where(writer < _OWNERS, writer, helper_slot)
-
-
-def _fixed_smem_bytes(extra_columns: int, warpgroups: int) -> int:
+def _fixed_smem_bytes(extra_columns: int) -> int:
     tile = BLOCK * BLOCK
     held = 2 * tile * BF16.itemsize  # both halves' bf16 values
     transposed = 2 * tile + 2 * BLOCK * 4  # a byte tile and column scales per half
-    maxima = _exchanged_maxima(warpgroups) * _ROWS * BLOCK * 2  # their top 16 bits
-    staging = warpgroups * (2 * _ROWS * BLOCK + 2 * _ROWS * 4 + _ROWS * extra_columns * 4)
+    maxima = 2 * _ROWS * BLOCK * 4
+    staging = _WGS * (2 * _ROWS * BLOCK + 2 * _ROWS * 4 + _ROWS * extra_columns * 4)
     return held + transposed + maxima + staging + REDUCTION_SCRATCH + SMEM_SLACK
 
 
@@ -155,7 +131,6 @@ def copies_kernel(
     compiled: bool,
     interpret,
     extra_columns: int = 0,
-    warpgroups: int | None = None,
 ):
     """The kernel `name` over tiles t of 128 rows (block row rb = t // column_tiles) by column
     tile kb = t % column_tiles. It takes `inputs` bf16 arrays, then p [1, M] fp32, then (with
@@ -168,16 +143,12 @@ def copies_kernel(
     data [M, width], its scales [width / 128, M], data_t [width, M] (int8) and its scales
     [M / 128, width], then the extra [M, column_tiles * extra_columns]. `compiled`: built for
     the GPU (`jaxmoe.ops.device.compiled_for_gpu`), where the amaxes' magnitudes are PTX
-    (`quantize_hopper.magnitude_bits`). `warpgroups` (2 or 4, None: `DEFAULT_WARPGROUPS`) and
-    `slots` say how it runs, never its bits."""
+    (`quantize_hopper.magnitude_bits`)."""
     fmt = FORMATS[fmt_name]
     windows = len(sources(0))
     num_tiles = m // BLOCK * column_tiles
     ctas = num_ctas(num_tiles, 1)
-    wgs = checked_warpgroups(warpgroups)
-    slots = ring_slots(slots, windows, extra_columns, wgs)
-    part_rows_count = _ROWS * wgs  # rows a ring entry
-    parts = BLOCK // part_rows_count
+    slots = ring_slots(slots, windows, extra_columns)
     row_layout = LAYOUT.reduce(1)
 
     def body(*refs, in_smem, p_smem, held_smem, t_smem, **scratch):
@@ -193,18 +164,18 @@ def copies_kernel(
         cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
         tiles = live_tiles(live_gmem, m, BLOCK, column_tiles) if counted else num_tiles
         steps = lax.div(jnp.maximum(tiles - cta + ctas - 1, 0), ctas)
-        entries = steps * parts
+        entries = steps * _PARTS
 
         def place(entry):
             """(this warpgroup's rows of the part, block row, column tile) of ring entry."""
-            t = cta + (entry // parts) * ctas
+            t = cta + (entry // _PARTS) * ctas
             rb, kb = t // column_tiles, t % column_tiles
-            first = rb * BLOCK + (entry % parts) * part_rows_count + wg * _ROWS
+            first = rb * BLOCK + (entry % _PARTS) * _PART + wg * _ROWS
             return pl.ds(first, _ROWS), rb, kb
 
         def issue(entry, slot):
             rows, _, kb = place(entry)
-            part_rows = pl.ds(rows.start - wg * _ROWS, part_rows_count)  # 128 bytes at least
+            part_rows = pl.ds(rows.start - wg * _ROWS, _PART)  # p's copy: 128 bytes at least
             ring = wg * slots + slot
             barrier = loaded.at[ring]
             for a, (source, column) in enumerate(sources(kb)):
@@ -222,7 +193,7 @@ def copies_kernel(
             """Part i of the step's tile: this warpgroup's 16 rows of both halves into
             held_smem, their rowwise copies (and the extra) stored; `maxima` (per half)
             updated with their column magnitudes."""
-            entry = step * parts + i
+            entry = step * _PARTS + i
             slot = lax.rem(entry, slots)
             ring = wg * slots + slot
             plgpu.barrier_wait(loaded.at[ring])
@@ -243,7 +214,7 @@ def copies_kernel(
             def _():
                 plgpu.barrier_wait(encodes_done.at[0])
 
-            held_rows = pl.ds(i * part_rows_count + wg * _ROWS, _ROWS)
+            held_rows = pl.ds(i * _PART + wg * _ROWS, _ROWS)
             updated = []
             for half, values in enumerate(halves):
                 values = values.astype(BF16)
@@ -279,48 +250,20 @@ def copies_kernel(
             plgpu.commit_smem_to_gmem_group()
             return tuple(updated)
 
-        def leave_maxima(slot, magnitudes):
-            """Column maxima for an owner, as their top 16 bits (bf16 values' magnitudes)."""
-            maxima_smem.at[slot][...] = (magnitudes >> 16).astype(jnp.uint16)
-
-        def taken_maxima(writer, half):
-            slot = _exchange_slot(writer, half)
-            return plgpu.load(maxima_smem.at[slot], layout=LAYOUT).astype(jnp.uint32) << 16
-
-        def hand_over(maxima):
-            """This warpgroup's column maxima of the halves it does not own, left in SMEM for
-            their owners."""
-            ones = jnp.uint32(0) - wg.astype(jnp.uint32)  # all ones in warpgroup 1
-
-            def owner():
-                leave_maxima(wg, (maxima[0] & ones) | (maxima[1] & ~ones))
-
-            def helper():
-                for half in range(2):
-                    leave_maxima(_exchange_slot(wg, half), maxima[half])
-
-            if wgs == _OWNERS:
-                owner()
-            else:
-                pl.when(wg < _OWNERS)(owner)
-                pl.when(wg >= _OWNERS)(helper)
-            plgpu.barrier_arrive(parts_done.at[0])
-
         def transposed_copy(step, maxima):
-            """Half wg of the step's tile (warpgroups 0 and 1): its column maxima met with the
-            other warpgroups', its bf16 tile encoded with the column scales, transposed and
-            stored."""
-            _, rb, kb = place(step * parts)
-            # The others' maxima of this half, and every row of both halves, are in SMEM;
-            # Mosaic's cross-warp reduction has one scratch for the CTA, so the owners reduce
-            # in turn (the first one's next reduction comes after the second's, past the next
-            # tile's meeting).
-            ones = jnp.uint32(0) - wg.astype(jnp.uint32)
-            met = (maxima[0] & ~ones) | (maxima[1] & ones)
+            """Half wg of the step's tile: its column maxima met with the other warpgroup's,
+            its bf16 tile encoded with the column scales, transposed and stored."""
+            _, rb, kb = place(step * _PARTS)
+            # The other warpgroup's maxima of this half, and every row of both halves, are in
+            # SMEM; Mosaic's cross-warp reduction has one scratch for the CTA, so the
+            # warpgroups reduce in turn (the first one's next reduction comes after the
+            # second's, past the next tile's meeting).
+            ones = jnp.uint32(0) - wg.astype(jnp.uint32)  # all ones in warpgroup 1
+            mine = (maxima[0] & ~ones) | (maxima[1] & ones)
+            maxima_smem.at[1 - wg][...] = (maxima[0] & ones) | (maxima[1] & ~ones)
+            plgpu.barrier_arrive(parts_done.at[0])
             plgpu.barrier_wait(parts_done.at[0])
-            met = jnp.maximum(met, taken_maxima(1 - wg, wg))
-            for helper in range(_OWNERS, wgs):
-                met = jnp.maximum(met, taken_maxima(helper, wg))
+            met = jnp.maximum(mine, plgpu.load(maxima_smem.at[wg], layout=LAYOUT))
 
             @pl.when(wg == 1)
             def _():
@@ -364,12 +307,8 @@ def copies_kernel(
         zeros = plgpu.layout_cast(jnp.zeros((_ROWS, BLOCK), jnp.uint32), LAYOUT)
 
         def run_step(step, carry):
-            maxima = lax.fori_loop(0, parts, lambda i, mx: part(step, i, mx), (zeros, zeros))
-            hand_over(maxima)
-            if wgs == _OWNERS:
-                transposed_copy(step, maxima)
-            else:
-                pl.when(wg < _OWNERS)(functools.partial(transposed_copy, step, maxima))
+            maxima = lax.fori_loop(0, _PARTS, lambda i, mx: part(step, i, mx), (zeros, zeros))
+            transposed_copy(step, maxima)
             return carry
 
         lax.fori_loop(0, steps, run_step, None)
@@ -387,29 +326,29 @@ def copies_kernel(
         jax.ShapeDtypeStruct((m // BLOCK, width), F32),
     ]
     scratch = dict(
-        in_smem=plgpu.SMEM((wgs * slots * windows, _ROWS, BLOCK), BF16),
-        p_smem=plgpu.SMEM((wgs * slots, 1, part_rows_count), F32),
+        in_smem=plgpu.SMEM((_WGS * slots * windows, _ROWS, BLOCK), BF16),
+        p_smem=plgpu.SMEM((_WGS * slots, 1, _PART), F32),
         held_smem=plgpu.SMEM((2, BLOCK, BLOCK), BF16),
         t_smem=plgpu.SMEM((2, BLOCK, BLOCK), jnp.int8, transforms=BYTE_TILE),
         column_scale_smem=plgpu.SMEM((2, 1, BLOCK), F32),
-        maxima_smem=plgpu.SMEM((_exchanged_maxima(wgs), _ROWS, BLOCK), jnp.uint16),
-        data_smem=plgpu.SMEM((wgs, 2, _ROWS, BLOCK), fmt.dtype),
-        row_scale_smem=plgpu.SMEM((wgs, 2, 1, _ROWS), F32),
-        loaded=plgpu.Barrier(num_arrivals=windows + 1, num_barriers=wgs * slots),
-        parts_done=plgpu.Barrier(num_arrivals=wgs, num_barriers=1),
-        encodes_done=plgpu.Barrier(num_arrivals=_OWNERS, num_barriers=1),
+        maxima_smem=plgpu.SMEM((2, _ROWS, BLOCK), jnp.uint32),
+        data_smem=plgpu.SMEM((_WGS, 2, _ROWS, BLOCK), fmt.dtype),
+        row_scale_smem=plgpu.SMEM((_WGS, 2, 1, _ROWS), F32),
+        loaded=plgpu.Barrier(num_arrivals=windows + 1, num_barriers=_WGS * slots),
+        parts_done=plgpu.Barrier(num_arrivals=_WGS, num_barriers=1),
+        encodes_done=plgpu.Barrier(num_arrivals=_WGS, num_barriers=1),
         reduced=plgpu.Barrier(num_arrivals=1, num_barriers=1),
     )
     if extra_columns:
         out_type.append(jax.ShapeDtypeStruct((m, column_tiles * extra_columns), F32))
-        scratch["extra_smem"] = plgpu.SMEM((wgs, _ROWS, extra_columns), F32)
+        scratch["extra_smem"] = plgpu.SMEM((_WGS, _ROWS, extra_columns), F32)
     return plgpu.kernel(
         body,
         kernel_name=name,
         out_type=tuple(out_type),
         grid=(ctas,),
         grid_names=("cta",),
-        num_threads=wgs,
+        num_threads=_WGS,
         thread_name="wg",
         scratch_types=scratch,
         compiler_params=COMPILER_PARAMS,

@@ -31,12 +31,7 @@ from jaxmoe.fp8_blockwise import BLOCK
 from jaxmoe.mxfp8 import BLOCK_SIZE
 from jaxmoe.ops.device import compiled_for_gpu
 from jaxmoe.ops.pallas.activation_tiles import weighted_swiglu_backward
-from jaxmoe.ops.pallas.copies_pipeline import (
-    LAYOUT,
-    checked_warpgroups,
-    copies_kernel,
-    copies_problem,
-)
+from jaxmoe.ops.pallas.copies_pipeline import LAYOUT, copies_kernel, copies_problem
 from jaxmoe.ops.pallas.copies_pipeline import ring_slots as pipeline_ring_slots
 from jaxmoe.ops.pallas.quantize_hopper import checked_arithmetic
 from jaxmoe.ops.pallas.quantize_transpose_hopper import as_format
@@ -72,7 +67,6 @@ def weighted_swiglu_backward_quantize_1x128_with_transpose_pallas(
     *,
     arithmetic=None,
     slots: int | None = None,
-    warpgroups: int | None = None,
     live_rows=None,
     interpret=None,
 ):
@@ -82,32 +76,28 @@ def weighted_swiglu_backward_quantize_1x128_with_transpose_pallas(
     128 and F of 256: `quantize_1x128_with_transpose_pallas(d h)` of `weighted_swiglu_backward_pallas`'s
     d h, and for each row and 128-column block of F the 32 lane sums
     ((c0 + c1) + (c2 + c3)) of its four 32-column chunks c of g * silu(gate) * up (module
-    docstring). warpgroups (a CTA's: 2 or 4, None: the pipeline's default) and slots (each
-    warpgroup's ring of 16-row parts, None: as many as fit, at most 4) say how it runs, never
-    its bits. live_rows: an int32 scalar, or None: only the 128-row bands
+    docstring). slots (each warpgroup's ring of 32-row parts, None: as many as fit, at most 3)
+    says how it runs, never its bits. live_rows: an int32 scalar, or None: only the 128-row bands
     holding rows below it run, the rest of every output left unwritten."""
     problem = swiglu_backward_quantize_problem(h.shape, h.dtype, probs.shape, g.shape, g.dtype)
     arithmetic = checked_arithmetic(problem, fmt, arithmetic, interpret)
     m, two_f = h.shape
     counted = live_rows is not None
     compiled = compiled_for_gpu(interpret)
-    warpgroups = checked_warpgroups(warpgroups)
-    kernel = _kernel(
-        m, two_f // 2, fmt, arithmetic, slots, warpgroups, counted, compiled, interpret
-    )
+    kernel = _kernel(m, two_f // 2, fmt, arithmetic, slots, counted, compiled, interpret)
     p_row = probs.astype(F32)[None, :]
     data, scale_row, data_t, scale_column, partials = kernel(h, g, p_row, *live_input(live_rows))
     return ((data, scale_row.T), (as_format(data_t, fmt), scale_column.T)), partials
 
 
-def ring_slots(slots: int | None, warpgroups: int | None = None) -> int:
-    """Input slots of each warpgroup's ring in a CTA of `warpgroups`: `slots`, or as many as fit
-    the CTA's shared memory beside its tiles (at most 4)."""
-    return pipeline_ring_slots(slots, _WINDOWS, BLOCK_SIZE, warpgroups)
+def ring_slots(slots: int | None) -> int:
+    """Input slots of each warpgroup's ring: `slots`, or as many as fit the CTA's shared memory
+    beside its tiles (at most 3)."""
+    return pipeline_ring_slots(slots, _WINDOWS, BLOCK_SIZE)
 
 
 @functools.cache
-def _kernel(m, f, fmt_name, arithmetic, slots, warpgroups, counted, compiled, interpret):
+def _kernel(m, f, fmt_name, arithmetic, slots, counted, compiled, interpret):
     """Tile column kb: columns [kb * 128, + 128) of F, half 0 in d gate's columns of d h, half
     1 in d up's."""
     layout = LAYOUT if compiled else None
@@ -132,7 +122,6 @@ def _kernel(m, f, fmt_name, arithmetic, slots, warpgroups, counted, compiled, in
         counted=counted,
         compiled=compiled,
         interpret=interpret,
-        warpgroups=warpgroups,
         extra_columns=BLOCK_SIZE,
     )
 

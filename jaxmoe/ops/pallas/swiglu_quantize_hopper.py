@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jaxmoe.fp8_blockwise import BLOCK
 from jaxmoe.ops.device import compiled_for_gpu
 from jaxmoe.ops.pallas.activation_tiles import weighted_swiglu
-from jaxmoe.ops.pallas.copies_pipeline import checked_warpgroups, copies_kernel, copies_problem
+from jaxmoe.ops.pallas.copies_pipeline import copies_kernel, copies_problem
 from jaxmoe.ops.pallas.copies_pipeline import ring_slots as pipeline_ring_slots
 from jaxmoe.ops.pallas.quantize_hopper import checked_arithmetic
 from jaxmoe.ops.pallas.quantize_transpose_hopper import as_format
@@ -51,7 +51,6 @@ def weighted_swiglu_quantize_1x128_with_transpose_pallas(
     *,
     arithmetic=None,
     slots: int | None = None,
-    warpgroups: int | None = None,
     live_rows=None,
     interpret=None,
 ):
@@ -59,39 +58,29 @@ def weighted_swiglu_quantize_1x128_with_transpose_pallas(
     `quantize_1x128_with_transpose_pallas(a)`'s two copies of the weighted SwiGLU
     a = round(silu(gate) * up * p) (`jaxmoe.ops.activation.weighted_activation_forward`'s
     values), h = [gate; up] [M, 2F] bf16, probs [M] (used in fp32), M a multiple of 128 and F
-    of 256. warpgroups (a CTA's: 2 or 4, None: the pipeline's default) and slots (each
-    warpgroup's ring of 16-row parts, None: as many as fit, at most 4) say how it runs, never
-    its bits. live_rows: an int32 scalar, or None: only the 128-row bands
+    of 256. slots (each warpgroup's ring of 32-row parts, None: as many as fit, at most 3) says
+    how it runs, never its bits. live_rows: an int32 scalar, or None: only the 128-row bands
     holding rows below it run, the rest of both copies left unwritten."""
     problem = swiglu_quantize_problem(h.shape, h.dtype, probs.shape)
     arithmetic = checked_arithmetic(problem, fmt, arithmetic, interpret)
     m, two_f = h.shape
     compiled = compiled_for_gpu(interpret)
-    warpgroups = checked_warpgroups(warpgroups)
     kernel = _kernel(
-        m,
-        two_f // 2,
-        fmt,
-        arithmetic,
-        slots,
-        warpgroups,
-        live_rows is not None,
-        compiled,
-        interpret,
+        m, two_f // 2, fmt, arithmetic, slots, live_rows is not None, compiled, interpret
     )
     p_row = probs.astype(jnp.float32)[None, :]
     data, scale_row, data_t, scale_column = kernel(h, p_row, *live_input(live_rows))
     return (data, scale_row.T), (as_format(data_t, fmt), scale_column.T)
 
 
-def ring_slots(slots: int | None, warpgroups: int | None = None) -> int:
-    """Input slots of each warpgroup's ring in a CTA of `warpgroups`: `slots`, or as many as fit
-    the CTA's shared memory beside its tiles (at most 4)."""
-    return pipeline_ring_slots(slots, _WINDOWS, warpgroups=warpgroups)
+def ring_slots(slots: int | None) -> int:
+    """Input slots of each warpgroup's ring: `slots`, or as many as fit the CTA's shared memory
+    beside its tiles (at most 3)."""
+    return pipeline_ring_slots(slots, _WINDOWS)
 
 
 @functools.cache
-def _kernel(m, f, fmt_name, arithmetic, slots, warpgroups, counted, compiled, interpret):
+def _kernel(m, f, fmt_name, arithmetic, slots, counted, compiled, interpret):
     """Tile column kb: columns [kb * 256, + 256) of F, half j its j-th 128-column block."""
 
     def compute(windows, p):
@@ -117,5 +106,4 @@ def _kernel(m, f, fmt_name, arithmetic, slots, warpgroups, counted, compiled, in
         counted=counted,
         compiled=compiled,
         interpret=interpret,
-        warpgroups=warpgroups,
     )
