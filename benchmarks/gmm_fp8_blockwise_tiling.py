@@ -1,11 +1,12 @@
 """Tilings of the FP8 blockwise grouped-matmul kernels next to jaxmoe's bf16 kernels, device time.
 
-    python benchmarks/gmm_fp8_blockwise_tiling.py [--shapes mixtral,dsv3_ep8,mixtral:dgrad]
+    python benchmarks/gmm_fp8_blockwise_tiling.py [--shapes mixtral,dsv3_ep8,mixtral:dgrad,...]
         [--variants "name:field=value,...;..."] [--wgrad-shapes mixtral,dsv3_ep8]
         [--wgrad-variants "name:field=value,...;..."] [--tag TAG] [--out DIR]
 
-For each shape of `benchmarks/gmm.py`'s `SHAPES` (":dgrad": the same sizes with the contraction
-over N, as the layer's dgrad runs them), on operands quantized once (1 x 128 blocks for the
+For each shape of `benchmarks/gmm.py`'s `SHAPES` (fc1's forward; ":dgrad": the same sizes with
+the contraction over N, as the layer's dgrad runs them; ":fc2" and ":fc2_dgrad": fc2's forward,
+F -> H, and its dgrad, H -> F), on operands quantized once (1 x 128 blocks for the
 tokens, 128 x 128 for the weights, already K-major: no transpose is timed), the kernel
 (`gmm_block_scaled_fp8_pallas(scale_block=128)`) runs under each tiling:
   heuristic       `default_fp8_blockwise_config`, what the layer uses
@@ -63,11 +64,18 @@ DEFAULT_WGRAD_VARIANTS = "unbanded:grid_tile_width=0;unpaired:cluster_n=1"
 BLOCK = 128
 
 
+PROBLEMS = ("", "dgrad", "fc2", "fc2_dgrad")  # a --shapes entry's suffixes after ":"
+
+
 def problem(shape: str):
-    """(m, contraction, out_n, groups) of a --shapes entry."""
+    """(m, contraction, out_n, groups) of a --shapes entry NAME[:SUFFIX] (`PROBLEMS`): NAME's
+    fc1 forward (`SHAPES`: M, H -> 2F, G), its dgrad (2F -> H), fc2's forward (F -> H) or fc2's
+    dgrad (H -> F)."""
     name, _, op = shape.partition(":")
-    m, k, n, g = SHAPES[name]
-    return (m, n, k, g) if op == "dgrad" else (m, k, n, g)
+    m, h, two_f, g = SHAPES[name]
+    f = two_f // 2
+    sizes = {"": (h, two_f), "dgrad": (two_f, h), "fc2": (f, h), "fc2_dgrad": (h, f)}
+    return (m, *sizes[op], g)
 
 
 def aligned_group_sizes(m: int, g: int) -> np.ndarray:
@@ -209,6 +217,9 @@ def main(argv=None) -> dict:
     unknown = ({entry.partition(":")[0] for entry in shapes} | set(wgrad_shapes)) - set(SHAPES)
     if unknown:
         parser.error(f"unknown shapes {sorted(unknown)}; known: {sorted(SHAPES)}")
+    bad = sorted({e.partition(":")[2] for e in shapes} - set(PROBLEMS))
+    if bad:
+        parser.error(f"unknown problems {bad} after ':'; known: {[p for p in PROBLEMS if p]}")
     result = report.environment(
         "gmm_fp8_blockwise", command=" ".join(sys.argv if argv is None else argv), records=[]
     )

@@ -14,9 +14,11 @@ def test_variants_and_dgrad_problems_parse():
         "a": {"wg_split": "m", "tile_k": 256},
         "b": {},
     }
-    m, k, n, g = gmm_benchmark.SHAPES["mixtral"]
-    assert tiling.problem("mixtral:dgrad") == (m, n, k, g)
-    assert tiling.problem("mixtral") == (m, k, n, g)
+    m, h, two_f, g = gmm_benchmark.SHAPES["mixtral"]
+    assert tiling.problem("mixtral:dgrad") == (m, two_f, h, g)
+    assert tiling.problem("mixtral") == (m, h, two_f, g)
+    assert tiling.problem("mixtral:fc2") == (m, two_f // 2, h, g)
+    assert tiling.problem("mixtral:fc2_dgrad") == (m, h, two_f // 2, g)
 
 
 def test_tilings_give_the_heuristics_bits(tmp_path, monkeypatch, interpret):
@@ -40,8 +42,9 @@ def test_tilings_give_the_heuristics_bits(tmp_path, monkeypatch, interpret):
     assert all(r["bitwise_heuristic"] for r in kernels), kernels
     with open(result["path"]) as f:
         assert json.load(f)["records"] == result["records"]
-    with pytest.raises(SystemExit):
-        tiling.main(["--shapes", "nope", "--out", str(tmp_path)])
+    for bad in ("nope", "tiny:wgrad"):
+        with pytest.raises(SystemExit):
+            tiling.main(["--shapes", bad, "--out", str(tmp_path)])
 
 
 def test_timings_take_turns_and_report_the_median(monkeypatch):
