@@ -2,7 +2,8 @@
 SM clock and board power each one runs at.
 
     python benchmarks/gmm_power.py [--shapes mixtral,dsv3_ep8] [--ops fwd,dgrad] [--seconds 4]
-        [--rounds 2] [--tag TAG] [--out DIR]
+        [--rounds 2] [--variants "name:field=value,...;..."] [--impls REGEX] [--tag TAG]
+        [--out DIR]
 
 An H100 or H200 SXM board holds its power at a cap (700 W) by lowering the SM clock, so a GEMM
 that spends more energy per flop runs at a lower clock once the board is at the cap, however
@@ -11,18 +12,24 @@ fast it is at full clock. For each shape and op, on the operands of `benchmarks/
   jaxmoe_fp8_blockwise     `ops.gmm_fp8_blockwise` (1 x 128 x 128 x 128 blocks)
   torch_scaled_grouped_mm  torch's grouped fp8 matmul with rowwise scales
   jaxmoe_bf16              `ops.gmm` on the bf16 operands
-runs alone, calls back to back for --seconds ("sustained": the board at its cap), while
-nvidia-smi samples the SM clock, board power and temperature every 50 ms; then in bursts of 5
-calls after 1 s idle ("burst": mostly before the clock comes down). The implementations take
-turns, --rounds times. Writes gmm_power_<date>[_TAG].json: per round and implementation the
-seconds per call and TFLOP/s of both modes and the medians of the samples.
+  jaxmoe_fp8_blockwise_<name>  the FP8-blockwise kernel under its heuristic tiling with the
+                           `GmmConfig` fields of --variants replaced (a tiling that moves fewer
+                           bytes may spend less energy a flop, which only the sustained run shows)
+(--impls: only those whose names match the regular expression) runs alone, calls back to back
+for --seconds ("sustained": the board at its cap), while nvidia-smi samples the SM clock, board
+power and temperature every 50 ms; then in bursts of 5 calls after 1 s idle ("burst": mostly
+before the clock comes down). The implementations take turns, --rounds times. Writes
+gmm_power_<date>[_TAG].json: per round and implementation the seconds per call and TFLOP/s of
+both modes and the medians of the samples.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -43,6 +50,7 @@ from benchmarks.gmm_mxfp8 import aligned_sizes, torch_rowwise_fp8  # noqa: E402
 from jaxmoe.fp8_blockwise import quantize_1x128, quantize_128x128  # noqa: E402
 from jaxmoe.ops import gmm, gmm_fp8_blockwise  # noqa: E402
 from jaxmoe.ops.fp8_blockwise_gmm import quantize_blockwise_weights  # noqa: E402
+from jaxmoe.ops.pallas.gmm_mxfp8_hopper import default_fp8_blockwise_config  # noqa: E402
 
 BF16 = jnp.bfloat16
 SMI_FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")
@@ -125,8 +133,31 @@ def burst(call, sync) -> float:
     return statistics.median(times)
 
 
-def implementations(name: str, op: str, torch):
-    """(flops, {impl: (call, sync)}) of one op ("fwd" or "dgrad") at shape `name`."""
+def variant_configs(name: str, op: str, variants: dict) -> dict:
+    """{variant: GmmConfig}: the FP8-blockwise kernel's heuristic at shape `name` and op ("fwd":
+    contraction K, N outputs; "dgrad": the reverse) with each variant's fields replaced;
+    ValueError for a field GmmConfig does not have or another op."""
+    if op not in ("fwd", "dgrad"):
+        raise ValueError(f"gmm_power: unknown op {op!r} (fwd or dgrad)")
+    m, k, n, g = SHAPES[name]
+    contraction, out_n = (k, n) if op == "fwd" else (n, k)
+    heuristic = default_fp8_blockwise_config(m, contraction, out_n, g, BF16)
+    configs = {}
+    for variant, fields in variants.items():
+        unknown = set(fields) - {f.name for f in dataclasses.fields(heuristic)}
+        if unknown:
+            raise ValueError(f"gmm_power: --variants {variant}: no GmmConfig field {unknown}")
+        config = dataclasses.replace(heuristic, **fields)
+        steps = min(config.max_concurrent_steps, contraction // config.tile_k)
+        configs[variant] = dataclasses.replace(
+            config, max_concurrent_steps=steps
+        ).with_fitting_stages(jnp.float8_e4m3fn, BF16)
+    return configs
+
+
+def implementations(name: str, op: str, torch, variants: dict | None = None):
+    """(flops, {impl: (call, sync)}) of one op ("fwd" or "dgrad") at shape `name`, with the
+    FP8-blockwise kernel under each tiling variant too (`variant_configs`)."""
     m, k, n, g = SHAPES[name]
     sizes = aligned_sizes(m, g)
     kx, kw, kd = jax.random.split(jax.random.key(0), 3)
@@ -137,7 +168,7 @@ def implementations(name: str, op: str, torch):
     offs = torch.from_numpy(np.cumsum(sizes).astype(np.int32)).cuda()
     blockwise = jax.jit(
         functools.partial(gmm_fp8_blockwise, impl="pallas", preferred_element_type=BF16),
-        static_argnames="transpose_rhs",
+        static_argnames=("transpose_rhs", "config"),
     )
     bf16 = jax.jit(
         functools.partial(gmm, impl="pallas", preferred_element_type=BF16),
@@ -148,20 +179,25 @@ def implementations(name: str, op: str, torch):
         x_b, w_bt = quantize_1x128(x), quantize_blockwise_weights(w).transposed
         t_lhs, t_scale = torch_rowwise_fp8(torch, torch.from_dlpack(x), 1)
         t_rhs, t_rhs_scale = torch_rowwise_fp8(torch, tw.transpose(-2, -1).contiguous(), 2)
-        jax_calls = {
-            "jaxmoe_fp8_blockwise": lambda: blockwise(x_b, w_bt, gs, transpose_rhs=True),
-            "jaxmoe_bf16": lambda: bf16(x, w, gs),
-        }
+        lhs, rhs = x_b, w_bt
+        jax_calls = {"jaxmoe_bf16": lambda: bf16(x, w, gs)}
     elif op == "dgrad":
         dy_b, w_b = quantize_1x128(dy), quantize_128x128(w)
         t_lhs, t_scale = torch_rowwise_fp8(torch, torch.from_dlpack(dy), 1)
         t_rhs, t_rhs_scale = torch_rowwise_fp8(torch, tw, 2)
-        jax_calls = {
-            "jaxmoe_fp8_blockwise": lambda: blockwise(dy_b, w_b, gs, transpose_rhs=True),
-            "jaxmoe_bf16": lambda: bf16(dy, w, gs, transpose_rhs=True),
-        }
+        lhs, rhs = dy_b, w_b
+        jax_calls = {"jaxmoe_bf16": lambda: bf16(dy, w, gs, transpose_rhs=True)}
     else:
         raise ValueError(f"gmm_power: unknown op {op!r} (fwd or dgrad)")
+    tilings = {"": None} | {
+        f"_{v}": c for v, c in variant_configs(name, op, variants or {}).items()
+    }
+    fp8_calls = {
+        f"jaxmoe_fp8_blockwise{suffix}": functools.partial(
+            blockwise, lhs, rhs, gs, transpose_rhs=True, config=config
+        )
+        for suffix, config in tilings.items()
+    }
     last = {}
 
     def jax_call(fn):
@@ -173,8 +209,8 @@ def implementations(name: str, op: str, torch):
     def jax_sync():
         jax.block_until_ready(last["out"])
 
-    impls = {
-        "jaxmoe_fp8_blockwise": (jax_call(jax_calls["jaxmoe_fp8_blockwise"]), jax_sync),
+    impls = {impl: (jax_call(fn), jax_sync) for impl, fn in fp8_calls.items()}
+    impls |= {
         "torch_scaled_grouped_mm": (
             lambda: torch._scaled_grouped_mm(
                 t_lhs,
@@ -197,8 +233,21 @@ def main(argv=None) -> dict:
     parser.add_argument("--ops", default="fwd,dgrad")
     parser.add_argument("--seconds", type=float, default=4.0, help="each sustained run")
     parser.add_argument("--rounds", type=int, default=2, help="turns of the implementations")
+    parser.add_argument(
+        "--variants",
+        default="",
+        help='FP8-blockwise tilings "name:field=value,...;..." (GmmConfig fields) run too',
+    )
+    parser.add_argument("--impls", default="", help="only the implementations matching this")
     report.add_output_arguments(parser)
     args = parser.parse_args(argv)
+    variants = report.parse_variants(args.variants)
+    for name in filter(None, args.shapes.split(",")):
+        for op in filter(None, args.ops.split(",")):
+            try:
+                variant_configs(name, op, variants)
+            except (KeyError, ValueError) as e:
+                parser.error(f"{name} {op}: {report.error_text(e)}")
     if jax.devices()[0].platform != "gpu":
         parser.error("gmm_power measures a GPU's clock and power: run it on an NVIDIA GPU")
     import torch
@@ -209,7 +258,8 @@ def main(argv=None) -> dict:
     path = report.result_path(args.out, "gmm_power", args.tag)
     for name in filter(None, args.shapes.split(",")):
         for op in filter(None, args.ops.split(",")):
-            flops, impls = implementations(name, op, torch)
+            flops, impls = implementations(name, op, torch, variants)
+            impls = {i: c for i, c in impls.items() if re.search(args.impls, i)}
             for turn in range(args.rounds):
                 for impl, (call, sync) in impls.items():
                     per_call, medians = sustained(call, sync, args.seconds)
@@ -227,7 +277,7 @@ def main(argv=None) -> dict:
                     )
                     result["records"].append(record)
                     report.log(
-                        f"{name:9s} {op:6s} {impl:24s} sustained {record['sustained_tflops']:7.1f}"
+                        f"{name:9s} {op:6s} {impl:32s} sustained {record['sustained_tflops']:7.1f}"
                         f" TFLOP/s at {medians['sm_clock_mhz']:6.0f} MHz {medians['power_w']:5.0f}"
                         f" W, burst {record['burst_tflops']:7.1f}"
                     )
