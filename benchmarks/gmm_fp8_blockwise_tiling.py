@@ -152,6 +152,16 @@ def wgrad_operands(m: int, k: int, n: int, g: int):
     return sizes, x, dy, operands
 
 
+def replaced_tiling(heuristic, contraction: int, fields: dict):
+    """The forward kernel's config `heuristic` with `fields` replaced, its ring then cut to the
+    K steps of `contraction` and to the shared memory (`GmmConfig.with_fitting_stages`)."""
+    config = dataclasses.replace(heuristic, **fields)
+    steps = min(config.max_concurrent_steps, contraction // config.tile_k)
+    return dataclasses.replace(config, max_concurrent_steps=steps).with_fitting_stages(
+        jnp.float8_e4m3fn, BF16
+    )
+
+
 def bench_shape(shape: str, variants: dict, iters: int, repeats: int, records: list) -> None:
     """The fprop/dgrad kernel's tilings at one --shapes entry."""
     m, c, n, g = problem(shape)
@@ -160,11 +170,7 @@ def bench_shape(shape: str, variants: dict, iters: int, repeats: int, records: l
     heuristic = default_fp8_blockwise_config(m, c, n, g, BF16)
     configs = {"heuristic": heuristic, "mxfp8_tiling": default_mxfp8_config(m, c, n, g, BF16)}
     for name, fields in variants.items():
-        config = dataclasses.replace(heuristic, **fields)
-        steps = min(config.max_concurrent_steps, c // config.tile_k)
-        configs[name] = dataclasses.replace(config, max_concurrent_steps=steps).with_fitting_stages(
-            jnp.float8_e4m3fn, BF16
-        )
+        configs[name] = replaced_tiling(heuristic, c, fields)
     kernels = {}
     for name, config in configs.items():
         kernel = jax.jit(

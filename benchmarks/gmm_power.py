@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import report  # noqa: E402
 from benchmarks.gmm import SHAPES  # noqa: E402
+from benchmarks.gmm_fp8_blockwise_tiling import replaced_tiling  # noqa: E402
 from benchmarks.gmm_mxfp8 import aligned_sizes, torch_rowwise_fp8  # noqa: E402
 from jaxmoe.fp8_blockwise import quantize_1x128, quantize_128x128  # noqa: E402
 from jaxmoe.ops import gmm, gmm_fp8_blockwise  # noqa: E402
@@ -147,11 +148,7 @@ def variant_configs(name: str, op: str, variants: dict) -> dict:
         unknown = set(fields) - {f.name for f in dataclasses.fields(heuristic)}
         if unknown:
             raise ValueError(f"gmm_power: --variants {variant}: no GmmConfig field {unknown}")
-        config = dataclasses.replace(heuristic, **fields)
-        steps = min(config.max_concurrent_steps, contraction // config.tile_k)
-        configs[variant] = dataclasses.replace(
-            config, max_concurrent_steps=steps
-        ).with_fitting_stages(jnp.float8_e4m3fn, BF16)
+        configs[variant] = replaced_tiling(heuristic, contraction, fields)
     return configs
 
 
