@@ -7,7 +7,8 @@ one group per expert instead of one per (expert, source) block changes the exper
 Also the same step as two processes, one per GPU, under `jax.distributed` (tests/ep_worker.py,
 suite "gpu"): the bits of one process.
 
-Needs two Hopper GPUs (`nvidia-h200-x2`); skipped on fewer."""
+Needs two Hopper GPUs (`nvidia-h200-x2`); skipped on fewer. The one-rank tests at the end need
+one: the exchange's machinery over a one-device mesh, against the single-GPU layer."""
 
 import os
 import socket
@@ -27,7 +28,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmoe import MoE
 from jaxmoe.exchange import ExchangedRoute
-from jaxmoe.expert_parallel import expert_parallel_forward, place_on_mesh
+from jaxmoe.expert_parallel import (
+    expert_parallel_forward,
+    expert_parallel_row_alignment,
+    place_on_mesh,
+)
 from jaxmoe.shapes import PRECISION_OPTIONS, SHAPES
 
 from bitwise import assert_bitwise, differs
@@ -103,6 +108,11 @@ def assert_same_outputs(got: dict, want: dict):
             assert_bitwise(got[key], want[key])
         except AssertionError as e:
             raise AssertionError(f"{key}: {e}") from None
+
+
+def needs_a_gpu():
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
 
 
 def run(model, x, dy, ep: int) -> dict[str, np.ndarray]:
@@ -221,3 +231,62 @@ def test_one_process_per_gpu_gives_the_bits_of_one(tmp_path):
             y = outputs(step(params, *tokens_on(mesh_for(ep), changed, dy)))["['y']"]
             assert_bitwise(got["['y']"][0], y[0])
             assert differs(got["['y']"][1], y[1])
+
+
+# ------------------------------------------------------------------- one rank on one GPU
+ONE_RANK_CASES = ["qwen3_30b-bf16", "qwen3_30b-mxfp8_wire"]
+
+
+def one_rank(case: str, transport: str) -> dict[str, np.ndarray]:
+    """The training step of `case` over a one-device (1, 1) mesh of this process's first GPU,
+    with rank 0's tokens: the exchange with itself as its only peer."""
+    model, x, dy = make(case)
+    mesh = jax.make_mesh((1, 1), ("data", "ep"), devices=jax.devices()[:1])
+    step, params = compiled_step(model, mesh, transport)
+    return outputs(step(params, *tokens_on(mesh, x[:1], dy[:1])))
+
+
+@pytest.mark.parametrize("case", ONE_RANK_CASES)
+def test_one_rank_ragged_transport_gives_the_dense_bits(case):
+    """On one GPU, a one-rank mesh: `jax.lax.ragged_all_to_all` (the "ragged" transport's
+    pieces, on XLA:GPU) moves the rows where the dense all-to-all and its gathers put them: the
+    step's outputs are bitwise the dense transport's."""
+    needs_a_gpu()
+    assert_same_outputs(one_rank(case, "ragged"), one_rank(case, "dense"))
+
+
+def single_gpu(case: str, mesh_alignment: bool = True) -> dict[str, np.ndarray]:
+    """The same step as `one_rank` on the plain layer (`MoE.__call__`), aux with a leading axis
+    of one rank; its expert buffer aligned as over a mesh (`expert_parallel_row_alignment`: an
+    expert's weight-gradient reduction order depends on where its rows start) unless
+    `mesh_alignment` is False."""
+    model, x, dy = make(case)
+    if mesh_alignment:
+        model.row_alignment = expert_parallel_row_alignment(model)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, x, dy):
+        y, aux = nnx.merge(graphdef, params, rest)(x)
+        return jnp.sum(y.astype(F32) * dy) + aux.total_loss, (y, aux)
+
+    step = jax.jit(jax.grad(loss, argnums=(1, 0), has_aux=True))
+    (d_x, d_params), (y, aux) = step(params, x[:1], dy[:1])
+    return outputs(((d_x, d_params), (y, jax.tree.map(lambda a: a[None], aux))))
+
+
+@pytest.mark.parametrize("case", ONE_RANK_CASES)
+def test_one_rank_is_the_single_gpu_layer(case):
+    """On one GPU, the expert-parallel step over a one-rank mesh (the exchange plan, the token
+    sends and row returns with itself as the only peer, the live-row kernels over the
+    receiver's buffer, the (expert, source) groups and the gradients' ordered sums, on the
+    kernels users get) gives, bitwise, the single-GPU layer's y, aux, d x and every parameter
+    gradient. Control (bf16, whose plain layer aligns expert rows to 1, not 32): the plain
+    layer at its own alignment has the same y but other expert-gradient bits."""
+    needs_a_gpu()
+    got = one_rank(case, "dense")
+    assert_same_outputs(got, single_gpu(case))
+    if CASES[case][1].get("expert_row_alignment") is None:
+        unaligned = single_gpu(case, mesh_alignment=False)
+        assert_bitwise(unaligned["['y']"], got["['y']"])
+        key = "['d_params']['experts']['fc1_kernel'].value"
+        assert differs(unaligned[key], got[key])
