@@ -110,11 +110,6 @@ def assert_same_outputs(got: dict, want: dict):
             raise AssertionError(f"{key}: {e}") from None
 
 
-def needs_a_gpu():
-    if jax.default_backend() != "gpu":
-        pytest.skip("needs a GPU")
-
-
 def run(model, x, dy, ep: int) -> dict[str, np.ndarray]:
     step, params = compiled_step(model, mesh_for(ep))
     return outputs(step(params, *tokens_on(mesh_for(ep), x, dy)))
@@ -251,7 +246,6 @@ def test_one_rank_ragged_transport_gives_the_dense_bits(case):
     """On one GPU, a one-rank mesh: `jax.lax.ragged_all_to_all` (the "ragged" transport's
     pieces, on XLA:GPU) moves the rows where the dense all-to-all and its gathers put them: the
     step's outputs are bitwise the dense transport's."""
-    needs_a_gpu()
     assert_same_outputs(one_rank(case, "ragged"), one_rank(case, "dense"))
 
 
@@ -282,7 +276,6 @@ def test_one_rank_is_the_single_gpu_layer(case):
     kernels users get) gives, bitwise, the single-GPU layer's y, aux, d x and every parameter
     gradient. Control (bf16, whose plain layer aligns expert rows to 1, not 32): the plain
     layer at its own alignment has the same y but other expert-gradient bits."""
-    needs_a_gpu()
     got = one_rank(case, "dense")
     assert_same_outputs(got, single_gpu(case))
     if CASES[case][1].get("expert_row_alignment") is None:

@@ -1,7 +1,8 @@
-"""tests/test_gpu_expert_parallel.py's checks at tiny sizes on two host devices (XLA's ops in
-place of the kernels and NCCL), so that the two-GPU suite, which runs only where two GPUs are
-lent, cannot rot between its runs. The FP8-blockwise case needs dimensions of 128 (the CPU
-covers it in tests/test_expert_parallel.py) and the one-process-per-GPU case real GPUs."""
+"""tests/test_gpu_expert_parallel.py's checks at tiny sizes on two host devices (the one-rank
+checks on one; XLA's ops in place of the kernels and NCCL), so that the GPU suite, which runs
+its two-GPU checks only where two GPUs are lent, cannot rot between its runs. The FP8-blockwise
+case needs dimensions of 128 (the CPU covers it in tests/test_expert_parallel.py) and the
+one-process-per-GPU case real GPUs."""
 
 import pytest
 import test_gpu_expert_parallel as on_gpus
@@ -29,3 +30,13 @@ def test_ragged_transport_gives_the_dense_bits():
 
 def test_control_one_group_per_expert_changes_the_gradient_bits(monkeypatch):
     on_gpus.test_control_one_group_per_expert_changes_the_gradient_bits(monkeypatch)
+
+
+@pytest.mark.parametrize("case", on_gpus.ONE_RANK_CASES)
+def test_one_rank_ragged_transport_gives_the_dense_bits(case):
+    on_gpus.test_one_rank_ragged_transport_gives_the_dense_bits(case)
+
+
+@pytest.mark.parametrize("case", on_gpus.ONE_RANK_CASES)
+def test_one_rank_is_the_single_gpu_layer(case):
+    on_gpus.test_one_rank_is_the_single_gpu_layer(case)
