@@ -15,9 +15,10 @@ Two transports move the same rows into the same places (`TRANSPORTS`):
             of the rows (the deduplicated tokens still are). On XLA:CPU, which does not
             implement it, an emulation with the primitive's semantics (`ragged_all_to_all`)
             stands in, so the CPU tests check the pieces.
-Every step is a row permutation with zero fill, so the two directions are each other's
-transpose: `send_rows`'s VJP is `return_rows` and the reverse. No scatter-add, and a row's
-values are moved, never summed.
+Every step is a row permutation (the rows it does not fill: zero with "dense", unspecified with
+"ragged", and read by nobody), so the two directions are each other's transpose: `send_rows`'s
+VJP is `return_rows` and the reverse. No scatter-add, and a row's values are moved, never
+summed.
 
 Token rows going to the experts (the dispatch, and the output gradient in the combine's
 backward pass) travel deduplicated (`send_tokens`): each token once to each rank that owns any
@@ -39,6 +40,7 @@ from flax import struct
 
 from jaxmoe.dispatch import combine, gather_slots
 from jaxmoe.ops.device import on_gpu
+from jaxmoe.ops.live_rows import unspecified
 from jaxmoe.ops.permute import dispatch_rows
 from jaxmoe.ordered import broadcast_in_order
 from jaxmoe.plan import Plan
@@ -332,8 +334,11 @@ def ragged_all_to_all(
 
 
 def _ragged(operand, rows, pieces, num_ranks, axis_name):
-    """operand's pieces moved into zero outputs of `rows` rows on their receivers."""
-    output = jnp.zeros((rows,) + operand.shape[1:], operand.dtype)
+    """operand's pieces moved into outputs of `rows` rows on their receivers, whose rows that no
+    piece writes are unspecified (`jaxmoe.ops.live_rows.unspecified`: no pass fills them). No
+    one reads them: the receiver's rows past its blocks are dead rows, a returned buffer's rows
+    past its blocks are never combined, token slots past a peer's count are never copied."""
+    output = unspecified((rows,) + operand.shape[1:], operand.dtype)
     return ragged_all_to_all(operand, output, pieces, axis_name, num_ranks)
 
 
@@ -413,8 +418,9 @@ def live_rows(xplan: ExchangePlan) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def send_rows(rows: jax.Array, xplan: ExchangePlan, axis_name: str) -> jax.Array:
-    """The local buffer's rows [M, ...] -> the receiver's buffer [R * M, ...] (zero padding
-    rows). Values move unchanged; the VJP is `return_rows`."""
+    """The local buffer's rows [M, ...] -> the receiver's buffer [R * M, ...] (its rows past the
+    blocks zero with "dense", unspecified with "ragged"). Values move unchanged; the VJP is
+    `return_rows`."""
     return _send(rows, xplan, axis_name)
 
 
@@ -432,7 +438,8 @@ send_rows.defvjp(_send_fwd, _send_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def return_rows(rows: jax.Array, xplan: ExchangePlan, axis_name: str) -> jax.Array:
     """The receiver's buffer rows [R * M, ...] -> back to their source, in its local buffer
-    layout [M, ...] (zero for rows that were not sent). The VJP is `send_rows`."""
+    layout [M, ...] (rows that were not sent: zero with "dense", unspecified with "ragged"). The
+    VJP is `send_rows`."""
     return _return(rows, xplan, axis_name)
 
 

@@ -196,6 +196,28 @@ def test_ragged_transport_moves_the_same_rows(num_ranks, starve_last_rank):
         assert_bitwise(a, b)
 
 
+def test_ragged_outputs_leave_the_rows_no_piece_writes_unfilled(monkeypatch):
+    """transport="ragged" writes its outputs' rows only where pieces land (no pass fills the
+    rest: `jaxmoe.ops.live_rows.unspecified`, uninitialized on a GPU): with `DEAD_ROW_FILL` =
+    NaN, the receiver buffer is NaN exactly past its blocks and the rows back exactly past the
+    local blocks, and every written row has the dense transport's bits."""
+    from jaxmoe.ops import live_rows
+
+    _, dense_received, dense_back, *_ = run(2)
+    monkeypatch.setattr(live_rows, "DEAD_ROW_FILL", np.nan)
+    _, received, back, group_sizes, _, block_sizes, _ = run(2, transport="ragged")
+    unfilled = 0
+    for rank in range(2):
+        for got, want, written in (
+            (received[rank], dense_received[rank], group_sizes[rank].sum()),
+            (back[rank], dense_back[rank], block_sizes[rank].sum()),
+        ):
+            assert_bitwise(got[:written], want[:written])
+            assert np.isnan(got[written:]).all()
+            unfilled += len(got) - written
+    assert unfilled > 0
+
+
 @pytest.mark.parametrize("transport, collectives", [("dense", 1), ("ragged", 2)])
 def test_the_plan_takes_one_all_to_all_and_ragged_one_more(transport, collectives):
     """`exchange_plan` sends each peer what it learns from this rank (block sizes, the rows'

@@ -253,18 +253,21 @@ def test_any_data_axes(shape, names, like):
 
 
 @pytest.mark.parametrize(
-    "config, hidden_size",
+    "config, hidden_size, transport",
     [
-        (BF16, H),
-        (MXFP8_EXPERTS, H),
-        (MXFP8.replace(expert_precision="bf16"), H),
-        pytest.param(MXFP8, H, marks=pytest.mark.exhaustive),
-        pytest.param(BLOCKWISE_EXPERTS, 128, marks=pytest.mark.exhaustive),
+        (BF16, H, "dense"),
+        (MXFP8_EXPERTS, H, "dense"),
+        (MXFP8.replace(expert_precision="bf16"), H, "dense"),
+        (BF16, H, "ragged"),
+        (MXFP8.replace(expert_precision="bf16"), H, "ragged"),
+        pytest.param(MXFP8, H, "dense", marks=pytest.mark.exhaustive),
+        pytest.param(BLOCKWISE_EXPERTS, 128, "dense", marks=pytest.mark.exhaustive),
         pytest.param(
             BLOCKWISE_EXPERTS.replace(
                 dispatch_dtype="fp8_blockwise", combine_bwd_dtype="fp8_blockwise"
             ),
             128,
+            "dense",
             marks=pytest.mark.exhaustive,
         ),
     ],
@@ -272,29 +275,34 @@ def test_any_data_axes(shape, names, like):
         "bf16",
         "mxfp8_experts",
         "mxfp8_wire",
+        "bf16_ragged",
+        "mxfp8_wire_ragged",
         "mxfp8",
         "fp8_blockwise_experts",
         "fp8_blockwise",
     ],
 )
-def test_rows_past_the_blocks_never_reach_a_result(monkeypatch, config, hidden_size):
+def test_rows_past_the_blocks_never_reach_a_result(monkeypatch, config, hidden_size, transport):
     """The receiver's rows past its blocks (`ExchangedRoute.live_rows`) are skipped by the token
     copy (and a quantized copy's values, `send_tokens_with_values`), the bf16 GEMMs and the
     activation's backward pass, and hold unspecified values: with the XLA references filling
     them with NaN (`DEAD_ROW_FILL`), y, aux, d x and d params at ep = 2 keep their bits (and no
-    NaN). Control: one live row fewer (the last block's last row filled too) changes them."""
+    NaN). With transport="ragged" the exchange's outputs also leave the rows that no piece
+    writes unfilled (`live_rows.unspecified`, NaN here; tests/test_exchange.py checks they are
+    NaN), and the results are the dense transport's bits. Control: one live row fewer (the last
+    block's last row filled too) changes them."""
     from jaxmoe.ops import live_rows
 
     model, x, cotangent = make(config, hidden_size)
     zeros = step(model, x, cotangent, mesh_for(2))
     monkeypatch.setattr(live_rows, "DEAD_ROW_FILL", np.nan)
-    poisoned = step(model, x, cotangent, mesh_for(2))
+    poisoned = step(model, x, cotangent, mesh_for(2), transport=transport)
     for a, b in zip(jax.tree.leaves(poisoned), jax.tree.leaves(zeros), strict=True):
         assert_bitwise(np.asarray(a), np.asarray(b))
         assert not np.any(np.isnan(np.asarray(a, np.float32)))
     real = ExchangedRoute.live_rows
     monkeypatch.setattr(ExchangedRoute, "live_rows", property(lambda r: real.fget(r) - 1))
-    short = step(model, x, cotangent, mesh_for(2))
+    short = step(model, x, cotangent, mesh_for(2), transport=transport)
     assert any(
         differs(np.asarray(a, np.float32), np.asarray(b, np.float32))
         for a, b in zip(jax.tree.leaves(short), jax.tree.leaves(zeros), strict=True)

@@ -8,7 +8,8 @@ unspecified, and no pass reads them into a live row's result (a row's GEMM outpu
 and gradient depend on that row alone; the weight gradients read each group's rows only). The
 Pallas kernels leave those rows unwritten; the XLA references, which run over every row anyway,
 compute them as they come (no pass of their own), unless `DEAD_ROW_FILL` is set: a test sets
-NaN there to check that no dead row reaches a result.
+NaN there to check that no dead row reaches a result. `unspecified` makes a buffer for a pass
+that writes only some of its rows (the ragged exchange's), by the same rule.
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ def fill_dead_rows(x: jax.Array, live_rows: jax.Array | None, axis: int = 0) -> 
     shape = [1] * x.ndim
     shape[axis] = -1
     return jnp.where(live.reshape(shape), x, _fill_value(x.dtype))
+
+
+def unspecified(shape: tuple[int, ...], dtype) -> jax.Array:
+    """A buffer of `shape` whose values nothing reads before a pass writes them: uninitialized on
+    a GPU (`jax.lax.empty`: no pass over it), zeros on the CPU, `DEAD_ROW_FILL` when it is set."""
+    if DEAD_ROW_FILL is not None:
+        return jnp.full(shape, _fill_value(dtype), dtype)
+    return jax.lax.empty(shape, dtype)
 
 
 def _fill_value(dtype):
