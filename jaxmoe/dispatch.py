@@ -32,8 +32,9 @@ from jaxmoe.plan import Plan
 from jaxmoe.wire import QuantizedRows, dequantize_rows, move_rows
 
 
-def _token_rows(plan: Plan) -> jax.Array:
-    """[T, k] each token's buffer rows in ascending expert order (M for dropped slots, last)."""
+def token_rows(plan: Plan) -> jax.Array:
+    """[T, k] each token's buffer rows in ascending expert order (M for dropped slots, last): the
+    rows `combine` adds, in its order."""
     return jnp.take_along_axis(plan.slot_row, plan.combine_slot, axis=1)
 
 
@@ -42,7 +43,7 @@ def _dispatch(x, plan, impl):
 
 
 def _combine(rows, plan, out_dtype, impl):
-    return combine_rows(rows, _token_rows(plan), out_dtype, impl=impl)
+    return combine_rows(rows, token_rows(plan), out_dtype, impl=impl)
 
 
 def dispatch(x: jax.Array | QuantizedRows, plan: Plan, impl: str = "auto"):

@@ -38,10 +38,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxmoe.dispatch import combine, gather_slots
+from jaxmoe.dispatch import gather_slots, token_rows
 from jaxmoe.ops.device import on_gpu
 from jaxmoe.ops.live_rows import unspecified
-from jaxmoe.ops.permute import dispatch_rows
+from jaxmoe.ops.permute import combine_rows, dispatch_rows
 from jaxmoe.ordered import broadcast_in_order
 from jaxmoe.plan import Plan
 from jaxmoe.wire import QuantizedRows, dequantize_rows, move_rows, pack_rows, unpack_rows
@@ -351,11 +351,17 @@ def _send(rows, xplan, axis_name):
 
 
 def _return(rows, xplan, axis_name):
-    num_ranks = xplan.source_sizes.shape[0]
     if xplan.transport == "ragged":
+        num_ranks = xplan.source_sizes.shape[0]
         return _ragged(rows, xplan.back_row.shape[0], xplan.back_pieces, num_ranks, axis_name)
-    received = _all_to_all(_take(rows, xplan.return_slot), num_ranks, axis_name)
-    return _take(received, xplan.back_row)
+    return _take(_returned_rooms(rows, xplan, axis_name), xplan.back_row)
+
+
+def _returned_rooms(rows, xplan, axis_name):
+    """ "dense": the receiver's rows back in the rooms [R * C, ...] of their sources (room p from
+    rank p), local buffer row m in slot `back_row[m]`."""
+    num_ranks = xplan.source_sizes.shape[0]
+    return _all_to_all(_take(rows, xplan.return_slot), num_ranks, axis_name)
 
 
 def _token_slots(x: jax.Array, xplan: ExchangePlan, axis_name: str) -> jax.Array:
@@ -526,8 +532,21 @@ class ExchangedRoute:
 
 
 def _to_tokens(rows, route: ExchangedRoute):
-    back = _return(rows, route.exchange, route.axis_name)
-    return combine(back, route.plan, route.impl)
+    """The receiver's rows back to their sources and each token's rows combined there, as
+    `jaxmoe.dispatch.combine` of the returned local buffer. With "dense" the combine reads the
+    returned rooms through the rows' slots (`back_row`), where gathering them into the local
+    buffer first would be a pass over all of its rows: the same values, summed the same way."""
+    xplan, rows_of_tokens = route.exchange, token_rows(route.plan)
+    if xplan.transport == "ragged":
+        return combine_rows(_return(rows, xplan, route.axis_name), rows_of_tokens, impl=route.impl)
+    rooms = _returned_rooms(rows, xplan, route.axis_name)
+    num_rows = route.plan.num_rows  # "no row" (a dropped slot)
+    slots = jnp.where(
+        rows_of_tokens < num_rows,
+        xplan.back_row[jnp.minimum(rows_of_tokens, num_rows - 1)],
+        rooms.shape[0],
+    )
+    return combine_rows(rooms, slots, impl=route.impl)
 
 
 @jax.custom_vjp
