@@ -358,8 +358,8 @@ def _return(rows, xplan, axis_name):
 
 
 def _returned_rooms(rows, xplan, axis_name):
-    """ "dense": the receiver's rows back in the rooms [R * C, ...] of their sources (room p from
-    rank p), local buffer row m in slot `back_row[m]`."""
+    """The dense transport's return: the receiver's rows back in the rooms [R * C, ...] of their
+    sources (room p from rank p), local buffer row m in slot `back_row[m]`."""
     num_ranks = xplan.source_sizes.shape[0]
     return _all_to_all(_take(rows, xplan.return_slot), num_ranks, axis_name)
 
