@@ -22,7 +22,7 @@ with amax = m * 2^E (m in [1, 2)) and max_fp8 = 1.75 * 2^S (e4m3: S = 8),
 RN(max_fp8 / amax) = (1.75 / m) * 2^(S - E) rounds to a power of two at or above 2^(S - E) when
 m <= 1.75 and stays below it otherwise (the largest m above 1.75 gives 1 - 1.14 * 2^-24, more
 than half an ulp below 1), so scale = 2^k with k = min(S - E - [mantissa field > 0x600000], 127)
-(`tests/test_fp8_blockwise.py` checks this against the division on every mantissa at many
+(`tests/numerics/test_fp8_blockwise.py` checks this against the division on every mantissa at many
 exponents). x_i * 2^k is then the MXFP8 element encoding with the same power of two
 (`jaxmoe.mxfp8.encode_elements`), exact but for fp32 subnormal products, which round to 0 in
 e4m3 either way; on a GPU the element scaling is TE's own float multiply

@@ -1,7 +1,7 @@
 """Shared pytest set-up.
 
 * Tests marked `gpu` need a Hopper GPU and are skipped elsewhere, except the layer suite
-  (tests/test_gpu_layer.py) when `--layer-shapes tiny` runs it on CPU (the kernels in the
+  (tests/gpu/test_gpu_layer.py) when `--layer-shapes tiny` runs it on CPU (the kernels in the
   interpreter) to check the suite itself.
 * The `interpret` fixture runs Pallas Mosaic GPU kernels on CPU, each call race-checked; tests
   that use it are marked `slow` (`make test-quick` leaves them out).
@@ -53,20 +53,20 @@ def pytest_addoption(parser):
     parser.addoption(
         "--layer-shapes",
         default="mixtral,qwen3_30b,dsv3_ep8,deepseek_v3_style",
-        help="tests/test_gpu_layer.py: comma-separated jaxmoe.shapes names, or "
+        help="tests/gpu/test_gpu_layer.py: comma-separated jaxmoe.shapes names, or "
         "'tiny' (a small layer, runnable on CPU with the kernels interpreted)",
     )
     parser.addoption(
         "--layer-precisions",
         default="bf16,mxfp8",
-        help="tests/test_gpu_layer.py: comma-separated precisions (bf16, mxfp8, fp8_blockwise)",
+        help="tests/gpu/test_gpu_layer.py: comma-separated precisions (bf16, mxfp8, fp8_blockwise)",
     )
 
 
 @pytest.fixture
 def interpret():
     """Run Mosaic GPU kernels in the CPU interpreter with the race detector, every kernel call
-    of the test checked (tests/interpreter.py); a no-op on a GPU."""
+    of the test checked (tests/support/interpreter.py); a no-op on a GPU."""
     if on_hopper():
         yield
         return
@@ -80,102 +80,102 @@ def interpret():
 # costs 5-30 s of XLA:CPU compilation there). Node ids relative to tests/.
 FURTHER_CASES = frozenset(
     {
-        "test_quantize_pallas.py::test_partial_tiles[gather-shape4-37-bfloat16]",
-        "test_quantize_pallas.py::test_partial_tiles[gather-shape4-37-float32]",
-        "test_quantize_pallas.py::test_partial_tiles[gather-shape5-45-bfloat16]",
-        "test_quantize_pallas.py::test_partial_tiles[gather-shape5-45-float32]",
-        "test_quantize_pallas.py::test_partial_tiles[gather-shape6-45-bfloat16]",
-        "test_quantize_pallas.py::test_partial_tiles[gather-shape6-45-float32]",
-        "test_quantize_pallas.py::test_float_arithmetic_equals_the_reference_on_normal_values"
+        "kernels/test_quantize_pallas.py::test_partial_tiles[gather-shape4-37-bfloat16]",
+        "kernels/test_quantize_pallas.py::test_partial_tiles[gather-shape4-37-float32]",
+        "kernels/test_quantize_pallas.py::test_partial_tiles[gather-shape5-45-bfloat16]",
+        "kernels/test_quantize_pallas.py::test_partial_tiles[gather-shape5-45-float32]",
+        "kernels/test_quantize_pallas.py::test_partial_tiles[gather-shape6-45-bfloat16]",
+        "kernels/test_quantize_pallas.py::test_partial_tiles[gather-shape6-45-float32]",
+        "kernels/test_quantize_pallas.py::test_float_arithmetic_equals_the_reference_on_normal_values"
         "[gather-e5m2]",
-        "test_quantize_pallas.py::test_dispatch_quantize_equals_quantize_of_the_gathered_rows"
+        "kernels/test_quantize_pallas.py::test_dispatch_quantize_equals_quantize_of_the_gathered_rows"
         "[e5m2]",
-        "test_quantize_pallas.py::test_long_pipelines_reuse_every_slot[columnwise-float32]",
-        "test_quantize_pallas.py::test_long_pipelines_reuse_every_slot[rowwise-float32]",
-        "test_quantize_pallas.py::test_long_pipelines_reuse_every_slot[gather-float32]",
-        "test_quantize_pallas.py::test_long_pipelines_reuse_every_slot[fake_gather-float32]",
-        "test_quantize_pallas.py::test_partial_tiles[fake_gather-shape8-37-float32]",
-        "test_quantize_pallas.py::test_partial_tiles[fake_gather-shape9-9-float32]",
-        "test_quantize_pallas.py::test_float_arithmetic_equals_the_reference_on_normal_values"
+        "kernels/test_quantize_pallas.py::test_long_pipelines_reuse_every_slot[columnwise-float32]",
+        "kernels/test_quantize_pallas.py::test_long_pipelines_reuse_every_slot[rowwise-float32]",
+        "kernels/test_quantize_pallas.py::test_long_pipelines_reuse_every_slot[gather-float32]",
+        "kernels/test_quantize_pallas.py::test_long_pipelines_reuse_every_slot[fake_gather-float32]",
+        "kernels/test_quantize_pallas.py::test_partial_tiles[fake_gather-shape8-37-float32]",
+        "kernels/test_quantize_pallas.py::test_partial_tiles[fake_gather-shape9-9-float32]",
+        "kernels/test_quantize_pallas.py::test_float_arithmetic_equals_the_reference_on_normal_values"
         "[fake_gather-e5m2]",
-        "test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape2-37-bfloat16]",
-        "test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape2-37-float32]",
-        "test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape3-45-float32]",
-        "test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape4-9-bfloat16]",
-        "test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape4-9-float32]",
-        "test_quantize_1x128_pallas.py::test_kernels_equal_the_reference_bitwise[gather-bf16-e5m2]",
-        "test_swiglu_quantize_pallas.py::test_copies_equal_the_reference_bitwise[1]",
-        "test_swiglu_backward_quantize_pallas.py::"
+        "kernels/test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape2-37-bfloat16]",
+        "kernels/test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape2-37-float32]",
+        "kernels/test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape3-45-float32]",
+        "kernels/test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape4-9-bfloat16]",
+        "kernels/test_quantize_1x128_pallas.py::test_partial_tiles[gather-shape4-9-float32]",
+        "kernels/test_quantize_1x128_pallas.py::test_kernels_equal_the_reference_bitwise[gather-bf16-e5m2]",
+        "kernels/test_swiglu_quantize_pallas.py::test_copies_equal_the_reference_bitwise[1]",
+        "kernels/test_swiglu_backward_quantize_pallas.py::"
         "test_copies_and_partial_sums_equal_the_two_kernels_bitwise[1]",
-        "test_swiglu_backward_quantize_pallas.py::test_e5m2_and_float_arithmetic",
-        "test_gmm_pallas.py::test_lowering_for_hopper_is_as_fast_for_256_experts_as_for_8",
-        "test_gmm_pallas.py::test_cluster_pairs_match_xla[dgrad_layout]",
-        "test_gmm_pallas.py::test_wgrad_structure_ring_reuse_boundaries_and_nan_isolation"
+        "kernels/test_swiglu_backward_quantize_pallas.py::test_e5m2_and_float_arithmetic",
+        "kernels/test_gmm_pallas.py::test_lowering_for_hopper_is_as_fast_for_256_experts_as_for_8",
+        "kernels/test_gmm_pallas.py::test_cluster_pairs_match_xla[dgrad_layout]",
+        "kernels/test_gmm_pallas.py::test_wgrad_structure_ring_reuse_boundaries_and_nan_isolation"
         "[split_n_overlap_epilogue_epi2]",
-        "test_gmm_pallas.py::test_wgrad_structure_ring_reuse_boundaries_and_nan_isolation"
+        "kernels/test_gmm_pallas.py::test_wgrad_structure_ring_reuse_boundaries_and_nan_isolation"
         "[split_k_ring2_epi2]",
-        "test_gmm_pallas.py::test_wgrad_structure_ring_reuse_boundaries_and_nan_isolation"
+        "kernels/test_gmm_pallas.py::test_wgrad_structure_ring_reuse_boundaries_and_nan_isolation"
         "[split_n_32wide]",
-        "test_gmm_pallas.py::test_wgrad_structure_ring_reuse_boundaries_and_nan_isolation"
+        "kernels/test_gmm_pallas.py::test_wgrad_structure_ring_reuse_boundaries_and_nan_isolation"
         "[split_k_128wide_ring4]",
-        "test_gmm_pallas.py::test_forward_matches_xla[dgrad_layout-tiny_groups]",
-        "test_gmm_pallas.py::test_forward_matches_xla[dgrad_layout-all_in_one]",
-        "test_gmm_mxfp8_pallas.py::test_lowering_at_real_shapes[mixtral_decode-fused_dequantize]",
-        "test_gmm_mxfp8_pallas.py::test_lowering_at_real_shapes[mixtral-fused_dequantize]",
-        "test_gmm_mxfp8_pallas.py::test_lowering_at_real_shapes[dsv3-fused_dequantize]",
-        "test_gmm_mxfp8_pallas.py::test_forward_matches_dequantized_reference"
+        "kernels/test_gmm_pallas.py::test_forward_matches_xla[dgrad_layout-tiny_groups]",
+        "kernels/test_gmm_pallas.py::test_forward_matches_xla[dgrad_layout-all_in_one]",
+        "kernels/test_gmm_mxfp8_pallas.py::test_lowering_at_real_shapes[mixtral_decode-fused_dequantize]",
+        "kernels/test_gmm_mxfp8_pallas.py::test_lowering_at_real_shapes[mixtral-fused_dequantize]",
+        "kernels/test_gmm_mxfp8_pallas.py::test_lowering_at_real_shapes[dsv3-fused_dequantize]",
+        "kernels/test_gmm_mxfp8_pallas.py::test_forward_matches_dequantized_reference"
         "[tiny_groups-fused_dequantize]",
-        "test_gmm_mxfp8_pallas.py::test_forward_matches_dequantized_reference"
+        "kernels/test_gmm_mxfp8_pallas.py::test_forward_matches_dequantized_reference"
         "[ragged_tail_and_empty-fused_dequantize]",
-        "test_gmm_mxfp8_pallas.py::test_forward_matches_dequantized_reference"
+        "kernels/test_gmm_mxfp8_pallas.py::test_forward_matches_dequantized_reference"
         "[tiny_groups-fp8_wgmma]",
-        "test_gmm_mxfp8_pallas.py::test_forward_matches_dequantized_reference"
+        "kernels/test_gmm_mxfp8_pallas.py::test_forward_matches_dequantized_reference"
         "[tiny_groups-dequantize]",
-        "test_gmm_mxfp8_pallas.py::test_forward_matches_dequantized_reference"
+        "kernels/test_gmm_mxfp8_pallas.py::test_forward_matches_dequantized_reference"
         "[ragged_tail_and_empty-dequantize]",
-        "test_permute.py::test_layer_dispatch_and_combine_are_each_others_transpose",
-        "test_router_benchmark.py::test_router_benchmark_times_every_config_with_the_same_bits"
+        "ops/test_permute.py::test_layer_dispatch_and_combine_are_each_others_transpose",
+        "benchmarks/test_router_benchmark.py::test_router_benchmark_times_every_config_with_the_same_bits"
         "[every]",
-        "test_dense.py::test_host_group_sizes_give_the_bits_of_traced_ones[64]",
-        "test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands"
+        "ops/test_dense.py::test_host_group_sizes_give_the_bits_of_traced_ones[64]",
+        "numerics/test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands"
         "[l2_scales_split_n]",
-        "test_gpu_expert_parallel_tiny.py::test_same_bits_at_ep_1_and_2[deepseek_v3_style-bf16]",
+        "parallel/test_gpu_expert_parallel_tiny.py::test_same_bits_at_ep_1_and_2[deepseek_v3_style-bf16]",
         *(
-            "test_tiles.py::test_banded_items_are_the_banded_order_stably_partitioned_by_kind"
+            "kernels/test_tiles.py::test_banded_items_are_the_banded_order_stably_partitioned_by_kind"
             f"[{seed}]"
             for seed in range(4, 8)
         ),
-        "test_permute.py::test_dispatch_kernel_equals_the_reference[float32-16-64-40]",
-        "test_permute.py::test_dispatch_kernel_equals_the_reference[float16-24-256-173]",
-        "test_permute.py::test_combine_kernel_equals_the_reference[bfloat16-float32-24-4-1024-100]",
-        "test_permute.py::test_combine_kernel_equals_the_reference[float32-bfloat16-9-8-512-300]",
-        "test_permute.py::test_combine_kernel_equals_the_reference[float32-float32-9-3-32-20]",
-        "test_dense.py::test_kernel_matches_xla[37-128-16-float32]",
-        "test_dense.py::test_kernel_matches_xla[200-96-64-bfloat16]",
-        "test_groups_per_weight.py::test_shared_matrices_equal_repeated_ones[pallas-bf16-bf16_rhs]",
-        "test_expert_parallel.py::test_parameter_gradients_are_the_ranks_single_device_gradients"
+        "ops/test_permute.py::test_dispatch_kernel_equals_the_reference[float32-16-64-40]",
+        "ops/test_permute.py::test_dispatch_kernel_equals_the_reference[float16-24-256-173]",
+        "ops/test_permute.py::test_combine_kernel_equals_the_reference[bfloat16-float32-24-4-1024-100]",
+        "ops/test_permute.py::test_combine_kernel_equals_the_reference[float32-bfloat16-9-8-512-300]",
+        "ops/test_permute.py::test_combine_kernel_equals_the_reference[float32-float32-9-3-32-20]",
+        "ops/test_dense.py::test_kernel_matches_xla[37-128-16-float32]",
+        "ops/test_dense.py::test_kernel_matches_xla[200-96-64-bfloat16]",
+        "ops/test_groups_per_weight.py::test_shared_matrices_equal_repeated_ones[pallas-bf16-bf16_rhs]",
+        "parallel/test_expert_parallel.py::test_parameter_gradients_are_the_ranks_single_device_gradients"
         "_summed_in_order[mxfp8]",
-        "test_expert_parallel.py::test_parameter_gradients_are_the_ranks_single_device_gradients"
+        "parallel/test_expert_parallel.py::test_parameter_gradients_are_the_ranks_single_device_gradients"
         "_summed_in_order[mxfp8_experts]",
-        "test_expert_parallel.py::test_blockwise_experts_same_bits_at_every_degree",
-        "test_expert_parallel.py::test_parameter_gradients_agree_with_one_device_within_rounding",
-        "test_mxfp8_layer.py::test_training_forward_equals_inference_forward[squared_relu-False]",
-        "test_fp8_blockwise_layer.py::test_blockwise_experts_with_a_blockwise_wire"
+        "parallel/test_expert_parallel.py::test_blockwise_experts_same_bits_at_every_degree",
+        "parallel/test_expert_parallel.py::test_parameter_gradients_agree_with_one_device_within_rounding",
+        "layer/test_mxfp8_layer.py::test_training_forward_equals_inference_forward[squared_relu-False]",
+        "layer/test_fp8_blockwise_layer.py::test_blockwise_experts_with_a_blockwise_wire"
         "[combine_bwd_dtype-no_bias]",
-        "test_fp8_blockwise_layer.py::test_blockwise_experts_with_a_blockwise_wire"
+        "layer/test_fp8_blockwise_layer.py::test_blockwise_experts_with_a_blockwise_wire"
         "[dispatch_dtype-bias]",
-        "test_mxfp8_inference.py::test_inference_forward_is_the_training_forward_at_any_batch"
+        "layer/test_mxfp8_inference.py::test_inference_forward_is_the_training_forward_at_any_batch"
         "[bf16]",
-        "test_mxfp8_layer.py::test_gradients_equal_the_dequantize_then_bf16_reference_bitwise"
+        "layer/test_mxfp8_layer.py::test_gradients_equal_the_dequantize_then_bf16_reference_bitwise"
         "[False]",
-        "test_fp8_blockwise_layer.py::test_weights_quantized_once_per_step_give_the_same_bits",
-        "test_bridge_reference.py::test_whole_layer_stages_within_bounds[fp32]",
-        "test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands[split_k]",
-        "test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands[banded]",
-        "test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands[pairs]",
-        "test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands"
+        "layer/test_fp8_blockwise_layer.py::test_weights_quantized_once_per_step_give_the_same_bits",
+        "bridge/test_bridge_reference.py::test_whole_layer_stages_within_bounds[fp32]",
+        "numerics/test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands[split_k]",
+        "numerics/test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands[banded]",
+        "numerics/test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands[pairs]",
+        "numerics/test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands"
         "[l2_banded_pairs]",
-        "test_fp8_blockwise.py::test_wgrad_kernel_lowers_at_real_shapes[l2_banded_pairs]",
+        "numerics/test_fp8_blockwise.py::test_wgrad_kernel_lowers_at_real_shapes[l2_banded_pairs]",
     }
 )
 

@@ -6,11 +6,11 @@
 #   tools/gpu_suite.sh OUT_DIR SECONDS CASE [CASE ...]
 #
 # CASE: NAME:MEMORY_FRACTION:PYTEST_ARGS..., e.g.
-#   "q:0.2:tests/test_gpu_layer.py --layer-shapes qwen3_30b --layer-precisions bf16,mxfp8"
-#   "kernels:0.1:-m gpu tests/test_gmm_pallas.py"
+#   "q:0.2:tests/gpu/test_gpu_layer.py --layer-shapes qwen3_30b --layer-precisions bf16,mxfp8"
+#   "kernels:0.1:-m gpu tests/kernels/test_gmm_pallas.py"
 # Each case runs under `timeout SECONDS`; its records are written after every test, so a case cut
 # by the limit keeps what it finished. A case prints its lowering and compile times as it goes
-# (tests/test_gpu_layer.py), into OUT_DIR/NAME.log. Writes OUT_DIR/gpu_suite.json (merged,
+# (tests/gpu/test_gpu_layer.py), into OUT_DIR/NAME.log. Writes OUT_DIR/gpu_suite.json (merged,
 # tools/merge_suite_results.py) and OUT_DIR/gpu_suite_parts.tar.gz (logs and parts).
 # JAXMOE_GIT_COMMIT names the tree when the copy's .git lags behind it.
 set -uo pipefail

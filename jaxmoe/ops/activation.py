@@ -6,7 +6,7 @@ Forward: a = round(act(h) * p), act(h) = `gated_activation` in fp32, rounded onc
   impl "xla"     XLA's elementwise fusion (the reference).
   impl "pallas"  SwiGLU (silu, gated) on Hopper (ops/pallas/activation_forward_hopper.py), the
                  same operations in the same order, bitwise XLA's on the GPU
-                 (tests/test_activation_pallas.py); F a multiple of 256.
+                 (tests/kernels/test_activation_pallas.py); F a multiple of 256.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies and a live row count is
                  given (the rows past it are not read), else "xla" (faster over every row).
 Backward, for a's incoming gradient g:

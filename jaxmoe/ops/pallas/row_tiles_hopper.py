@@ -20,7 +20,7 @@ most 62 groups and 64 row tiles (`supported`). On the H200 (2026-12-04,
 and 2.1 us at dsv3_ep8's 32 in the decode layer, where XLA's kernels took 6-10 us; a version
 looping over 64 x 64 pieces took 8.3 us at qwen3_30b's 128 groups, more than XLA's kernels.
 
-The output equals `tiles.row_tiles_xla`'s to the bit (`tests/test_row_tiles_pallas.py`).
+The output equals `tiles.row_tiles_xla`'s to the bit (`tests/kernels/test_row_tiles_pallas.py`).
 """
 
 from __future__ import annotations
