@@ -4,7 +4,7 @@ Data path: route -> plan -> dispatch -> grouped expert MLP -> combine (+ shared 
 """
 
 from jaxmoe import mxfp8, ops
-from jaxmoe.config import MoEConfig, selective_precision
+from jaxmoe.config import PRECISION_PRESETS, MoEConfig, selective_precision
 from jaxmoe.dispatch import combine, dispatch, gather_slots
 from jaxmoe.expert_parallel import expert_parallel_forward, place_on_mesh
 from jaxmoe.inference import mxfp8_inference
@@ -14,6 +14,7 @@ from jaxmoe.routing import Routing, route, router_logits, update_expert_bias
 
 __all__ = [
     "MoEConfig",
+    "PRECISION_PRESETS",
     "selective_precision",
     "MoE",
     "MoEAux",

@@ -25,6 +25,26 @@ _PRECISIONS = ("bf16", "mxfp8", "fp8_blockwise")
 MXFP8_ALIGNMENTS = (32, 128, 256)
 
 
+# The precision recipes as option sets of `MoEConfig` (`MoEConfig.with_precision`): the routed
+# experts' GEMMs, the dispatched rows and the combine's gradient in one recipe, with the expert
+# row alignment that recipe's blocks need.
+PRECISION_PRESETS: dict[str, dict[str, Any]] = {
+    "bf16": {},
+    "mxfp8": dict(
+        expert_precision="mxfp8",
+        dispatch_dtype="mxfp8",
+        combine_bwd_dtype="mxfp8",
+        expert_row_alignment=32,
+    ),
+    "fp8_blockwise": dict(
+        expert_precision="fp8_blockwise",
+        dispatch_dtype="fp8_blockwise",
+        combine_bwd_dtype="fp8_blockwise",
+        expert_row_alignment=128,
+    ),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Configuration of a Megatron-style MoE layer.
@@ -204,6 +224,17 @@ class MoEConfig:
     def replace(self, **changes) -> MoEConfig:
         """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def with_precision(self, precision: str) -> MoEConfig:
+        """A copy in one of `PRECISION_PRESETS`: "bf16" (unchanged), "mxfp8" (experts, dispatch
+        and combine gradient in MXFP8, 32-row expert alignment) or "fp8_blockwise" (the same in
+        FP8 blockwise, 128-row alignment)."""
+        if precision not in PRECISION_PRESETS:
+            raise ValueError(
+                f"precision must be one of {tuple(PRECISION_PRESETS)}, got {precision!r}"
+            )
+        options = PRECISION_PRESETS[precision]
+        return self.replace(**options) if options else self
 
     # ------------------------------------------------------------------ Megatron interop
     @classmethod

@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 
 from jaxmoe import MoE, MoEConfig, update_expert_bias
-from jaxmoe.shapes import FP8_BLOCKWISE_OPTIONS, MXFP8_OPTIONS
+from jaxmoe.config import PRECISION_PRESETS
 
 PRESETS = {
     "mixtral": MoEConfig(
@@ -63,8 +63,8 @@ PRESETS = {
 PRECISIONS = {
     "bf16": (jnp.float32, jnp.bfloat16, {}),
     "fp32": (jnp.float32, jnp.float32, {}),
-    "mxfp8": (jnp.float32, jnp.bfloat16, MXFP8_OPTIONS),
-    "fp8_blockwise": (jnp.float32, jnp.bfloat16, FP8_BLOCKWISE_OPTIONS),
+    "mxfp8": (jnp.float32, jnp.bfloat16, PRECISION_PRESETS["mxfp8"]),
+    "fp8_blockwise": (jnp.float32, jnp.bfloat16, PRECISION_PRESETS["fp8_blockwise"]),
 }
 
 

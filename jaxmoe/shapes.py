@@ -16,20 +16,6 @@ import dataclasses
 
 from jaxmoe.config import MoEConfig
 
-MXFP8_OPTIONS = dict(
-    expert_precision="mxfp8",
-    dispatch_dtype="mxfp8",
-    combine_bwd_dtype="mxfp8",
-    expert_row_alignment=32,
-)
-FP8_BLOCKWISE_OPTIONS = dict(
-    expert_precision="fp8_blockwise",
-    dispatch_dtype="fp8_blockwise",
-    combine_bwd_dtype="fp8_blockwise",
-    expert_row_alignment=128,
-)
-PRECISION_OPTIONS = {"bf16": {}, "mxfp8": MXFP8_OPTIONS, "fp8_blockwise": FP8_BLOCKWISE_OPTIONS}
-
 
 @dataclasses.dataclass(frozen=True)
 class LayerShape:
@@ -49,12 +35,7 @@ class LayerShape:
         """This shape in "bf16" (as defined), "mxfp8" (experts, dispatch and combine gradient
         in MXFP8, 32-row expert alignment) or "fp8_blockwise" (the same in FP8 blockwise,
         128-row alignment)."""
-        if precision not in PRECISION_OPTIONS:
-            raise ValueError(
-                f"precision must be one of {tuple(PRECISION_OPTIONS)}, got {precision!r}"
-            )
-        options = PRECISION_OPTIONS[precision]
-        return dataclasses.replace(self, config=self.config.replace(**options)) if options else self
+        return dataclasses.replace(self, config=self.config.with_precision(precision))
 
 
 SHAPES: dict[str, LayerShape] = {

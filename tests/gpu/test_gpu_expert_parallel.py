@@ -26,13 +26,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmoe import MoE
+from jaxmoe.config import PRECISION_PRESETS
 from jaxmoe.exchange import ExchangedRoute
 from jaxmoe.expert_parallel import (
     expert_parallel_forward,
     expert_parallel_row_alignment,
     place_on_mesh,
 )
-from jaxmoe.shapes import PRECISION_OPTIONS, SHAPES
+from jaxmoe.shapes import SHAPES
 
 from bitwise import assert_bitwise, differs
 
@@ -48,8 +49,8 @@ CASES = {
     "qwen3_30b-bf16": ("qwen3_30b", {}),
     "qwen3_30b-mxfp8_wire": ("qwen3_30b", MXFP8_WIRE),
     "deepseek_v3_style-bf16": ("deepseek_v3_style", {}),
-    "deepseek_v3_style-mxfp8": ("deepseek_v3_style", PRECISION_OPTIONS["mxfp8"]),
-    "deepseek_v3_style-fp8_blockwise": ("deepseek_v3_style", PRECISION_OPTIONS["fp8_blockwise"]),
+    "deepseek_v3_style-mxfp8": ("deepseek_v3_style", PRECISION_PRESETS["mxfp8"]),
+    "deepseek_v3_style-fp8_blockwise": ("deepseek_v3_style", PRECISION_PRESETS["fp8_blockwise"]),
 }
 
 

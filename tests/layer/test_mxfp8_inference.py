@@ -22,7 +22,6 @@ from jaxmoe.ops.mxfp8_gmm import mxfp8_gmm, quantize_weights
 from jaxmoe.ops.pallas.gmm_decode_hopper import tile_weights
 from jaxmoe.ordered import sum_in_order
 from jaxmoe.plan import MIN_BUFFER_ROWS
-from jaxmoe.shapes import MXFP8_OPTIONS
 
 from bitwise import assert_bitwise, differs
 
@@ -230,7 +229,7 @@ def test_a_megatron_checkpoint_runs_as_mxfp8_inference():
         os.path.dirname(os.path.dirname(__file__)), "fixtures", "megatron", "deepseek_bf16"
     )
     ckpt = megatron.load(os.path.join(root, "torch_dist"), os.path.join(root, "config.json"))
-    model = megatron.build_moe(ckpt, 0, config=ckpt.config.replace(**MXFP8_OPTIONS))
+    model = megatron.build_moe(ckpt, 0, config=ckpt.config.with_precision("mxfp8"))
     # on JAX's default device, where the layer runs (not the host, where torch loaded them)
     assert {a.device for a in jax.tree.leaves(nnx.state(model))} == {jax.devices()[0]}
     x = jax.random.normal(jax.random.key(4), (2, 16, model.hidden_size)).astype(jnp.bfloat16)
@@ -260,7 +259,7 @@ def test_te_mxfp8_expert_weights_run_as_they_are():
         os.path.dirname(os.path.dirname(__file__)), "fixtures", "megatron", "deepseek_bf16"
     )
     ckpt = megatron.load(os.path.join(root, "torch_dist"), os.path.join(root, "config.json"))
-    model = megatron.build_moe(ckpt, 0, config=ckpt.config.replace(**MXFP8_OPTIONS))
+    model = megatron.build_moe(ckpt, 0, config=ckpt.config.with_precision("mxfp8"))
     weights = ckpt.layer(0)
     te = {
         name: [te_mxfp8_storage(w) for w in getattr(weights, name)]

@@ -23,7 +23,7 @@ from jaxmoe.expert_parallel import (
     place_on_mesh,
 )
 from jaxmoe.ordered import sum_in_order
-from jaxmoe.shapes import MXFP8_OPTIONS, TINY_SHAPES
+from jaxmoe.shapes import TINY_SHAPES
 
 from bitwise import assert_bitwise, differs
 
@@ -194,7 +194,7 @@ def test_deepseek_v3_style_routing_same_bits_at_4_and_8():
     fp32 router, sequence aux loss, a gated shared expert) with MXFP8 on the wire: y, aux, d x
     and every gradient at ep = 4 and 8 bitwise ep = 1. Control: a changed expert bias (routing
     only) changes y."""
-    config = TINY_SHAPES["tiny_deepseek"].config.replace(**MXFP8_OPTIONS)
+    config = TINY_SHAPES["tiny_deepseek"].config.with_precision("mxfp8")
     config = config.replace(expert_precision="bf16")  # the wire in MXFP8, the experts in bf16
     model, x, cotangent = make(config)
     bias = jax.random.normal(jax.random.key(3), (config.num_experts,)) * 0.1
