@@ -57,9 +57,8 @@ def dispatch(x: jax.Array | QuantizedRows, plan: Plan, impl: str = "auto"):
     Differentiable for arrays only (the VJP is `combine`)."""
     if isinstance(x, MXTensor):
         # Every reader of a dispatched MXFP8 copy dequantizes it with XLA, which fuses this
-        # gather into the dequantization: on the H200 faster than the dispatch kernel's copy
-        # followed by the dequantization at every size measured, 1 to 235 MB of rows
-        # (benchmarks/results/wire_gather_*.json).
+        # gather into the dequantization: faster than the dispatch kernel's copy followed by the
+        # dequantization at every size tried.
         return move_rows(x, lambda a: _dispatch(a, plan, "xla"))
     if isinstance(x, QuantizedRows):
         return move_rows(x, lambda a: _dispatch_bits(a, plan, impl))

@@ -48,11 +48,8 @@ from jaxmoe.wire import QuantizedRows, dequantize_rows, move_rows, pack_rows, un
 
 TRANSPORTS = ("dense", "ragged")
 # XLA's in-process `ragged_all_to_all` kernel copies each piece with one small thread block, so a
-# transfer of few pieces runs on few SMs: issue 16 measured one piece a peer 100x slower than a
-# dense all_to_all of the same bytes on two H200s, 128 within 1.4-1.65x of it; on one H100 (one
-# rank, 285 MB of rows) 128, 512, 2048 and 8192 pieces took 1.30, 0.70, 0.59 and 0.61 ms
-# (benchmarks/results/ep_2026-12-07_s65_one_gpu_pieces.json). Blocks are cut into pieces so that
-# a peer gets about this many.
+# transfer of few pieces runs on few SMs; of the piece counts tried this one was the fastest
+# (docs/expert_parallel.md). Blocks are cut into pieces so that a peer gets about this many.
 PIECES_PER_PEER = 2048
 
 

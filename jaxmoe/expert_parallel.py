@@ -116,7 +116,7 @@ def expert_parallel_forward(
 
 
 # A weight-gradient GEMM's reduction order depends on where its group starts: modulo 16 rows in
-# the Pallas kernel (ops/pallas/tgmm_hopper.py), modulo 32 in XLA:CPU's ragged dot (measured,
+# the Pallas kernel (ops/pallas/tgmm_hopper.py), modulo 32 in XLA:CPU's ragged dot (checked in
 # tests/ops/test_gmm.py). Blocks that start on multiples of 32 sum their rows the same way wherever
 # the exchange puts them.
 GROUP_START_ALIGNMENT = 32

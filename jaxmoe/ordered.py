@@ -88,9 +88,8 @@ _tree_sum.defvjp(_tree_sum_fwd, _tree_sum_bwd)
 
 
 LANES = 32  # a warp's width: lane j of every row is read by neighbouring threads
-# A lane adds at most 2^3 elements of a row per pass over memory. On the H200 the experts'
-# activation backward at dsv3_ep8 (d h and these row sums of [32768, 2048]) took 330 us so and
-# 443 us at 2^4 to 2^6 a pass, with the same bits (benchmarks/results/activation_2026-12-02.json).
+# A lane adds at most 2^3 elements of a row per pass over memory: the experts' activation
+# backward ran faster so than with 2^4 to 2^6 a pass, with the same bits.
 LEVELS_PER_PASS = 3
 
 

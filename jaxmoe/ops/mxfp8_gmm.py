@@ -224,9 +224,7 @@ def _fprop(
         # The decode kernel reads lhs dequantized (bf16), so its quantized copy has no other
         # reader: with the XLA quantizer (the same bits) XLA fuses the quantization, the
         # dequantization and lhs's producer into one kernel, where the Pallas quantizer is a
-        # kernel of its own and the dequantization another (H200, the layer at 64 tokens,
-        # `kernels_us` of benchmarks/results/decode_2026-12-04_s31_layer.json against
-        # decode_2026-12-03_s30_layer_fields.json).
+        # kernel of its own and the dequantization another.
         k, n = rhs_q.shape[rhs_q.axis], rhs_q.shape[3 - rhs_q.axis]
         groups = rhs_q.shape[0] * groups_per_weight
         resolved = resolve_strategy(strategy, lhs.shape[0], groups, k, n, rhs_q.axis == 2)

@@ -50,9 +50,8 @@ from jaxmoe.ops.pallas.gmm_mxfp8_hopper import gmm_mxfp8_pallas
 STRATEGIES = ("auto", "dequantize", "fused_dequantize", "decode", "fp8_wgmma")
 # "auto" takes the decode kernel up to this mean number of rows per group: it reads each active
 # expert's fp8 weights once (1.03 bytes a weight) where "dequantize" writes and reads a bf16 copy
-# of every expert's (5 bytes). On the H200 the layer with it beat bf16 up to 256 qwen3_30b tokens
-# (16 rows per expert; benchmarks/results/decode_2026-12-03_s27_sweep.json); 64 rows per expert
-# (mixtral at 256 tokens) is the bytes argument, not yet a measurement.
+# of every expert's (5 bytes). The layer with it beat bf16 at 16 rows per expert; 64 rows per
+# expert is the bytes argument.
 DECODE_MAX_ROWS_PER_GROUP = 64
 FP8_KERNEL_MULTIPLE = 128  # K and N of the kernels reading fp8: one 128-byte swizzled row
 _BF16 = jnp.dtype(jnp.bfloat16)  # what both Pallas paths multiply in

@@ -42,9 +42,8 @@ from jaxmoe.ops.pallas.row_pipeline import COMPILER_PARAMS, live_input, num_ctas
 
 F32 = jnp.float32
 # Tiling (read when a kernel is built; clear `_kernel`'s cache after changing them). A slot holds
-# ~44 KB (h and g in, d h out, p and the partials); two slots, two CTAs an SM. Swept on the H200
-# (2026-12-02) with `activation_tiles`' 16 rows x 8 chunks: this beat 32 rows x 8 chunks in one
-# CTA an SM by 1.3-1.45x and 4 chunks, 3-4 slots or 8 rows by 10-15%.
+# ~44 KB (h and g in, d h out, p and the partials); two slots, two CTAs an SM: with
+# `activation_tiles`' 16 rows x 8 chunks the fastest of a sweep over rows, chunks, slots and CTAs.
 STAGES = 2
 CTAS_PER_SM = 2
 

@@ -6,8 +6,8 @@ fast each SM can read its operands, and a K step cannot be split across CTAs wit
 the bits. The grouped-matmul kernel's CTA tile (128 rows by 64 or more columns) puts the whole
 product on a handful of SMs, with rows padded to 128; here a CTA is one warpgroup owning 64
 rows by `tile_n` (16 to 64) columns, one CTA per tile (N / tile_n per 64 rows), its K steps
-through a TMA ring (`plgpu.emit_pipeline`). On the H200 the routers at 64 tokens take half
-the time (benchmarks/results/router_*.json).
+through a TMA ring (`plgpu.emit_pipeline`). The routers at decode sizes take about half the
+grouped-matmul kernel's time.
 
 Bits: each output is the chain of k16 wgmma steps in ascending K into an fp32 accumulator, as
 in the grouped-matmul kernel (`gmm_hopper.py`), which a tile's width does not change: the same

@@ -28,14 +28,13 @@ from jaxmoe.ops.pallas.gmm_common import (
 def default_config(
     num_rows: int, k: int, n: int, num_groups: int, in_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16
 ) -> GmmConfig:
-    """Shape-based heuristic (benchmarks/results/gmm_*_sweep.json has the sweep behind it): a
+    """Shape-based heuristic (docs/kernels.md has the sweep behind it): a
     128 x 256 CTA tile of two 64 x 256 warpgroup tiles stacked along M with a double-buffered
     epilogue when N is a multiple of 256, else warpgroups along M with the widest column tile
     dividing N; as many pipeline stages (up to 4) as shared memory holds. A dense product
     (one group) with too few tiles to fill half the SMs takes 64-column tiles (more CTAs) and
-    128-wide K steps (half the steps in each CTA's chain): on the H200 at 64 tokens, 16.2 us
-    instead of 19.7 for the qwen3_30b router, 27.6 instead of 33.1 at dsv3_ep8
-    (benchmarks/results/router_2026-12-03_s27.json). `dense` now runs such forwards on the
+    128-wide K steps (half the steps in each CTA's chain), faster for the routers at decode
+    sizes. `dense` now runs such forwards on the
     narrow-tile kernel (`dense_narrow_hopper.py`); its d x at decode sizes still comes here."""
     if k % 64 or n % 64:
         raise ValueError(f"gmm pallas: K={k} and N={n} must be multiples of 64")
@@ -114,8 +113,7 @@ def _multiply_tile(tile: TileContext):
 
     def mma(_step, lhs_smem, rhs_smem, acc_ref):
         # Both warpgroups multiply even where one has no valid rows (a group's last tile):
-        # skipping that wgmma under a condition was 10% slower on the H200
-        # (benchmarks/results/gmm_2026-11-29_wg_skip_experiment.json).
+        # skipping that wgmma under a condition was slower.
         plgpu.wgmma(acc_ref, *tile.operands(lhs_smem, rhs_smem))
         if not tile.release_delay:
             plgpu.wgmma_wait(0)

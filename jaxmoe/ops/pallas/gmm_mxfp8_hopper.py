@@ -58,12 +58,9 @@ def default_fp8_blockwise_config(
 ) -> GmmConfig:
     """Heuristic for the FP8 blockwise kernel (128-wide scale blocks): `default_mxfp8_config`'s
     64 x 128 warpgroup tiles, but stacked along M (CTA 128 x 128, whose lhs and rhs tiles
-    are the same size) and 256-wide K steps (two blocks a step) when K allows. On the H200
-    (`benchmarks/results/gmm_fp8_blockwise_2026-12-04_s32.json`) this took the fprop from
-    811 / 819 to 1055 / 1093 TFLOP/s at mixtral / dsv3_ep8 (mixtral's dgrad 846 -> 1096,
-    qwen3_30b 684 -> 906); either change alone gave about half of it. Each K step's scales are
-    loaded two steps ahead (`scale_lookahead`; H100, 2026-12-06: mixtral's fprop 1115 -> 1184,
-    docs/kernels.md)."""
+    are the same size) and 256-wide K steps (two blocks a step) when K allows: faster fprops and
+    dgrads than the MXFP8 tiles, either change alone giving about half the gain. Each K step's
+    scales are loaded two steps ahead (`scale_lookahead`, faster than one; docs/kernels.md)."""
     config = default_mxfp8_config(num_rows, k, n, num_groups, out_dtype)
     tile_k = 256 if k % 256 == 0 else 128
     config = dataclasses.replace(

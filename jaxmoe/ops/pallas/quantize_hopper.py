@@ -568,8 +568,7 @@ def _columnwise_kernel(m, k, dtype, fmt_name, arithmetic, interpret, scaling=MXF
     1 x 128 tile is taken as four 32-row parts: their amaxes first (each thread's own columns,
     no shuffle), then each part encoded with the block's scale. The scales
     [m / B, col_tiles * width] are whole tiles wide (the caller slices): a one-row uint8 TMA
-    store clipped at the end of a row wrote its clipped bytes into the next row on the H200
-    (2026-11-29)."""
+    store clipped at the end of a row wrote its clipped bytes into the next row on the H200."""
     fmt = FORMATS[fmt_name]
     block = scaling.block
     width = tile_elems(dtype)

@@ -15,10 +15,9 @@ results going through shared memory from one pass to the next:
    tiles, columns: the owners).
 
 The passes are serial work for one warpgroup, so the kernel takes only what fits one tile: at
-most 62 groups and 64 row tiles (`supported`). On the H200 (2026-12-04,
-`benchmarks/results/decode_2026-12-04_s39_row_tiles.json`) it took 1.7 us at mixtral's 8 groups
-and 2.1 us at dsv3_ep8's 32 in the decode layer, where XLA's kernels took 6-10 us; a version
-looping over 64 x 64 pieces took 8.3 us at qwen3_30b's 128 groups, more than XLA's kernels.
+most 62 groups and 64 row tiles (`supported`). In the decode layer it is faster than XLA's
+kernels at mixtral's 8 and dsv3_ep8's 32 groups; a version looping over 64 x 64 pieces was
+slower than XLA's kernels at qwen3_30b's 128 groups.
 
 The output equals `tiles.row_tiles_xla`'s to the bit (`tests/kernels/test_row_tiles_pallas.py`).
 """

@@ -135,17 +135,12 @@ def default_config(
     registers together, as in the forward kernel), the two warpgroups stacked along K when K
     allows (CTA 128 x 128: both operand tiles the same size, as the forward's heuristic), else
     side by side along N (CTA 64 x 256, or 64 x 128 for narrow N); two blocks a ring slot, as
-    many slots as fit. On the H200 (`benchmarks/results/gmm_fp8_blockwise_2026-12-04_s33*.json`)
-    the scales' loads moved from L2 to the SMEM ring took mixtral / dsv3_ep8 / qwen3_30b from
-    551 / 639 / 468 to 681 / 808 / 684 TFLOP/s; stacking along K 800 / 841 / 689, two blocks a
-    slot 820 / 871 / 722. Items in bands of 4 N tiles when a group's rhs copy (N x
-    rows_per_group fp8 bytes, the mean group) is more than half the L2: each K tile would
-    otherwise sweep all of it from HBM again; on an H100 (`gmm_fp8_blockwise_2026-12-05_s49_*`)
-    this took mixtral's (58.7 MB a group) from 767 / 781 to 927 / 915 TFLOP/s, while the shapes
-    whose groups fit (dsv3_ep8, qwen3_30b) gained nothing from bands. CTA pairs where the SM
-    count and N allow: in turns with the unpaired kernel on an H100, 954 / 863 / 686 against
-    926 / 851 / 671 TFLOP/s (`gmm_fp8_blockwise_2026-12-05_s49_bands.json`) and 926 / 865 /
-    685 against 903 / 848 / 675 (`_s50_wgrad.json`)."""
+    many slots as fit; the scales' rows in the SMEM ring (not read from L2), stacking along K
+    and two blocks a slot each made it faster (docs/kernels.md). Items in bands of 4 N tiles when
+    a group's rhs copy (N x rows_per_group fp8 bytes, the mean group) is more than half the L2:
+    each K tile would otherwise sweep all of it from HBM again; shapes whose groups fit gain
+    nothing from bands. CTA pairs where the SM count and N allow: faster than the unpaired kernel
+    at every shape tried."""
     out_dtype = jnp.dtype(out_dtype)
     if k % 128 == 0:
         config = BlockwiseTgmmConfig(tile_n=128, wg_split="k")

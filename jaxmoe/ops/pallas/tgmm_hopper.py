@@ -242,9 +242,8 @@ class TgmmConfig:
 def default_tgmm_config(num_rows: int, k: int, n: int, out_dtype=jnp.float32) -> TgmmConfig:
     """Shape-based heuristic: the largest CTA tile that divides K x N, 256 x 128 (two 128 x 128
     warpgroup tiles along K) first; 64-row steps, 4 of them in flight; the epilogue overlapped
-    with the next item for 16-bit outputs (benchmarks/results/gmm_2026-11-29_sweep.json: +2-4%);
-    boundary blocks in 16-row pieces (gmm_2026-11-29_wgrad_pieces_sweep.json: 8-row pieces
-    1-5% slower, 32 and 64 up to 2% and 5% slower at the 128-expert shape)."""
+    with the next item for 16-bit outputs; boundary blocks in 16-row pieces (8-, 32- and 64-row
+    pieces were slower). docs/kernels.md has the sweeps."""
     if k % 64 or n % 64:
         raise ValueError(f"tgmm pallas: K={k} and N={n} must be multiples of 64")
     for split, tile_k, tile_n in (
