@@ -1,7 +1,7 @@
 """MoE decode benchmark on one GPU: the layer's inference forward at decode sizes, where reading
 the active experts' weights bounds the time, next to that bound.
 
-    PYTHONPATH=. python benchmarks/decode.py [--shapes qwen3_30b,mixtral,dsv3_ep8]
+    python -m benchmarks.decode [--shapes qwen3_30b,mixtral,dsv3_ep8]
         [--tokens 1,8,64,256] [--copies 8] [--parts layer,gmm] [--repeats 3]
         [--min-window 0.1] [--impls NAME,...] [--profile] [--tag TAG] [--out DIR]
 
@@ -63,31 +63,30 @@ import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import report  # noqa: E402
-from benchmarks.layer_competitors import torch_moe  # noqa: E402
-from benchmarks.report import add_output_arguments, error_text, log  # noqa: E402
-from benchmarks.timing import (  # noqa: E402
+from benchmarks import report
+from benchmarks.layer_competitors import torch_moe
+from benchmarks.report import add_output_arguments, error_text, log
+from benchmarks.timing import (
     gpu_stream_events,
     memory_bandwidths,
     profile_events,
     sync,
     timed_runs,
 )
-from jaxmoe import MoE, mxfp8_inference  # noqa: E402
-from jaxmoe.inference import loaded_copy, stored_copy  # noqa: E402
-from jaxmoe.mxfp8 import BLOCK_SIZE, dequantize  # noqa: E402
-from jaxmoe.ops import gmm, gmm_mxtensor, quantize  # noqa: E402
-from jaxmoe.ops.mxfp8_gmm import quantize_weights  # noqa: E402
-from jaxmoe.ops.pallas.e4m3_registers import small_scale_dequantization_is_exact  # noqa: E402
-from jaxmoe.ops.pallas.gmm_decode_hopper import default_decode_config  # noqa: E402
-from jaxmoe.shapes import SHAPES, TINY_SHAPES, LayerShape  # noqa: E402
+from jaxmoe import MoE, mxfp8_inference
+from jaxmoe.inference import loaded_copy, stored_copy
+from jaxmoe.mxfp8 import BLOCK_SIZE, dequantize
+from jaxmoe.ops import gmm, gmm_mxtensor, quantize
+from jaxmoe.ops.mxfp8_gmm import quantize_weights
+from jaxmoe.ops.pallas.e4m3_registers import small_scale_dequantization_is_exact
+from jaxmoe.ops.pallas.gmm_decode_hopper import default_decode_config
+from jaxmoe.shapes import SHAPES, TINY_SHAPES, LayerShape
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 DEFAULT_SHAPES = ("qwen3_30b", "mixtral", "dsv3_ep8")

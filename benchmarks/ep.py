@@ -2,7 +2,7 @@
 the wire, next to a dense all-to-all of a buffer of the same shape and dtype, and the whole
 layer's weak scaling.
 
-    PYTHONPATH=. python benchmarks/ep.py [--shape qwen3_30b] [--tokens-per-device T]
+    python -m benchmarks.ep [--shape qwen3_30b] [--tokens-per-device T]
         [--ep 1,2] [--dispatch bf16,mxfp8] [--experts bf16] [--parts exchange,layer]
         [--transports dense,ragged] [--ragged-pieces 128,512] [--iters 1] [--min-window 0.1]
         [--repeats 5] [--profile] [--tag TAG] [--out DIR]
@@ -100,38 +100,36 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import report  # noqa: E402
-from benchmarks.report import add_output_arguments, error_text, log  # noqa: E402
-from benchmarks.timing import gpu_stream_events, profile_events, sync, timed_runs  # noqa: E402
-from jaxmoe import MoE, MoEConfig  # noqa: E402
-from jaxmoe.config import MXFP8_ALIGNMENTS  # noqa: E402
-from jaxmoe.exchange import (  # noqa: E402
+from benchmarks import report
+from benchmarks.report import add_output_arguments, error_text, log
+from benchmarks.timing import gpu_stream_events, profile_events, sync, timed_runs
+from jaxmoe import MoE, MoEConfig
+from jaxmoe.config import MXFP8_ALIGNMENTS
+from jaxmoe.exchange import (
     PIECES_PER_PEER,
     TRANSPORTS,
     exchange_plan,
     return_rows,
     send_tokens,
 )
-from jaxmoe.expert_parallel import expert_parallel_forward, place_on_mesh  # noqa: E402
-from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
-from jaxmoe.ops.quantize import quantize  # noqa: E402
-from jaxmoe.plan import make_plan  # noqa: E402
-from jaxmoe.shapes import DEEPSEEK_V3_FULL, SHAPES, TINY_SHAPES, LayerShape  # noqa: E402
-from jaxmoe.wire import pack_rows  # noqa: E402
+from jaxmoe.expert_parallel import expert_parallel_forward, place_on_mesh
+from jaxmoe.mxfp8 import BLOCK_SIZE
+from jaxmoe.ops.quantize import quantize
+from jaxmoe.plan import make_plan
+from jaxmoe.shapes import DEEPSEEK_V3_FULL, SHAPES, TINY_SHAPES, LayerShape
+from jaxmoe.wire import pack_rows
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 AXES = ("data", "ep")

@@ -1,6 +1,6 @@
 """Grouped-matmul benchmark on one GPU: jaxmoe's Pallas kernels next to the competitors.
 
-    python benchmarks/gmm.py [--shapes mixtral,qwen3_30b,dsv3_ep8] [--routings dirichlet,empty]
+    python -m benchmarks.gmm [--shapes mixtral,qwen3_30b,dsv3_ep8] [--routings dirichlet,empty]
                              [--sweep [--sweep-ops fwd,dgrad,wgrad]] [--out DIR]
 
 For each shape of `SHAPES` (the fc1 GEMM of a SwiGLU expert at the layer sizes of
@@ -30,20 +30,18 @@ import json
 import os
 import platform
 import statistics
-import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.report import add_output_arguments  # noqa: E402
-from benchmarks.timing import sync, time_it, time_round_robin, timed_runs  # noqa: E402
-from jaxmoe.ops import gmm, tgmm  # noqa: E402
-from jaxmoe.ops.pallas.gmm_hopper import default_config  # noqa: E402
-from jaxmoe.ops.pallas.tgmm_hopper import default_tgmm_config  # noqa: E402
+from benchmarks.report import add_output_arguments
+from benchmarks.timing import sync, time_it, time_round_robin, timed_runs
+from jaxmoe.ops import gmm, tgmm
+from jaxmoe.ops.pallas.gmm_hopper import default_config
+from jaxmoe.ops.pallas.tgmm_hopper import default_tgmm_config
 
 SHAPES = {  # name: (M tokens*k, K, N, G)
     "mixtral": (16384, 4096, 28672, 8),

@@ -1,6 +1,6 @@
 """MoE layer benchmark on one GPU: jaxmoe's layer next to a PyTorch and a plain-JAX MoE.
 
-    PYTHONPATH=. python benchmarks/layer.py [--shapes mixtral,qwen3_30b,dsv3_ep8,deepseek_v3_style]
+    python -m benchmarks.layer [--shapes mixtral,qwen3_30b,dsv3_ep8,deepseek_v3_style]
         [--modes train,inference] [--impls jaxmoe_bf16,...] [--no-competitors] [--no-profile]
         [--iters 1] [--min-window 0.1] [--repeats 3] [--tag TAG] [--out DIR]
 
@@ -52,31 +52,29 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import torch  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import torch
+from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import report  # noqa: E402
-from benchmarks.layer_competitors import (  # noqa: E402
+from benchmarks import report
+from benchmarks.layer_competitors import (
     check_supported,
     jax_moe,
     torch_dense_gemms,
     torch_moe,
 )
-from benchmarks.layer_stages import STAGES, describe_profile, stage_breakdown  # noqa: E402
-from benchmarks.report import add_output_arguments, error_text, log  # noqa: E402
-from benchmarks.timing import memory_bandwidths, profile_events, sync, timed_runs  # noqa: E402
-from jaxmoe import MoE  # noqa: E402
-from jaxmoe.shapes import SHAPES, TINY_SHAPES, LayerShape  # noqa: E402
+from benchmarks.layer_stages import STAGES, describe_profile, stage_breakdown
+from benchmarks.report import add_output_arguments, error_text, log
+from benchmarks.timing import memory_bandwidths, profile_events, sync, timed_runs
+from jaxmoe import MoE
+from jaxmoe.shapes import SHAPES, TINY_SHAPES, LayerShape
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 MODES = ("train", "inference")

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from benchmarks import ep as ep_benchmark  # noqa: E402
+from benchmarks import ep as ep_benchmark
 
 DEGREES = (1, 2)
 REPEATS = 2

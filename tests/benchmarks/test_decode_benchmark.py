@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from benchmarks import decode  # noqa: E402
-from jaxmoe.shapes import TINY_SHAPES  # noqa: E402
+from benchmarks import decode
+from jaxmoe.shapes import TINY_SHAPES
 
 TOKENS = (1, 8)
 LAYER_IMPLS = {

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import pytest
 import torch
 
-from benchmarks import layer  # noqa: E402
-from benchmarks.layer_competitors import jax_moe, torch_moe  # noqa: E402
-from benchmarks.layer_stages import idle_gaps, stage_breakdown  # noqa: E402
-from benchmarks.timing import TraceEvent  # noqa: E402
+from benchmarks import layer
+from benchmarks.layer_competitors import jax_moe, torch_moe
+from benchmarks.layer_stages import idle_gaps, stage_breakdown
+from benchmarks.timing import TraceEvent
 
 # bf16 outputs and gradients summed in other orders (fp32 accumulation, one bf16 rounding per
 # stage). With an fp32 router (DeepSeek-like) the routing agrees exactly; bf16 logits (the

@@ -66,13 +66,13 @@ def test_lowers_at_real_shapes(kernel, shape):
 
 
 def test_profile_script_runs_both_kernels(interpret):
-    """benchmarks/profile_gmm.py's SwiGLU ops (for Nsight Compute) run the two kernels on fc1's
+    """benchmarks/research/profile_gmm.py's SwiGLU ops (for Nsight Compute) run the two kernels on fc1's
     output: the forward's copies are the forward then the quantize, the backward's those of the
     backward kernel then the quantize kernel."""
     import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks import profile_gmm
+    from benchmarks.research import profile_gmm
     from jaxmoe.ops import quantize_1x128_with_transpose, weighted_activation_forward
     from jaxmoe.ops.pallas.activation_backward_hopper import weighted_swiglu_backward_pallas
 

@@ -1,10 +1,10 @@
-"""CPU smoke test of the activation benchmark (benchmarks/activation.py) at its CPU size: every
+"""CPU smoke test of the activation benchmark (benchmarks/research/activation.py) at its CPU size: every
 layout's backward runs, those with 32 lanes keep the layer's bits (the tree does not depend on
 the levels a pass), and the JSON holds every variant."""
 
 import json
 
-from benchmarks import activation  # noqa: E402
+from benchmarks.research import activation
 
 
 def test_activation_benchmark_runs_and_records_every_layout(tmp_path, interpret):

@@ -1,6 +1,6 @@
 """MXFP8 grouped-matmul benchmark on one GPU: jaxmoe MXFP8 vs jaxmoe bf16 vs torch.
 
-    python benchmarks/gmm_mxfp8.py [--shapes mixtral,qwen3_30b,dsv3_ep8] [--out DIR]
+    python -m benchmarks.research.gmm_mxfp8 [--shapes mixtral,qwen3_30b,dsv3_ep8] [--out DIR]
 
 For each shape of `benchmarks/gmm.py`'s `SHAPES` (the layer sizes of `jaxmoe/shapes.py`;
 Dirichlet-skewed group sizes rounded down to multiples of 128, the FP8-blockwise layer's
@@ -36,7 +36,7 @@ process, GEMMs on already-quantized operands:
                          ceiling: read the input, write every output and scale); the summary
                          prints each one's share of its copy's bandwidth.
 
-    python benchmarks/gmm_mxfp8.py --ops quantize --shapes mixtral \
+    python -m benchmarks.research.gmm_mxfp8 --ops quantize --shapes mixtral \
         [--quantize-variants "name:field=value,...;..."] [--quantize-inputs x,dy]
 
 Writes gmm_mxfp8_<date>.json (+ .png) and prints TFLOP/s and the ratios the issue targets.
@@ -51,22 +51,20 @@ import functools
 import json
 import os
 import platform
-import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.gmm import SHAPES, bar_plot, cell, group_sizes_for  # noqa: E402
-from benchmarks.report import add_output_arguments, parse_variants  # noqa: E402
-from benchmarks.timing import device_seconds, sync, time_round_robin  # noqa: E402
-from jaxmoe.fp8_blockwise import BLOCK, BlockwiseTensor, quantize_1x128, quantize_128x128  # noqa: E402
-from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
-from jaxmoe.ops import (  # noqa: E402
+from benchmarks.gmm import SHAPES, bar_plot, cell, group_sizes_for
+from benchmarks.report import add_output_arguments, parse_variants
+from benchmarks.timing import device_seconds, sync, time_round_robin
+from jaxmoe.fp8_blockwise import BLOCK, BlockwiseTensor, quantize_1x128, quantize_128x128
+from jaxmoe.mxfp8 import BLOCK_SIZE
+from jaxmoe.ops import (
     dispatch_quantize,
     gmm,
     gmm_fp8_blockwise,
@@ -76,9 +74,9 @@ from jaxmoe.ops import (  # noqa: E402
     tgmm_fp8_blockwise,
     tgmm_mxtensor,
 )
-from jaxmoe.ops.fp8_blockwise_gmm import quantize_blockwise_weights  # noqa: E402
-from jaxmoe.ops.pallas.hopper import L2_BYTES  # noqa: E402
-from jaxmoe.ops.pallas.quantize_hopper import (  # noqa: E402
+from jaxmoe.ops.fp8_blockwise_gmm import quantize_blockwise_weights
+from jaxmoe.ops.pallas.hopper import L2_BYTES
+from jaxmoe.ops.pallas.quantize_hopper import (
     ARITHMETIC,
     gather_quantize_1x128_pallas,
     gather_quantize_rowwise_pallas,
@@ -86,7 +84,7 @@ from jaxmoe.ops.pallas.quantize_hopper import (  # noqa: E402
     quantize_columnwise_pallas,
     quantize_rowwise_pallas,
 )
-from jaxmoe.ops.pallas.quantize_transpose_hopper import (  # noqa: E402
+from jaxmoe.ops.pallas.quantize_transpose_hopper import (
     TransposeQuantizeConfig,
     quantize_1x128_transposed_pallas,
     quantize_1x128_with_transpose_pallas,

@@ -1,4 +1,4 @@
-"""benchmarks/gmm_fp8_blockwise_tiling.py in the interpreter: every tiling runs, gives the
+"""benchmarks/research/gmm_fp8_blockwise_tiling.py in the interpreter: every tiling runs, gives the
 heuristic's bits, and the JSON is written."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from benchmarks import gmm as gmm_benchmark
-from benchmarks import gmm_fp8_blockwise_tiling as tiling
+from benchmarks.research import gmm_fp8_blockwise_tiling as tiling
 
 
 def test_variants_and_dgrad_problems_parse():
@@ -80,12 +80,12 @@ def test_timings_take_turns_and_report_the_median(monkeypatch):
 
 
 def test_profile_gmm_runs_the_fp8_blockwise_kernels_on_the_tiling_operands(interpret):
-    """benchmarks/profile_gmm.py's fp8_blockwise ops: the kernels on the operands the tiling
+    """benchmarks/research/profile_gmm.py's fp8_blockwise ops: the kernels on the operands the tiling
     benchmark times, with the references' bits."""
     import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks import profile_gmm
+    from benchmarks.research import profile_gmm
     from jaxmoe import fp8_blockwise as fb
     from jaxmoe.ops.device import on_hopper
 

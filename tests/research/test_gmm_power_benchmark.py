@@ -1,9 +1,9 @@
-"""benchmarks/gmm_power.py off the GPU: its nvidia-smi parsing and sample medians, and the
+"""benchmarks/research/gmm_power.py off the GPU: its nvidia-smi parsing and sample medians, and the
 refusal to run without a GPU."""
 
 import pytest
 
-from benchmarks import gmm_power
+from benchmarks.research import gmm_power
 
 
 def test_samples_parse_and_settle():

@@ -1,10 +1,10 @@
-"""benchmarks/decode_trace.py's reading of a Mosaic profiler trace (the trace itself needs a GPU)."""
+"""benchmarks/research/decode_trace.py's reading of a Mosaic profiler trace (the trace itself needs a GPU)."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks.decode_trace import regions_by_warpgroup, trace_summary
+from benchmarks.research.decode_trace import regions_by_warpgroup, trace_summary
 from jaxmoe.ops.pallas.regions import KernelTrace, named
 
 

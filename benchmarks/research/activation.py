@@ -2,7 +2,7 @@
 gradient, the row sums of `jaxmoe.ordered`) with the row sums laid out in several ways, next to
 its forward and a copy of h, at the real layer sizes.
 
-    PYTHONPATH=. python benchmarks/activation.py [--shapes qwen3_30b,...] [--variants REGEX]
+    python -m benchmarks.research.activation [--shapes qwen3_30b,...] [--variants REGEX]
         [--turns N] [--tag TAG] [--out DIR]
 
 For each `jaxmoe.shapes` layer (M = tokens x top_k rows, F = ffn_hidden_size; random h [M, 2F]
@@ -48,34 +48,32 @@ import contextlib
 import os
 import re
 import statistics
-import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import report  # noqa: E402
-from benchmarks.report import add_output_arguments, log  # noqa: E402
-from benchmarks.timing import device_seconds  # noqa: E402
-from jaxmoe import ordered  # noqa: E402
-from jaxmoe.experts import weighted_activation  # noqa: E402
-from jaxmoe.ops import (  # noqa: E402
+from benchmarks import report
+from benchmarks.report import add_output_arguments, log
+from benchmarks.timing import device_seconds
+from jaxmoe import ordered
+from jaxmoe.experts import weighted_activation
+from jaxmoe.ops import (
     quantize_1x128_with_transpose,
     weighted_activation_backward,
     weighted_activation_backward_quantize_1x128_with_transpose,
     weighted_activation_forward,
     weighted_activation_quantize_1x128_with_transpose,
 )
-from jaxmoe.ops.pallas.swiglu_backward_quantize_hopper import (  # noqa: E402
+from jaxmoe.ops.pallas.swiglu_backward_quantize_hopper import (
     weighted_swiglu_backward_quantize_1x128_with_transpose_pallas,
 )
-from jaxmoe.ops.pallas.swiglu_quantize_hopper import (  # noqa: E402
+from jaxmoe.ops.pallas.swiglu_quantize_hopper import (
     weighted_swiglu_quantize_1x128_with_transpose_pallas,
 )
-from jaxmoe.shapes import SHAPES  # noqa: E402
+from jaxmoe.shapes import SHAPES
 
 LAYOUTS = [(32, 3), (32, 4), (32, 5), (32, 6), (16, 4), (64, 3), (64, 4), (128, 3)]
 CPU_ROWS, CPU_MAX_FFN = 128, 512  # smoke sizes on a CPU

@@ -1,4 +1,4 @@
-"""benchmarks/fp8_step_ceiling.py on a synthetic layer benchmark file whose bounds are worked
+"""benchmarks/research/fp8_step_ceiling.py on a synthetic layer benchmark file whose bounds are worked
 out by hand, and on a real one from benchmarks/results."""
 
 import json
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from benchmarks import fp8_step_ceiling as ceiling
+from benchmarks.research import fp8_step_ceiling as ceiling
 
 RESULTS = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "benchmarks", "results"

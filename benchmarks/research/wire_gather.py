@@ -7,7 +7,7 @@ under expert parallelism, where the copy itself moves). On one device the copy n
 layer's route there since 2026-12-04 evening), to be compared with the token quantize
 (`quantize`, timed alone) plus either route. All give the same bits.
 
-    PYTHONPATH=. python benchmarks/wire_gather.py [--shapes dsv3_ep8,qwen3_30b]
+    python -m benchmarks.research.wire_gather [--shapes dsv3_ep8,qwen3_30b]
         [--tokens 64,256,1024,4096] [--iters 20] [--tag TAG] [--out DIR]
 
 Tokens routed to top-k distinct experts (a fixed draw); device time per call from a JAX
@@ -18,7 +18,6 @@ wire_gather_<date>[_tag].json.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 
@@ -26,19 +25,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.report import (  # noqa: E402
+from benchmarks.report import (
     add_output_arguments,
     environment,
     log,
     result_path,
     write_result,
 )
-from benchmarks.timing import device_seconds, time_it  # noqa: E402
-from jaxmoe import mxfp8  # noqa: E402
-from jaxmoe.ops.permute import dispatch_rows  # noqa: E402
-from jaxmoe.ops.quantize import dispatch_fake_quantize, quantize  # noqa: E402
-from jaxmoe.shapes import SHAPES, TINY_SHAPES  # noqa: E402
+from benchmarks.timing import device_seconds, time_it
+from jaxmoe import mxfp8
+from jaxmoe.ops.permute import dispatch_rows
+from jaxmoe.ops.quantize import dispatch_fake_quantize, quantize
+from jaxmoe.shapes import SHAPES, TINY_SHAPES
 
 BF16 = jnp.bfloat16
 ROUTES = ("kernel", "xla")  # from the token copy

@@ -1,6 +1,6 @@
 """Tilings of the FP8 blockwise grouped-matmul kernels next to jaxmoe's bf16 kernels, device time.
 
-    python benchmarks/gmm_fp8_blockwise_tiling.py [--shapes mixtral,dsv3_ep8,mixtral:dgrad,...]
+    python -m benchmarks.research.gmm_fp8_blockwise_tiling [--shapes mixtral,dsv3_ep8,mixtral:dgrad,...]
         [--variants "name:field=value,...;..."] [--wgrad-shapes mixtral,dsv3_ep8]
         [--wgrad-variants "name:field=value,...;..."] [--tag TAG] [--out DIR]
 
@@ -35,27 +35,25 @@ import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks import report  # noqa: E402
-from benchmarks.gmm import SHAPES, group_sizes_for  # noqa: E402
-from benchmarks.report import add_output_arguments, error_text, log, parse_variants  # noqa: E402
-from benchmarks.timing import device_seconds  # noqa: E402
-from jaxmoe.fp8_blockwise import quantize_1x128, quantize_128x128  # noqa: E402
-from jaxmoe.ops import gmm, tgmm  # noqa: E402
-from jaxmoe.ops.pallas.gmm_mxfp8_hopper import (  # noqa: E402
+from benchmarks import report
+from benchmarks.gmm import SHAPES, group_sizes_for
+from benchmarks.report import add_output_arguments, error_text, log, parse_variants
+from benchmarks.timing import device_seconds
+from jaxmoe.fp8_blockwise import quantize_1x128, quantize_128x128
+from jaxmoe.ops import gmm, tgmm
+from jaxmoe.ops.pallas.gmm_mxfp8_hopper import (
     default_fp8_blockwise_config,
     default_mxfp8_config,
     gmm_block_scaled_fp8_pallas,
 )
-from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import (  # noqa: E402
+from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import (
     default_config as default_tgmm_config,
 )
-from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import tgmm_fp8_blockwise_pallas  # noqa: E402
+from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import tgmm_fp8_blockwise_pallas
 
 BF16 = jnp.bfloat16
 DEFAULT_VARIANTS = "wg_split_m:wg_split=m,tile_k=128;k256_wg_split_n:wg_split=n"

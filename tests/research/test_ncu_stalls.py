@@ -1,10 +1,10 @@
-"""benchmarks/ncu_stalls.py on a small Nsight Compute source-page CSV."""
+"""benchmarks/research/ncu_stalls.py on a small Nsight Compute source-page CSV."""
 
 import csv
 
 import pytest
 
-from benchmarks.ncu_stalls import SAMPLES, main, opcode
+from benchmarks.research.ncu_stalls import SAMPLES, main, opcode
 
 HEADER = ["Address", "Source", SAMPLES, "Instructions Executed", "stall_selected", "stall_long_sb"]
 ROWS = [  # a loop body (executed 100 times) of three instructions, one other instruction

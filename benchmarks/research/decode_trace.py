@@ -1,6 +1,6 @@
 """Where the decode kernel's time goes, per warpgroup: Mosaic profiler regions on the GPU.
 
-    PYTHONPATH=. python benchmarks/decode_trace.py [--shapes qwen3_30b,mixtral,dsv3_ep8]
+    python -m benchmarks.research.decode_trace [--shapes qwen3_30b,mixtral,dsv3_ep8]
         [--gemms fc1,fc2] [--tokens 64] [--small-scales] [--plain-weights] [--variant F=V,...]
         [--tag TAG] [--out DIR]
 
@@ -43,23 +43,22 @@ import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import report  # noqa: E402
-from benchmarks.decode import parse_variant  # noqa: E402
-from benchmarks.report import add_output_arguments, error_text, log  # noqa: E402
-from benchmarks.timing import device_seconds  # noqa: E402
-from jaxmoe.ops.pallas.gmm_common import NUM_COMPUTE_WGS  # noqa: E402
-from jaxmoe.ops.pallas.gmm_decode_hopper import (  # noqa: E402
+from benchmarks import report
+from benchmarks.decode import parse_variant
+from benchmarks.report import add_output_arguments, error_text, log
+from benchmarks.timing import device_seconds
+from jaxmoe.ops.pallas.gmm_common import NUM_COMPUTE_WGS
+from jaxmoe.ops.pallas.gmm_decode_hopper import (
     default_decode_config,
     gmm_decode_pallas,
     tile_weights,
 )
-from jaxmoe.ops.pallas.regions import KernelTrace  # noqa: E402
-from jaxmoe.shapes import SHAPES  # noqa: E402
+from jaxmoe.ops.pallas.regions import KernelTrace
+from jaxmoe.shapes import SHAPES
 
 BF16 = jnp.bfloat16
 WARPGROUPS = NUM_COMPUTE_WGS + 1  # the memory warpgroup last

@@ -3,7 +3,7 @@ the layer computes it (`jaxmoe.ops.dense`, the batch-invariant grouped-matmul ke
 group), its kernel configs around the default heuristic, and XLA's dot (cuBLAS; not
 batch-invariant) in the same run.
 
-    PYTHONPATH=. python benchmarks/router.py [--shapes qwen3_30b,mixtral,dsv3_ep8]
+    python -m benchmarks.research.router [--shapes qwen3_30b,mixtral,dsv3_ep8]
         [--tokens 64,256] [--iters 20] [--tag TAG] [--out DIR]
 
 Per shape and token count: `dense` (the layer's op: at these sizes the narrow-tile kernel,
@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.report import (  # noqa: E402
+from benchmarks.report import (
     add_output_arguments,
     environment,
     error_text,
@@ -37,16 +35,16 @@ from benchmarks.report import (  # noqa: E402
     result_path,
     write_result,
 )
-from benchmarks.timing import device_seconds, time_it  # noqa: E402
-from jaxmoe.ops.dense import dense  # noqa: E402
-from jaxmoe.ops.gmm import KERNEL_MULTIPLE, kernel_rows  # noqa: E402
-from jaxmoe.ops.pallas.dense_narrow_hopper import ROWS as NARROW_ROWS  # noqa: E402
-from jaxmoe.ops.pallas.dense_narrow_hopper import (  # noqa: E402
+from benchmarks.timing import device_seconds, time_it
+from jaxmoe.ops.dense import dense
+from jaxmoe.ops.gmm import KERNEL_MULTIPLE, kernel_rows
+from jaxmoe.ops.pallas.dense_narrow_hopper import ROWS as NARROW_ROWS
+from jaxmoe.ops.pallas.dense_narrow_hopper import (
     default_narrow_config,
     dense_narrow_pallas,
 )
-from jaxmoe.ops.pallas.gmm_hopper import default_config, gmm_pallas  # noqa: E402
-from jaxmoe.shapes import SHAPES, TINY_SHAPES  # noqa: E402
+from jaxmoe.ops.pallas.gmm_hopper import default_config, gmm_pallas
+from jaxmoe.shapes import SHAPES, TINY_SHAPES
 
 BF16 = jnp.bfloat16
 DEFAULT_SHAPES = ("qwen3_30b", "mixtral", "dsv3_ep8")

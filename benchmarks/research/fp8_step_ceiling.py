@@ -1,7 +1,7 @@
 """How fast the FP8-blockwise training step could be next to bf16's, from a layer benchmark's
 profile: an Amdahl bound, computed (no GPU needed) from the files `benchmarks/layer.py` wrote.
 
-    PYTHONPATH=. python benchmarks/fp8_step_ceiling.py LAYER_JSON [LAYER_JSON ...]
+    python -m benchmarks.research.fp8_step_ceiling LAYER_JSON [LAYER_JSON ...]
         [--fwd-target 1.7] [--dgrad-target 1.7] [--wgrad-target 1.45] [--tag TAG] [--out DIR]
 
 Each LAYER_JSON must hold train-mode stage records of jaxmoe_bf16, jaxmoe_fp8_blockwise and
@@ -34,11 +34,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.report import add_output_arguments, result_path, write_result  # noqa: E402
+from benchmarks.report import add_output_arguments, result_path, write_result
 
 VARIANTS = {
     "bf16": "jaxmoe_bf16",

@@ -1,13 +1,13 @@
 """Sustained and burst throughput of the fp8 grouped matmuls on one power-capped GPU, with the
 SM clock and board power each one runs at.
 
-    python benchmarks/gmm_power.py [--shapes mixtral,dsv3_ep8] [--ops fwd,dgrad] [--seconds 4]
+    python -m benchmarks.research.gmm_power [--shapes mixtral,dsv3_ep8] [--ops fwd,dgrad] [--seconds 4]
         [--rounds 2] [--variants "name:field=value,...;..."] [--impls REGEX] [--tag TAG]
         [--out DIR]
 
 An H100 or H200 SXM board holds its power at a cap (700 W) by lowering the SM clock, so a GEMM
 that spends more energy per flop runs at a lower clock once the board is at the cap, however
-fast it is at full clock. For each shape and op, on the operands of `benchmarks/gmm_mxfp8.py`
+fast it is at full clock. For each shape and op, on the operands of `benchmarks/research/gmm_mxfp8.py`
 (same sizes, data and 128-aligned Dirichlet groups), each implementation
   jaxmoe_fp8_blockwise     `ops.gmm_fp8_blockwise` (1 x 128 x 128 x 128 blocks)
   torch_scaled_grouped_mm  torch's grouped fp8 matmul with rowwise scales
@@ -38,20 +38,18 @@ import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks import report  # noqa: E402
-from benchmarks.gmm import SHAPES  # noqa: E402
-from benchmarks.gmm_fp8_blockwise_tiling import replaced_tiling  # noqa: E402
-from benchmarks.gmm_mxfp8 import aligned_sizes, torch_rowwise_fp8  # noqa: E402
-from jaxmoe.fp8_blockwise import quantize_1x128, quantize_128x128  # noqa: E402
-from jaxmoe.ops import gmm, gmm_fp8_blockwise  # noqa: E402
-from jaxmoe.ops.fp8_blockwise_gmm import quantize_blockwise_weights  # noqa: E402
-from jaxmoe.ops.pallas.gmm_mxfp8_hopper import default_fp8_blockwise_config  # noqa: E402
+from benchmarks import report
+from benchmarks.gmm import SHAPES
+from benchmarks.research.gmm_fp8_blockwise_tiling import replaced_tiling
+from benchmarks.research.gmm_mxfp8 import aligned_sizes, torch_rowwise_fp8
+from jaxmoe.fp8_blockwise import quantize_1x128, quantize_128x128
+from jaxmoe.ops import gmm, gmm_fp8_blockwise
+from jaxmoe.ops.fp8_blockwise_gmm import quantize_blockwise_weights
+from jaxmoe.ops.pallas.gmm_mxfp8_hopper import default_fp8_blockwise_config
 
 BF16 = jnp.bfloat16
 SMI_FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")

@@ -2,16 +2,16 @@
 Compute.
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \\
-        python benchmarks/profile_gmm.py --shape mixtral --op fwd [--impl pallas|torch] \\
+        python -m benchmarks.research.profile_gmm --shape mixtral --op fwd [--impl pallas|torch] \\
             [--config '{"cluster_n": 2}']
 
-Same shapes, data and Dirichlet routing as benchmarks/gmm.py and benchmarks/gmm_mxfp8.py.
+Same shapes, data and Dirichlet routing as benchmarks/gmm.py and benchmarks/research/gmm_mxfp8.py.
 --op takes a comma-separated list (fwd, dgrad, wgrad, fwd_fp8_blockwise, wgrad_fp8_blockwise,
 quantize_rowwise, quantize_columnwise, dispatch_quantize, swiglu_copies, swiglu_backward_copies,
 copy); every call is compiled and run
 once before the profiled ones, so only the measured calls' kernels are captured, in the order
 given. The fp8_blockwise ops run the FP8-blockwise kernels on operands quantized beforehand, as
-benchmarks/gmm_fp8_blockwise_tiling.py times them. "copy" is torch's device copy of the bytes a
+benchmarks/research/gmm_fp8_blockwise_tiling.py times them. "copy" is torch's device copy of the bytes a
 quantize reads and writes (the bandwidth ceiling the quantize kernels are held to); the quantize,
 fp8_blockwise and copy ops ignore --impl. swiglu_copies and swiglu_backward_copies run the
 SwiGLU's FP8-blockwise copy kernels (`swiglu_quantize_hopper`, `swiglu_backward_quantize_hopper`)
@@ -21,9 +21,9 @@ kernel config of the grouped-matmul ops (GmmConfig for fwd/dgrad/fwd_fp8_blockwi
 for wgrad, BlockwiseTgmmConfig for wgrad_fp8_blockwise). Warp-stall samples by SASS line:
 
     ncu --clock-control none --profile-from-start off --set full --import-source yes -o rep \\
-        python benchmarks/profile_gmm.py --shape dsv3_ep8 --op wgrad_fp8_blockwise
+        python -m benchmarks.research.profile_gmm --shape dsv3_ep8 --op wgrad_fp8_blockwise
     ncu --import rep.ncu-rep --page source --csv --print-source sass > sass.csv
-    python benchmarks/ncu_stalls.py sass.csv --mix
+    python -m benchmarks.research.ncu_stalls sass.csv --mix
 """
 
 from __future__ import annotations
@@ -33,38 +33,36 @@ import dataclasses
 import functools
 import json
 import os
-import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.gmm import SHAPES, default_kernel_config, group_sizes_for  # noqa: E402
-from benchmarks.gmm_fp8_blockwise_tiling import fprop_operands, wgrad_operands  # noqa: E402
-from jaxmoe.mxfp8 import BLOCK_SIZE  # noqa: E402
-from jaxmoe.ops import gmm, tgmm  # noqa: E402
-from jaxmoe.ops.pallas.gmm_mxfp8_hopper import (  # noqa: E402
+from benchmarks.gmm import SHAPES, default_kernel_config, group_sizes_for
+from benchmarks.research.gmm_fp8_blockwise_tiling import fprop_operands, wgrad_operands
+from jaxmoe.mxfp8 import BLOCK_SIZE
+from jaxmoe.ops import gmm, tgmm
+from jaxmoe.ops.pallas.gmm_mxfp8_hopper import (
     default_fp8_blockwise_config,
     gmm_block_scaled_fp8_pallas,
 )
-from jaxmoe.ops.pallas.quantize_hopper import (  # noqa: E402
+from jaxmoe.ops.pallas.quantize_hopper import (
     gather_quantize_rowwise_pallas,
     quantize_columnwise_pallas,
     quantize_rowwise_pallas,
 )
-from jaxmoe.ops.pallas.swiglu_backward_quantize_hopper import (  # noqa: E402
+from jaxmoe.ops.pallas.swiglu_backward_quantize_hopper import (
     weighted_swiglu_backward_quantize_1x128_with_transpose_pallas,
 )
-from jaxmoe.ops.pallas.swiglu_quantize_hopper import (  # noqa: E402
+from jaxmoe.ops.pallas.swiglu_quantize_hopper import (
     weighted_swiglu_quantize_1x128_with_transpose_pallas,
 )
-from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import (  # noqa: E402
+from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import (
     default_config as default_tgmm_config,
 )
-from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import tgmm_fp8_blockwise_pallas  # noqa: E402
+from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import tgmm_fp8_blockwise_pallas
 
 OPS = (
     "fwd",
@@ -88,7 +86,7 @@ def make_call(op, impl, shape, torch, changes=None):
     x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
     torch_sync = lambda out: torch.cuda.synchronize()
     if op.startswith("quantize") or op == "dispatch_quantize":
-        if op == "dispatch_quantize":  # as benchmarks/gmm_mxfp8.py: m/2 tokens, each twice
+        if op == "dispatch_quantize":  # as benchmarks/research/gmm_mxfp8.py: m/2 tokens, each twice
             row_token = jax.random.permutation(jax.random.key(1), jnp.arange(m) % (m // 2))
             fn, tokens = jax.jit(gather_quantize_rowwise_pallas), x[: m // 2]
             return (lambda: fn(tokens, row_token)), jax.block_until_ready

@@ -1,11 +1,11 @@
-"""benchmarks/gmm_mxfp8.py's transposing-quantize part off the GPU: the --quantize-variants
+"""benchmarks/research/gmm_mxfp8.py's transposing-quantize part off the GPU: the --quantize-variants
 configs, the bytes each kernel moves, each timing's share of the copy of as many bytes, and a
 pass over the kernels in the interpreter with the timer and the copies stubbed out."""
 
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import gmm_mxfp8 as bench
+from benchmarks.research import gmm_mxfp8 as bench
 from jaxmoe import fp8_blockwise
 from jaxmoe.ops.pallas.quantize_transpose_hopper import TransposeQuantizeConfig
 

@@ -1,10 +1,10 @@
-"""CPU smoke test of the wire-gather benchmark (benchmarks/wire_gather.py) at a tiny size, so
+"""CPU smoke test of the wire-gather benchmark (benchmarks/research/wire_gather.py) at a tiny size, so
 that it cannot rot between GPU runs: every route (the dispatch kernel in the interpreter, XLA's
 gather, the one-pass rows from the tokens) is timed and gives the same bits."""
 
 import json
 
-from benchmarks import wire_gather  # noqa: E402
+from benchmarks.research import wire_gather
 
 
 def test_wire_gather_benchmark_times_every_route_with_the_same_bits(interpret, tmp_path):

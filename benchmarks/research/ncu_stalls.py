@@ -1,7 +1,7 @@
 """Warp-stall samples of one kernel grouped by how often each SASS instruction ran.
 
     ncu --import report.ncu-rep --page source --csv --print-source sass > sass.csv
-    python benchmarks/ncu_stalls.py sass.csv [--kernel tgmm]
+    python -m benchmarks.research.ncu_stalls sass.csv [--kernel tgmm]
 
 Instructions that ran equally often belong to the same loop level of the kernel (per row block,
 per work item, per masked block, the memory warpgroup's loop, ...), so the groups show where a

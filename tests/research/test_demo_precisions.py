@@ -1,9 +1,9 @@
-"""benchmarks/demo_precisions.py's bookkeeping (seed lists, the per-seed ratios to bf16) and the
+"""benchmarks/research/demo_precisions.py's bookkeeping (seed lists, the per-seed ratios to bf16) and the
 demo's row_alignment option it uses as its control."""
 
 import pytest
 
-from benchmarks.demo_precisions import seeds_from, summarize
+from benchmarks.research.demo_precisions import seeds_from, summarize
 from jaxmoe import demo
 
 

@@ -1,5 +1,5 @@
 """The demo's final loss by precision over several seeds, against bf16 and against bf16 with a
-perturbation of the last bits only: `python benchmarks/demo_precisions.py [--seeds 0-5]`.
+perturbation of the last bits only: `python -m benchmarks.research.demo_precisions [--seeds 0-5]`.
 
 Training the demo is chaotic: a change in the last bits of a few gradient elements (bf16 with
 each expert's rows padded to 128, `bf16_pad128`; the preset pads none: the same values, another
@@ -13,15 +13,12 @@ rounding). Writes benchmarks/results/demo_precisions_<date>.json.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks import report  # noqa: E402
-from benchmarks.report import add_output_arguments, log  # noqa: E402
-from jaxmoe import demo  # noqa: E402
+from benchmarks import report
+from benchmarks.report import add_output_arguments, log
+from jaxmoe import demo
 
 CONTROL = "bf16_pad128"
 

@@ -1,4 +1,4 @@
-"""CPU smoke test of the router benchmark (benchmarks/router.py) at a tiny size, so that it
+"""CPU smoke test of the router benchmark (benchmarks/research/router.py) at a tiny size, so that it
 cannot rot between GPU runs: the layer's dense, its kernel configs and XLA's dot are timed, and
 every kernel config gives the dense's bits."""
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import router  # noqa: E402
+from benchmarks.research import router
 
 NARROW = {f"narrow[tile_n={n}]" for n in (16, 32, 64)}
 EVERY_CONFIG = {"dense", "xla_dot", "kernel[tile_k=64,tile_n=64]"} | NARROW
