@@ -47,25 +47,13 @@ LEDGER = "docs/notes/2026-12-07-results-ledger.md"
 # Pages whose every named results file must exist (the notes are diaries, left as written).
 CHECKED = ("README.md", "bridge/README.md", "docs/**/*.md")
 NOTES = "docs/notes/"
-USER_BENCHMARKS = ("layer", "gmm", "decode", "ep", "gpu_suite")
+# The user's benchmarks first, in this order, then any other benchmarks/NAME.py's records.
+USER_ORDER = ("layer", "gmm", "decode", "ep", "gpu_suite")
+# Records whose benchmark name is not their script's (benchmarks/NAME.py or research/NAME.py).
 COMMANDS = {
-    "layer": "python -m benchmarks.layer",
-    "gmm": "python -m benchmarks.gmm",
-    "decode": "python -m benchmarks.decode",
-    "ep": "python -m benchmarks.ep",
     "gpu_suite": "make test-gpu",
     "gmm_fp8_blockwise": "python -m benchmarks.research.gmm_fp8_blockwise_tiling",
 }
-RESEARCH_SCRIPTS = (
-    "activation",
-    "decode_trace",
-    "demo_precisions",
-    "fp8_step_ceiling",
-    "gmm_mxfp8",
-    "gmm_power",
-    "router",
-    "wire_gather",
-)
 MAX_ITEMS = 8  # headline numbers a row shows before "+N more"
 _DATED = re.compile(r"^(?P<prefix>.+?)_(?P<date>\d{4}-\d\d-\d\d)")
 _CITATION = re.compile(r"[\w.{}*,/-]*\d{4}-\d\d-[\w.{}*,/-]*")
@@ -467,20 +455,26 @@ def base_name(benchmark: str) -> str:
     return benchmark.split(" (")[0]
 
 
+def is_user(name: str) -> bool:
+    """Whether benchmark `name` is one of the user's: the GPU suite or a benchmarks/NAME.py."""
+    return name == "gpu_suite" or os.path.exists(os.path.join(REPO, "benchmarks", f"{name}.py"))
+
+
 def section_key(row: Row) -> tuple:
-    """The index's order: the user's benchmarks as USER_BENCHMARKS lists them, then the others
-    by name; within one, by part, shape and card."""
+    """The index's order: the user's benchmarks (USER_ORDER, then by name), then the others by
+    name; within one, by part, shape and card."""
     name = base_name(row.benchmark)
-    rank = USER_BENCHMARKS.index(name) if name in USER_BENCHMARKS else len(USER_BENCHMARKS)
-    return (rank, row.benchmark, natural_key(row.shape), row.card)
+    rank = USER_ORDER.index(name) if name in USER_ORDER else len(USER_ORDER)
+    return (not is_user(name), rank, row.benchmark, natural_key(row.shape), row.card)
 
 
 def command(name: str) -> str:
-    """How the records of benchmark `name` are made."""
+    """How the records of benchmark `name` are made ("" when no script of that name exists)."""
     if name in COMMANDS:
         return COMMANDS[name]
-    if name in RESEARCH_SCRIPTS:
-        return f"python -m benchmarks.research.{name}"
+    for package in ("benchmarks", "benchmarks.research"):
+        if os.path.exists(os.path.join(REPO, *package.split("."), f"{name}.py")):
+            return f"python -m {package}.{name}"
     return ""
 
 
@@ -503,9 +497,7 @@ def render(rows: list[Row]) -> str:
         "history), which this index does not list. results/profiles/ holds Nsight Compute",
         "reports (text).",
     ]
-    for user, group in itertools.groupby(
-        rows, key=lambda r: base_name(r.benchmark) in USER_BENCHMARKS
-    ):
+    for user, group in itertools.groupby(rows, key=lambda r: is_user(base_name(r.benchmark))):
         out += ["", "## The user's benchmarks" if user else "## Research and profiling"]
         for benchmark, section in itertools.groupby(group, key=lambda r: r.benchmark):
             how = command(base_name(benchmark))
