@@ -78,7 +78,7 @@ from jaxmoe.shapes import SHAPES
 LAYOUTS = [(32, 3), (32, 4), (32, 5), (32, 6), (16, 4), (64, 3), (64, 4), (128, 3)]
 CPU_ROWS, CPU_MAX_FFN = 128, 512  # smoke sizes on a CPU
 # The fused kernels' ring sizes beside their default (`copies_pipeline`: three 32-row slots a
-# warpgroup): two slots, the nearest (docs/kernels.md has the others).
+# warpgroup): two slots, the nearest (docs/notes/2026-12-07-kernel-experiments.md has the others).
 FUSED_VARIANTS = {"two_slots": dict(slots=2)}
 
 

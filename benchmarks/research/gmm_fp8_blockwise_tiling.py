@@ -57,7 +57,7 @@ from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import tgmm_fp8_blockwise_palla
 
 BF16 = jnp.bfloat16
 DEFAULT_VARIANTS = "wg_split_m:wg_split=m,tile_k=128;k256_wg_split_n:wg_split=n"
-# The wgrad heuristic against no bands and no CTA pairs (docs/kernels.md).
+# The wgrad heuristic against no bands and no CTA pairs (docs/notes/2026-12-07-kernel-experiments.md).
 DEFAULT_WGRAD_VARIANTS = "unbanded:grid_tile_width=0;unpaired:cluster_n=1"
 BLOCK = 128
 

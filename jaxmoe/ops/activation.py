@@ -150,7 +150,7 @@ def weighted_activation_forward(
     check_live_rows("weighted_activation_forward", live_rows)
     registry.check_impl("weighted_activation_forward", impl)
     if impl == "auto" and live_rows is None:
-        # Over every row XLA's fusion is faster, with the kernel's bits on Hopper (docs/kernels.md,
+        # Over every row XLA's fusion is faster, with the kernel's bits on Hopper (docs/kernels/activation.md,
         # "Weighted SwiGLU forward").
         impl = registry.REFERENCE
     call = (h.shape, h.dtype, name, gated)

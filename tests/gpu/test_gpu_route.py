@@ -1,7 +1,7 @@
 """The route "auto" takes on an H200, checked on the CPU: `jaxmoe.ops.device` answers for a
 simulated H200 (`compiling_for`) while the training step and the MXFP8 inference forward are
 traced at real shapes (abstract weights, so nothing is allocated or run). Their Pallas kernels, by name
-and count, are the ones docs/kernels.md describes; no matmul is left to XLA (on the GPU:
+and count, are the ones docs/kernels/ describes; no matmul is left to XLA (on the GPU:
 cuBLAS, whose kernel choice depends on the batch); the dispatch kernel moves only whole token
 rows (a wire copy's scale rows stay on XLA's gather); under expert parallelism the passes over
 the receiver's buffer take its live row count. The GPU suite runs these routes; this catches a

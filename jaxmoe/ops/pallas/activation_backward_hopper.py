@@ -15,7 +15,7 @@ clipped at M: on the H200 a store into [F / (32 CHUNKS), M, 32] ran past M into 
 partial's first rows);
 `jaxmoe.ops.activation` adds their remaining levels with `sum_in_order`: the same tree.
 Given a live row count (`jaxmoe.ops.live_rows`), only the row tiles holding rows below it run.
-docs/kernels.md describes the design."""
+docs/kernels/activation.md describes the design."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ h's dtype. Bandwidth-bound: `activation_tiles`' tiles (ROWS rows by CHUNKS chunk
 of F, a chunk of gate and up one TMA each) stream through `row_pipeline`. Given a live row count
 (`jaxmoe.ops.live_rows`), only the row tiles holding rows below it run: XLA's elementwise
 forward goes over every row of the expert-parallel receiver's buffer, about R x the live ones.
-docs/kernels.md describes the design."""
+docs/kernels/activation.md describes the design."""
 
 from __future__ import annotations
 

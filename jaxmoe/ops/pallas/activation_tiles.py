@@ -45,7 +45,7 @@ def swiglu_problem(h_shape, h_dtype, dtypes=HALF_DTYPES) -> str | None:
 def weighted_swiglu(gate, up, p):
     """silu(gate) * up * p in fp32, in `jaxmoe.ops.activation.gated_activation`'s order
     (silu(gate) = gate * sigmoid(gate), times up, then times p), for every kernel that computes
-    the weighted activation: their bits equal XLA's on the GPU (docs/kernels.md)."""
+    the weighted activation: their bits equal XLA's on the GPU (docs/kernels/activation.md)."""
     return ((gate * jax.nn.sigmoid(gate)) * up) * p
 
 
@@ -61,7 +61,7 @@ def weighted_swiglu_backward(gate, up, g, p, layout=None):
     LLVM optimization barrier: Mosaic GPU marks float arithmetic `contract`, so LLVM would
     otherwise fuse a product into the add as it sees fit, which depends on the code around it
     (a first build of the one-pass backward-quantize kernel, without the barrier, gave a quarter
-    of the row sums' partials another last bit than the two-kernel route: docs/kernels.md).
+    of the row sums' partials another last bit than the two-kernel route: docs/kernels/activation.md).
     Each operation then rounds on its own, in every kernel alike."""
     s = jax.nn.sigmoid(gate)
     act = gate * s

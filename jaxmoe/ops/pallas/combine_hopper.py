@@ -2,7 +2,7 @@
 rows[token_rows[t, j]]), the k rows of token t added in fp32 in the order j = 0, 1, ..., k-1
 and rounded once; a slot whose row is M (dropped, or no row) adds +0.0. Bitwise equal to that
 sum in XLA (the reference of `jaxmoe.ops.permute.combine_rows`). Bandwidth-bound: tiles of
-token rows stream through `row_pipeline`. docs/kernels.md describes the design."""
+token rows stream through `row_pipeline`. docs/kernels/permute.md describes the design."""
 
 from __future__ import annotations
 

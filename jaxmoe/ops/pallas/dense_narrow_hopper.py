@@ -13,7 +13,7 @@ Bits: each output is the chain of k16 wgmma steps in ascending K into an fp32 ac
 in the grouped-matmul kernel (`gmm_hopper.py`), which a tile's width does not change: the same
 bits as `jaxmoe.ops.dense` on that kernel, at any row count (batch-invariant).
 
-docs/kernels.md describes the design."""
+docs/kernels/dense.md describes the design."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The dispatch gather for Hopper (Pallas Mosaic GPU): rows[r] = x[row_token[r] // per_token],
 zeros where that is T (a padding row); bitwise a copy. A pure TMA copy through
 `row_pipeline.copy_pipeline`; given a live row count (`jaxmoe.ops.live_rows`), only the tiles
-that hold live rows. docs/kernels.md describes the design."""
+that hold live rows. docs/kernels/permute.md describes the design."""
 
 from __future__ import annotations
 

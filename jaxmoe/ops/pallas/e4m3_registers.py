@@ -18,9 +18,9 @@ f16x2 unpack, two f16 -> f32 converts, two fp32 multiplies, a bf16x2 pack):
 The multiplier's bf16 bits (s + 120) << 7 in both halves are one integer multiply-add per scale
 byte. `small_scale_dequantization_is_exact` says whether MXFP8 weights meet both conditions.
 
-It shortens the decode kernel's device time at every layer shape tried (docs/kernels.md), and
-gives the fp32 route's bits on every finite byte and scale byte up to MAX_SCALE_BYTE
-(tests/kernels/test_e4m3_registers.py).
+It shortens the decode kernel's device time at every layer shape tried
+(docs/notes/2026-12-07-kernel-experiments.md), and gives the fp32 route's bits on every finite
+byte and scale byte up to MAX_SCALE_BYTE (tests/kernels/test_e4m3_registers.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 MXFP8) share: their config, the persistent work loop over (row tile, column tile) items, the
 warp-specialised TMA pipeline of each tile, and the epilogue that stores a tile's valid rows.
 A kernel module supplies only how a tile's K steps are multiplied (`TileMatmul`).
-docs/kernels.md describes the design."""
+docs/kernels/gmm.md describes the design."""
 
 from __future__ import annotations
 

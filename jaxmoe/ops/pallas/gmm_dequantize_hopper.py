@@ -12,7 +12,7 @@ Per K step and 32-wide block, each compute warpgroup loads its lhs rows and rhs 
 into registers, scales them, and writes them as bf16 into SMEM tiles of its own, which one
 bf16 wgmma reads. (An A operand in registers would skip one SMEM round trip, but the Mosaic GPU
 interpreter, which the CPU tests run the kernel in, takes wgmma operands from SMEM only.)
-docs/kernels.md describes the design."""
+docs/kernels/fp8_gemm.md describes the design."""
 
 from __future__ import annotations
 

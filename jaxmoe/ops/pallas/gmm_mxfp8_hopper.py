@@ -6,7 +6,7 @@ with P_b the block's fp8 product.
 
 Same persistent, warp-specialised pipeline as the bf16 kernel (`gmm_common`); a K step runs one
 fp8 wgmma per scale block into a fresh accumulator and folds it, scaled, into the running one.
-docs/kernels.md describes the design."""
+docs/kernels/fp8_gemm.md describes the design."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def default_fp8_blockwise_config(
     64 x 128 warpgroup tiles, but stacked along M (CTA 128 x 128, whose lhs and rhs tiles
     are the same size) and 256-wide K steps (two blocks a step) when K allows: faster fprops and
     dgrads than the MXFP8 tiles, either change alone giving about half the gain. Each K step's
-    scales are loaded two steps ahead (`scale_lookahead`, faster than one; docs/kernels.md)."""
+    scales are loaded two steps ahead (`scale_lookahead`, faster than one;
+    docs/notes/2026-12-07-kernel-experiments.md)."""
     config = default_mxfp8_config(num_rows, k, n, num_groups, out_dtype)
     tile_k = 256 if k % 256 == 0 else 128
     config = dataclasses.replace(

@@ -18,7 +18,7 @@ encoded with `arithmetic=`:
 Bandwidth-bound: tiles stream through `row_pipeline`. Scales come out compact ([M, K/32] or
 [M/32, K]; FP8 blockwise [M, K/128] or [M/128, K]); `jaxmoe.mxfp8.swizzle_scales` makes the
 MXFP8 GEMM layout.
-docs/kernels.md describes the design."""
+docs/kernels/quantize.md describes the design."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ Every kernel takes a `TransposeQuantizeConfig`: up to 4 CTAs an SM, fewer output
 input slots (`row_pipeline.split_pipeline`), C in the output slot, the tile kept in registers
 for the column encode, and for the activations' two-copy kernel the rowwise copy encoded while
 the wgmma transposes; the bits are the same under every one. Every kernel runs
-`default_transpose_config` when given none, the fastest measured one that fits (docs/kernels.md).
+`default_transpose_config` when given none, the fastest measured one that fits (docs/kernels/quantize.md).
 
 The transpose. TMA cannot transpose, Mosaic's register transposes (`WGMMA_TRANSPOSED_LAYOUT`,
 `FragmentedArray.to_layout`) are for 16- and 32-bit elements, and an SMEM access through a
@@ -101,7 +101,7 @@ class TransposeQuantizeConfig:
     `quantize_1x128_transposed_pallas`) run; their bits never depend on it. The field defaults
     are the kernel as first written (one CTA an SM, the byte tile C in its own buffer, the
     column encode re-reading the tile from SMEM), which fits every input dtype; the kernels'
-    default is `default_transpose_config`. docs/kernels.md describes and measures each one.
+    default is `default_transpose_config`. docs/kernels/quantize.md describes and measures each one.
 
     ctas_per_sm    1 to 4 persistent CTAs of one warpgroup an SM, sharing its shared memory
                    (227, 113, 75, 56 KB a CTA: checked here) and its registers (255, 255, 170,
@@ -182,7 +182,7 @@ def default_transpose_config(dtype) -> TransposeQuantizeConfig:
     two input slots and one output slot, C in place, the column encode from registers (H200,
     mixtral's fc1 output gradient: 2.55 TB/s against the field defaults' 1.61 for both copies,
     3.46 against 2.68 for the transposed copy alone; mixtral's fc2 weights: 3.59 against 3.30;
-    docs/kernels.md). fp32 tiles do not fit two
+    docs/notes/2026-12-07-kernel-experiments.md). fp32 tiles do not fit two
     CTAs' shared memory: one CTA, the field defaults."""
     if jnp.dtype(dtype).itemsize > 2:
         return TransposeQuantizeConfig()

@@ -3,7 +3,7 @@ gather, the combine): a persistent grid of CTAs of one warpgroup, each walking i
 a ring of SMEM slots, and the row gather that loads a tile from token rows picked by an index.
 Arrays are viewed as [N, B] blocks of B consecutive elements (B = 32, the MXFP8 block, unless
 a kernel says otherwise); a tile is a run of blocks.
-docs/kernels.md describes the design."""
+docs/kernels/permute.md describes the design."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ Persistent and warp specialised: a memory warpgroup walks the CTA's work items (
 N tile) and TMA-loads each item's blocks, with their rows of scales, into a ring that runs
 across items (a slot holds `blocks_per_step` blocks); two compute warpgroups (stacked along K,
 or side by side along N) multiply, fold and store. An empty group's tiles are zeros.
-docs/kernels.md describes the design and what was measured."""
+docs/kernels/fp8_gemm.md describes the design and what was measured."""
 
 from __future__ import annotations
 
@@ -136,11 +136,11 @@ def default_config(
     allows (CTA 128 x 128: both operand tiles the same size, as the forward's heuristic), else
     side by side along N (CTA 64 x 256, or 64 x 128 for narrow N); two blocks a ring slot, as
     many slots as fit; the scales' rows in the SMEM ring (not read from L2), stacking along K
-    and two blocks a slot each made it faster (docs/kernels.md). Items in bands of 4 N tiles when
-    a group's rhs copy (N x rows_per_group fp8 bytes, the mean group) is more than half the L2:
-    each K tile would otherwise sweep all of it from HBM again; shapes whose groups fit gain
-    nothing from bands. CTA pairs where the SM count and N allow: faster than the unpaired kernel
-    at every shape tried."""
+    and two blocks a slot each made it faster (docs/notes/2026-12-07-kernel-experiments.md).
+    Items in bands of 4 N tiles when a group's rhs copy (N x rows_per_group fp8 bytes, the mean
+    group) is more than half the L2: each K tile would otherwise sweep all of it from HBM again;
+    shapes whose groups fit gain nothing from bands. CTA pairs where the SM count and N allow:
+    faster than the unpaired kernel at every shape tried."""
     out_dtype = jnp.dtype(out_dtype)
     if k % 128 == 0:
         config = BlockwiseTgmmConfig(tile_n=128, wg_split="k")

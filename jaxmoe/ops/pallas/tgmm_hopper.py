@@ -4,7 +4,7 @@ out[g] = lhs[rows of g]^T @ rhs[rows of g], lhs [M, K], rhs [M, N], out [G, K, N
 Persistent and warp specialised: one TMA ring runs across a CTA's work items; row blocks that
 hold other groups' rows are loaded from zero-masked copies, so no group sees another's values.
 A row's place in the reduction depends only on its group's rows and the group's start modulo
-16, not on the config. docs/kernels.md describes the design."""
+16, not on the config. docs/kernels/gmm.md describes the design."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ class TgmmConfig:
     order, every round dealt from SM 0). overlap_epilogue: a warpgroup keeps its finished tile
     (cast to the 16-bit output dtype) in registers and stores it while the next item's first
     wgmma runs, instead of between the two items. piece_rows: rows per TMA copy of a row block
-    that holds other groups' rows (docs/kernels.md). None of these change the
+    that holds other groups' rows (docs/kernels/gmm.md). None of these change the
     reduction order."""
 
     tile_k: int = 128
@@ -243,7 +243,7 @@ def default_tgmm_config(num_rows: int, k: int, n: int, out_dtype=jnp.float32) ->
     """Shape-based heuristic: the largest CTA tile that divides K x N, 256 x 128 (two 128 x 128
     warpgroup tiles along K) first; 64-row steps, 4 of them in flight; the epilogue overlapped
     with the next item for 16-bit outputs; boundary blocks in 16-row pieces (8-, 32- and 64-row
-    pieces were slower). docs/kernels.md has the sweeps."""
+    pieces were slower). docs/notes/2026-12-07-kernel-experiments.md has the sweeps."""
     if k % 64 or n % 64:
         raise ValueError(f"tgmm pallas: K={k} and N={n} must be multiples of 64")
     for split, tile_k, tile_n in (
