@@ -96,7 +96,7 @@ BF16 = jnp.bfloat16
 QUANTIZE_COPIES = 8  # kernel calls per timed call of a quantize kernel (see `batched`)
 # The activations' transposing kernels under `TransposeQuantizeConfig`s other than their default
 # (`default_transpose_config`: two CTAs an SM, two input slots and one output slot, C in place,
-# the tile in registers; docs/kernels.md): the field defaults (one CTA, as first written), one
+# the tile in registers; docs/kernels/quantize.md): the field defaults (one CTA, as first written), one
 # CTA with the tile in registers, the split ring with the column encode from SMEM and with the
 # rowwise copy under the wgmma, two CTAs with one slot each, three and four CTAs (four: the
 # transposed copy alone fits).

@@ -24,7 +24,7 @@ Each computes sum_k deq(a) * deq(b) with fp32 accumulation:
                    "fp8_wgmma"  the Hopper fp8 kernel (`ops/pallas/gmm_mxfp8_hopper.py`: one
                                 fp8 wgmma per 32-wide K block, scales folded into the fp32
                                 accumulator; K and N multiples of 128).
-                 Hopper has no block-scaled MMA, so none beats bf16 there (docs/kernels.md has
+                 Hopper has no block-scaled MMA, so none beats bf16 there (docs/kernels/fp8_gemm.md has
                  the arithmetic and the measurements).
                  `tgmm_mxtensor`: dequantize to bf16, then the bf16 tgmm kernel.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".

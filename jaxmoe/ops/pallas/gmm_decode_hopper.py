@@ -26,7 +26,7 @@ The epilogue transposes each warpgroup's out^T tile in SMEM and TMA-stores only 
 own rows of out [M, N] (the rows of a group, never another's); the compute warpgroups write
 zeros to the rows past the groups.
 
-docs/kernels.md describes the design."""
+docs/kernels/decode.md describes the design."""
 
 from __future__ import annotations
 
