@@ -1,6 +1,6 @@
 """What the benchmark scripts share in their input and output: the variants of a config given
 on the command line (`parse_variants`), progress lines (`log`), one-line failure descriptions
-(`error_text`) and the environment block of their JSON (`environment`)."""
+(`error_text`) and the environment block of their JSON (`environment`, with the git commit)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import time
 
 import flax
@@ -52,8 +53,21 @@ def environment(benchmark: str, **extra) -> dict:
         jax=jax.__version__,
         flax=flax.__version__,
         python=platform.python_version(),
+        git_commit=git_commit(),
         **extra,
     )
+
+
+def git_commit() -> str | None:
+    """JAXMOE_GIT_COMMIT when set (a copy of the tree whose .git lags behind it), else HEAD."""
+    if os.environ.get("JAXMOE_GIT_COMMIT"):
+        return os.environ["JAXMOE_GIT_COMMIT"]
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -17,7 +17,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 
 # Eight host (CPU) devices for the expert-parallel tests' meshes; everything else runs on the
 # first. XLA reads the flag when JAX starts, so it is set before JAX is imported.
@@ -29,6 +28,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from benchmarks.report import git_commit  # noqa: E402
 from jaxmoe.ops import on_hopper  # noqa: E402
 
 from interpreter import race_checked_interpreter  # noqa: E402
@@ -233,7 +233,7 @@ class ResultsRecorder:
             device=getattr(device, "device_kind", device.platform),
             platform=platform.platform(),
             jax=jax.__version__,
-            git_commit=_git_commit(),
+            git_commit=git_commit(),
             summary={o: outcomes.count(o) for o in ("passed", "failed", "skipped")},
             tests=self.results,
         )
@@ -249,15 +249,3 @@ def pytest_configure(config):
     if path:
         command = "python -m pytest " + " ".join(config.invocation_params.args)
         config.pluginmanager.register(ResultsRecorder(path, command), "jaxmoe-results-json")
-
-
-def _git_commit() -> str | None:
-    """JAXMOE_GIT_COMMIT when set (a copy of the tree whose .git lags behind it), else HEAD."""
-    if os.environ.get("JAXMOE_GIT_COMMIT"):
-        return os.environ["JAXMOE_GIT_COMMIT"]
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
