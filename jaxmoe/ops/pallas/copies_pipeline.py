@@ -16,7 +16,7 @@ half w's SMEM tile with the column scales, transposes it on the tensor core
 (`quantize_transpose_hopper.store_transposed`) and stores it. Mosaic GPU's cross-warp reductions
 share one SMEM scratch in the CTA, so the warpgroups take the column amax in turn. The parts and
 the column encode are loops, not unrolled (an unrolled tile spilled and stalled on instruction
-fetch: docs/notes/2026-12-07-kernel-experiments.md, where the variants are measured).
+fetch: the kernel experiments in docs/notes/, where the variants are measured).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ _PARTS = BLOCK // _PART
 _WGS = 2  # warpgroups a CTA: each takes 16 rows of every part and one half's transposed copy
 _ROWS = _PART // _WGS
 _PIECE = 16  # rows the column encode takes at a time: fewer live registers
-_MAX_SLOTS = 3  # a fourth slot (it fits the backward) made it 6-8% slower: docs/notes/2026-12-07-kernel-experiments.md
+_MAX_SLOTS = 3  # a fourth slot (it fits the backward) was slower
 # 16 rows by 32 columns a base tile: warps take 4-row groups, a warp's lanes 4 rows by 8 groups
 # of 4 consecutive columns; a part's four chunks are four registers of the same lanes.
 LAYOUT = plgpu.Layout.TILED(

@@ -19,7 +19,7 @@ The multiplier's bf16 bits (s + 120) << 7 in both halves are one integer multipl
 byte. `small_scale_dequantization_is_exact` says whether MXFP8 weights meet both conditions.
 
 It shortens the decode kernel's device time at every layer shape tried
-(docs/notes/2026-12-07-kernel-experiments.md), and gives the fp32 route's bits on every finite
+(the kernel experiments in docs/notes/), and gives the fp32 route's bits on every finite
 byte and scale byte up to MAX_SCALE_BYTE (tests/kernels/test_e4m3_registers.py).
 """
 

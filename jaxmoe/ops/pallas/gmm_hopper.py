@@ -28,7 +28,7 @@ from jaxmoe.ops.pallas.gmm_common import (
 def default_config(
     num_rows: int, k: int, n: int, num_groups: int, in_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16
 ) -> GmmConfig:
-    """Shape-based heuristic (docs/notes/2026-12-07-kernel-experiments.md has the sweep behind it): a
+    """Shape-based heuristic (the kernel experiments in docs/notes/ have the sweep behind it): a
     128 x 256 CTA tile of two 64 x 256 warpgroup tiles stacked along M with a double-buffered
     epilogue when N is a multiple of 256, else warpgroups along M with the widest column tile
     dividing N; as many pipeline stages (up to 4) as shared memory holds. A dense product

@@ -60,8 +60,8 @@ def default_fp8_blockwise_config(
     64 x 128 warpgroup tiles, but stacked along M (CTA 128 x 128, whose lhs and rhs tiles
     are the same size) and 256-wide K steps (two blocks a step) when K allows: faster fprops and
     dgrads than the MXFP8 tiles, either change alone giving about half the gain. Each K step's
-    scales are loaded two steps ahead (`scale_lookahead`, faster than one;
-    docs/notes/2026-12-07-kernel-experiments.md)."""
+    scales are loaded two steps ahead (`scale_lookahead`, faster than one; the kernel
+    experiments in docs/notes/)."""
     config = default_mxfp8_config(num_rows, k, n, num_groups, out_dtype)
     tile_k = 256 if k % 256 == 0 else 128
     config = dataclasses.replace(

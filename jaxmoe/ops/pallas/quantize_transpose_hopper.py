@@ -179,11 +179,10 @@ class TransposeQuantizeConfig:
 
 def default_transpose_config(dtype) -> TransposeQuantizeConfig:
     """The config every kernel runs when given none. 2-byte inputs: two CTAs an SM,
-    two input slots and one output slot, C in place, the column encode from registers (H200,
-    mixtral's fc1 output gradient: 2.55 TB/s against the field defaults' 1.61 for both copies,
-    3.46 against 2.68 for the transposed copy alone; mixtral's fc2 weights: 3.59 against 3.30;
-    docs/notes/2026-12-07-kernel-experiments.md). fp32 tiles do not fit two
-    CTAs' shared memory: one CTA, the field defaults."""
+    two input slots and one output slot, C in place, the column encode from registers (faster
+    than the field defaults for both copies, the transposed copy alone and the weights; the
+    kernel experiments in docs/notes/). fp32 tiles do not fit two CTAs' shared memory: one CTA,
+    the field defaults."""
     if jnp.dtype(dtype).itemsize > 2:
         return TransposeQuantizeConfig()
     return TransposeQuantizeConfig(

@@ -136,7 +136,7 @@ def default_config(
     allows (CTA 128 x 128: both operand tiles the same size, as the forward's heuristic), else
     side by side along N (CTA 64 x 256, or 64 x 128 for narrow N); two blocks a ring slot, as
     many slots as fit; the scales' rows in the SMEM ring (not read from L2), stacking along K
-    and two blocks a slot each made it faster (docs/notes/2026-12-07-kernel-experiments.md).
+    and two blocks a slot each made it faster (the kernel experiments in docs/notes/).
     Items in bands of 4 N tiles when a group's rhs copy (N x rows_per_group fp8 bytes, the mean
     group) is more than half the L2: each K tile would otherwise sweep all of it from HBM again;
     shapes whose groups fit gain nothing from bands. CTA pairs where the SM count and N allow:

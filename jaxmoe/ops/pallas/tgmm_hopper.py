@@ -243,7 +243,7 @@ def default_tgmm_config(num_rows: int, k: int, n: int, out_dtype=jnp.float32) ->
     """Shape-based heuristic: the largest CTA tile that divides K x N, 256 x 128 (two 128 x 128
     warpgroup tiles along K) first; 64-row steps, 4 of them in flight; the epilogue overlapped
     with the next item for 16-bit outputs; boundary blocks in 16-row pieces (8-, 32- and 64-row
-    pieces were slower). docs/notes/2026-12-07-kernel-experiments.md has the sweeps."""
+    pieces were slower). The kernel experiments in docs/notes/ have the sweeps."""
     if k % 64 or n % 64:
         raise ValueError(f"tgmm pallas: K={k} and N={n} must be multiples of 64")
     for split, tile_k, tile_n in (
