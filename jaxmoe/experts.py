@@ -30,8 +30,9 @@ from jaxmoe.ops.activation import (
     weighted_activation_backward,
     weighted_activation_forward,
 )
+from jaxmoe.ops.array_gmm import KERNEL_MULTIPLE
 from jaxmoe.ops.dense import bf16_pieces, dense
-from jaxmoe.ops.gmm import KERNEL_MULTIPLE, tgmm
+from jaxmoe.ops.gmm import tgmm
 from jaxmoe.ordered import broadcast_in_order
 from jaxmoe.recipes import recipe_for
 from jaxmoe.wire import QuantizedRows
@@ -94,7 +95,7 @@ _weighted.defvjp(_weighted_fwd, _weighted_bwd)
 def bias_per_row(bias: jax.Array, route: Any, impl: str = "auto") -> jax.Array:
     """fp32 bias[row_group] [M, N] for bias [G, N] (the route's `row_group` and
     `group_sizes`): each row gets its group's bias, rows past the last block zeros. Its gradient
-    sums each group's rows on the weight-gradient GEMM (`ops.gmm.tgmm`, ones^T @ rows, in fp32;
+    sums each group's rows on the weight-gradient GEMM (`jaxmoe.ops.tgmm`, ones^T @ rows, in fp32;
     an fp32 gradient as three exact bf16 pieces): a fixed order, where the gather's own
     gradient is a scatter-add whose order is the GPU's."""
     return _bias_per_row(bias, route.row_group, route.group_sizes, impl)

@@ -5,8 +5,8 @@ forward GEMMs read (e4m3 data and E8M0 scales, 1.03 bytes a weight), no high-pre
     y, aux = inference(x)                       # the training forward's bits (D3), any batch
 
 At a few tokens per expert (decode) the expert GEMMs run on the decode kernel, which reads each
-active expert's fp8 weights once; at larger batches on the dequantizing kernels (the "auto"
-GEMM strategy; the same bits either way).
+active expert's fp8 weights once; at larger batches on the dequantizing kernels
+(`Mxfp8Kernel.AUTO`; the same bits either way).
 
 The copies are `quantize_expert_weights`'s fprop copies of the trained weights, so a token's
 output is bitwise the training forward's at any batch size; the router and the shared expert
@@ -22,8 +22,8 @@ from flax import nnx
 from jaxmoe.experts import ExpertMatrices, grouped_mlp
 from jaxmoe.moe import MoE
 from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor
-from jaxmoe.ops.mxfp8_gmm import QuantizedWeights, quantize_weights
-from jaxmoe.ops.mxtensor_gmm import STRATEGIES
+from jaxmoe.ops.mxfp8_gmm import Mxfp8Weights, quantize_mxfp8_weights
+from jaxmoe.ops.mxtensor_gmm import Mxfp8Kernel, check_kernel
 from jaxmoe.ops.pallas.e4m3_registers import small_scale_dequantization_is_exact
 from jaxmoe.ops.pallas.gmm_decode_hopper import can_tile_weights, tile_weights, untile_weights
 from jaxmoe.recipes import ExpertWeightsMx
@@ -36,7 +36,7 @@ class ExpertCopy(nnx.Variable):
 class Mxfp8GroupedMLP(nnx.Module):
     """The E routed experts as their MXFP8 fprop copies: fc1 [E, 2F|F, H] and fc2 [E, H, F]
     (each expert's matrix transposed, blocks along the contraction dim, as the GEMMs read them),
-    biases as they were; `gemm_strategy`: `gmm_mxtensor`'s strategy for their GEMMs. Called
+    biases as they were; `kernel`: the `Mxfp8Kernel` of their GEMMs (`jaxmoe.ops.gmm`). Called
     like `jaxmoe.moe.GroupedMLP`.
 
     Stored as `stored_copy` makes them: the data in the decode kernel's tiled layout (when N
@@ -52,7 +52,7 @@ class Mxfp8GroupedMLP(nnx.Module):
     def __init__(
         self,
         model: MoE,
-        gemm_strategy: str = "auto",
+        kernel: Mxfp8Kernel = Mxfp8Kernel.AUTO,
         fprop_copies: tuple[MXTensor, MXTensor] | None = None,
     ):
         config, experts = model.config, model.experts
@@ -61,16 +61,13 @@ class Mxfp8GroupedMLP(nnx.Module):
                 "mxfp8_inference: the layer's experts must run in MXFP8 "
                 f"(expert_precision='mxfp8'), got {config.expert_precision!r}"
             )
-        if gemm_strategy not in STRATEGIES:
-            raise ValueError(
-                f"mxfp8_inference: gemm_strategy must be one of {STRATEGIES}, got {gemm_strategy!r}"
-            )
-        self.config, self.gemm_strategy = config, gemm_strategy
+        check_kernel(kernel, "mxfp8_inference")
+        self.config, self.kernel = config, kernel
         if fprop_copies is None:
             dtype, impl = model.dtype, model.gmm_impl
             fc1, fc2 = (
-                quantize_weights(kernel[...].astype(dtype), impl, dgrad=False).fprop
-                for kernel in (experts.fc1_kernel, experts.fc2_kernel)
+                quantize_mxfp8_weights(weights[...].astype(dtype), impl, dgrad=False).fprop
+                for weights in (experts.fc1_kernel, experts.fc2_kernel)
             )
         else:
             fc1, fc2 = _checked_copies(fprop_copies, config, model.hidden_size)
@@ -83,7 +80,7 @@ class Mxfp8GroupedMLP(nnx.Module):
         if expert_weights is not None:
             raise ValueError("mxfp8_inference: the layer holds its MXFP8 copies already")
         copy = lambda data, scale: loaded_copy(
-            data[...], scale[...], self.gemm_strategy, self.small_scales
+            data[...], scale[...], self.kernel, self.small_scales
         )
         weights = ExpertWeightsMx(
             fc1=copy(self.fc1_data, self.fc1_scale), fc2=copy(self.fc2_data, self.fc2_scale)
@@ -110,8 +107,8 @@ class Mxfp8GroupedMLP(nnx.Module):
 
 def stored_copy(copy: MXTensor) -> tuple[jax.Array, jax.Array]:
     """An fprop copy [E, N, K] (blocks along K) as `Mxfp8GroupedMLP` stores it: (data, scale
-    bytes), the data in the decode kernel's tiled layout (`tile_weights`: 0.3-5.6% less kernel
-    time on the H200) when N and K are multiples of 128, else as it is; the scale bytes block-major,
+    bytes), the data in the decode kernel's tiled layout (`tile_weights`, which that kernel reads
+    faster) when N and K are multiples of 128, else as it is; the scale bytes block-major,
     [E, K/32, N]."""
     _, n, k = copy.shape
     data = tile_weights(copy.data) if can_tile_weights(n, k) else copy.data
@@ -119,14 +116,16 @@ def stored_copy(copy: MXTensor) -> tuple[jax.Array, jax.Array]:
 
 
 def loaded_copy(
-    data: jax.Array, scale: jax.Array, strategy: str = "auto", small_scales: bool = False
-) -> QuantizedWeights:
-    """The `QuantizedWeights` (fprop only) of a copy stored by `stored_copy`, for GEMMs of
-    `gmm_mxtensor`'s `strategy`: the fprop MXTensor, and the tiles as they are for the decode
-    kernel (the MXTensor's untiled data, made by XLA, is then dropped where nothing else reads
-    it)."""
+    data: jax.Array,
+    scale: jax.Array,
+    kernel: Mxfp8Kernel = Mxfp8Kernel.AUTO,
+    small_scales: bool = False,
+) -> Mxfp8Weights:
+    """The `Mxfp8Weights` (fprop only) of a copy stored by `stored_copy`, for GEMMs on the
+    Pallas `kernel`: the fprop MXTensor, and the tiles as they are for the decode kernel (the
+    MXTensor's untiled data, made by XLA, is then dropped where nothing else reads it)."""
     tiled = data.ndim == 5
-    return QuantizedWeights(
+    return Mxfp8Weights(
         fprop=MXTensor(
             data=untile_weights(data) if tiled else data,
             scale=jnp.swapaxes(scale, 1, 2),
@@ -134,7 +133,7 @@ def loaded_copy(
             fmt="e4m3",
         ),
         dgrad=None,
-        fprop_strategy=strategy,
+        fprop_kernel=kernel,
         fprop_small_scales=small_scales,
         fprop_tiled=data if tiled else None,
     )
@@ -181,18 +180,17 @@ def _small_scales(copy: MXTensor) -> bool:
 def mxfp8_inference(
     model: MoE,
     *,
-    gemm_strategy: str = "auto",
+    kernel: Mxfp8Kernel = Mxfp8Kernel.AUTO,
     fprop_copies: tuple[MXTensor, MXTensor] | None = None,
 ) -> MoE:
     """A copy of `model` for inference whose routed experts hold only their MXFP8 fprop copies
     (`Mxfp8GroupedMLP`); `model` is left as it is (drop it to free its high-precision expert
     weights). Needs expert_precision "mxfp8". Its forward gives the training forward's bits.
-    gemm_strategy: how the expert GEMMs run on the Pallas kernels (`gmm_mxtensor`): "auto"
-    (default: "decode" at up to `DECODE_MAX_ROWS_PER_GROUP` rows per expert on average, else
-    "dequantize"), "dequantize" (bf16 copies of the operands, then the bf16 kernel),
-    "fused_dequantize" and "decode" (the fp8 weights read once and dequantized in the kernel;
-    "decode" for a few tokens per expert) give the same bits on the GPU; "fp8_wgmma" does
-    not.
+    kernel: the `Mxfp8Kernel` the expert GEMMs run on (`jaxmoe.ops.gmm`): AUTO (default:
+    DECODE at up to `DECODE_MAX_ROWS_PER_GROUP` rows per expert on average, else DEQUANTIZE),
+    DEQUANTIZE (bf16 copies of the operands, then the bf16 kernel), FUSED_DEQUANTIZE and DECODE
+    (the fp8 weights read once and dequantized in the kernel; DECODE for a few tokens per
+    expert) give the same bits on the GPU; FP8_WGMMA does not.
     fprop_copies: the experts' MXFP8 weights as they are, stored without re-quantizing (the
     model's own expert kernels are then not read): e4m3 `MXTensor`s fc1 [E, 2F|F, H] and fc2
     [E, H, F], each expert's matrix in Megatron's [out, in] layout with blocks along the last
@@ -201,7 +199,7 @@ def mxfp8_inference(
     None: quantize the model's expert kernels (TE's recipe, so the same bytes for weights that
     TE quantized from the same values)."""
     inference = nnx.clone(model)
-    inference.experts = Mxfp8GroupedMLP(model, gemm_strategy, fprop_copies)
+    inference.experts = Mxfp8GroupedMLP(model, kernel, fprop_copies)
     # No padding rows: MXFP8's 32-row blocks serve the backward's columnwise copies, and at
     # decode sizes the padding would be most of the buffer (e.g. 3976 of 4000 rows for one
     # qwen3_30b token). A row's bits do not depend on where its expert's block starts.

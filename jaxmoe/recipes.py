@@ -59,11 +59,11 @@ from jaxmoe.ops.fp8_blockwise_gmm import (
     quantize_blockwise_weights,
 )
 from jaxmoe.ops.mxfp8_gmm import (
-    QuantizedWeights,
+    Mxfp8Weights,
     mxfp8_gmm,
     mxfp8_gmm_backward,
     mxfp8_gmm_forward,
-    quantize_weights,
+    quantize_mxfp8_weights,
 )
 from jaxmoe.wire import QuantizedRows, quantize_tokens
 
@@ -74,8 +74,8 @@ F32 = jnp.float32
 class ExpertWeightsMx:
     """The MXFP8 copies of the experts' fc1 and fc2 weights (`Mxfp8Recipe.quantize_weights`)."""
 
-    fc1: QuantizedWeights
-    fc2: QuantizedWeights
+    fc1: Mxfp8Weights
+    fc2: Mxfp8Weights
 
 
 @struct.dataclass
@@ -281,7 +281,8 @@ class Mxfp8Recipe(ExpertRecipe):
 
     def quantize_weights(self, fc1_kernel, fc2_kernel, impl):
         return ExpertWeightsMx(
-            fc1=quantize_weights(fc1_kernel, impl), fc2=quantize_weights(fc2_kernel, impl)
+            fc1=quantize_mxfp8_weights(fc1_kernel, impl),
+            fc2=quantize_mxfp8_weights(fc2_kernel, impl),
         )
 
 

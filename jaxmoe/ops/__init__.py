@@ -1,5 +1,9 @@
-"""One public function per op; each takes `impl=` ("xla" reference, "auto", or a kernel registered
-for it in `jaxmoe.ops.registry`: "pallas")."""
+"""One public function per op; each takes `impl=` (`Impl`: "xla" reference, "auto", or a kernel
+registered for it in `jaxmoe.ops.registry`: "pallas"). The grouped matmuls `gmm` and `tgmm`
+take float arrays, `MXTensor`s or `BlockwiseTensor`s and pick the recipe by the operands'
+types (`jaxmoe.ops.gmm`); `mxfp8_gmm` and `fp8_blockwise_gmm` are the differentiable recipes
+that quantize high-precision operands inside, with their weights' copies `Mxfp8Weights`
+(`quantize_mxfp8_weights`) and `BlockwiseWeights` (`quantize_blockwise_weights`)."""
 
 from jaxmoe.ops.activation import (
     weighted_activation_backward,
@@ -12,13 +16,11 @@ from jaxmoe.ops.device import on_hopper
 from jaxmoe.ops.fp8_blockwise_gmm import (
     BlockwiseWeights,
     fp8_blockwise_gmm,
-    gmm_fp8_blockwise,
     quantize_blockwise_weights,
-    tgmm_fp8_blockwise,
 )
 from jaxmoe.ops.gmm import gmm, tgmm
-from jaxmoe.ops.mxfp8_gmm import QuantizedWeights, mxfp8_gmm, quantize_weights
-from jaxmoe.ops.mxtensor_gmm import gmm_mxtensor, tgmm_mxtensor
+from jaxmoe.ops.mxfp8_gmm import Mxfp8Weights, mxfp8_gmm, quantize_mxfp8_weights
+from jaxmoe.ops.mxtensor_gmm import Mxfp8Kernel
 from jaxmoe.ops.pallas.gmm_common import GmmConfig
 from jaxmoe.ops.pallas.gmm_decode_hopper import DecodeConfig
 from jaxmoe.ops.pallas.tgmm_hopper import TgmmConfig
@@ -33,6 +35,7 @@ from jaxmoe.ops.quantize import (
     quantize_128x128_with_transpose,
     requantize_1x128_transposed,
 )
+from jaxmoe.ops.registry import Impl
 
 __all__ = [
     "dense",
@@ -42,11 +45,11 @@ __all__ = [
     "weighted_activation_backward_quantize_1x128_with_transpose",
     "gmm",
     "tgmm",
+    "Impl",
+    "Mxfp8Kernel",
     "mxfp8_gmm",
-    "gmm_mxtensor",
-    "tgmm_mxtensor",
-    "gmm_fp8_blockwise",
-    "tgmm_fp8_blockwise",
+    "Mxfp8Weights",
+    "quantize_mxfp8_weights",
     "fp8_blockwise_gmm",
     "BlockwiseWeights",
     "quantize_blockwise_weights",
@@ -60,8 +63,6 @@ __all__ = [
     "dispatch_quantize",
     "dispatch_rows",
     "combine_rows",
-    "QuantizedWeights",
-    "quantize_weights",
     "GmmConfig",
     "TgmmConfig",
     "DecodeConfig",

@@ -33,8 +33,8 @@ import numpy as np
 
 from jaxmoe.ints import round_up
 from jaxmoe.ops import registry
+from jaxmoe.ops.array_gmm import KERNEL_DTYPES, KERNEL_MULTIPLE, gmm_product, pad_rows, tgmm_product
 from jaxmoe.ops.device import num_sms
-from jaxmoe.ops.gmm import KERNEL_DTYPES, KERNEL_MULTIPLE, gmm_product, pad_rows, tgmm_product
 from jaxmoe.ops.pallas.dense_narrow_hopper import ROWS as NARROW_ROWS
 from jaxmoe.ops.pallas.dense_narrow_hopper import (
     default_narrow_config,

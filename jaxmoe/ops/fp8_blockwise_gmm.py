@@ -1,5 +1,7 @@
-"""Grouped matmul on FP8-blockwise operands (`jaxmoe.fp8_blockwise.BlockwiseTensor`): fprop and
-dgrad of Transformer Engine's `Float8BlockScaling` recipe for the experts.
+"""Grouped matmul on FP8-blockwise operands (`jaxmoe.fp8_blockwise.BlockwiseTensor`): what
+`jaxmoe.ops.gmm` (fprop and dgrad of Transformer Engine's `Float8BlockScaling` recipe for the
+experts; `_gmm_blockwise`) and `jaxmoe.ops.tgmm` (its weight gradient; `_tgmm_blockwise`) run
+on them.
 
   impl "xla"     `fp8_blockwise.gmm_reference`: each 128-wide contraction block's fp32 partial,
                  times the product of its two scales, summed in K order.
@@ -9,10 +11,11 @@ dgrad of Transformer Engine's `Float8BlockScaling` recipe for the experts.
                  of 128). Its partials come from the tensor core, so it equals the reference
                  where the partials are exact and is within the fp32 bound elsewhere.
   impl "auto"    "pallas" on a Hopper GPU when the problem qualifies, else "xla".
-`tgmm_fp8_blockwise` is the recipe's weight gradient (operands 1 x 128 along the tokens; XLA:
+The weight gradient (tgmm) takes operands 1 x 128 along the tokens (XLA:
 `fp8_blockwise.tgmm_reference`, Pallas: `ops/pallas/tgmm_fp8_blockwise_hopper.py`, the same
 per-block folds). `fp8_blockwise_gmm` is the differentiable GEMM of the recipe on
-high-precision operands.
+high-precision operands, with `BlockwiseWeights` (`quantize_blockwise_weights`) its weights'
+copies.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from flax import struct
 
 from jaxmoe.fp8_blockwise import BLOCK, BlockwiseTensor, gmm_reference, tgmm_reference
 from jaxmoe.ops import registry
+from jaxmoe.ops.array_gmm import kernel_rows, pad_rows, sum_group_partials
 from jaxmoe.ops.checks import check_group_sizes
-from jaxmoe.ops.gmm import kernel_rows, pad_rows, sum_group_partials
 from jaxmoe.ops.live_rows import fill_dead_rows
 from jaxmoe.ops.pallas import tgmm_fp8_blockwise_hopper
 from jaxmoe.ops.pallas.gmm_common import GmmConfig
@@ -46,31 +49,36 @@ def _problem(k: int, n: int) -> str | None:
     return None
 
 
-registry.register("gmm_fp8_blockwise", "pallas", problem=_problem)
+registry.register("gmm[BlockwiseTensor]", "pallas", problem=_problem)
 registry.register(
-    "tgmm_fp8_blockwise", "pallas", problem=lambda k, n: tgmm_fp8_blockwise_hopper.problem(k, n)
+    "tgmm[BlockwiseTensor]",
+    "pallas",
+    problem=lambda k, n: tgmm_fp8_blockwise_hopper.problem(k, n),
 )
 
 
-def gmm_fp8_blockwise(
+def _gmm_blockwise(
     lhs: BlockwiseTensor,
     rhs: BlockwiseTensor,
     group_sizes: jax.Array,
     *,
     transpose_rhs: bool = False,
-    impl: str = "auto",
+    impl: registry.Impl = "auto",
     preferred_element_type=jnp.float32,
     config: GmmConfig | None = None,
+    groups_per_weight: int = 1,
     write_rows_past_groups: bool = True,
 ) -> jax.Array:
-    """out[m] = lhs[m] @ rhs[g(m)] (fprop) or lhs[m] @ rhs[g(m)]^T (transpose_rhs: dgrad, the
-    weights' 128 x 128 blocks serving the transposed product), fp32 accumulation.
+    """`jaxmoe.ops.gmm` on BlockwiseTensors: out[m] = lhs[m] @ rhs[g(m) // groups_per_weight]
+    (fprop) or lhs[m] @ rhs[g(m) // groups_per_weight]^T (transpose_rhs: dgrad, the weights'
+    128 x 128 blocks serving the transposed product), fp32 accumulation.
 
-    lhs: [M, C] in 1 x 128 blocks along C (the contraction); rhs: the weights [G, K, N] in
-    128 x 128 blocks, contracted over K (C = K, out [M, N]) or, with transpose_rhs, over N
-    (C = N, out [M, K]). Rows past sum(group_sizes) give zeros (unspecified with
-    write_rows_past_groups=False, `jaxmoe.ops.live_rows`). config: the Pallas kernel's tiling
-    (None: its heuristic). Not differentiable."""
+    lhs: [M, C] in 1 x 128 blocks along C (the contraction); rhs: the weights [G / n, K, N] in
+    128 x 128 blocks (n = groups_per_weight: the n consecutive groups of a matrix run as one),
+    contracted over K (C = K, out [M, N]) or, with transpose_rhs, over N (C = N, out [M, K]).
+    Rows past sum(group_sizes) give zeros (unspecified with write_rows_past_groups=False,
+    `jaxmoe.ops.live_rows`). config: the Pallas kernel's tiling (None: its heuristic
+    `gmm_mxfp8_hopper.default_fp8_blockwise_config`). Not differentiable."""
     if not (
         isinstance(lhs, BlockwiseTensor)
         and isinstance(rhs, BlockwiseTensor)
@@ -80,18 +88,26 @@ def gmm_fp8_blockwise(
         and rhs.block_axes == (1, 2)
     ):
         raise ValueError(
-            "gmm_fp8_blockwise: lhs must be a BlockwiseTensor [M, C] in 1x128 blocks along C "
-            "and rhs one [G, K, N] in 128x128 blocks"
+            "gmm (BlockwiseTensor): lhs must be a BlockwiseTensor [M, C] in 1x128 blocks along "
+            "C and rhs one [G, K, N] in 128x128 blocks"
         )
     num_weights, k, n = rhs.shape
     contraction, out_n = (n, k) if transpose_rhs else (k, n)
     if lhs.shape[1] != contraction:
         raise ValueError(
-            f"gmm_fp8_blockwise: lhs has {lhs.shape[1]} columns, the weights contract {contraction}"
+            f"gmm (BlockwiseTensor): lhs has {lhs.shape[1]} columns, the weights contract "
+            f"{contraction}"
         )
-    check_group_sizes(group_sizes, num_weights, lhs.shape[0], "gmm_fp8_blockwise")
+    if groups_per_weight < 1:
+        raise ValueError(
+            f"gmm (BlockwiseTensor): groups_per_weight must be >= 1, got {groups_per_weight}"
+        )
+    check_group_sizes(
+        group_sizes, num_weights * groups_per_weight, lhs.shape[0], "gmm (BlockwiseTensor)"
+    )
+    group_sizes = _sizes_per_weight(group_sizes, groups_per_weight)
     out_dtype = jnp.dtype(preferred_element_type)
-    if registry.resolve("gmm_fp8_blockwise", impl, contraction, out_n) == "xla":
+    if registry.resolve("gmm[BlockwiseTensor]", impl, contraction, out_n) == "xla":
         out = gmm_reference(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs).astype(out_dtype)
         return out if write_rows_past_groups else fill_dead_rows(out, jnp.sum(group_sizes))
     # The kernel reads both operands K-major: rhs [G, out_n, contraction], and the weight
@@ -117,26 +133,28 @@ def gmm_fp8_blockwise(
     return out[:num_rows]
 
 
-def tgmm_fp8_blockwise(
+def _tgmm_blockwise(
     lhs: BlockwiseTensor,
     rhs: BlockwiseTensor,
     group_sizes: jax.Array,
     *,
     tokens_last: bool = False,
-    impl: str = "auto",
+    impl: registry.Impl = "auto",
     preferred_element_type=jnp.float32,
-    config=None,
+    config: tgmm_fp8_blockwise_hopper.BlockwiseTgmmConfig | None = None,
 ) -> jax.Array:
-    """The recipe's weight gradient out[g] = lhs[rows of g]^T @ rhs[rows of g] for lhs [M, K]
-    and rhs [M, N] in 1 x 128 blocks along M (the tokens): each 128-row block's fp32 partial of
-    the fp8 values times the product of its two scales, folded in row order
+    """`jaxmoe.ops.tgmm` on BlockwiseTensors, the recipe's weight gradient out[g] =
+    lhs[rows of g]^T @ rhs[rows of g] for lhs [M, K] and rhs [M, N] in 1 x 128 blocks along M
+    (the tokens): each 128-row block's fp32 partial of the fp8 values times the product of its
+    two scales, folded in row order
     (`fp8_blockwise.tgmm_reference`). tokens_last: lhs and rhs are instead the K-major copies
     lhs^T [K, M] and rhs^T [N, M] in 1 x 128 blocks along M (axis 1), as
     `ops.quantize_1x128_transposed` makes them and the Pallas kernel reads them (the other
     form costs a transpose of the fp8 data). group_sizes [G]: multiples of 128 adding up to at
     most M (checked when known on the host); rows past them are not read. Groups with no rows
     get zeros. [G, K, N] in preferred_element_type. config: the Pallas kernel's tiling
-    (`BlockwiseTgmmConfig`; None: its default). Not differentiable."""
+    (`BlockwiseTgmmConfig`; None: its heuristic `tgmm_fp8_blockwise_hopper.default_config`).
+    Not differentiable."""
     token_axis = 1 if tokens_last else 0
     if not (
         isinstance(lhs, BlockwiseTensor)
@@ -147,10 +165,10 @@ def tgmm_fp8_blockwise(
     ):
         layout = "lhs^T [K, M] and rhs^T [N, M]" if tokens_last else "lhs [M, K] and rhs [M, N]"
         raise ValueError(
-            f"tgmm_fp8_blockwise: {layout} must be BlockwiseTensors in 1x128 blocks along M"
+            f"tgmm (BlockwiseTensor): {layout} must be BlockwiseTensors in 1x128 blocks along M"
         )
     m, k, n = lhs.shape[token_axis], lhs.shape[1 - token_axis], rhs.shape[1 - token_axis]
-    check_group_sizes(group_sizes, None, m, "tgmm_fp8_blockwise", multiple=BLOCK)
+    check_group_sizes(group_sizes, None, m, "tgmm (BlockwiseTensor)", multiple=BLOCK)
     out_dtype = jnp.dtype(preferred_element_type)
     if m % BLOCK:  # whole blocks; the tokens added lie past the groups
         pad = [(0, 0), (0, 0)]
@@ -159,7 +177,7 @@ def tgmm_fp8_blockwise(
             BlockwiseTensor(jnp.pad(t.data, pad), t.scale_inv, t.block_axes, t.fmt)
             for t in (lhs, rhs)
         )
-    if registry.resolve("tgmm_fp8_blockwise", impl, k, n) == "xla":
+    if registry.resolve("tgmm[BlockwiseTensor]", impl, k, n) == "xla":
         if tokens_last:  # the reference takes the tokens first
             lhs, rhs = (BlockwiseTensor(t.data.T, t.scale_inv.T, (0,), t.fmt) for t in (lhs, rhs))
         return tgmm_reference(lhs, rhs, group_sizes).astype(out_dtype)
@@ -190,7 +208,7 @@ class BlockwiseWeights:
     transposed: BlockwiseTensor
 
 
-def quantize_blockwise_weights(rhs: jax.Array, *, impl: str = "auto") -> BlockwiseWeights:
+def quantize_blockwise_weights(rhs: jax.Array, *, impl: registry.Impl = "auto") -> BlockwiseWeights:
     """Both copies of rhs [G, K, N] as `fp8_blockwise_gmm` makes them, from one read of rhs on
     the Pallas kernel (`ops.quantize_128x128_with_transpose`; impl as there). Make them once
     per optimizer step (after the update) and pass them to every micro-batch
@@ -208,7 +226,7 @@ def fp8_blockwise_gmm(
     lhs_quantized: BlockwiseTensor | None = None,
     lhs_is_dequantized: bool = False,
     rhs_quantized: BlockwiseWeights | None = None,
-    impl: str = "auto",
+    impl: registry.Impl = "auto",
     preferred_element_type=jnp.float32,
     groups_per_weight: int = 1,
     write_rows_past_groups: bool = True,
@@ -216,9 +234,9 @@ def fp8_blockwise_gmm(
     """Grouped matmul out[m] = lhs[m] @ rhs[g(m) // groups_per_weight] with Transformer Engine's
     FP8 blockwise recipe, differentiable w.r.t. lhs and rhs (straight-through quantizers, as in
     TE):
-      fprop  lhs in 1x128 blocks along K  x  rhs in 128x128 blocks  (`gmm_fp8_blockwise`)
+      fprop  lhs in 1x128 blocks along K  x  rhs in 128x128 blocks  (`jaxmoe.ops.gmm`)
       dgrad  grad in 1x128 blocks along N  x  the same rhs blocks, transposed
-      wgrad  lhs and grad each in 1x128 blocks along the rows (`tgmm_fp8_blockwise`: each
+      wgrad  lhs and grad each in 1x128 blocks along the rows (`jaxmoe.ops.tgmm`: each
              128-row block's partial times its scales, folded in row order); groups sharing a
              matrix add their partials with `jaxmoe.ordered.sum_in_order` in fp32, as
              `jaxmoe.ops.gmm` does
@@ -353,10 +371,11 @@ def fp8_blockwise_gmm_forward(
     else:
         lhs_rowwise = lhs_quantized
         lhs_t = quantize_1x128_transposed(lhs, live_rows=live, impl=impl)
-    out = gmm_fp8_blockwise(
+    out = _gmm_blockwise(
         lhs_rowwise,
         copies.transposed,
-        _sizes_per_weight(group_sizes, groups_per_weight),
+        group_sizes,
+        groups_per_weight=groups_per_weight,
         transpose_rhs=True,
         impl=impl,
         preferred_element_type=out_dtype,
@@ -404,16 +423,17 @@ def fp8_blockwise_gmm_backward(
     else:
         grad_rowwise = grad_quantized
         grad_t = requantize_1x128_transposed(grad_quantized, dtype, live_rows=live, impl=impl)
-    d_lhs = gmm_fp8_blockwise(
+    d_lhs = _gmm_blockwise(
         grad_rowwise,
         residuals.weights,
-        _sizes_per_weight(residuals.group_sizes, n),
+        residuals.group_sizes,
+        groups_per_weight=n,
         transpose_rhs=True,
         impl=impl,
         preferred_element_type=dtype,
         write_rows_past_groups=residuals.write_rows_past_groups,
     )
-    partials = tgmm_fp8_blockwise(
+    partials = _tgmm_blockwise(
         residuals.lhs_t,
         grad_t,
         residuals.group_sizes,

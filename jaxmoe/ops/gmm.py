@@ -1,246 +1,222 @@
-"""Grouped matmul: `gmm` (rows of each group times that group's matrix) and its weight-gradient
-form `tgmm`, with a custom VJP so that the backward pass also runs through these two ops.
+"""Grouped matmuls, one API for every operand type: `gmm` (rows of each group times that group's
+matrix: fprop and dgrad) and `tgmm` (its weight-gradient form), each taking float arrays,
+`MXTensor`s or `BlockwiseTensor`s and picking the recipe by the operands' types:
+
+  lhs, rhs                           gmm / tgmm
+  float arrays (bf16, fp16, fp32)    `jaxmoe.ops.array_gmm`: differentiable (custom VJP)
+  MXTensor, MXTensor                 `jaxmoe.ops.mxtensor_gmm`: MXFP8, `kernel=` picks the kernel
+  BlockwiseTensor, BlockwiseTensor   `jaxmoe.ops.fp8_blockwise_gmm`: TE's FP8 blockwise blocks
+
+Any other pair (an array and an MXTensor, say) is a TypeError. The quantized products are not
+differentiable; the recipes that quantize inside, from high-precision operands, are
+`jaxmoe.ops.mxfp8_gmm` and `jaxmoe.ops.fp8_blockwise_gmm`.
 
 Groups are consecutive row blocks of `lhs`: group g owns rows [offset_g, offset_g + group_sizes[g]),
 offset_g = sum(group_sizes[:g]). Rows at or past sum(group_sizes) produce zeros (gmm; unspecified
 with `write_rows_past_groups=False`, `jaxmoe.ops.live_rows`) and are left out (tgmm). Sizes must
-be >= 0 and add up to at most M (checked when they are concrete).
+be >= 0 and add up to at most M (checked when they are concrete). Several consecutive groups may
+share one matrix (`groups_per_weight` n: group g multiplies rhs[g // n]), as the blocks of one
+expert's rows from n sources do under expert parallelism.
 
-Several consecutive groups may share one matrix (`groups_per_weight` n: group g multiplies
-rhs[g // n]), as the blocks of one expert's rows from n sources do under expert parallelism.
-Each group then still has its own weight-gradient partial (rounded to the compute dtype, as
-the GEMM writes it), and the partials of one matrix are summed in a fixed order in fp32
-(`jaxmoe.ordered.sum_in_order`); an rhs wider than lhs (fp32 weights, bf16 rows) is rounded to
-lhs's dtype for the products and gets its gradient in its own dtype, unrounded.
-
-Implementations (`impl=`):
-  "xla"    the readable reference (`jax.lax.ragged_dot`, fp32 accumulation) every kernel is tested
-           against. On XLA:CPU a row's result does not depend on the other rows once M >= 2
-           (tested); cuBLAS on GPU may pick M-dependent algorithms.
-  "pallas" the Hopper Mosaic GPU kernels (ops/pallas/gmm_hopper.py, tgmm_hopper.py): bf16/fp16
-           operands, K and N multiples of 64; batch-invariant by construction. Any other
-           problem raises ValueError. On a machine without a Hopper GPU it runs only inside
-           `plgpu.force_gpu_interpret_mode` (the CPU interpreter used by the tests).
-  "auto"   "pallas" on a Hopper GPU when the problem qualifies, else "xla".
+`impl` (`Impl`): "xla" (the reference every kernel is tested against, runs anywhere), "pallas"
+(the Hopper Mosaic GPU kernels; a problem they cannot run raises ValueError; off the GPU it runs
+only inside the Mosaic GPU interpreter) or "auto" ("pallas" on a Hopper GPU when the problem
+qualifies, else "xla"). Each operand type's module says which kernels run and what they need.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxmoe.ints import round_up
+from jaxmoe.fp8_blockwise import BlockwiseTensor
+from jaxmoe.mxfp8 import MXTensor
 from jaxmoe.ops import registry
-from jaxmoe.ops.checks import check_floating, check_group_sizes
-from jaxmoe.ops.live_rows import fill_dead_rows
+from jaxmoe.ops.array_gmm import _gmm_arrays, _tgmm_arrays
+from jaxmoe.ops.fp8_blockwise_gmm import _gmm_blockwise, _tgmm_blockwise
+from jaxmoe.ops.mxtensor_gmm import Mxfp8Kernel, _gmm_mxtensor, _tgmm_mxtensor, check_kernel
 from jaxmoe.ops.pallas.gmm_common import GmmConfig
-from jaxmoe.ops.pallas.gmm_hopper import gmm_pallas
-from jaxmoe.ops.pallas.tgmm_hopper import TgmmConfig, tgmm_pallas
-from jaxmoe.ordered import sum_in_order
-
-KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_KERNEL_ROW_MULTIPLE = 8
-_KERNEL_MIN_ROWS = 128
-KERNEL_MULTIPLE = 64  # K and N of the Pallas kernels
+from jaxmoe.ops.pallas.gmm_decode_hopper import DecodeConfig
+from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import BlockwiseTgmmConfig
+from jaxmoe.ops.pallas.tgmm_hopper import TgmmConfig
 
 
-def kernel_problem(lhs_dtype, rhs_dtype, k: int, n: int) -> str | None:
-    """Why the Pallas gmm / tgmm kernels cannot run this problem (None when they can)."""
-    if lhs_dtype != rhs_dtype or jnp.dtype(lhs_dtype) not in KERNEL_DTYPES:
-        return f"operands must both be bf16 or fp16, got {lhs_dtype} and {rhs_dtype}"
-    if k % KERNEL_MULTIPLE or n % KERNEL_MULTIPLE:
-        return f"K={k} and N={n} must be multiples of {KERNEL_MULTIPLE}"
-    return None
+def _operand_kind(x) -> type | None:
+    """The operand type that picks the recipe: MXTensor, BlockwiseTensor, jax.Array (for any
+    array), or None for anything else."""
+    for kind in (MXTensor, BlockwiseTensor):
+        if isinstance(x, kind):
+            return kind
+    return jax.Array if isinstance(x, jax.Array | np.ndarray) else None
 
 
-registry.register("gmm", "pallas", problem=kernel_problem)
-registry.register("tgmm", "pallas", problem=kernel_problem)
+def _describe(x) -> str:
+    """An operand's type for an error message."""
+    if isinstance(x, jax.Array | np.ndarray):
+        return f"array ({x.dtype})"
+    return type(x).__name__
 
 
-def pad_rows(x, num_rows):
-    """x with zero rows appended up to num_rows (a no-op when it already has them)."""
-    extra = num_rows - x.shape[0]
-    return x if extra <= 0 else jnp.pad(x, ((0, extra), (0, 0)))
+def _operands_kind(op: str, lhs, rhs) -> type:
+    """The kind both operands share, or TypeError naming both types."""
+    kind = _operand_kind(lhs)
+    if kind is None or _operand_kind(rhs) is not kind:
+        raise TypeError(
+            f"{op}: lhs and rhs must both be float arrays, both MXTensors or both "
+            f"BlockwiseTensors; got {_describe(lhs)} and {_describe(rhs)}"
+        )
+    return kind
 
 
-def kernel_rows(num_rows):
-    """Row count the Pallas kernels run on: a multiple of 8, at least one full tile."""
-    return max(round_up(num_rows, _KERNEL_ROW_MULTIPLE), _KERNEL_MIN_ROWS)
+def _reject(op: str, kind: type, **options) -> None:
+    """ValueError for the first option given (truthy) that `kind` operands do not take."""
+    for name, given in options.items():
+        if given:
+            raise ValueError(f"{op}: {name}= does not apply to {kind.__name__} operands")
+
+
+def _check_config(op: str, kind: type, config, allowed: tuple[type, ...]) -> None:
+    """TypeError unless config is None or one of the `allowed` types for `kind` operands."""
+    if config is not None and not isinstance(config, allowed):
+        names = " or ".join(t.__name__ for t in allowed)
+        raise TypeError(
+            f"{op}: {kind.__name__} operands take a {names} config, got {type(config).__name__}"
+        )
 
 
 def gmm(
-    lhs: jax.Array,
-    rhs: jax.Array,
+    lhs: jax.Array | MXTensor | BlockwiseTensor,
+    rhs: jax.Array | MXTensor | BlockwiseTensor,
     group_sizes: jax.Array,
     *,
+    impl: registry.Impl = "auto",
     transpose_rhs: bool = False,
-    impl: str = "auto",
     preferred_element_type=jnp.float32,
-    config: GmmConfig | None = None,
+    config: GmmConfig | DecodeConfig | None = None,
     groups_per_weight: int = 1,
     write_rows_past_groups: bool = True,
+    kernel: Mxfp8Kernel = Mxfp8Kernel.AUTO,
+    small_scales: bool = False,
+    lhs_values: jax.Array | None = None,
+    rhs_tiled: jax.Array | None = None,
 ) -> jax.Array:
-    """out[m] = lhs[m] @ rhs[g(m) // groups_per_weight] for lhs [M, K], rhs [G / n, K, N] (or
-    [G / n, N, K] with `transpose_rhs`; n = groups_per_weight), group_sizes [G] int; fp32
-    accumulation, result in `preferred_element_type`. rhs may be a wider float than lhs (it is
-    rounded to lhs's dtype). Differentiable: dgrad is a gmm, wgrad a `tgmm` per group (summed
-    over each matrix's groups in a fixed order), on the same implementation as the forward.
-    `config` tiles the Pallas forward (None: the shape heuristic; the backward kernels use
-    their heuristics); no config changes the result bits. write_rows_past_groups=False: the
-    rows at and past sum(group_sizes) of out (and of d lhs) are not computed and hold
-    unspecified values, for a buffer whose rows past its groups nothing reads
-    (`jaxmoe.ops.live_rows`)."""
+    """Grouped matmul out[m] = lhs[m] @ rhs[g(m) // groups_per_weight] (or, transpose_rhs,
+    lhs[m] @ rhs[g(m) // groups_per_weight]^T) with fp32 accumulation, the result in
+    `preferred_element_type`; the recipe follows the operands' types (module docstring).
+
+    lhs [M, K] and rhs [G / n, K, N] (transpose_rhs: [G / n, N, K]; n = groups_per_weight),
+    group_sizes [G] integers:
+      float arrays: rhs may be a wider float than lhs (rounded to lhs's dtype for the
+        product, its gradient in its own dtype). Differentiable: dgrad is a gmm, wgrad a
+        `tgmm` per group (a matrix's groups' partials summed in a fixed order in fp32), on
+        the same implementation as the forward.
+      MXTensors: lhs with blocks along K (axis 1), rhs with blocks along its contraction axis
+        (axis 2 with transpose_rhs, the K-major layout every fp8 kernel reads; axis 1 only for
+        Mxfp8Kernel.DEQUANTIZE). `kernel` picks the Pallas kernel (AUTO: the shape heuristic,
+        `mxtensor_gmm.resolve_kernel`). small_scales, lhs_values and rhs_tiled are promises
+        and copies for the kernels that read them (`mxtensor_gmm._gmm_mxtensor`). All rows
+        are computed whatever write_rows_past_groups says.
+      BlockwiseTensors: lhs [M, C] in 1 x 128 blocks along C, rhs the weights [G / n, K, N] in
+        128 x 128 blocks, contracted over K (C = K) or, transpose_rhs, over N (C = N) with the
+        same blocks.
+    config tiles the Pallas kernel: a `GmmConfig`, or a `DecodeConfig` for DECODE (an MXTensor
+    gmm's config needs a named kernel); None: the kernel's shape heuristic. No config changes
+    the result bits. write_rows_past_groups=False: the rows at and past sum(group_sizes) of
+    out (and of d lhs) may be left uncomputed, with unspecified values, for a buffer whose
+    rows past its groups nothing reads (`jaxmoe.ops.live_rows`)."""
     registry.check_impl("gmm", impl)
-    if lhs.ndim != 2 or rhs.ndim != 3:
-        raise ValueError(f"gmm: lhs must be [M, K] and rhs [G, K, N]; got {lhs.shape}, {rhs.shape}")
-    check_floating("gmm", lhs=lhs, rhs=rhs)
-    if jnp.finfo(rhs.dtype).bits < jnp.finfo(lhs.dtype).bits:
-        raise ValueError(f"gmm: rhs ({rhs.dtype}) may not be narrower than lhs ({lhs.dtype})")
-    if groups_per_weight < 1:
-        raise ValueError(f"gmm: groups_per_weight must be >= 1, got {groups_per_weight}")
-    check_group_sizes(group_sizes, rhs.shape[0] * groups_per_weight, lhs.shape[0], "gmm")
-    k_rhs, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
-    if lhs.shape[1] != k_rhs:
-        raise ValueError(f"gmm: contraction sizes differ: lhs K={lhs.shape[1]}, rhs K={k_rhs}")
-    resolved = registry.resolve("gmm", impl, lhs.dtype, lhs.dtype, k_rhs, n)
-    return _gmm_differentiable(
+    kind = _operands_kind("gmm", lhs, rhs)
+    _check_config(
+        "gmm", kind, config, (GmmConfig, DecodeConfig) if kind is MXTensor else (GmmConfig,)
+    )
+    if kind is MXTensor:
+        check_kernel(kernel, "gmm")
+        if rhs.ndim == 3 and rhs.axis != (2 if transpose_rhs else 1):
+            raise ValueError(
+                f"gmm: an MXTensor rhs {rhs.shape} with blocks along axis {rhs.axis} is "
+                f"contracted over that axis: pass transpose_rhs={rhs.axis == 2}"
+            )
+        return _gmm_mxtensor(
+            lhs,
+            rhs,
+            group_sizes,
+            impl=impl,
+            preferred_element_type=preferred_element_type,
+            config=config,
+            kernel=kernel,
+            groups_per_weight=groups_per_weight,
+            small_scales=small_scales,
+            lhs_values=lhs_values,
+            rhs_tiled=rhs_tiled,
+        )
+    _reject(
+        "gmm",
+        kind,
+        kernel=kernel is not Mxfp8Kernel.AUTO,
+        small_scales=small_scales,
+        lhs_values=lhs_values is not None,
+        rhs_tiled=rhs_tiled is not None,
+    )
+    product = _gmm_blockwise if kind is BlockwiseTensor else _gmm_arrays
+    return product(
         lhs,
         rhs,
-        group_sizes.astype(jnp.int32),
-        transpose_rhs,
-        jnp.dtype(preferred_element_type),
-        resolved,
-        config,
-        groups_per_weight,
-        write_rows_past_groups,
+        group_sizes,
+        transpose_rhs=transpose_rhs,
+        impl=impl,
+        preferred_element_type=preferred_element_type,
+        config=config,
+        groups_per_weight=groups_per_weight,
+        write_rows_past_groups=write_rows_past_groups,
     )
-
-
-def sum_group_partials(partials: jax.Array, groups_per_weight: int, dtype) -> jax.Array:
-    """Per-group weight gradients [G, ...] -> per matrix [G / n, ...] in `dtype`: each matrix's
-    n consecutive partials summed with `sum_in_order` in fp32 (n = 1: only the dtype)."""
-    if groups_per_weight == 1:
-        return partials.astype(dtype)
-    grouped = partials.reshape((-1, groups_per_weight) + partials.shape[1:])
-    return sum_in_order(grouped.astype(jnp.float32), axis=1, dtype=dtype)
 
 
 def tgmm(
-    lhs: jax.Array,
-    rhs: jax.Array,
+    lhs: jax.Array | MXTensor | BlockwiseTensor,
+    rhs: jax.Array | MXTensor | BlockwiseTensor,
     group_sizes: jax.Array,
     *,
-    impl: str = "auto",
+    impl: registry.Impl = "auto",
     preferred_element_type=jnp.float32,
-    config: TgmmConfig | None = None,
+    config: TgmmConfig | BlockwiseTgmmConfig | None = None,
+    tokens_last: bool = False,
 ) -> jax.Array:
-    """Weight-gradient form: out[g] = lhs[rows_g]^T @ rhs[rows_g] -> [G, K, N] for lhs [M, K] and
-    rhs [M, N]; fp32 accumulation. Groups with no rows give zeros."""
+    """Weight-gradient form out[g] = lhs[rows of g]^T @ rhs[rows of g] -> [G, K, N] for lhs
+    [M, K] and rhs [M, N], fp32 accumulation, the result in `preferred_element_type`; groups
+    with no rows give zeros, rows past the groups are not read. The recipe follows the
+    operands' types (module docstring):
+      float arrays: the bf16/fp16 kernel's or XLA's ragged dot (not differentiable).
+      MXTensors with blocks along M (axis 0), group sizes multiples of 32: dequantized to bf16
+        (exact), then the array product.
+      BlockwiseTensors in 1 x 128 blocks along M, group sizes multiples of 128: each 128-row
+        block's fp32 partial times its two scales, folded in row order. tokens_last: lhs and
+        rhs are instead the K-major copies lhs^T [K, M] and rhs^T [N, M] (blocks along axis 1),
+        as `quantize_1x128_transposed` makes them and the Pallas kernel reads them.
+    config tiles the Pallas kernel: a `TgmmConfig` (arrays, MXTensors) or a
+    `BlockwiseTgmmConfig` (BlockwiseTensors); None: the kernel's shape heuristic. No config
+    changes the result bits."""
     registry.check_impl("tgmm", impl)
-    if lhs.ndim != 2 or rhs.ndim != 2 or lhs.shape[0] != rhs.shape[0]:
-        raise ValueError(
-            f"tgmm: lhs [M, K] and rhs [M, N] must share M; got {lhs.shape}, {rhs.shape}"
-        )
-    check_floating("tgmm", lhs=lhs, rhs=rhs)
-    check_group_sizes(group_sizes, None, lhs.shape[0], "tgmm")
-    resolved = registry.resolve("tgmm", impl, lhs.dtype, rhs.dtype, lhs.shape[1], rhs.shape[1])
-    return tgmm_product(
-        lhs, rhs, group_sizes.astype(jnp.int32), jnp.dtype(preferred_element_type), resolved, config
-    )
-
-
-def gmm_product(
-    lhs,
-    rhs,
-    group_sizes,
-    transpose_rhs,
-    out_dtype,
-    impl,
-    config=None,
-    groups_per_weight=1,
-    write_rows_past_groups=True,
-):
-    """`gmm`'s product on the resolved implementation `impl` ("pallas" or "xla"): no argument
-    checks, not differentiable. Group sizes known on the host (numpy) give the kernel's tile
-    metadata at trace time (`jaxmoe.ops.pallas.tiles.metadata_scope`)."""
-    rhs = rhs.astype(lhs.dtype)
-    if impl == "pallas":
-        num_rows = lhs.shape[0]
-        out = gmm_pallas(
-            pad_rows(lhs, kernel_rows(num_rows)),
+    kind = _operands_kind("tgmm", lhs, rhs)
+    blockwise = kind is BlockwiseTensor
+    _check_config("tgmm", kind, config, (BlockwiseTgmmConfig,) if blockwise else (TgmmConfig,))
+    if blockwise:
+        return _tgmm_blockwise(
+            lhs,
             rhs,
             group_sizes,
-            transpose_rhs=transpose_rhs,
-            out_dtype=out_dtype,
-            config=config,
-            groups_per_weight=groups_per_weight,
-            write_rows_past_groups=write_rows_past_groups,
-        )
-        return out[:num_rows]
-    rhs = jnp.repeat(rhs, groups_per_weight, axis=0) if groups_per_weight > 1 else rhs
-    if transpose_rhs:
-        rhs = jnp.swapaxes(rhs, 1, 2)
-    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
-    out = out.astype(out_dtype)
-    return out if write_rows_past_groups else fill_dead_rows(out, jnp.sum(group_sizes))
-
-
-def tgmm_product(lhs, rhs, group_sizes, out_dtype, impl, config=None):
-    """`tgmm`'s product on the resolved implementation `impl`, as `gmm_product` is `gmm`'s."""
-    if impl == "pallas":
-        # TMA loads the row windows of both operands: zero rows up to the kernels' multiple of
-        # 8 (rows past the groups add nothing).
-        rows = kernel_rows(lhs.shape[0])
-        return tgmm_pallas(
-            pad_rows(lhs, rows),
-            pad_rows(rhs, rows),
-            group_sizes,
-            out_dtype=out_dtype,
+            tokens_last=tokens_last,
+            impl=impl,
+            preferred_element_type=preferred_element_type,
             config=config,
         )
-    dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((1,), (0,)), ((), ())),
-        lhs_ragged_dimensions=[1],
-        rhs_group_dimensions=[],
+    _reject("tgmm", kind, tokens_last=tokens_last)
+    product = _tgmm_mxtensor if kind is MXTensor else _tgmm_arrays
+    return product(
+        lhs,
+        rhs,
+        group_sizes,
+        impl=impl,
+        preferred_element_type=preferred_element_type,
+        config=config,
     )
-    out = jax.lax.ragged_dot_general(
-        lhs.T, rhs, group_sizes, dims, preferred_element_type=jnp.float32
-    )
-    return out.astype(out_dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
-def _gmm_differentiable(
-    lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight, written
-):
-    return gmm_product(
-        lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight, written
-    )
-
-
-def _gmm_fwd(
-    lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight, written
-):
-    out = gmm_product(
-        lhs, rhs, group_sizes, transpose_rhs, out_dtype, impl, config, groups_per_weight, written
-    )
-    return out, (lhs, rhs, group_sizes)
-
-
-def _gmm_bwd(transpose_rhs, out_dtype, impl, config, groups_per_weight, written, residuals, grad):
-    lhs, rhs, group_sizes = residuals
-    grad = grad.astype(lhs.dtype)
-    # dgrad: d lhs = grad @ rhs[g]^T, i.e. a gmm against the other orientation of rhs.
-    d_lhs = gmm_product(
-        grad, rhs, group_sizes, not transpose_rhs, lhs.dtype, impl, None, groups_per_weight, written
-    )
-    if transpose_rhs:
-        partials = tgmm_product(grad, lhs, group_sizes, lhs.dtype, impl)
-    else:
-        partials = tgmm_product(lhs, grad, group_sizes, lhs.dtype, impl)
-    return d_lhs, sum_group_partials(partials, groups_per_weight, rhs.dtype), None
-
-
-_gmm_differentiable.defvjp(_gmm_fwd, _gmm_bwd)

@@ -19,10 +19,11 @@ no group's result (`jaxmoe.ops.live_rows`).
 
 The rhs (the expert weights) is quantized in every call (along K for fprop and, when
 differentiating, along N for dgrad) unless the caller passes both copies, made once per optimizer
-step with `quantize_weights`, as `rhs_quantized`: micro-batches of one step then share them.
+step with `quantize_mxfp8_weights` (an `Mxfp8Weights`), as `rhs_quantized`: micro-batches of
+one step then share them.
 
-The GEMMs on MXTensor operands are `gmm_mxtensor` (fprop, dgrad) and `tgmm_mxtensor` (wgrad),
-in `jaxmoe.ops.mxtensor_gmm` (which implementation runs them: see there).
+The GEMMs on MXTensor operands are `jaxmoe.ops.gmm` (fprop, dgrad) and `jaxmoe.ops.tgmm`
+(wgrad), in `jaxmoe.ops.mxtensor_gmm` (which implementation runs them: see there).
 """
 
 from __future__ import annotations
@@ -35,9 +36,16 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxmoe.mxfp8 import BLOCK_SIZE, MXTensor
+from jaxmoe.ops import registry
+from jaxmoe.ops.array_gmm import sum_group_partials
 from jaxmoe.ops.checks import check_group_sizes
-from jaxmoe.ops.gmm import sum_group_partials
-from jaxmoe.ops.mxtensor_gmm import gmm_mxtensor, resolve_strategy, tgmm_mxtensor
+from jaxmoe.ops.mxtensor_gmm import (
+    Mxfp8Kernel,
+    _gmm_mxtensor,
+    _tgmm_mxtensor,
+    check_kernel,
+    resolve_kernel,
+)
 from jaxmoe.ops.quantize import quantize
 
 
@@ -56,15 +64,15 @@ class Mxfp8GmmResiduals:
 
 
 @struct.dataclass
-class QuantizedWeights:
-    """Both MXFP8 copies of expert weights rhs [G, K, N] (the bf16 master copy stays the
-    parameter and receives the gradient)."""
+class Mxfp8Weights:
+    """Both MXFP8 copies of expert weights rhs [G, K, N] (`quantize_mxfp8_weights`; the bf16
+    master copy stays the parameter and receives the gradient)."""
 
     fprop: MXTensor  # rhs^T [G, N, K], blocks along K
     dgrad: MXTensor | None  # rhs [G, K, N], blocks along N; None: forward only (inference)
-    # `gmm_mxtensor`'s strategy for GEMMs on the fprop copy (all of them give the same bits on
-    # the kernels; "decode" suits few rows per group)
-    fprop_strategy: str = struct.field(pytree_node=False, default="dequantize")
+    # The Pallas kernel of GEMMs on the fprop copy (all but FP8_WGMMA give the same bits;
+    # DECODE suits few rows per group)
+    fprop_kernel: Mxfp8Kernel = struct.field(pytree_node=False, default=Mxfp8Kernel.DEQUANTIZE)
     # The fprop copy meets `e4m3_registers.small_scale_dequantization_is_exact`, so that the
     # decode kernel may dequantize it in fewer instructions (the same bits)
     fprop_small_scales: bool = struct.field(pytree_node=False, default=False)
@@ -73,13 +81,15 @@ class QuantizedWeights:
     fprop_tiled: jax.Array | None = None
 
 
-def quantize_weights(rhs: jax.Array, impl: str = "auto", *, dgrad: bool = True) -> QuantizedWeights:
+def quantize_mxfp8_weights(
+    rhs: jax.Array, impl: registry.Impl = "auto", *, dgrad: bool = True
+) -> Mxfp8Weights:
     """The fprop and dgrad copies of rhs [G, K, N], as `mxfp8_gmm(impl=impl)` would make them.
     Make them once per optimizer step (after the update) and pass them to every micro-batch.
     dgrad=False: the fprop copy alone (inference)."""
     if rhs.ndim != 3:
-        raise ValueError(f"quantize_weights: rhs must be [G, K, N], got {rhs.shape}")
-    return QuantizedWeights(
+        raise ValueError(f"quantize_mxfp8_weights: rhs must be [G, K, N], got {rhs.shape}")
+    return Mxfp8Weights(
         fprop=_quantize(jnp.swapaxes(rhs, 1, 2), 2, impl),
         dgrad=_quantize(rhs, 2, impl) if dgrad else None,
     )
@@ -129,12 +139,14 @@ def _check_operands(
     g = rhs.shape[0]
     dgrad = getattr(rhs_quantized, "dgrad", None)
     if rhs_quantized is not None and (
-        not isinstance(rhs_quantized, QuantizedWeights)
+        not isinstance(rhs_quantized, Mxfp8Weights)
         or rhs_quantized.fprop.shape != (g, n, k)
         or rhs_quantized.fprop.axis != 2
         or (dgrad is not None and (dgrad.shape != (g, k, n) or dgrad.axis != 2))
     ):
-        raise ValueError("mxfp8_gmm: rhs_quantized must be quantize_weights(rhs)")
+        raise ValueError("mxfp8_gmm: rhs_quantized must be quantize_mxfp8_weights(rhs)")
+    if rhs_quantized is not None:
+        check_kernel(rhs_quantized.fprop_kernel, "mxfp8_gmm")
 
 
 def mxfp8_gmm(
@@ -144,9 +156,9 @@ def mxfp8_gmm(
     *,
     lhs_rowwise: MXTensor | None = None,
     lhs_is_dequantized: bool = False,
-    rhs_quantized: QuantizedWeights | None = None,
+    rhs_quantized: Mxfp8Weights | None = None,
     preferred_element_type=jnp.float32,
-    impl: str = "auto",
+    impl: registry.Impl = "auto",
     groups_per_weight: int = 1,
 ) -> jax.Array:
     """MXFP8 grouped matmul out[m] = lhs[m] @ rhs[g(m) // groups_per_weight] (see the module
@@ -160,14 +172,14 @@ def mxfp8_gmm(
       before the dispatch); it must equal `quantize(lhs, axis=1)` up to where it was made.
       None: quantize lhs here. It carries no gradient; lhs does.
     lhs_is_dequantized: lhs is bitwise lhs_rowwise's dequantized values (the layer's dispatched
-      rows with an MXFP8 dispatch), so the forward's strategies that read the dequantized lhs
-      take lhs as it is (bf16; see `gmm_mxtensor`'s lhs_values).
-    rhs_quantized: `quantize_weights(rhs)` made earlier in the step (None: quantize here). It
+      rows with an MXFP8 dispatch), so the forward's kernels that read the dequantized lhs
+      take lhs as it is (bf16; see `jaxmoe.ops.gmm`'s lhs_values).
+    rhs_quantized: `quantize_mxfp8_weights(rhs)` made earlier in the step (None: quantize here). It
       carries no gradient; rhs does. rhs None: the forward alone on rhs_quantized's fprop copy
       (MXFP8 inference with no high-precision weights; not differentiable).
     Result in `preferred_element_type`."""
     if rhs is None:  # inference on the stored fprop copy alone
-        if not isinstance(rhs_quantized, QuantizedWeights):
+        if not isinstance(rhs_quantized, Mxfp8Weights):
             raise ValueError("mxfp8_gmm: without rhs, pass its copies as rhs_quantized")
         g, n, k = rhs_quantized.fprop.shape
         like = jax.ShapeDtypeStruct((g, k, n), lhs.dtype)
@@ -219,7 +231,7 @@ def _fprop(
     rhs_q = (
         _quantize(rhs.astype(lhs.dtype), 1, impl) if rhs_quantized is None else rhs_quantized.fprop
     )
-    strategy = "dequantize" if rhs_quantized is None else rhs_quantized.fprop_strategy
+    kernel = Mxfp8Kernel.DEQUANTIZE if rhs_quantized is None else rhs_quantized.fprop_kernel
     if lhs_rowwise is None:
         # The decode kernel reads lhs dequantized (bf16), so its quantized copy has no other
         # reader: with the XLA quantizer (the same bits) XLA fuses the quantization, the
@@ -227,16 +239,16 @@ def _fprop(
         # kernel of its own and the dequantization another.
         k, n = rhs_q.shape[rhs_q.axis], rhs_q.shape[3 - rhs_q.axis]
         groups = rhs_q.shape[0] * groups_per_weight
-        resolved = resolve_strategy(strategy, lhs.shape[0], groups, k, n, rhs_q.axis == 2)
-        lhs_rowwise = _quantize(lhs, 1, "xla" if resolved == "decode" else impl)
-    return gmm_mxtensor(
+        resolved = resolve_kernel(kernel, lhs.shape[0], groups, k, n, rhs_q.axis == 2)
+        lhs_rowwise = _quantize(lhs, 1, "xla" if resolved is Mxfp8Kernel.DECODE else impl)
+    return _gmm_mxtensor(
         lhs_rowwise,
         rhs_q,
         group_sizes,
         impl=impl,
         preferred_element_type=out_dtype,
         groups_per_weight=groups_per_weight,
-        strategy=strategy,
+        kernel=kernel,
         small_scales=rhs_quantized is not None and rhs_quantized.fprop_small_scales,
         lhs_values=lhs if lhs_is_dequantized and lhs.dtype == jnp.bfloat16 else None,
         rhs_tiled=None if rhs_quantized is None else rhs_quantized.fprop_tiled,
@@ -293,15 +305,16 @@ def mxfp8_gmm_backward(
     grad = grad.astype(dtype)
     grad_q = _quantize(grad, 1, impl) if grad_rowwise is None else grad_rowwise
     per_weight = residuals.groups_per_weight
-    d_lhs = gmm_mxtensor(
+    d_lhs = _gmm_mxtensor(
         grad_q,
         residuals.rhs_columnwise,
         sizes,
         impl=impl,
+        kernel=Mxfp8Kernel.DEQUANTIZE,
         preferred_element_type=dtype,
         groups_per_weight=per_weight,
     )
-    partials = tgmm_mxtensor(
+    partials = _tgmm_mxtensor(
         residuals.lhs_columnwise,
         _quantize(grad, 0, impl),
         sizes,

@@ -22,6 +22,7 @@ from typing import Literal
 from jaxmoe.ops.device import on_hopper
 
 Impl = Literal["auto", "xla", "pallas"]
+"""What `impl=` of an op accepts: "auto", the reference "xla", or the kernels "pallas"."""
 REFERENCE = "xla"
 
 

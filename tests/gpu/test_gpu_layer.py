@@ -35,7 +35,7 @@ from flax import nnx
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmoe import MoE, MoEConfig, mxfp8_inference
-from jaxmoe.ops import on_hopper
+from jaxmoe.ops import Mxfp8Kernel, on_hopper
 from jaxmoe.ordered import sum_in_order
 from jaxmoe.routing import router_logits
 from jaxmoe.shapes import SHAPES, LayerShape
@@ -360,9 +360,9 @@ def test_d3_training_forward_equals_inference_forward(layer):
 
 def test_d3_mxfp8_inference_layer_equals_the_training_forward(layer):
     """MXFP8 cases: the layer with its experts stored as MXFP8 alone (`jaxmoe.mxfp8_inference`)
-    gives the training step's y bitwise, with the default GEMMs ("auto": the dequantizing
-    kernels for the batch, the decode kernel for a token) and with the decode kernel
-    (`gemm_strategy="decode"`), for the batch and (D2) for a token alone; its expert state is
+    gives the training step's y bitwise, with the default GEMMs (`Mxfp8Kernel.AUTO`: the
+    dequantizing kernels for the batch, the decode kernel for a token) and with the decode kernel
+    (`kernel=Mxfp8Kernel.DECODE`), for the batch and (D2) for a token alone; its expert state is
     fp8 data and uint8 scales only."""
     model = nnx.merge(layer.graphdef, layer.params, layer.rest)
     if layer.precision != "mxfp8":  # bf16 experts have no MXFP8 copies to keep
@@ -377,7 +377,7 @@ def test_d3_mxfp8_inference_layer_equals_the_training_forward(layer):
     assert_bitwise(y_train[:1, :1], np.asarray(forward(inference, layer.x[:1, :1])))
     dtypes = {str(a.dtype) for a in jax.tree.leaves(nnx.state(inference.experts))}
     assert dtypes == {"float8_e4m3fn", "uint8"}
-    decode = mxfp8_inference(model, gemm_strategy="decode")
+    decode = mxfp8_inference(model, kernel=Mxfp8Kernel.DECODE)
     assert_bitwise(y_train, np.asarray(forward(decode, layer.x)))
     assert_bitwise(y_train[:1, :1], np.asarray(forward(decode, layer.x[:1, :1])))
 

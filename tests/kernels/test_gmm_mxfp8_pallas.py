@@ -23,8 +23,8 @@ from layer_grads import output_and_grads
 
 from jaxmoe import MoEConfig
 from jaxmoe.mxfp8 import MXTensor, dequantize, quantize, scale_multipliers
-from jaxmoe.ops import DecodeConfig, GmmConfig, gmm_mxtensor, on_hopper, tgmm_mxtensor
-from jaxmoe.ops.mxtensor_gmm import DECODE_MAX_ROWS_PER_GROUP, resolve_strategy
+from jaxmoe.ops import DecodeConfig, GmmConfig, Mxfp8Kernel, gmm, on_hopper, tgmm
+from jaxmoe.ops.mxtensor_gmm import DECODE_MAX_ROWS_PER_GROUP, resolve_kernel
 from jaxmoe.ops.pallas.gmm_decode_hopper import (
     default_decode_config,
     default_tile_rows,
@@ -37,7 +37,11 @@ from jaxmoe.ops.pallas.gmm_mxfp8_hopper import default_mxfp8_config
 from bitwise import bits, differs
 
 ON_HOPPER = on_hopper()
+K = Mxfp8Kernel
 U = 2.0**-24
+# The operands below are quantized as the layer's fprop does: rhs^T [G, N, K], blocks along K.
+gmm_nk = functools.partial(gmm, transpose_rhs=True)
+KERNEL_ID = lambda kernel: kernel.value  # test ids: the kernels' names
 # Interpret mode: fp32 output tiles of 32 columns are 128-byte rows (the TMA rule).
 SMALL = GmmConfig(
     tile_m=64,
@@ -78,37 +82,34 @@ def bound(lhs_q, rhs_q, sizes, per_block_rel=None):
     return (per_block_rel + 2 * (k + k // 32) * U) * absdot + 1e-30
 
 
-@pytest.mark.parametrize("strategy", ["fp8_wgmma", "dequantize", "fused_dequantize", "decode"])
+@pytest.mark.parametrize(
+    "kernel", [K.FP8_WGMMA, K.DEQUANTIZE, K.FUSED_DEQUANTIZE, K.DECODE], ids=KERNEL_ID
+)
 @pytest.mark.parametrize("sizes", SIZES.values(), ids=SIZES.keys())
-def test_forward_matches_dequantized_reference(interpret, sizes, strategy):
+def test_forward_matches_dequantized_reference(interpret, sizes, kernel):
     lhs_q, rhs_q = operands(200, 256, 128, 5)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    config = None if ON_HOPPER else (DECODE_SMALL if strategy == "decode" else SMALL)
-    out = gmm_mxtensor(lhs_q, rhs_q, group_sizes, impl="pallas", config=config, strategy=strategy)
-    ref = gmm_mxtensor(lhs_q, rhs_q, group_sizes, impl="xla")
+    config = None if ON_HOPPER else (DECODE_SMALL if kernel is K.DECODE else SMALL)
+    out = gmm_nk(lhs_q, rhs_q, group_sizes, impl="pallas", config=config, kernel=kernel)
+    ref = gmm_nk(lhs_q, rhs_q, group_sizes, impl="xla")
     err = np.abs(np.asarray(out) - np.asarray(ref))
     assert np.all(err <= bound(lhs_q, rhs_q, group_sizes, 2.0**-12 if ON_HOPPER else None))
     assert np.all(np.asarray(out)[sum(sizes) :] == 0)
 
 
-@pytest.mark.parametrize("strategy", ["dequantize", "decode", "xla"])
-def test_lhs_values_stand_in_for_the_dequantized_lhs(interpret, strategy):
+@pytest.mark.parametrize(
+    "impl,kernel",
+    [("pallas", K.DEQUANTIZE), ("pallas", K.DECODE), ("xla", K.AUTO)],
+    ids=["dequantize", "decode", "xla"],
+)
+def test_lhs_values_stand_in_for_the_dequantized_lhs(interpret, impl, kernel):
     """lhs_values (the dispatch's one-pass rows) replace deq(lhs) where it is read: the same
     bits when they are deq(lhs); control: other values change the output, so they are read."""
     lhs_q, rhs_q = operands(200, 256, 128, 5)
     sizes = jnp.asarray(SIZES["ragged_tail_and_empty"], jnp.int32)
-    impl = "xla" if strategy == "xla" else "pallas"
-    config = (
-        None if ON_HOPPER or impl == "xla" else (DECODE_SMALL if strategy == "decode" else SMALL)
-    )
-    run = lambda values: gmm_mxtensor(
-        lhs_q,
-        rhs_q,
-        sizes,
-        impl=impl,
-        config=config,
-        strategy="dequantize" if impl == "xla" else strategy,
-        lhs_values=values,
+    config = None if ON_HOPPER or impl == "xla" else (DECODE_SMALL if kernel is K.DECODE else SMALL)
+    run = lambda values: gmm_nk(
+        lhs_q, rhs_q, sizes, impl=impl, config=config, kernel=kernel, lhs_values=values
     )
     values = dequantize(lhs_q, jnp.bfloat16)
     np.testing.assert_array_equal(bits(run(values)), bits(run(None)))
@@ -141,8 +142,8 @@ def test_decode_items_run_alike_at_any_ring_depth_and_in_narrow_tiles(interpret)
     if ON_HOPPER:
         configs = [dataclasses.replace(c, num_sms=132) for c in configs]
     tiled = tile_weights(rhs_q.data)
-    run = lambda config, tiles=None: gmm_mxtensor(
-        lhs_q, rhs_q, sizes, impl="pallas", config=config, strategy="decode", rhs_tiled=tiles
+    run = lambda config, tiles=None: gmm_nk(
+        lhs_q, rhs_q, sizes, impl="pallas", config=config, kernel=K.DECODE, rhs_tiled=tiles
     )
     chained = run(configs[0])
     for config, tiles in zip(configs[1:], [None, tiled, tiled, tiled, None], strict=True):
@@ -153,11 +154,11 @@ def test_decode_items_run_alike_at_any_ring_depth_and_in_narrow_tiles(interpret)
     with pytest.raises(ValueError, match="rhs_tiled must be"):
         run(configs[0], tiled[:, :1])
     # Negative control: the same products summed in XLA's order differ somewhere.
-    assert differs(bits(gmm_mxtensor(lhs_q, rhs_q, sizes, impl="xla")), bits(chained))
+    assert differs(bits(gmm_nk(lhs_q, rhs_q, sizes, impl="xla")), bits(chained))
 
 
-@pytest.mark.parametrize("strategy", ["fp8_wgmma", "fused_dequantize"])
-def test_empty_experts_and_zero_padding_rows_give_exact_zeros(interpret, strategy):
+@pytest.mark.parametrize("kernel", [K.FP8_WGMMA, K.FUSED_DEQUANTIZE], ids=KERNEL_ID)
+def test_empty_experts_and_zero_padding_rows_give_exact_zeros(interpret, kernel):
     lhs_q, rhs_q = operands(192, 256, 128, 4, seed=1)
     padding = np.zeros(192, bool)
     padding[[5, 6, 70, 130]] = True  # zero rows inside groups, as the plan pads
@@ -165,12 +166,12 @@ def test_empty_experts_and_zero_padding_rows_give_exact_zeros(interpret, strateg
     lhs_q = quantize(lhs, axis=1)
     sizes = jnp.array([64, 0, 96, 0], jnp.int32)  # rows 160.. belong to no group
     out = np.asarray(
-        gmm_mxtensor(
+        gmm_nk(
             lhs_q,
             rhs_q,
             sizes,
             impl="pallas",
-            strategy=strategy,
+            kernel=kernel,
             config=None if ON_HOPPER else SMALL,
         )
     )
@@ -178,9 +179,9 @@ def test_empty_experts_and_zero_padding_rows_give_exact_zeros(interpret, strateg
     assert np.all(out[~padding][:150] != 0)
 
 
-def row_bits_configs(strategy: str) -> list:
-    """Tilings of the kernel of `strategy` whose results must agree bit for bit."""
-    if strategy == "decode":
+def row_bits_configs(kernel: Mxfp8Kernel) -> list:
+    """Tilings of `kernel` whose results must agree bit for bit."""
+    if kernel is K.DECODE:
         configs = [
             DECODE_SMALL,
             DecodeConfig(tile_rows=8, wg_n=128, tile_k=64, max_concurrent_steps=1, num_sms=2),
@@ -209,38 +210,39 @@ def row_bits_configs(strategy: str) -> list:
 
 
 @pytest.mark.parametrize(
-    "strategy",
+    "kernel",
     [
-        "fp8_wgmma",
-        pytest.param("fused_dequantize", marks=pytest.mark.exhaustive),
-        pytest.param("decode", marks=pytest.mark.exhaustive),
+        K.FP8_WGMMA,
+        pytest.param(K.FUSED_DEQUANTIZE, marks=pytest.mark.exhaustive),
+        pytest.param(K.DECODE, marks=pytest.mark.exhaustive),
     ],
+    ids=KERNEL_ID,
 )
-def test_row_bits_do_not_depend_on_other_groups_or_config(interpret, strategy):
+def test_row_bits_do_not_depend_on_other_groups_or_config(interpret, kernel):
     """Batch invariance as for the bf16 kernel: a row's bits stay when the groups around it
     change and under other tilings (tile_k fixed in the interpreter, see test_gmm_pallas; the
     decode kernel's out^T tiles gathered back included)."""
-    lhs_q, rhs_q = operands(256, 256, 256 if strategy == "decode" else 128, 4, seed=2)
+    lhs_q, rhs_q = operands(256, 256, 256 if kernel is K.DECODE else 128, 4, seed=2)
     probe = 130
     layouts = {"a": [64, 40, 60, 36], "b": [0, 0, 200, 56], "c": [100, 7, 41, 9]}
-    configs = row_bits_configs(strategy)
+    configs = row_bits_configs(kernel)
     results = []
     for sizes in layouts.values():
         assert np.cumsum([0] + sizes)[2] <= probe < np.cumsum(sizes)[2]
         for config in configs:
-            out = gmm_mxtensor(
+            out = gmm_nk(
                 lhs_q,
                 rhs_q,
                 jnp.asarray(sizes, jnp.int32),
                 impl="pallas",
                 config=config,
-                strategy=strategy,
+                kernel=kernel,
             )
             results.append(bits(out)[probe])
     for other in results[1:]:
         np.testing.assert_array_equal(other, results[0])
     # Negative control: the same row summed in another order (XLA's) has other bits somewhere.
-    ref = gmm_mxtensor(lhs_q, rhs_q, jnp.asarray(layouts["a"], jnp.int32), impl="xla")
+    ref = gmm_nk(lhs_q, rhs_q, jnp.asarray(layouts["a"], jnp.int32), impl="xla")
     assert differs(bits(ref)[probe], results[0])
 
 
@@ -249,8 +251,8 @@ def test_wgrad_matches_reference(interpret):
     x = quantize(jax.random.normal(keys[0], (192, 128)).astype(jnp.bfloat16), axis=0)
     dy = quantize(jax.random.normal(keys[1], (192, 128)).astype(jnp.bfloat16), axis=0)
     sizes = jnp.array([64, 0, 96, 32], jnp.int32)
-    out = tgmm_mxtensor(x, dy, sizes, impl="pallas")
-    ref = tgmm_mxtensor(x, dy, sizes, impl="xla")
+    out = tgmm(x, dy, sizes, impl="pallas")
+    ref = tgmm(x, dy, sizes, impl="xla")
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
     assert np.all(np.asarray(out)[1] == 0)
 
@@ -281,11 +283,11 @@ def test_moe_layer_mxfp8_pallas_matches_xla(interpret):
 
 
 @pytest.mark.parametrize(
-    "strategy,default_config",
+    "kernel,default_config",
     [
-        ("fp8_wgmma", default_mxfp8_config),
-        ("fused_dequantize", default_dequantize_config),
-        ("decode", default_decode_config),
+        (K.FP8_WGMMA, default_mxfp8_config),
+        (K.FUSED_DEQUANTIZE, default_dequantize_config),
+        (K.DECODE, default_decode_config),
     ],
     ids=["fp8_wgmma", "fused_dequantize", "decode"],
 )
@@ -301,18 +303,18 @@ def test_moe_layer_mxfp8_pallas_matches_xla(interpret):
     ],
     ids=["mixtral", "qwen3", "dsv3", "narrow_n", "mixtral_decode", "qwen3_fc2_decode"],
 )
-def test_lowering_at_real_shapes(shape, strategy, default_config):
+def test_lowering_at_real_shapes(shape, kernel, default_config):
     """Pallas -> Mosaic GPU lowering on CPU (its layout inference included) for the
     fp8-reading kernels at the benchmark shapes and at decode sizes (narrow_n: warpgroups
     stacked along M)."""
-    lower_for_hopper(shape, strategy, default_config, jnp.bfloat16)
+    lower_for_hopper(shape, kernel, default_config, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("shape", [(128, 4096, 28672, 8), (512, 768, 2048, 128)])
 def test_decode_kernel_lowers_with_fp32_output(shape):
     """The decode kernel's epilogue transposes the output tile in SMEM; fp32 needs another
     register layout for that than bf16 (Mosaic's layout inference failed on it once)."""
-    lower_for_hopper(shape, "decode", default_decode_config, jnp.float32)
+    lower_for_hopper(shape, K.DECODE, default_decode_config, jnp.float32)
 
 
 @pytest.mark.parametrize(
@@ -321,18 +323,18 @@ def test_decode_kernel_lowers_with_fp32_output(shape):
 def test_decode_kernel_lowers_reading_tiled_weights(shape):
     """At the decode shapes (qwen3_30b at one token: 128-column items), on the integer
     dequantization route as `mxfp8_inference` runs it."""
-    lower_for_hopper(shape, "decode", default_decode_config, jnp.bfloat16, tiled=True)
+    lower_for_hopper(shape, K.DECODE, default_decode_config, jnp.bfloat16, tiled=True)
 
 
-def lower_for_hopper(shape, strategy, default_config, out_dtype, tiled=False):
+def lower_for_hopper(shape, kernel, default_config, out_dtype, tiled=False):
     m, k, n, g = shape
     s = jax.ShapeDtypeStruct
     fn = functools.partial(
-        gmm_mxtensor,
+        gmm_nk,
         impl="pallas",
         preferred_element_type=out_dtype,
         config=default_config(m, k, n, g, out_dtype),
-        strategy=strategy,
+        kernel=kernel,
         small_scales=tiled,
     )
     tiles = lambda rd: tile_weights(rd) if tiled else None
@@ -354,49 +356,50 @@ def mx(data, scale, axis):
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
 def test_dequantize_takes_the_weights_untransposed(interpret, impl):
     """rhs [G, K, N] with blocks along K (quantized without transposing the weights) gives the
-    bits of its [G, N, K] copy; the fp8-reading strategies refuse it."""
+    bits of its [G, N, K] copy; the fp8-reading kernels refuse it."""
     lhs_q, rhs_q = operands(200, 256, 128, 5, seed=3)
     sizes = jnp.asarray(SIZES["ragged_tail_and_empty"], jnp.int32)
     weights = jnp.swapaxes(dequantize(rhs_q, jnp.bfloat16), 1, 2)  # [G, K, N], exact
     rhs_kn = quantize(weights, axis=1)
     config = None if ON_HOPPER else SMALL
+    run = functools.partial(gmm, impl=impl, config=config, kernel=K.DEQUANTIZE)
     out = {
-        name: bits(gmm_mxtensor(lhs_q, rhs, sizes, impl=impl, config=config))
-        for name, rhs in (("nk", rhs_q), ("kn", rhs_kn))
+        "nk": bits(run(lhs_q, rhs_q, sizes, transpose_rhs=True)),
+        "kn": bits(run(lhs_q, rhs_kn, sizes)),
     }
     np.testing.assert_array_equal(out["kn"], out["nk"])
     one_scale_up = dataclasses.replace(rhs_kn, scale=rhs_kn.scale.at[2, 0, 0].add(1))
-    assert differs(
-        bits(gmm_mxtensor(lhs_q, one_scale_up, sizes, impl=impl, config=config)), out["nk"]
-    )
-    for strategy in ("fp8_wgmma", "fused_dequantize", "decode"):
+    assert differs(bits(run(lhs_q, one_scale_up, sizes)), out["nk"])
+    for kernel in (K.FP8_WGMMA, K.FUSED_DEQUANTIZE, K.DECODE):
         with pytest.raises(ValueError, match="reads rhs as"):
-            gmm_mxtensor(lhs_q, rhs_kn, sizes, impl="pallas", strategy=strategy)
+            gmm(lhs_q, rhs_kn, sizes, impl="pallas", kernel=kernel)
+    with pytest.raises(ValueError, match="pass transpose_rhs=False"):
+        gmm(lhs_q, rhs_kn, sizes, transpose_rhs=True)
 
 
 def test_refuses_bad_operands():
     lhs_q, rhs_q = operands(64, 128, 128, 2)
     sizes = jnp.array([32, 32], jnp.int32)
     with pytest.raises(ValueError, match="blocks along K"):
-        gmm_mxtensor(quantize(dequantize(lhs_q, jnp.bfloat16), axis=0), rhs_q, sizes)
+        gmm_nk(quantize(dequantize(lhs_q, jnp.bfloat16), axis=0), rhs_q, sizes)
     with pytest.raises(ValueError, match="group_sizes"):
-        gmm_mxtensor(lhs_q, rhs_q, jnp.array([32, 32, 0], jnp.int32))
+        gmm_nk(lhs_q, rhs_q, jnp.array([32, 32, 0], jnp.int32))
     lhs96, rhs96 = operands(64, 96, 128, 2)
-    for strategy in ("fp8_wgmma", "fused_dequantize"):
+    for kernel in (K.FP8_WGMMA, K.FUSED_DEQUANTIZE):
         with pytest.raises(ValueError, match="multiples of 128"):
-            gmm_mxtensor(lhs96, rhs96, sizes, impl="pallas", strategy=strategy)
-    with pytest.raises(ValueError, match="strategy"):
-        gmm_mxtensor(lhs_q, rhs_q, sizes, strategy="fp4")
+            gmm_nk(lhs96, rhs96, sizes, impl="pallas", kernel=kernel)
+    with pytest.raises(TypeError, match="kernel must be an Mxfp8Kernel"):
+        gmm_nk(lhs_q, rhs_q, sizes, kernel="fp8_wgmma")
     with pytest.raises(ValueError, match="blocks"):
-        tgmm_mxtensor(lhs_q, lhs_q, sizes)
+        tgmm(lhs_q, lhs_q, sizes)
 
 
 @pytest.mark.gpu
 def test_gpu_mxfp8_forward_and_invariance_on_hardware():
     lhs_q, rhs_q = operands(4096, 1024, 512, 16, seed=10)
     sizes = jnp.asarray(np.random.default_rng(0).multinomial(4000, np.ones(16) / 16), jnp.int32)
-    out = gmm_mxtensor(lhs_q, rhs_q, sizes, impl="pallas", strategy="fp8_wgmma")
-    ref = gmm_mxtensor(lhs_q, rhs_q, sizes, impl="xla")
+    out = gmm_nk(lhs_q, rhs_q, sizes, impl="pallas", kernel=K.FP8_WGMMA)
+    ref = gmm_nk(lhs_q, rhs_q, sizes, impl="xla")
     err = np.abs(np.asarray(out) - np.asarray(ref))
     assert np.all(err <= bound(lhs_q, rhs_q, sizes, 2.0**-12))
     assert np.all(np.asarray(out)[4000:] == 0)
@@ -408,7 +411,7 @@ def test_gpu_mxfp8_forward_and_invariance_on_hardware():
         lhs_q.scale.at[probe - 5].set(lhs_q.scale[probe]),
         1,
     )
-    moved_out = gmm_mxtensor(shifted, rhs_q, moved, impl="pallas", strategy="fp8_wgmma")
+    moved_out = gmm_nk(shifted, rhs_q, moved, impl="pallas", kernel=K.FP8_WGMMA)
     np.testing.assert_array_equal(bits(moved_out)[probe - 5], bits(out)[probe])
 
 
@@ -424,7 +427,7 @@ def test_scale_multipliers_decode_every_byte_like_dequantize():
 
 @pytest.mark.gpu
 def test_gpu_in_kernel_dequantization_equals_dequantizing_first_bitwise():
-    """On the H200 the kernels that dequantize in SMEM ("fused_dequantize"; "decode", whose
+    """On the H200 the kernels that dequantize in SMEM (FUSED_DEQUANTIZE; DECODE, whose
     wgmma takes the weights as A and the rows as B) give the bits of dequantizing both operands
     to bf16 first and running the bf16 kernel (the same k16 wgmma chain in ascending K), at a
     training size and decode sizes, the decode kernel also on tiled weights and with its items
@@ -433,34 +436,32 @@ def test_gpu_in_kernel_dequantization_equals_dequantizing_first_bitwise():
     for m, k, n, g in [(8192, 2048, 1536, 128), (512, 2048, 1536, 128), (128, 4096, 2048, 8)]:
         lhs_q, rhs_q = operands(m, k, n, g, seed=11)
         sizes = jnp.asarray(np.random.default_rng(1).multinomial(m - 40, np.ones(g) / g), jnp.int32)
-        run = functools.partial(gmm_mxtensor, lhs_q, rhs_q, sizes, impl="pallas")
-        results = {
-            strategy: run(strategy=strategy)
-            for strategy in ("dequantize", "fused_dequantize", "decode", "fp8_wgmma")
-        }
-        out = {strategy: bits(result) for strategy, result in results.items()}
-        np.testing.assert_array_equal(out["fused_dequantize"], out["dequantize"])
-        np.testing.assert_array_equal(out["decode"], out["dequantize"])
-        assert differs(out["fp8_wgmma"], out["dequantize"])
+        run = functools.partial(gmm_nk, lhs_q, rhs_q, sizes, impl="pallas")
+        kernels = (K.DEQUANTIZE, K.FUSED_DEQUANTIZE, K.DECODE, K.FP8_WGMMA)
+        results = {kernel: run(kernel=kernel) for kernel in kernels}
+        out = {kernel: bits(result) for kernel, result in results.items()}
+        np.testing.assert_array_equal(out[K.FUSED_DEQUANTIZE], out[K.DEQUANTIZE])
+        np.testing.assert_array_equal(out[K.DECODE], out[K.DEQUANTIZE])
+        assert differs(out[K.FP8_WGMMA], out[K.DEQUANTIZE])
         plain = dataclasses.replace(
-            default_decode_config(m, k, n, g, results["decode"].dtype), balance_ctas=False
+            default_decode_config(m, k, n, g, results[K.DECODE].dtype), balance_ctas=False
         )
         for config, tiled in [(None, tile_weights(rhs_q.data)), (plain, None)]:
-            decode = run(strategy="decode", config=config, rhs_tiled=tiled)
-            np.testing.assert_array_equal(bits(decode), out["dequantize"])
+            decode = run(kernel=K.DECODE, config=config, rhs_tiled=tiled)
+            np.testing.assert_array_equal(bits(decode), out[K.DEQUANTIZE])
 
 
-def test_auto_strategy_takes_the_decode_kernel_at_few_rows_per_group():
+def test_auto_kernel_takes_the_decode_kernel_at_few_rows_per_group():
     per_group = DECODE_MAX_ROWS_PER_GROUP
-    assert resolve_strategy("auto", 128 * per_group, 128, 2048, 1536) == "decode"
-    assert resolve_strategy("auto", 128 * per_group + 8, 128, 2048, 1536) == "dequantize"
-    assert resolve_strategy("auto", 64, 8, 4096, 192) == "dequantize"  # N not a multiple of 128
-    assert resolve_strategy("auto", 64, 8, 4096, 256, k_major=False) == "dequantize"
-    assert resolve_strategy("fused_dequantize", 64, 8, 4096, 256) == "fused_dequantize"
+    assert resolve_kernel(K.AUTO, 128 * per_group, 128, 2048, 1536) is K.DECODE
+    assert resolve_kernel(K.AUTO, 128 * per_group + 8, 128, 2048, 1536) is K.DEQUANTIZE
+    assert resolve_kernel(K.AUTO, 64, 8, 4096, 192) is K.DEQUANTIZE  # N not a multiple of 128
+    assert resolve_kernel(K.AUTO, 64, 8, 4096, 256, k_major=False) is K.DEQUANTIZE
+    assert resolve_kernel(K.FUSED_DEQUANTIZE, 64, 8, 4096, 256) is K.FUSED_DEQUANTIZE
     lhs_q, rhs_q = operands(32, 256, 128, 4)
     sizes = jnp.array([8, 8, 8, 8], jnp.int32)
-    with pytest.raises(ValueError, match="name the strategy"):
-        gmm_mxtensor(lhs_q, rhs_q, sizes, impl="pallas", strategy="auto", config=DECODE_SMALL)
+    with pytest.raises(ValueError, match="name the kernel"):
+        gmm_nk(lhs_q, rhs_q, sizes, impl="pallas", config=DECODE_SMALL)
 
 
 def test_decode_config_refuses_what_the_kernel_cannot_run():

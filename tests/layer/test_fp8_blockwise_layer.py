@@ -14,12 +14,8 @@ from flax import nnx
 
 from jaxmoe import MoE, MoEConfig, recipes
 from jaxmoe import fp8_blockwise as fb
-from jaxmoe.ops import fp8_blockwise_gmm, gmm_fp8_blockwise, tgmm
-from jaxmoe.ops.fp8_blockwise_gmm import (
-    fp8_blockwise_gmm_backward,
-    fp8_blockwise_gmm_forward,
-    tgmm_fp8_blockwise,
-)
+from jaxmoe.ops import fp8_blockwise_gmm, gmm, tgmm
+from jaxmoe.ops.fp8_blockwise_gmm import fp8_blockwise_gmm_backward, fp8_blockwise_gmm_forward
 from jaxmoe.shapes import SHAPES
 
 from bitwise import assert_bitwise, differs
@@ -61,7 +57,7 @@ def inference(model, x):
 def test_gradients_are_the_recipes_gemms_bitwise():
     """dgrad: grad in 1x128 blocks along N times the weights' 128x128 blocks transposed; wgrad:
     lhs and grad in 1x128 blocks along the rows, folded per 128-row block
-    (`tgmm_fp8_blockwise`); controls below."""
+    (`jaxmoe.ops.tgmm` on BlockwiseTensors); controls below."""
     rng = np.random.default_rng(0)
     spread = 2.0 ** rng.integers(0, 6, (384, 1)) * 2.0 ** rng.integers(0, 6, (1, 256))
     lhs = jnp.asarray(rng.normal(size=(384, 256)) * spread, BF16)  # the two block directions differ
@@ -73,23 +69,19 @@ def test_gradients_are_the_recipes_gemms_bitwise():
     )
     d_lhs, d_rhs = vjp(dy)
     weights = fb.quantize_128x128(rhs)
-    assert_bitwise(
-        out, gmm_fp8_blockwise(fb.quantize_1x128(lhs), weights, sizes, preferred_element_type=BF16)
-    )
+    assert_bitwise(out, gmm(fb.quantize_1x128(lhs), weights, sizes, preferred_element_type=BF16))
     assert_bitwise(
         d_lhs,
-        gmm_fp8_blockwise(
-            fb.quantize_1x128(dy), weights, sizes, transpose_rhs=True, preferred_element_type=BF16
-        ),
+        gmm(fb.quantize_1x128(dy), weights, sizes, transpose_rhs=True, preferred_element_type=BF16),
     )
     lhs_t, dy_t = fb.quantize_1x128(lhs, 0), fb.quantize_1x128(dy, 0)
-    assert_bitwise(d_rhs, tgmm_fp8_blockwise(lhs_t, dy_t, sizes, preferred_element_type=BF16))
+    assert_bitwise(d_rhs, tgmm(lhs_t, dy_t, sizes, preferred_element_type=BF16))
     # Controls: wgrad on the rowwise (fprop / dgrad) copies gives other bf16 bits; and at fp32
     # the per-block folds differ from one chain over the dequantized copies (rounded to bf16,
     # as the layer's gradient is, that difference vanishes at this size: 0 of 65,536 elements).
     rowwise = [fb.dequantize(fb.quantize_1x128(a), BF16) for a in (lhs, dy)]
     assert differs(d_rhs, tgmm(*rowwise, sizes, preferred_element_type=BF16))
-    folds = tgmm_fp8_blockwise(lhs_t, dy_t, sizes, preferred_element_type=jnp.float32)
+    folds = tgmm(lhs_t, dy_t, sizes, preferred_element_type=jnp.float32)
     assert_bitwise(d_rhs, folds.astype(BF16))
     dequantized = [fb.dequantize(a, BF16) for a in (lhs_t, dy_t)]
     assert differs(folds, tgmm(*dequantized, sizes, preferred_element_type=jnp.float32))

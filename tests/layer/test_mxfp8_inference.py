@@ -17,8 +17,8 @@ from bridge import errors as megatron_errors
 from bridge import megatron
 from jaxmoe import MoE, MoEConfig, mxfp8, mxfp8_inference
 from jaxmoe.mxfp8 import MXTensor
-from jaxmoe.ops import gmm_mxtensor, on_hopper
-from jaxmoe.ops.mxfp8_gmm import mxfp8_gmm, quantize_weights
+from jaxmoe.ops import Mxfp8Kernel, gmm, on_hopper
+from jaxmoe.ops.mxfp8_gmm import mxfp8_gmm, quantize_mxfp8_weights
 from jaxmoe.ops.pallas.gmm_decode_hopper import tile_weights
 from jaxmoe.ordered import sum_in_order
 from jaxmoe.plan import MIN_BUFFER_ROWS
@@ -124,8 +124,8 @@ def test_refusals():
     with pytest.raises(ValueError, match="expert_precision='mxfp8'"):
         mxfp8_inference(bf16)
     model, x = make(MXFP8)
-    with pytest.raises(ValueError, match="gemm_strategy must be one of"):
-        mxfp8_inference(model, gemm_strategy="fp4")
+    with pytest.raises(TypeError, match="kernel must be an Mxfp8Kernel"):
+        mxfp8_inference(model, kernel="decode")
     inference = mxfp8_inference(model)
     with pytest.raises(ValueError, match="holds its MXFP8 copies"):
         inference(x, expert_weights=model.quantize_expert_weights())
@@ -135,26 +135,24 @@ def test_refusals():
 
 
 @pytest.mark.exhaustive
-def test_gemm_strategies_run_the_stored_copies_on_their_kernels(interpret):
-    """The kernels of every bit-preserving strategy on the stored copies (K and N multiples of
-    128), against "dequantize": bitwise on the H200; in the CPU interpreter, whose wgmma sums
-    a call's K slice in another order, within the normwise bound of
-    `test_moe_layer_mxfp8_pallas_matches_xla` (a last-bit difference may move a later MXFP8
-    rounding one e4m3 step). "dequantize" on the kernels, with the inference copy's unpadded
-    expert blocks, is bitwise the training forward on the same kernels with 32-row blocks."""
+def test_gemm_kernels_run_the_stored_copies(interpret):
+    """Every bit-preserving kernel on the stored copies (K and N multiples of 128), against
+    DEQUANTIZE: bitwise on the H200; in the CPU interpreter, whose wgmma sums a call's K slice
+    in another order, within the normwise bound of `test_moe_layer_mxfp8_pallas_matches_xla`
+    (a last-bit difference may move a later MXFP8 rounding one e4m3 step). DEQUANTIZE on the
+    kernels, with the inference copy's unpadded expert blocks, is bitwise the training forward
+    on the same kernels with 32-row blocks."""
     config = MXFP8.replace(num_experts=4, ffn_hidden_size=128, shared_expert_intermediate_size=None)
     model = MoE(config, 128, param_dtype=jnp.bfloat16, gmm_impl="pallas", rngs=nnx.Rngs(2))
     x = jax.random.normal(jax.random.key(3), (1, 16, 128)).astype(jnp.bfloat16)
-    y = {
-        strategy: inference_output(mxfp8_inference(model, gemm_strategy=strategy), x)
-        for strategy in ("dequantize", "fused_dequantize", "decode")
-    }
-    assert_bitwise(y["dequantize"], training_output(model, x))
-    for strategy in ("fused_dequantize", "decode"):
+    kernels = (Mxfp8Kernel.DEQUANTIZE, Mxfp8Kernel.FUSED_DEQUANTIZE, Mxfp8Kernel.DECODE)
+    y = {kernel: inference_output(mxfp8_inference(model, kernel=kernel), x) for kernel in kernels}
+    assert_bitwise(y[Mxfp8Kernel.DEQUANTIZE], training_output(model, x))
+    for kernel in kernels[1:]:
         if on_hopper():
-            assert_bitwise(y[strategy], y["dequantize"])
+            assert_bitwise(y[kernel], y[Mxfp8Kernel.DEQUANTIZE])
         else:
-            a, b = y[strategy].astype(np.float32), y["dequantize"].astype(np.float32)
+            a, b = y[kernel].astype(np.float32), y[Mxfp8Kernel.DEQUANTIZE].astype(np.float32)
             assert np.linalg.norm(a - b) <= 2**-6 * np.linalg.norm(b)
 
 
@@ -174,7 +172,7 @@ def test_decode_forward_reads_the_stored_copies_in_place(interpret):
     config = MXFP8.replace(num_experts=4, ffn_hidden_size=128, shared_expert_intermediate_size=None)
     model = MoE(config, 256, param_dtype=jnp.bfloat16, gmm_impl="pallas", rngs=nnx.Rngs(2))
     x = jax.ShapeDtypeStruct((1, 4, 256), jnp.bfloat16)
-    decode = mxfp8_inference(model, gemm_strategy="decode")
+    decode = mxfp8_inference(model, kernel=Mxfp8Kernel.DECODE)
     experts = decode.experts
     fc1, fc2 = experts.fc1_scale[...], experts.fc2_scale[...]
     shapes = {a.shape for a in (fc1, fc2)} | {a.shape[:1] + a.shape[:0:-1] for a in (fc1, fc2)}
@@ -186,17 +184,18 @@ def test_decode_forward_reads_the_stored_copies_in_place(interpret):
     hlo = forward.lower(state, x).compile().as_text()
     assert relayouts(hlo, shapes) == [] and relayouts(hlo, data, "f8e4m3fn") == []
 
-    fprop = quantize_weights(model.experts.fc1_kernel[...], dgrad=False).fprop  # [E, N, K/32]
+    fprop = quantize_mxfp8_weights(model.experts.fc1_kernel[...], dgrad=False).fprop
     rows = MXTensor(
         jnp.zeros((32, 256), jnp.float8_e4m3fn), jnp.zeros((32, 8), jnp.uint8), 1, "e4m3"
     )
     gemm = jax.jit(
-        lambda w: gmm_mxtensor(
+        lambda w: gmm(
             rows,
             w,
             jnp.full((4,), 8),
+            transpose_rhs=True,
             impl="pallas",
-            strategy="decode",
+            kernel=Mxfp8Kernel.DECODE,
             rhs_tiled=tile_weights(w.data),
         )
     )
@@ -207,18 +206,18 @@ def test_decode_forward_reads_the_stored_copies_in_place(interpret):
 def test_decode_forward_quantizes_the_fc2_input_with_xla(interpret):
     """With the decode kernel, fc2's input is quantized by the XLA quantizer (the same bits),
     which XLA fuses with the activation and the dequantization that the kernel reads; the
-    "dequantize" strategy runs the Pallas quantizer on it. Both quantize the dispatched
+    DEQUANTIZE kernel runs the Pallas quantizer on it. Both quantize the dispatched
     tokens with the Pallas quantizer."""
     config = MXFP8.replace(num_experts=4, ffn_hidden_size=128, shared_expert_intermediate_size=None)
     model = MoE(config, 128, param_dtype=jnp.bfloat16, gmm_impl="pallas", rngs=nnx.Rngs(2))
     x = jax.ShapeDtypeStruct((1, 4, 128), jnp.bfloat16)
     kernels = {}
-    for strategy in ("decode", "dequantize"):
-        graphdef, state = nnx.split(mxfp8_inference(model, gemm_strategy=strategy))
+    for kernel in (Mxfp8Kernel.DECODE, Mxfp8Kernel.DEQUANTIZE):
+        graphdef, state = nnx.split(mxfp8_inference(model, kernel=kernel))
         forward = lambda state, x: nnx.merge(graphdef, state)(x)[0]  # noqa: B023
         jaxpr = str(jax.make_jaxpr(forward)(state, x))
-        kernels[strategy] = jaxpr.count("kernel_name='quantize_rowwise'")
-    assert kernels == {"decode": 1, "dequantize": 2}
+        kernels[kernel] = jaxpr.count("kernel_name='quantize_rowwise'")
+    assert kernels == {Mxfp8Kernel.DECODE: 1, Mxfp8Kernel.DEQUANTIZE: 2}
 
 
 def test_a_megatron_checkpoint_runs_as_mxfp8_inference():

@@ -22,7 +22,7 @@ import jaxmoe
 from jaxmoe import MoE, MoEConfig, demo, mxfp8
 from jaxmoe.dispatch import LocalRoute, combine
 from jaxmoe.experts import bias_per_row, weighted_activation
-from jaxmoe.ops import gmm, mxfp8_gmm, quantize_weights, tgmm
+from jaxmoe.ops import gmm, mxfp8_gmm, quantize_mxfp8_weights, tgmm
 from jaxmoe.ordered import broadcast_in_order
 
 from bitwise import assert_bitwise, differs
@@ -574,7 +574,7 @@ def test_bad_mxfp8_shapes_and_alignment_are_refused_clearly():
     with pytest.raises(ValueError, match="K=48 and N=32 must be multiples of 32"):
         mxfp8_gmm(jnp.ones((64, 48), BF16), jnp.ones((2, 48, H), BF16), jnp.array([32, 32]))
     # The forward alone (no high-precision rhs: inference) has no columnwise blocks.
-    stored = quantize_weights(weights, dgrad=False)
+    stored = quantize_mxfp8_weights(weights, dgrad=False)
     assert mxfp8_gmm(tokens(48), None, jnp.array([32, 15]), rhs_quantized=stored).shape == (48, H)
 
 
@@ -635,14 +635,14 @@ def test_demo_mxfp8_loss_tracks_bf16():
 
 
 def test_weights_quantized_once_per_step_give_the_same_bits():
-    """quantize_weights(rhs) made once and passed to several micro-batches: outputs and
+    """quantize_mxfp8_weights(rhs) made once and passed to several micro-batches: outputs and
     gradients (to lhs and to the bf16 master rhs) are the bits of quantizing in every call;
     copies made from other weights are used as given (negative control)."""
     keys = jax.random.split(jax.random.key(11), 4)
     rhs = jax.random.normal(keys[0], (3, 64, 96), F32).astype(BF16)
     sizes = jnp.array([32, 0, 64], jnp.int32)
-    cached = quantize_weights(rhs, impl="xla")
-    stale = quantize_weights((rhs * 1.5).astype(BF16), impl="xla")
+    cached = quantize_mxfp8_weights(rhs, impl="xla")
+    stale = quantize_mxfp8_weights((rhs * 1.5).astype(BF16), impl="xla")
 
     def run(lhs, weights):
         def loss(lhs, rhs):

@@ -18,8 +18,7 @@ from test_gmm_mxfp8_pallas import SMALL  # the fp8 kernel's interpreter tiling
 
 import jaxmoe.ops.device
 from jaxmoe import fp8_blockwise as fb
-from jaxmoe.ops import gmm_fp8_blockwise, on_hopper
-from jaxmoe.ops.fp8_blockwise_gmm import tgmm_fp8_blockwise
+from jaxmoe.ops import gmm, on_hopper, tgmm
 from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import BlockwiseTgmmConfig
 from jaxmoe.ops.pallas.tgmm_fp8_blockwise_hopper import default_config as default_tgmm_config
 
@@ -302,17 +301,15 @@ def test_kernel_equals_the_reference_on_exact_operands(
             max_concurrent_steps=steps,
             scale_lookahead=lookahead,
         )
-    got = gmm_fp8_blockwise(
-        lq, rq, sizes, transpose_rhs=transpose_rhs, impl="pallas", config=config
-    )
-    want = gmm_fp8_blockwise(lq, rq, sizes, transpose_rhs=transpose_rhs, impl="xla")
+    got = gmm(lq, rq, sizes, transpose_rhs=transpose_rhs, impl="pallas", config=config)
+    want = gmm(lq, rq, sizes, transpose_rhs=transpose_rhs, impl="xla")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_array_equal(
         np.asarray(want), grouped_product(lhs, rhs, [70, 0, 100], transpose_rhs)
     )
     moved = fb.BlockwiseTensor(lq.data, jnp.roll(lq.scale_inv, 1, axis=1), lq.block_axes)
     assert np.any(
-        np.asarray(gmm_fp8_blockwise(moved, rq, sizes, transpose_rhs=transpose_rhs, impl="xla"))
+        np.asarray(gmm(moved, rq, sizes, transpose_rhs=transpose_rhs, impl="xla"))
         != np.asarray(want)
     )
 
@@ -323,7 +320,7 @@ def test_kernel_within_the_error_bound_on_random_data(interpret):
     rq = fb.quantize_128x128(jnp.asarray(rng.normal(size=(2, 256, 128)), jnp.bfloat16))
     sizes = np.array([64, 60])
     config = None if on_hopper() else SMALL
-    got = np.asarray(gmm_fp8_blockwise(lq, rq, jnp.asarray(sizes), impl="pallas", config=config))
+    got = np.asarray(gmm(lq, rq, jnp.asarray(sizes), impl="pallas", config=config))
     a, b = np.asarray(fb.dequantize(lq), np.float64), np.asarray(fb.dequantize(rq), np.float64)
     exact = grouped_product(a, b, sizes)
     # The fp32 bound of K + K/128 roundings; on the H200 the fp8 tensor cores add each k32
@@ -349,7 +346,7 @@ def test_rows_past_the_groups_left_unwritten(interpret, monkeypatch, impl):
     sizes = jnp.array([128, 0])
     config = None if on_hopper() or impl == "xla" else SMALL
     run = lambda written: np.asarray(  # noqa: E731
-        gmm_fp8_blockwise(lq, rq, sizes, impl=impl, config=config, write_rows_past_groups=written)
+        gmm(lq, rq, sizes, impl=impl, config=config, write_rows_past_groups=written)
     )
     got, default = run(False), run(True)
     np.testing.assert_array_equal(got[:128], default[:128])
@@ -360,14 +357,14 @@ def test_gmm_refuses_bad_operands():
     lq = fb.quantize_1x128(jnp.ones((32, 256)))
     rq = fb.quantize_128x128(jnp.ones((2, 256, 128)))
     with pytest.raises(ValueError, match="1x128 blocks along C"):
-        gmm_fp8_blockwise(fb.quantize_1x128(jnp.ones((32, 256)), 0), rq, jnp.array([16, 16]))
+        gmm(fb.quantize_1x128(jnp.ones((32, 256)), 0), rq, jnp.array([16, 16]))
     with pytest.raises(ValueError, match="contract 128"):
-        gmm_fp8_blockwise(lq, rq, jnp.array([16, 16]), transpose_rhs=True)
+        gmm(lq, rq, jnp.array([16, 16]), transpose_rhs=True)
     with pytest.raises(ValueError, match="group_sizes"):
-        gmm_fp8_blockwise(lq, rq, jnp.array([16, 16, 0]))
+        gmm(lq, rq, jnp.array([16, 16, 0]))
     odd = fb.quantize_128x128(jnp.ones((2, 256, 96)))
     with pytest.raises(ValueError, match="multiples of 128"):
-        gmm_fp8_blockwise(lq, odd, jnp.array([16, 16]), impl="pallas")
+        gmm(lq, odd, jnp.array([16, 16]), impl="pallas")
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fprop", "dgrad"])
@@ -380,7 +377,7 @@ def test_kernel_lowers_at_real_shapes(transpose_rhs):
         def run(ld, ls, rd, rs, sizes):
             lq = fb.BlockwiseTensor(ld, ls, (1,))
             rq = fb.BlockwiseTensor(rd, rs, (1, 2))
-            return gmm_fp8_blockwise(
+            return gmm(
                 lq,
                 rq,
                 sizes,
@@ -446,11 +443,11 @@ def test_wgrad_kernel_equals_the_reference_on_exact_operands(interpret, tiling):
         xq = fb.quantize_1x128(jnp.asarray(x[:rows]), 0)
         dq = fb.quantize_1x128(jnp.asarray(dy[:rows]), 0)
         sizes = jnp.array(group_sizes)
-        got = tgmm_fp8_blockwise(xq, dq, sizes, impl="pallas", config=config)
-        want = tgmm_fp8_blockwise(xq, dq, sizes, impl="xla")
+        got = tgmm(xq, dq, sizes, impl="pallas", config=config)
+        want = tgmm(xq, dq, sizes, impl="xla")
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         x_t, dy_t = (fb.quantize_1x128(jnp.asarray(a[:rows].T), 1) for a in (x, dy))
-        got_t = tgmm_fp8_blockwise(
+        got_t = tgmm(
             x_t, dy_t, sizes, tokens_last=True, impl="pallas", config=config
         )  # the K-major copies as the layer passes them
         np.testing.assert_array_equal(np.asarray(got_t), np.asarray(want))
@@ -460,7 +457,7 @@ def test_wgrad_kernel_equals_the_reference_on_exact_operands(interpret, tiling):
         )
         np.testing.assert_array_equal(np.asarray(want), exact)
     moved = fb.BlockwiseTensor(xq.data, jnp.roll(xq.scale_inv, 1, axis=0), xq.block_axes)
-    assert np.any(np.asarray(tgmm_fp8_blockwise(moved, dq, sizes, impl="xla")) != exact)
+    assert np.any(np.asarray(tgmm(moved, dq, sizes, impl="xla")) != exact)
 
 
 def test_wgrad_kernel_within_the_error_bound_on_random_data(interpret):
@@ -472,7 +469,7 @@ def test_wgrad_kernel_within_the_error_bound_on_random_data(interpret):
     xq, dq = fb.quantize_1x128(x, 0), fb.quantize_1x128(dy.astype(jnp.bfloat16), 0)
     sizes = np.array([128, 256])
     config = None if on_hopper() else WGRAD_SMALL
-    got = np.asarray(tgmm_fp8_blockwise(xq, dq, jnp.asarray(sizes), impl="pallas", config=config))
+    got = np.asarray(tgmm(xq, dq, jnp.asarray(sizes), impl="pallas", config=config))
     a, b = np.asarray(fb.dequantize(xq), np.float64), np.asarray(fb.dequantize(dq), np.float64)
     exact = np.stack([a[:128].T @ b[:128], a[128:].T @ b[128:]])
     absdot = np.stack([np.abs(a[:128]).T @ np.abs(b[:128]), np.abs(a[128:]).T @ np.abs(b[128:])])
@@ -484,15 +481,13 @@ def test_wgrad_kernel_within_the_error_bound_on_random_data(interpret):
 def test_wgrad_refuses_bad_operands():
     xq = fb.quantize_1x128(jnp.ones((256, 128)), 0)
     with pytest.raises(ValueError, match="blocks along M"):
-        tgmm_fp8_blockwise(fb.quantize_1x128(jnp.ones((256, 128)), 1), xq, jnp.array([256]))
+        tgmm(fb.quantize_1x128(jnp.ones((256, 128)), 1), xq, jnp.array([256]))
     with pytest.raises(ValueError, match="multiples of 128"):  # sizes on the host: checked
-        tgmm_fp8_blockwise(xq, xq, np.array([100, 156]))
+        tgmm(xq, xq, np.array([100, 156]))
     with pytest.raises(ValueError, match=r"lhs\^T \[K, M\]"):  # not the K-major copies
-        tgmm_fp8_blockwise(xq, xq, jnp.array([256]), tokens_last=True)
+        tgmm(xq, xq, jnp.array([256]), tokens_last=True)
     with pytest.raises(ValueError, match="N=96 of 128"):
-        tgmm_fp8_blockwise(
-            xq, fb.quantize_1x128(jnp.ones((256, 96)), 0), jnp.array([256]), impl="pallas"
-        )
+        tgmm(xq, fb.quantize_1x128(jnp.ones((256, 96)), 0), jnp.array([256]), impl="pallas")
     with pytest.raises(ValueError, match="cluster_n=2 must be 1 or 2 and divide num_sms=3"):
         dataclasses.replace(WGRAD_SMALL, cluster_n=2).validate(128, 256, F32)
     with pytest.raises(ValueError, match="N=192 of its 64 columns times cluster_n=2"):
@@ -550,7 +545,7 @@ def test_wgrad_kernel_lowers_at_real_shapes(tiling):
         ).with_fitting_slots(jnp.bfloat16)
 
         def run(xd, xs, dd, ds, sizes):
-            return tgmm_fp8_blockwise(
+            return tgmm(
                 fb.BlockwiseTensor(xd, xs, (0,)),
                 fb.BlockwiseTensor(dd, ds, (0,)),
                 sizes,
@@ -578,7 +573,7 @@ def test_gpu_wgrad_kernel_equals_the_reference_on_exact_operands(tiling):
     xq, dq = fb.quantize_1x128(jnp.asarray(x), 0), fb.quantize_1x128(jnp.asarray(dy), 0)
     sizes = jnp.array([1024, 0, 2048, 640, 384])  # the last group's odd blocks end at M
     config = dataclasses.replace(default_tgmm_config(512, 1024), **WGRAD_TILINGS[tiling])
-    got = np.asarray(tgmm_fp8_blockwise(xq, dq, sizes, impl="pallas", config=config))
+    got = np.asarray(tgmm(xq, dq, sizes, impl="pallas", config=config))
     bounds = np.concatenate([[0], np.cumsum(np.asarray(sizes))])
     exact = np.stack([x[a:b].astype(np.float64).T @ dy[a:b] for a, b in zip(bounds, bounds[1:])])
     np.testing.assert_array_equal(got, exact)

@@ -3,7 +3,7 @@ parallelism uses for the (expert, source) blocks of one expert): the forward and
 bits of the same GEMM on the matrices repeated per group, and d rhs is the per-group partials
 (rounded to the compute dtype) of that GEMM summed over each matrix's groups with
 `sum_in_order` in fp32, in the rhs's own dtype. On the XLA reference and on the Pallas kernels
-(CPU interpreter), bf16 and MXFP8."""
+(CPU interpreter), bf16 and MXFP8; the forward on FP8-blockwise operands."""
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from test_gmm_pallas import SMALL
 
+from jaxmoe import fp8_blockwise as fb
 from jaxmoe.mxfp8 import quantize
-from jaxmoe.ops import gmm
+from jaxmoe.ops import Mxfp8Kernel, gmm
 from jaxmoe.ops.mxfp8_gmm import mxfp8_gmm
-from jaxmoe.ops.mxtensor_gmm import gmm_mxtensor
 from jaxmoe.ordered import sum_in_order
 
 from bitwise import assert_bitwise, differs
@@ -87,13 +87,36 @@ def test_group_count_must_be_a_multiple_of_the_matrices():
 
 
 def test_fp8_wgmma_kernel_reads_the_shared_matrix(interpret):
-    """The MXFP8 kernel path ("fp8_wgmma": per-block scales of the shared matrix) too."""
+    """The MXFP8 kernel path (FP8_WGMMA: per-block scales of the shared matrix) too."""
     lhs, rhs, _ = operands(jnp.bfloat16)
     sizes = jnp.asarray(SIZES, jnp.int32)
     lhs_q = quantize(lhs, axis=1)
     rhs_q = quantize(jnp.swapaxes(rhs, 1, 2), axis=2)
     repeated = quantize(jnp.swapaxes(jnp.repeat(rhs, PER_WEIGHT, axis=0), 1, 2), axis=2)
-    run = lambda r, n: gmm_mxtensor(
-        lhs_q, r, sizes, impl="pallas", strategy="fp8_wgmma", groups_per_weight=n
+    run = lambda r, n: gmm(
+        lhs_q,
+        r,
+        sizes,
+        transpose_rhs=True,
+        impl="pallas",
+        kernel=Mxfp8Kernel.FP8_WGMMA,
+        groups_per_weight=n,
     )
     assert_bitwise(np.asarray(run(rhs_q, PER_WEIGHT)), np.asarray(run(repeated, 1)))
+
+
+def test_blockwise_forward_runs_a_matrix_groups_as_one():
+    """FP8-blockwise operands: the n consecutive groups of a matrix are one group of their rows
+    (the bits of the merged group sizes; with the XLA reference a row's bits depend on where
+    its group starts, so not those of the matrices repeated per group); control: the matrices
+    in another group order give other bits."""
+    lhs, rhs, _ = operands(jnp.bfloat16)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    merged = sizes.reshape(WEIGHTS, PER_WEIGHT).sum(axis=1)
+    lhs_q = fb.quantize_1x128(lhs)
+    run = lambda r, s, n: np.asarray(
+        gmm(lhs_q, fb.quantize_128x128(r), s, impl="xla", groups_per_weight=n)
+    )
+    shared = run(rhs, sizes, PER_WEIGHT)
+    assert_bitwise(shared, run(rhs, merged, 1))
+    assert differs(shared, run(jnp.tile(rhs, (PER_WEIGHT, 1, 1)), sizes, 1))

@@ -54,8 +54,10 @@ def test_unknown_impl_and_duplicate_registration_are_errors():
         "dispatch_quantize",
         "dispatch_rows",
         "combine_rows",
-        "gmm_mxtensor",
-        "tgmm_mxtensor",
+        "gmm[MXTensor]",
+        "tgmm[MXTensor]",
+        "gmm[BlockwiseTensor]",
+        "tgmm[BlockwiseTensor]",
     ],
 )
 def test_every_op_has_its_pallas_kernel_and_auto_agrees_with_the_device(op):

@@ -11,7 +11,7 @@ tile_rows lhs rows (SMEM) as B, accumulating out^T [wg_n, tile_rows]. A group wi
 tile_rows rows reads its weights once.
 
 Bits: every output is the same chain of k16 wgmma instructions in ascending K as in the bf16
-kernel on the dequantized operands (`gmm_mxtensor`'s "dequantize" strategy), with the operands'
+kernel on the dequantized operands (`Mxfp8Kernel.DEQUANTIZE`), with the operands'
 roles swapped; each product is exact, so the hardware's sum of a k16 step should not depend on
 which operand is A, and it does not on the H200
 (`test_gpu_in_kernel_dequantization_equals_dequantizing_first_bitwise`).
