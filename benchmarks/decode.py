@@ -8,18 +8,18 @@ the active experts' weights bounds the time, next to that bound.
 For each `jaxmoe.shapes` layer and token count T (one sequence of T tokens):
   layer  the inference forward: jaxmoe_bf16 (the bf16 layer), jaxmoe_mxfp8
          (`jaxmoe.mxfp8_inference` as it comes: the experts stored only as their MXFP8 fprop
-         copies, MXFP8 dispatch, GEMM strategy "auto"), jaxmoe_mxfp8_decode (the same with
-         gemm_strategy "decode": the same bits, the fp8 weights read once by the decode
-         kernel, which "auto" takes at up to 64 rows per expert) and torch_grouped_mm
+         copies, MXFP8 dispatch, `Mxfp8Kernel.AUTO`), jaxmoe_mxfp8_decode (the same with
+         `kernel=Mxfp8Kernel.DECODE`: the same bits, the fp8 weights read once by the decode
+         kernel, which AUTO takes at up to 64 rows per expert) and torch_grouped_mm
          (`layer_competitors.torch_moe`, bf16)
   gmm    the two expert GEMMs alone (fc1 [R, H] x [E, H, 2F|F], fc2 [R, F] x [E, F, H]) on
          R = T * top_k rows, each token's k experts drawn at random: gmm_bf16 (`ops.gmm`) and
          MXFP8 on its fprop weight copies stored as `mxfp8_inference` stores them (the data
-         in the decode kernel's 128 x 128 tiles; `ops.gmm_mxtensor`), the rows MXFP8 and, for
-         the strategies that read them so, their bf16 values made before the timed calls (as
+         in the decode kernel's 128 x 128 tiles; `ops.gmm` on MXTensors), the rows MXFP8 and,
+         for the kernels that read them so, their bf16 values made before the timed calls (as
          the layer's dispatch and activation hand them over; until 2026-12-04 evening each
-         call dequantized its rows itself, a kernel of 2-6 us), strategies "dequantize",
-         "fused_dequantize" and "decode" (`gmm_mxfp8_dequantize`, `gmm_mxfp8_fused`,
+         call dequantized its rows itself, a kernel of 2-6 us), kernels DEQUANTIZE,
+         FUSED_DEQUANTIZE and DECODE (`gmm_mxfp8_dequantize`, `gmm_mxfp8_fused`,
          `gmm_mxfp8_decode`), and the decode kernel's integer dequantization
          (`gmm_mxfp8_decode_small_scales`, when the weights qualify, as these do);
          --decode-sweep "f=v,f=v;..." adds the decode kernel once per
@@ -82,8 +82,7 @@ from benchmarks.timing import (
 from jaxmoe import MoE, mxfp8_inference
 from jaxmoe.inference import loaded_copy, stored_copy
 from jaxmoe.mxfp8 import BLOCK_SIZE, dequantize
-from jaxmoe.ops import gmm, gmm_mxtensor, quantize
-from jaxmoe.ops.mxfp8_gmm import quantize_weights
+from jaxmoe.ops import Mxfp8Kernel, gmm, quantize, quantize_mxfp8_weights
 from jaxmoe.ops.pallas.e4m3_registers import small_scale_dequantization_is_exact
 from jaxmoe.ops.pallas.gmm_decode_hopper import default_decode_config
 from jaxmoe.shapes import SHAPES, TINY_SHAPES, LayerShape
@@ -154,7 +153,7 @@ def layer_candidates(
     models = {
         "jaxmoe_bf16": lambda: bf16_model,
         "jaxmoe_mxfp8": lambda: mxfp8_inference(mx_trained),
-        "jaxmoe_mxfp8_decode": lambda: mxfp8_inference(mx_trained, gemm_strategy="decode"),
+        "jaxmoe_mxfp8_decode": lambda: mxfp8_inference(mx_trained, kernel=Mxfp8Kernel.DECODE),
     }
 
     def forward(graphdef, state, x):
@@ -253,7 +252,7 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
     group_sizes = jnp.asarray(sizes, jnp.int32)
     weights = stacked((fc1, fc2), copies)
     # Stored as `mxfp8_inference` stores them: fp8 data in tiles, block-major scale bytes.
-    fprop = [quantize_weights(w, impl, dgrad=False).fprop for w in (fc1, fc2)]
+    fprop = [quantize_mxfp8_weights(w, impl, dgrad=False).fprop for w in (fc1, fc2)]
     copies_q = stacked(tuple(stored_copy(t) for t in fprop), copies)
     x_q = jax.jit(jax.vmap(lambda a, b: (quantize(a, axis=1), quantize(b, axis=1))))(x1, x2)
     # The rows' bf16 values too, made outside the timed calls: the layer hands the decode
@@ -265,7 +264,7 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
         with jax.named_scope(GEMM_SCOPE):
             return gmm(a, w[0], sizes, impl=impl), gmm(b, w[1], sizes, impl=impl)
 
-    def mxfp8(strategy, w, a, b, a_values, b_values, sizes, fields=None, small_scales=False):
+    def mxfp8(kernel, w, a, b, a_values, b_values, sizes, fields=None, small_scales=False):
         def run(x, values, stored):
             weights = loaded_copy(*stored)
             w = weights.fprop
@@ -275,12 +274,13 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
                 config = dataclasses.replace(
                     default_decode_config(x.shape[0], k, n, num_weights), **fields
                 )
-            return gmm_mxtensor(
+            return gmm(
                 x,
                 w,
                 sizes,
+                transpose_rhs=True,
                 impl=impl,
-                strategy=strategy,
+                kernel=kernel,
                 config=config,
                 small_scales=small_scales,
                 rhs_tiled=weights.fprop_tiled,
@@ -291,21 +291,23 @@ def gmm_candidates(shape: LayerShape, tokens: int, copies: int, impl: str, sweep
             return run(a, a_values, w[0]), run(b, b_values, w[1])
 
     candidates = {"gmm_bf16": functools.partial(scanned(bf16), weights, x1, x2, group_sizes)}
-    for name, strategy in (
-        ("gmm_mxfp8_dequantize", "dequantize"),
-        ("gmm_mxfp8_fused", "fused_dequantize"),
-        ("gmm_mxfp8_decode", "decode"),
+    for name, kernel in (
+        ("gmm_mxfp8_dequantize", Mxfp8Kernel.DEQUANTIZE),
+        ("gmm_mxfp8_fused", Mxfp8Kernel.FUSED_DEQUANTIZE),
+        ("gmm_mxfp8_decode", Mxfp8Kernel.DECODE),
     ):
-        run = scanned(functools.partial(mxfp8, strategy))
+        run = scanned(functools.partial(mxfp8, kernel))
         candidates[name] = functools.partial(run, copies_q, *x_q, *x_values, group_sizes)
     small = all(small_scale_dequantization_is_exact(*stored) for stored in copies_q)
     if small:
-        run = scanned(functools.partial(mxfp8, "decode", small_scales=True))
+        run = scanned(functools.partial(mxfp8, Mxfp8Kernel.DECODE, small_scales=True))
         candidates["gmm_mxfp8_decode_small_scales"] = functools.partial(
             run, copies_q, *x_q, *x_values, group_sizes
         )
     for fields in sweep:  # on the integer route when the weights qualify
-        run = scanned(functools.partial(mxfp8, "decode", fields=fields, small_scales=small))
+        run = scanned(
+            functools.partial(mxfp8, Mxfp8Kernel.DECODE, fields=fields, small_scales=small)
+        )
         candidates[variant_name(fields)] = functools.partial(
             run, copies_q, *x_q, *x_values, group_sizes
         )

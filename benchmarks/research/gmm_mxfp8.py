@@ -6,19 +6,19 @@ For each shape of `benchmarks/gmm.py`'s `SHAPES` (the layer sizes of `jaxmoe/sha
 Dirichlet-skewed group sizes rounded down to multiples of 128, the FP8-blockwise layer's
 alignment and a multiple of MXFP8's 32: every implementation gets the same groups), in one
 process, GEMMs on already-quantized operands:
-  fwd    x @ W[g]        jaxmoe_mxfp8 (strategy "fp8_wgmma": the fp8 kernel) |
-                         jaxmoe_mxfp8_dequant (strategy "dequantize": bf16 copies, then the bf16
-                         kernel; the default) | jaxmoe_mxfp8_fused (strategy
-                         "fused_dequantize": the same bits, dequantized in SMEM) | jaxmoe_bf16 |
+  fwd    x @ W[g]        jaxmoe_mxfp8 (`Mxfp8Kernel.FP8_WGMMA`: the fp8 kernel) |
+                         jaxmoe_mxfp8_dequant (DEQUANTIZE: bf16 copies, then the bf16 kernel;
+                         the recipe's) | jaxmoe_mxfp8_fused (FUSED_DEQUANTIZE: the same bits,
+                         dequantized in SMEM) | jaxmoe_bf16 |
                          torch_scaled_grouped_mm (fp8 rowwise scales) | torch_grouped_mm (bf16)
-                         | jaxmoe_fp8_blockwise (`ops.gmm_fp8_blockwise`: TE's FP8 blockwise
+                         | jaxmoe_fp8_blockwise (`ops.gmm` on BlockwiseTensors: TE's FP8 blockwise
                          recipe, 1x128 x 128x128 blocks, on the 128-block fp8 kernel; the fprop
                          reads the weights' transposed copy that `quantize_blockwise_weights`
                          makes once a step, as the layer does) | torch_scaled_mm_dense (one
                          dense fp8 matmul of the same M x K x N, rowwise scales: the fp8 ceiling)
   dgrad  dy @ W[g]^T     the same but the dense one
   wgrad  x_g^T @ dy_g    jaxmoe_mxfp8 (dequantize + bf16 tgmm) | jaxmoe_fp8_blockwise
-                         (`ops.tgmm_fp8_blockwise` on the K-major copies the layer makes,
+                         (`ops.tgmm` on the K-major BlockwiseTensors the layer makes,
                          `tokens_last`) | jaxmoe_bf16 | torch (both)
   quantize               x rowwise and columnwise, and the fused gather + rowwise quantize
                          (dispatch_quantize), on XLA (the reference) and on the Pallas kernels,
@@ -64,16 +64,7 @@ from benchmarks.report import add_output_arguments, parse_variants
 from benchmarks.timing import device_seconds, sync, time_round_robin
 from jaxmoe.fp8_blockwise import BLOCK, BlockwiseTensor, quantize_1x128, quantize_128x128
 from jaxmoe.mxfp8 import BLOCK_SIZE
-from jaxmoe.ops import (
-    dispatch_quantize,
-    gmm,
-    gmm_fp8_blockwise,
-    gmm_mxtensor,
-    quantize,
-    tgmm,
-    tgmm_fp8_blockwise,
-    tgmm_mxtensor,
-)
+from jaxmoe.ops import Mxfp8Kernel, dispatch_quantize, gmm, quantize, tgmm
 from jaxmoe.ops.fp8_blockwise_gmm import quantize_blockwise_weights
 from jaxmoe.ops.pallas.hopper import L2_BYTES
 from jaxmoe.ops.pallas.quantize_hopper import (
@@ -208,18 +199,14 @@ def bench_shape(
             report(op, impl, t, work, unit)
         pending.clear()
 
-    mx = jax.jit(
-        functools.partial(
-            gmm_mxtensor, impl="pallas", preferred_element_type=BF16, strategy="fp8_wgmma"
-        )
-    )
-    mx_dequant, mx_fused = (
+    # The MXFP8 weights' copies are K-major: [G, N, K] (fprop) and [G, K, N] blocked along N.
+    mx, mx_dequant, mx_fused = (
         jax.jit(
             functools.partial(
-                gmm_mxtensor, impl="pallas", preferred_element_type=BF16, strategy=strategy
+                gmm, transpose_rhs=True, impl="pallas", preferred_element_type=BF16, kernel=kernel
             )
         )
-        for strategy in ("dequantize", "fused_dequantize")
+        for kernel in (Mxfp8Kernel.FP8_WGMMA, Mxfp8Kernel.DEQUANTIZE, Mxfp8Kernel.FUSED_DEQUANTIZE)
     )
     bf = jax.jit(
         functools.partial(gmm, impl="pallas", preferred_element_type=BF16),
@@ -242,7 +229,7 @@ def bench_shape(
     x_col, dy_col = quantize(x, axis=0), quantize(dy, axis=0)
     jax.block_until_ready((x_q, dy_q, w_fprop, w_dgrad, x_col, dy_col))
     blockwise = jax.jit(
-        functools.partial(gmm_fp8_blockwise, impl="pallas", preferred_element_type=BF16),
+        functools.partial(gmm, impl="pallas", preferred_element_type=BF16),
         static_argnames="transpose_rhs",
     )
     x_b, dy_b, w_b = quantize_1x128(x), quantize_1x128(dy), quantize_128x128(w)
@@ -311,12 +298,10 @@ def bench_shape(
 
     # ---- wgrad: dW[G, K, N]
     if "wgrad" in ops:
-        mx_t = jax.jit(functools.partial(tgmm_mxtensor, impl="pallas", preferred_element_type=BF16))
+        mx_t = jax.jit(functools.partial(tgmm, impl="pallas", preferred_element_type=BF16))
         bf_t = jax.jit(functools.partial(tgmm, impl="pallas", preferred_element_type=BF16))
         blockwise_t = jax.jit(
-            functools.partial(
-                tgmm_fp8_blockwise, impl="pallas", preferred_element_type=BF16, tokens_last=True
-            )
+            functools.partial(tgmm, impl="pallas", preferred_element_type=BF16, tokens_last=True)
         )
         x_bt, dy_bt = quantize_1x128(x.T, 1), quantize_1x128(dy.T, 1)  # the layer's copies
         run("wgrad", "jaxmoe_mxfp8", lambda: mx_t(x_col, dy_col, gs))

@@ -9,7 +9,7 @@ An H100 or H200 SXM board holds its power at a cap (700 W) by lowering the SM cl
 that spends more energy per flop runs at a lower clock once the board is at the cap, however
 fast it is at full clock. For each shape and op, on the operands of `benchmarks/research/gmm_mxfp8.py`
 (same sizes, data and 128-aligned Dirichlet groups), each implementation
-  jaxmoe_fp8_blockwise     `ops.gmm_fp8_blockwise` (1 x 128 x 128 x 128 blocks)
+  jaxmoe_fp8_blockwise     `ops.gmm` on BlockwiseTensors (1 x 128 x 128 x 128 blocks)
   torch_scaled_grouped_mm  torch's grouped fp8 matmul with rowwise scales
   jaxmoe_bf16              `ops.gmm` on the bf16 operands
   jaxmoe_fp8_blockwise_<name>  the FP8-blockwise kernel under its heuristic tiling with the
@@ -47,7 +47,7 @@ from benchmarks.gmm import SHAPES
 from benchmarks.research.gmm_fp8_blockwise_tiling import replaced_tiling
 from benchmarks.research.gmm_mxfp8 import aligned_sizes, torch_rowwise_fp8
 from jaxmoe.fp8_blockwise import quantize_1x128, quantize_128x128
-from jaxmoe.ops import gmm, gmm_fp8_blockwise
+from jaxmoe.ops import gmm
 from jaxmoe.ops.fp8_blockwise_gmm import quantize_blockwise_weights
 from jaxmoe.ops.pallas.gmm_mxfp8_hopper import default_fp8_blockwise_config
 
@@ -162,7 +162,7 @@ def implementations(name: str, op: str, torch, variants: dict | None = None):
     gs = jnp.asarray(sizes)
     offs = torch.from_numpy(np.cumsum(sizes).astype(np.int32)).cuda()
     blockwise = jax.jit(
-        functools.partial(gmm_fp8_blockwise, impl="pallas", preferred_element_type=BF16),
+        functools.partial(gmm, impl="pallas", preferred_element_type=BF16),
         static_argnames=("transpose_rhs", "config"),
     )
     bf16 = jax.jit(

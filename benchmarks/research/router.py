@@ -36,8 +36,8 @@ from benchmarks.report import (
     write_result,
 )
 from benchmarks.timing import device_seconds, time_it
+from jaxmoe.ops.array_gmm import KERNEL_MULTIPLE, kernel_rows
 from jaxmoe.ops.dense import dense
-from jaxmoe.ops.gmm import KERNEL_MULTIPLE, kernel_rows
 from jaxmoe.ops.pallas.dense_narrow_hopper import ROWS as NARROW_ROWS
 from jaxmoe.ops.pallas.dense_narrow_hopper import (
     default_narrow_config,
