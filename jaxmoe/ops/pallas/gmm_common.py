@@ -50,7 +50,10 @@ class GmmConfig:
     cluster_n=2 pairs the CTAs along N, multicasting the lhs tile; the work items then cover
     column-tile pairs. scale_lookahead: how many K steps ahead the FP8-blockwise kernel loads a
     step's scales (they are carried until their step). None of these change the K-reduction
-    order."""
+    order. An op given config=None runs its kernel's shape heuristic
+    (`gmm_hopper.default_config`, `gmm_mxfp8_hopper.default_mxfp8_config` /
+    `default_fp8_blockwise_config`, `gmm_dequantize_hopper.default_dequantize_config`), whose
+    choices depend on the shape; these field defaults are not one of them."""
 
     tile_m: int = 128
     tile_n: int = 128

@@ -53,7 +53,7 @@ from jaxmoe.ops.pallas.gmm_common import (
     swizzled,
     zero_accumulator,
 )
-from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA
+from jaxmoe.ops.pallas.hopper import MAX_SMEM_PER_CTA, NUM_SMS
 from jaxmoe.ops.pallas.tiles import COUNT, GROUP, START, metadata_scope, row_tiles
 
 _FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -91,13 +91,16 @@ class DecodeConfig:
     2 * wg_n output columns; K steps of tile_k (a multiple of 64); num_sms as in `GmmConfig`.
     balance_ctas: spread the work items over as few CTAs as the most items a CTA must take
     allows (e.g. 1000 items: 125 CTAs of 8, not 76 of 8 and 56 of 7), so that the last items
-    do not run on part of the GPU while the rest idles. None of these change the bits."""
+    do not run on part of the GPU while the rest idles. None of these change the bits. An op
+    given config=None runs `default_decode_config`, the shape heuristic, whose row tiles, wg_n,
+    tile_k and ring depth follow the shape; these field defaults are one of its choices, not the
+    one for every shape."""
 
     tile_rows: int = 32
     wg_n: int = 128
     tile_k: int = 128
     max_concurrent_steps: int = 4
-    num_sms: int = 132
+    num_sms: int = NUM_SMS
     balance_ctas: bool = True
 
     @property

@@ -100,7 +100,9 @@ class TgmmConfig:
     (cast to the 16-bit output dtype) in registers and stores it while the next item's first
     wgmma runs, instead of between the two items. piece_rows: rows per TMA copy of a row block
     that holds other groups' rows (docs/kernels/gmm.md). None of these change the
-    reduction order."""
+    reduction order. An op given config=None runs `default_tgmm_config`, the shape heuristic:
+    these field defaults where the CTA tile divides K x N, with the epilogue overlapped for
+    16-bit outputs and the machine's SM count."""
 
     tile_k: int = 128
     tile_n: int = 128
