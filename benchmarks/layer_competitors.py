@@ -137,8 +137,9 @@ def _torch_aux_loss(logits, config: MoEConfig, seq_len: int):
 
 
 # ---------------------------------------------------------------------------------------- JAX
-def jax_moe(w: dict, x: jax.Array, config: MoEConfig, seq_len: int):
-    """(y [T, H], aux loss fp32 scalar, expert ids [T, k]) for tokens x [T, H] (bf16)."""
+def jax_moe(w: dict, x: jax.Array, config: MoEConfig, seq_len: int, ragged_dot=jax.lax.ragged_dot):
+    """(y [T, H], aux loss fp32 scalar, expert ids [T, k]) for tokens x [T, H] (bf16), its
+    grouped matmuls on `ragged_dot(rows, weights, group_sizes)` (e.g. tokamax's)."""
     k, num_experts = config.top_k, config.num_experts
     router_dtype = F32 if config.router_dtype == "fp32" else x.dtype
     logits = jnp.dot(x, w["router.kernel"], preferred_element_type=F32).astype(router_dtype)
@@ -148,11 +149,11 @@ def jax_moe(w: dict, x: jax.Array, config: MoEConfig, seq_len: int):
     bounds = jnp.searchsorted(flat[order], jnp.arange(num_experts + 1), side="left")
     group_sizes = jnp.diff(bounds).astype(jnp.int32)
     rows = x[order // k]
-    h = jax.lax.ragged_dot(rows, w["experts.fc1_kernel"], group_sizes)
+    h = ragged_dot(rows, w["experts.fc1_kernel"], group_sizes)
     gate, up = jnp.split(h.astype(F32), 2, axis=-1)
     row_probs = probs.reshape(-1)[order].astype(F32)
     a = (jax.nn.silu(gate) * up * row_probs[:, None]).astype(x.dtype)
-    out = jax.lax.ragged_dot(a, w["experts.fc2_kernel"], group_sizes)
+    out = ragged_dot(a, w["experts.fc2_kernel"], group_sizes)
     inverse = jnp.argsort(order)
     y = out[inverse].reshape(-1, k, out.shape[-1]).astype(F32).sum(1).astype(x.dtype)
     if "shared_experts.fc1_kernel" in w:

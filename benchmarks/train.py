@@ -1,10 +1,12 @@
 """The language model's training step on one GPU: jaxmoe's MoE LM next to the same model with its
-MoE layers written on `jax.lax.ragged_dot` (MaxText's GPU path), and Hugging Face transformers'
-`Qwen3MoeForCausalLM` of the same config (its `grouped_mm` experts, SDPA attention, fused AdamW),
-eager and under `torch.compile`.
+MoE layers written on `jax.lax.ragged_dot` (MaxText's GPU path) and on tokamax's `ragged_dot`
+(the JAX kernel library; not a dependency: install it to run that one), and Hugging Face
+transformers' `Qwen3MoeForCausalLM` of the same config (its `grouped_mm` experts, SDPA
+attention, fused AdamW), eager and under `torch.compile`.
 
     python -m benchmarks.train [--model qwen3_moe_2b] [--seq-len 4096] [--batch 2]
-                               [--impls jaxmoe,jaxmoe_ragged_dot,hf_compile,hf_eager] [--steps 10]
+                               [--impls jaxmoe,jaxmoe_ragged_dot,jaxmoe_tokamax,hf_compile,hf_eager]
+                               [--steps 10] [--set KEY=VALUE ...]
 
 Every implementation trains the same architecture (`jaxmoe.models.CONFIGS[--model]`) on random
 token ids (one segment a row) with AdamW, bf16 parameters and compute, and consumes every output
@@ -33,7 +35,7 @@ import time
 from benchmarks import report
 from benchmarks.report import add_output_arguments, error_text, log
 
-IMPLS = ("jaxmoe", "jaxmoe_ragged_dot", "hf_compile", "hf_eager")
+IMPLS = ("jaxmoe", "jaxmoe_ragged_dot", "jaxmoe_tokamax", "hf_compile", "hf_eager")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -105,9 +107,11 @@ def time_steps(step, sync, args) -> list[float]:
 
 
 # ----------------------------------------------------------------------------------- jaxmoe
-def ragged_dot_moe(moe):
+def ragged_dot_moe(moe, ragged_dot=None):
     """The competitor MoE in place of a `jaxmoe.MoE` layer: the layer's own parameters, computed
-    by `benchmarks.layer_competitors.jax_moe` (a plain JAX MoE on `jax.lax.ragged_dot`)."""
+    by `benchmarks.layer_competitors.jax_moe` (a plain JAX MoE) on `ragged_dot` (None:
+    `jax.lax.ragged_dot`)."""
+    import jax
     import jax.numpy as jnp
     from flax import nnx
 
@@ -125,7 +129,10 @@ def ragged_dot_moe(moe):
             config = self.inner.config
             state = nnx.state(self.inner, nnx.Param)
             weights = {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(state)}
-            y, aux_loss, _ = jax_moe(weights, x.reshape(-1, x.shape[-1]), config, x.shape[-2])
+            tokens = x.reshape(-1, x.shape[-1])
+            y, aux_loss, _ = jax_moe(
+                weights, tokens, config, x.shape[-2], ragged_dot or jax.lax.ragged_dot
+            )
             aux = MoEAux(
                 load_balancing_loss=aux_loss,
                 z_loss=jnp.zeros((), jnp.float32),
@@ -150,6 +157,10 @@ def jax_worker(impl: str, args) -> dict:
     model = MoETransformer(config, rngs=nnx.Rngs(0))
     if impl == "jaxmoe_ragged_dot":
         model = model.with_moe_layers(ragged_dot_moe)
+    elif impl == "jaxmoe_tokamax":
+        import tokamax  # the JAX kernel library (its Mosaic GPU ragged_dot on Hopper)
+
+        model = model.with_moe_layers(lambda moe: ragged_dot_moe(moe, tokamax.ragged_dot))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     optimizer = optax.adamw(args.lr, b1=0.9, b2=0.95, weight_decay=0.1)
     opt_state = optimizer.init(params)
