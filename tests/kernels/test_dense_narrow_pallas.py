@@ -1,7 +1,9 @@
 """The narrow-tile dense kernel (`jaxmoe/ops/pallas/dense_narrow_hopper.py`): the grouped-matmul
 kernel's bits (one group) at every config, in the CPU interpreter (race detector on) and, marked
 `gpu`, on an H100/H200 at the routers of the benchmark shapes; where `dense` takes it; its
-refusals. The negative control that a K order shows in the bits is test_dense's."""
+refusals. In the interpreter both kernels add each K step's products in K order
+(tests/support/interpreter.py), so their bits are `in_k_steps`'s on any CPU; the negative control
+is that another K step gives other bits."""
 
 import sys
 
@@ -20,7 +22,8 @@ from jaxmoe.ops.pallas.dense_narrow_hopper import (
 )
 from jaxmoe.shapes import SHAPES
 
-from bitwise import assert_bitwise
+from bitwise import assert_bitwise, differs
+from interpreter import matmul_in_k_order
 from jaxprs import KERNEL_PRIMITIVE, equations
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -44,9 +47,20 @@ def grouped_kernel_product(x, w, out_dtype):
     )
 
 
+def in_k_steps(x, w, tile_k):
+    """x @ w in fp32 as the interpreted kernels add it: each K step's products in K order from
+    +0.0 (`matmul_in_k_order`, the interpreter's wgmma), the steps' sums added in order."""
+    x, w = np.asarray(x), np.asarray(w)
+    total = np.zeros((x.shape[0], w.shape[1]), np.float32)
+    for start in range(0, x.shape[1], tile_k):
+        step = slice(start, start + tile_k)
+        total += matmul_in_k_order(x[:, step], w[step], np.float32)
+    return total
+
+
 # Each with the grouped kernel's K step (128 where K allows, else 64): the interpreter's wgmma
-# sums a step's products in XLA's order, so interpreted bits depend on the K step; on the GPU
-# they do not (the gpu test below).
+# starts each step's sum from +0.0, so interpreted bits depend on the K step; on the GPU they do
+# not (the gpu test below).
 CONFIGS = {
     "n64_k128": (NarrowConfig(64, 128, 4), 128, 512, 128),
     "n32_k64_two_row_tiles": (NarrowConfig(32, 64, 2), 128, 192, 64),
@@ -59,8 +73,17 @@ CONFIGS = {
 def test_narrow_kernel_gives_the_grouped_kernels_bits(interpret, case, out_dtype):
     config, m, k, n = case
     x, w = operands(m, k, n)
-    got = dense_narrow_pallas(x, w, out_dtype=out_dtype, config=config)
-    assert_bitwise(np.asarray(got), np.asarray(grouped_kernel_product(x, w, out_dtype)))
+    got = np.asarray(dense_narrow_pallas(x, w, out_dtype=out_dtype, config=config))
+    assert_bitwise(got, np.asarray(grouped_kernel_product(x, w, out_dtype)))
+    assert_bitwise(got, in_k_steps(x, w, config.tile_k).astype(out_dtype))
+
+
+def test_negative_control_another_k_step_gives_other_bits():
+    """The checks above can fail: the same products in K steps of 64 and of 128, or in one
+    step, differ in fp32."""
+    x, w = operands(64, 256, 64)
+    sums = [in_k_steps(x, w, tile_k) for tile_k in (64, 128, 256)]
+    assert differs(sums[0], sums[1]) and differs(sums[1], sums[2])
 
 
 def test_dense_takes_the_narrow_kernel_where_the_product_fits_one_wave(monkeypatch):

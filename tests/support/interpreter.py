@@ -4,9 +4,13 @@ The interpreter starts a fresh race-detector state for each kernel call, so chec
 detector once at the end of a test would see only the last kernel. `race_checked_interpreter`
 keeps every call's state and fails if any of them found a race.
 
-The interpreter's wgmma takes its A operand from SMEM only; on the GPU `plgpu.wgmma` also takes
-A from registers (the decode kernel's dequantized weights). `race_checked_interpreter` adds that
-case (`_wgmma_taking_a_from_registers`).
+The interpreter's wgmma multiplies with `np.matmul`, whose BLAS kernel (chosen for the CPU it runs
+on: OpenBLAS takes other kernels on AVX2 and on AVX-512 machines) and the operands' widths set the
+order in which an output's products are added; and it takes its A operand from SMEM only, where on
+the GPU `plgpu.wgmma` also takes A from registers (the decode kernel's dequantized weights).
+`race_checked_interpreter` replaces it (`_wgmma_in_k_order`): A from SMEM or from registers, each
+output's products added in K order (`matmul_in_k_order`), so interpreted bits depend on the
+kernel's K steps alone, on any CPU.
 
 The interpreter clips a TMA window that runs past the end of any GMEM axis, as the GPU does for
 an array's own axes (the quantize kernels' partial tiles, bitwise on the H200). But on the H200
@@ -26,31 +30,41 @@ from jax._src.state import indexing
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
-def _wgmma_taking_a_from_registers(smem_wgmma):
-    """The interpreter's wgmma callback, extended: an A operand that arrives as a value (a
-    register array) rather than an SMEM allocation key multiplies as it is, each output's
-    products summed in K order whatever the operands' widths."""
+def matmul_in_k_order(a, b, dtype):
+    """a [M, K] @ b [K, N] in `dtype`: each output starts at +0.0 and adds its K products in K
+    order, each product and sum an elementwise IEEE operation (the same bits on any CPU; with
+    bf16 or fp8 operands the products are exact in fp32, so a fused multiply-add gives them too)."""
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul_in_k_order: a {a.shape} and b {b.shape} are not [M, K], [K, N]")
+    a, b = a.astype(dtype), b.astype(dtype)
+    total = np.zeros((a.shape[0], b.shape[1]), dtype)
+    for k in range(a.shape[1]):
+        total += a[:, k, None] * b[k]
+    return total
 
-    @functools.wraps(smem_wgmma)
+
+def _wgmma_in_k_order(original):
+    """The interpreter's wgmma callback with each output's products summed in K order
+    (`matmul_in_k_order`), taking the A operand from SMEM (an allocation key) or as a value (a
+    register array)."""
+
+    @functools.wraps(original)
     def wgmma(*, a_allocation_key_as_array, **kwargs):
-        a = np.asarray(a_allocation_key_as_array)
-        if a.ndim == 1:  # an SMEM allocation key
-            return smem_wgmma(a_allocation_key_as_array=a_allocation_key_as_array, **kwargs)
         thread, shared = kwargs["thread"], gpu_callbacks._get_shared_memory()
         info = memory.GPULoggingInfo(kwargs["mesh_location"], thread, kwargs.get("source_info"))
 
-        def access(name):
-            key = memory.HostAllocationKey.from_array(kwargs[f"{name}_allocation_key_as_array"])
+        def access(name, allocation_key):
+            key = memory.HostAllocationKey.from_array(allocation_key)
             transforms = gpu_callbacks._remove_noop_transforms(kwargs[f"{name}_transforms"])
             where = shared.access(key, jax.tree.map(int, transforms))
             return key, where, shared.get_buffer_content(key, where, thread, logging_info=info)[0]
 
-        b = access("b")[2]
-        acc_key, acc_where, acc = access("acc")
-        # Each output summed over K alone, in K order: a matmul's BLAS kernel would change a
-        # column's sum with the operand widths (the GPU's wgmma does not).
-        exact = acc.dtype
-        total = acc + np.einsum("mk,kn->mn", a.astype(exact), b.astype(exact), optimize=False)
+        a = np.asarray(a_allocation_key_as_array)
+        if a.ndim == 1:  # an SMEM allocation key
+            a = access("a", a_allocation_key_as_array)[2]
+        b = access("b", kwargs["b_allocation_key_as_array"])[2]
+        acc_key, acc_where, acc = access("acc", kwargs["acc_allocation_key_as_array"])
+        total = acc + matmul_in_k_order(a, b, acc.dtype)
         shared.store_buffer_content(acc_key, acc_where, total, thread, logging_info=info)
         return kwargs["token"]
 
@@ -92,7 +106,7 @@ def _tma_clipped_only_on_unindexed_arrays(copy, gmem):
 
 
 _PATCHED = {  # gpu_callbacks attribute -> wrapper
-    "wgmma": _wgmma_taking_a_from_registers,
+    "wgmma": _wgmma_in_k_order,
     "copy_smem_to_gmem": functools.partial(_tma_clipped_only_on_unindexed_arrays, gmem="dst"),
     "copy_gmem_to_smem": functools.partial(_tma_clipped_only_on_unindexed_arrays, gmem="src"),
 }
