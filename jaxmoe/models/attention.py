@@ -112,32 +112,27 @@ def cache_mask(lengths: jax.Array, num_new: int, max_len: int) -> jax.Array:
     return (jnp.arange(max_len, dtype=lengths.dtype) <= last[:, :, None])[:, None]
 
 
-_IMPLEMENTATION = {"auto": None, "xla": "xla", "cudnn": "cudnn"}
+# cuDNN's fused attention: on NVIDIA GPUs, for 16-bit compute and head sizes it supports.
+_CUDNN_DTYPES = ("bfloat16", "float16")
+_CUDNN_MAX_HEAD_DIM = 128
 
 
 def attention_impl_used(config: LMConfig, backend: str | None = None) -> str:
-    """Which implementation `jax.nn.dot_product_attention` runs for `config`: "xla" or "cudnn".
-    For "auto" (implementation=None) this lowers one small masked call at the config's head
-    shapes and compute dtype for `backend` (None: the default backend) and looks for cuDNN's
-    fused-attention custom call in it: cheap (no compilation), and right for whatever JAX's
-    default resolves to in the installed version."""
+    """Which implementation the training forward's attention runs for `config` on `backend`
+    (None: the default one): "xla" or "cudnn". "auto" takes cuDNN's fused attention on a GPU
+    where it applies (bf16/fp16 compute, head_dim a multiple of 8 up to 128) and XLA elsewhere
+    (JAX's own implementation=None is XLA everywhere). Generation's decode steps attend to the
+    cache with XLA."""
     if config.attention_impl != "auto":
         return config.attention_impl
     backend = backend or jax.default_backend()
-    return _auto_resolves_to(
-        config.num_heads, config.num_kv_heads, config.head_dim, config.dtype, backend
+    cudnn = (
+        backend == "gpu"
+        and config.dtype in _CUDNN_DTYPES
+        and config.head_dim % 8 == 0
+        and config.head_dim <= _CUDNN_MAX_HEAD_DIM
     )
-
-
-@functools.cache
-def _auto_resolves_to(num_heads, num_kv_heads, head_dim, dtype, backend) -> str:
-    device = jax.sharding.SingleDeviceSharding(jax.devices(backend)[0])
-    spec = lambda *shape, dtype=dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=device)
-    q, kv = spec(1, 8, num_heads, head_dim), spec(1, 8, num_kv_heads, head_dim)
-    mask = spec(1, 1, 8, 8, dtype=jnp.bool_)
-    call = functools.partial(jax.nn.dot_product_attention, implementation=None)
-    text = jax.jit(call).lower(q, kv, kv, mask=mask).as_text()
-    return "cudnn" if "__cudnn$fmha" in text else "xla"
+    return "cudnn" if cudnn else "xla"
 
 
 KVWrite = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
@@ -162,18 +157,19 @@ class Attention(nnx.Module):
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, d
-        self.implementation = _IMPLEMENTATION[config.attention_impl]
+        self.implementation = attention_impl_used(config)
 
     def __call__(
         self,
         x: jax.Array,
         rope: tuple[jax.Array, jax.Array],
-        mask: jax.Array,
+        mask: jax.Array | None,
         write: KVWrite | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """(out [B, T, H], (keys, values)) for x [B, T, H], the RoPE tables [B, T, D] of its
-        positions and mask [B, 1, T, S]. write(k, v): where the new keys and values [B, T, K, D]
-        go, returning the S keys and values to attend to (a KV cache); None: attend to x's own."""
+        positions and mask [B, 1, T, S] (None: causal over x's own tokens). write(k, v): where
+        the new keys and values [B, T, K, D] go, returning the S keys and values to attend to (a
+        KV cache); None: attend to x's own."""
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -181,9 +177,17 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        # Materialised: XLA's FMA contraction depends on the fusion, so without the barrier a
+        # prefill that also returns k and v could compute them, and the logits, in other bits.
+        q, k, v = jax.lax.optimization_barrier((q, k, v))
         if write is not None:
             k, v = write(k, v)
         out = jax.nn.dot_product_attention(
-            q, k.astype(q.dtype), v.astype(q.dtype), mask=mask, implementation=self.implementation
+            q,
+            k.astype(q.dtype),
+            v.astype(q.dtype),
+            mask=mask,
+            is_causal=mask is None,
+            implementation=self.implementation if write is None else "xla",
         )
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), (k, v)
