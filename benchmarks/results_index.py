@@ -54,6 +54,10 @@ COMMANDS = {
     "gpu_suite": "make test-gpu",
     "gmm_fp8_blockwise": "python -m benchmarks.research.gmm_fp8_blockwise_tiling",
 }
+# The README's headline tables: these benchmarks' rows, between the two marker lines.
+HEADLINES = ("train", "layer (train)", "decode (layer)")
+README_BEGIN = "<!-- headline results: written by python -m benchmarks.results_index -->"
+README_END = "<!-- end of headline results -->"
 MAX_ITEMS = 8  # headline numbers a row shows before "+N more"
 _DATED = re.compile(r"^(?P<prefix>.+?)_(?P<date>\d{4}-\d\d-\d\d)")
 _CITATION = re.compile(r"[\w.{}*,/-]*\d{4}-\d\d-[\w.{}*,/-]*")
@@ -352,7 +356,25 @@ def demo_precisions_parts(d: dict) -> Parts:
     )
 
 
+def train_parts(d: dict) -> Parts:
+    """benchmarks/train.py: each implementation's tokens/s and MFU (the model as the shape)."""
+    impls = d.get("impls") if isinstance(d.get("impls"), dict) else {}
+    items = []
+    for name, r in impls.items():
+        if not isinstance(r, dict) or not isinstance(r.get("tokens_per_s"), (int, float)):
+            items.append(f"{name} failed")
+            continue
+        mfu = r.get("mfu")
+        items.append(
+            f"{name} {r['tokens_per_s'] / 1e3:.1f}k tokens/s"
+            + (f" (MFU {100 * mfu:.1f}%)" if isinstance(mfu, (int, float)) else "")
+        )
+    shape = f"{d.get('model')} seq {d.get('seq_len')} x {d.get('batch')}"
+    return {("", shape): {"": items}}
+
+
 EXTRACTORS: dict[str, Callable[[dict], Parts]] = {
+    "train": train_parts,
     "layer": layer_parts,
     "gmm": gmm_parts,
     "decode": decode_parts,
@@ -514,6 +536,34 @@ def render(rows: list[Row]) -> str:
     return "\n".join(out) + "\n"
 
 
+def render_headlines(rows: list[Row]) -> str:
+    """The README's headline tables (HEADLINES' rows), linked from the repo root."""
+    out = []
+    for benchmark in HEADLINES:
+        section = [r for r in rows if r.benchmark == benchmark]
+        if not section:
+            continue
+        how = command(base_name(benchmark))
+        out += ["", f"**{benchmark}**" + (f" (`{how}`)" if how else ""), ""]
+        out += ["| shape | card | date | commit | headline |", "|---|---|---|---|---|"]
+        out += [
+            f"| {cell(r.shape)} | {cell(r.card)} | {r.date} | {r.commit} | "
+            f"[{cell(r.headline) or '-'}](benchmarks/results/{r.file}) |"
+            for r in section
+        ]
+    return "\n".join(out[1:])
+
+
+def with_headlines(readme: str, rows: list[Row]) -> str:
+    """`readme` with the text between its marker lines replaced by `render_headlines` (unchanged
+    when it has no markers)."""
+    if README_BEGIN not in readme or README_END not in readme:
+        return readme
+    head, rest = readme.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    return f"{head}{README_BEGIN}\n{render_headlines(rows)}\n{README_END}{tail}"
+
+
 def expand_braces(pattern: str) -> list[str]:
     """Shell brace expansion: "a_{x,y}.json" and "run{1..3}" into their names."""
     m = re.search(r"\{([^{}]*)\}", pattern)
@@ -608,11 +658,15 @@ def missing_citations(repo: str, results_dir: str) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Write RESULTS.md (--archive: after moving the unneeded records), or --check it."""
+    """Write RESULTS.md and the README's headline tables (--archive: after moving the unneeded
+    records), or --check both."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default=RESULTS_DIR, help="the folder of the records")
     parser.add_argument("--index", default=INDEX_PATH, help="the index file to write or check")
     parser.add_argument("--repo", default=REPO, help="the tree whose pages cite the records")
+    parser.add_argument(
+        "--readme", default=None, help="the README with headline tables (default: the repo's)"
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
         "--check",
@@ -625,6 +679,7 @@ def main(argv: list[str] | None = None) -> int:
         help="first git mv the records no row lists and no page cites into results/archive",
     )
     args = parser.parse_args(argv)
+    args.readme = args.readme or os.path.join(args.repo, "README.md")
     rows = latest_rows(args.results)
     if args.archive:
         citing = read(args.repo, pages(args.repo, CITING, left_out=LEDGER))
@@ -640,12 +695,19 @@ def main(argv: list[str] | None = None) -> int:
         current = open(args.index).read() if os.path.exists(args.index) else ""
         if current != text:
             problems.append(f"{args.index} is stale: run python -m benchmarks.results_index")
+        readme = open(args.readme).read() if os.path.exists(args.readme) else ""
+        if with_headlines(readme, rows) != readme:
+            problems.append(f"{args.readme}'s headline tables are stale: run the same")
         for problem in problems:
             print(problem, file=sys.stderr)
         return 1 if problems else 0
     with open(args.index, "w") as f:
         f.write(text)
     print(f"wrote {args.index}: {len(rows)} rows")
+    if os.path.exists(args.readme):
+        readme = open(args.readme).read()
+        with open(args.readme, "w") as f:
+            f.write(with_headlines(readme, rows))
     return 0
 
 

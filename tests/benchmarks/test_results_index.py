@@ -103,3 +103,24 @@ def test_brace_expansion():
         f"a_{c}_run{i}.json" for c in "xy" for i in (1, 2, 3)
     ]
     assert results_index.expand_braces("plain.json") == ["plain.json"]
+
+
+def test_readme_headline_tables_are_written_between_the_markers(tmp_path):
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    write(results, "layer_2026-01-01.json", layer_record("2026-01-01", ["mixtral"], 2.0))
+    train = dict(benchmark="train", date="2026-01-02", device="NVIDIA H100 80GB HBM3")
+    train.update(model="m", seq_len=8, batch=2, impls={"jaxmoe": dict(tokens_per_s=2e3, mfu=0.5)})
+    write(results, "train_2026-01-02.json", train)
+    readme = tmp_path / "README.md"
+    marks = f"{results_index.README_BEGIN}\nold\n{results_index.README_END}"
+    readme.write_text(f"# top\n{marks}\ntail\n")
+    args = ["--results", str(results), "--index", str(tmp_path / "RESULTS.md")]
+    args += ["--repo", str(tmp_path)]
+    assert results_index.main([*args, "--check"]) == 1  # the README's block is stale
+    assert results_index.main(args) == 0
+    text = readme.read_text()
+    assert text.startswith("# top\n") and text.endswith("tail\n") and "old" not in text
+    assert "jaxmoe 2.0k tokens/s (MFU 50.0%)" in text and "jaxmoe_bf16 2.00 ms" in text
+    assert "(benchmarks/results/train_2026-01-02.json)" in text
+    assert results_index.main([*args, "--check"]) == 0
