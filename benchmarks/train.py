@@ -381,6 +381,7 @@ def main(argv=None) -> None:
         "seq_len) / the card's dense bf16 peak",
         impls={},
     )
+    path = report.result_path(args.out, "train", args.tag)
     for impl in args.impls:
         log(f"{impl} ...")
         try:
@@ -389,12 +390,11 @@ def main(argv=None) -> None:
             record = dict(error=error_text(e))
         result["impls"][impl] = record
         log(f"{impl}: {outcome(record)}")
-    base = result["impls"].get("jaxmoe", {}).get("tokens_per_s")
-    for record in result["impls"].values():
-        if base and "tokens_per_s" in record:
-            record["jaxmoe_speedup"] = base / record["tokens_per_s"]
-    path = report.result_path(args.out, "train", args.tag)
-    report.write_result(result, path)
+        base = result["impls"].get("jaxmoe", {}).get("tokens_per_s")
+        for other in result["impls"].values():
+            if base and "tokens_per_s" in other:
+                other["jaxmoe_speedup"] = base / other["tokens_per_s"]
+        report.write_result(result, path)  # after each one: a run cut short keeps what finished
     plot(result, path.removesuffix(".json") + ".png")
     log(f"wrote {path}")
 
