@@ -139,7 +139,7 @@ FURTHER_CASES = frozenset(
         "ops/test_dense.py::test_host_group_sizes_give_the_bits_of_traced_ones[64]",
         "numerics/test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands"
         "[l2_scales_split_n]",
-        "parallel/test_gpu_expert_parallel_tiny.py::test_same_bits_at_ep_1_and_2[deepseek_v3_style-bf16]",
+        "gpu/test_gpu_expert_parallel_tiny.py::test_same_bits_at_ep_1_and_2[deepseek_v3_style-bf16]",
         *(
             "kernels/test_tiles.py::test_banded_items_are_the_banded_order_stably_partitioned_by_kind"
             f"[{seed}]"

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from interpreter_tilings import FP8_GMM_SMALL
 from layer_grads import output_and_grads
 
 from jaxmoe import MoEConfig
@@ -42,17 +43,6 @@ U = 2.0**-24
 # The operands below are quantized as the layer's fprop does: rhs^T [G, N, K], blocks along K.
 gmm_nk = functools.partial(gmm, transpose_rhs=True)
 KERNEL_ID = lambda kernel: kernel.value  # test ids: the kernels' names
-# Interpret mode: fp32 output tiles of 32 columns are 128-byte rows (the TMA rule).
-SMALL = GmmConfig(
-    tile_m=64,
-    tile_n=64,
-    tile_k=128,
-    max_concurrent_steps=2,
-    grid_tile_width=2,
-    epilogue_tile_n=32,
-    wg_split="m",
-    num_sms=3,
-)
 DECODE_SMALL = DecodeConfig(tile_rows=16, wg_n=64, tile_k=128, max_concurrent_steps=2, num_sms=3)
 SIZES = {
     "ragged_tail_and_empty": [37, 0, 90, 50, 3],
@@ -89,7 +79,7 @@ def bound(lhs_q, rhs_q, sizes, per_block_rel=None):
 def test_forward_matches_dequantized_reference(interpret, sizes, kernel):
     lhs_q, rhs_q = operands(200, 256, 128, 5)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    config = None if ON_HOPPER else (DECODE_SMALL if kernel is K.DECODE else SMALL)
+    config = None if ON_HOPPER else (DECODE_SMALL if kernel is K.DECODE else FP8_GMM_SMALL)
     out = gmm_nk(lhs_q, rhs_q, group_sizes, impl="pallas", config=config, kernel=kernel)
     ref = gmm_nk(lhs_q, rhs_q, group_sizes, impl="xla")
     err = np.abs(np.asarray(out) - np.asarray(ref))
@@ -107,7 +97,11 @@ def test_lhs_values_stand_in_for_the_dequantized_lhs(interpret, impl, kernel):
     bits when they are deq(lhs); control: other values change the output, so they are read."""
     lhs_q, rhs_q = operands(200, 256, 128, 5)
     sizes = jnp.asarray(SIZES["ragged_tail_and_empty"], jnp.int32)
-    config = None if ON_HOPPER or impl == "xla" else (DECODE_SMALL if kernel is K.DECODE else SMALL)
+    config = (
+        None
+        if ON_HOPPER or impl == "xla"
+        else (DECODE_SMALL if kernel is K.DECODE else FP8_GMM_SMALL)
+    )
     run = lambda values: gmm_nk(
         lhs_q, rhs_q, sizes, impl=impl, config=config, kernel=kernel, lhs_values=values
     )
@@ -172,7 +166,7 @@ def test_empty_experts_and_zero_padding_rows_give_exact_zeros(interpret, kernel)
             sizes,
             impl="pallas",
             kernel=kernel,
-            config=None if ON_HOPPER else SMALL,
+            config=None if ON_HOPPER else FP8_GMM_SMALL,
         )
     )
     assert np.all(out[padding] == 0) and np.all(out[160:] == 0)
@@ -195,7 +189,7 @@ def row_bits_configs(kernel: Mxfp8Kernel) -> list:
             for split in "nm"
         ]
     return [
-        SMALL,
+        FP8_GMM_SMALL,
         GmmConfig(
             tile_m=64,
             tile_n=64,
@@ -361,7 +355,7 @@ def test_dequantize_takes_the_weights_untransposed(interpret, impl):
     sizes = jnp.asarray(SIZES["ragged_tail_and_empty"], jnp.int32)
     weights = jnp.swapaxes(dequantize(rhs_q, jnp.bfloat16), 1, 2)  # [G, K, N], exact
     rhs_kn = quantize(weights, axis=1)
-    config = None if ON_HOPPER else SMALL
+    config = None if ON_HOPPER else FP8_GMM_SMALL
     run = functools.partial(gmm, impl=impl, config=config, kernel=K.DEQUANTIZE)
     out = {
         "nk": bits(run(lhs_q, rhs_q, sizes, transpose_rhs=True)),

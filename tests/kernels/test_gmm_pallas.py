@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from interpreter_tilings import GMM_SMALL, TGMM_SMALL
 from layer_grads import output_and_grads
 
 from jaxmoe import MoEConfig
@@ -30,27 +31,6 @@ def operands(m, k, n, g, seed=0, transpose_rhs=False):
     return lhs, rhs
 
 
-SMALL = GmmConfig(
-    tile_m=64,
-    tile_n=64,
-    tile_k=64,
-    max_concurrent_steps=2,
-    grid_tile_width=2,
-    epilogue_tile_n=32,
-    wg_split="m",
-    overlap_wgmma=True,
-    epilogue_slots=2,
-    num_sms=3,
-)  # fp32 outputs: 128-byte rows
-SMALL_T = TgmmConfig(
-    tile_k=64,
-    tile_n=64,
-    wg_split="k",
-    tile_rows=64,
-    max_concurrent_steps=2,
-    grid_tile_width=1,
-    num_sms=3,
-)  # CTA tile 128 x 64
 SIZES = {
     "ragged_tail_and_empty": [37, 0, 90, 50, 3],  # sum 180 of 200 rows: a zero tail
     "all_in_one": [0, 0, 200, 0, 0],
@@ -64,7 +44,7 @@ SIZES = {
 def test_forward_matches_xla(interpret, sizes, transpose_rhs):
     lhs, rhs = operands(200, 128, 64, 5, transpose_rhs=transpose_rhs)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    config = None if ON_HOPPER else SMALL
+    config = None if ON_HOPPER else GMM_SMALL
     out = gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, impl="pallas", config=config)
     ref = gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, impl="xla")
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
@@ -87,7 +67,7 @@ def test_rows_past_groups_are_left_unwritten_and_never_read(interpret, monkeypat
     lhs = lhs.at[live:].set(jnp.nan)
     group_sizes = jnp.asarray(sizes, jnp.int32)
     grad = jax.random.normal(jax.random.key(8), (160, 64), jnp.float32).at[live:].set(jnp.nan)
-    config = None if ON_HOPPER or impl == "xla" else SMALL
+    config = None if ON_HOPPER or impl == "xla" else GMM_SMALL
 
     def run(written):
         f = lambda a, b: gmm(  # noqa: E731
@@ -114,8 +94,8 @@ def test_cluster_pairs_match_xla(interpret, transpose_rhs):
     lhs, rhs = operands(200, 128, 256, 5, seed=2, transpose_rhs=transpose_rhs)
     group_sizes = jnp.asarray(SIZES["ragged_tail_and_empty"], jnp.int32)
     run = functools.partial(gmm, lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
-    unpaired = run(impl="pallas", config=SMALL)
-    out = run(impl="pallas", config=dataclasses.replace(SMALL, cluster_n=2, num_sms=4))  # raced
+    unpaired = run(impl="pallas", config=GMM_SMALL)
+    out = run(impl="pallas", config=dataclasses.replace(GMM_SMALL, cluster_n=2, num_sms=4))  # raced
     np.testing.assert_array_equal(bits(out), bits(unpaired))
     np.testing.assert_allclose(out, run(impl="xla"), rtol=1e-5, atol=1e-4)
     assert np.all(np.asarray(out)[180:] == 0)
@@ -140,7 +120,7 @@ def test_wgrad_matches_xla(interpret, sizes):
     lhs, _ = operands(200, 128, 64, 1, seed=2)
     rhs = jax.random.normal(jax.random.key(3), (200, 64), jnp.float32).astype(jnp.bfloat16)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    out = tgmm(lhs, rhs, group_sizes, impl="pallas", config=None if ON_HOPPER else SMALL_T)
+    out = tgmm(lhs, rhs, group_sizes, impl="pallas", config=None if ON_HOPPER else TGMM_SMALL)
     ref = tgmm(lhs, rhs, group_sizes, impl="xla")
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
     for g, size in enumerate(sizes):
@@ -154,10 +134,12 @@ def test_nan_in_one_group_never_reaches_another(interpret):
     dy = jax.random.normal(jax.random.key(5), (200, 64), jnp.float32).astype(jnp.bfloat16)
     dy = dy.at[64, 1].set(jnp.inf)  # first row of group 1
     group_sizes = jnp.array([64, 40, 60, 36], jnp.int32)
-    out = np.asarray(gmm(lhs, rhs, group_sizes, impl="pallas", config=None if ON_HOPPER else SMALL))
+    out = np.asarray(
+        gmm(lhs, rhs, group_sizes, impl="pallas", config=None if ON_HOPPER else GMM_SMALL)
+    )
     assert np.all(np.isnan(out[63])) and np.all(np.isfinite(np.delete(out, 63, axis=0)))
     grads = np.asarray(
-        tgmm(lhs, dy, group_sizes, impl="pallas", config=None if ON_HOPPER else SMALL_T)
+        tgmm(lhs, dy, group_sizes, impl="pallas", config=None if ON_HOPPER else TGMM_SMALL)
     )
     assert not np.all(np.isfinite(grads[0])) and not np.all(np.isfinite(grads[1]))
     assert np.all(np.isfinite(grads[2:]))
@@ -390,8 +372,8 @@ def test_row_bits_do_not_depend_on_other_groups_or_config(interpret):
     probe = 130  # a row of group 2 in every layout below
     layouts = {"a": [64, 40, 60, 36], "b": [0, 0, 200, 56], "c": [100, 7, 41, 9]}
     configs = [
-        SMALL,
-        dataclasses.replace(SMALL, overlap_wgmma=False, epilogue_slots=1),
+        GMM_SMALL,
+        dataclasses.replace(GMM_SMALL, overlap_wgmma=False, epilogue_slots=1),
         GmmConfig(
             tile_m=64,
             tile_n=64,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from test_gmm_mxfp8_pallas import SMALL  # the fp8 kernel's interpreter tiling
+from interpreter_tilings import FP8_GMM_SMALL
 
 import jaxmoe.ops.device
 from jaxmoe import fp8_blockwise as fb
@@ -289,12 +289,12 @@ def test_kernel_equals_the_reference_on_exact_operands(
     sizes = jnp.array([70, 0, 100])
     # wg_split "n": 128 output columns a warpgroup (dgrad's 256), so the two warpgroups read
     # different weight blocks' scales
-    tile_n = 128 if wg_split == "n" else SMALL.tile_n
+    tile_n = 128 if wg_split == "n" else FP8_GMM_SMALL.tile_n
     config = None
     if not on_hopper():
-        steps = min(SMALL.max_concurrent_steps, lhs.shape[1] // tile_k)
+        steps = min(FP8_GMM_SMALL.max_concurrent_steps, lhs.shape[1] // tile_k)
         config = dataclasses.replace(
-            SMALL,
+            FP8_GMM_SMALL,
             wg_split=wg_split,
             tile_n=tile_n,
             tile_k=tile_k,
@@ -319,7 +319,7 @@ def test_kernel_within_the_error_bound_on_random_data(interpret):
     lq = fb.quantize_1x128(jnp.asarray(rng.normal(size=(130, 256)), jnp.bfloat16))
     rq = fb.quantize_128x128(jnp.asarray(rng.normal(size=(2, 256, 128)), jnp.bfloat16))
     sizes = np.array([64, 60])
-    config = None if on_hopper() else SMALL
+    config = None if on_hopper() else FP8_GMM_SMALL
     got = np.asarray(gmm(lq, rq, jnp.asarray(sizes), impl="pallas", config=config))
     a, b = np.asarray(fb.dequantize(lq), np.float64), np.asarray(fb.dequantize(rq), np.float64)
     exact = grouped_product(a, b, sizes)
@@ -344,7 +344,7 @@ def test_rows_past_the_groups_left_unwritten(interpret, monkeypatch, impl):
     lq = fb.quantize_1x128(jnp.asarray(rng.normal(size=(256, 256)), jnp.bfloat16))
     rq = fb.quantize_128x128(jnp.asarray(rng.normal(size=(2, 256, 128)), jnp.bfloat16))
     sizes = jnp.array([128, 0])
-    config = None if on_hopper() or impl == "xla" else SMALL
+    config = None if on_hopper() or impl == "xla" else FP8_GMM_SMALL
     run = lambda written: np.asarray(  # noqa: E731
         gmm(lq, rq, sizes, impl=impl, config=config, write_rows_past_groups=written)
     )

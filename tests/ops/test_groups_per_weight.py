@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_gmm_pallas import SMALL
+from interpreter_tilings import GMM_SMALL
 
 from jaxmoe import fp8_blockwise as fb
 from jaxmoe.mxfp8 import quantize
@@ -34,7 +34,7 @@ def operands(rhs_dtype):
 
 def product(kind, impl):
     if kind == "bf16":
-        config = SMALL if impl == "pallas" else None
+        config = GMM_SMALL if impl == "pallas" else None
         return lambda lhs, rhs, sizes, **kw: gmm(
             lhs, rhs, sizes, impl=impl, config=config, preferred_element_type=jnp.float32, **kw
         )
