@@ -202,7 +202,8 @@ class MoETransformer(nnx.Module):
         projections, dense FFNs and head run on `jaxmoe.ops.dense` with it).
 
     `model(tokens, segment_ids=, positions=)` -> (logits, `LMAux`); `hidden` and `head` are its
-    two halves; `init_cache` and `decode` generate with a KV cache.
+    two halves; `prefill` (that forward, keeping the keys and values) and `decode` generate
+    with a KV cache (`jaxmoe.generate`).
     """
 
     def __init__(self, config: LMConfig, *, rngs: nnx.Rngs, gmm_impl: str = "auto"):
@@ -299,6 +300,12 @@ class MoETransformer(nnx.Module):
     ) -> tuple[jax.Array, LMAux]:
         """(the final-normed hidden states [B, S, H] in the compute dtype, `LMAux`): `__call__`
         without the head (for a loss computed over chunks of the sequence)."""
+        h, aux, _ = self._forward(tokens, segment_ids, positions, route_for, expert_weights)
+        return h, aux
+
+    def _forward(self, tokens, segment_ids, positions, route_for, expert_weights, keep_kv=False):
+        """(h, `LMAux`, each layer's attended (keys, values) [B, S, K, D] with keep_kv, else
+        None) of `hidden`'s arguments: the one forward of training, evaluation and prefill."""
         tokens, segment_ids, positions = self._checked_inputs(tokens, segment_ids, positions)
         per_layer = self._expert_weights_per_layer(expert_weights)
         b, s = tokens.shape
@@ -311,7 +318,7 @@ class MoETransformer(nnx.Module):
         rope = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
 
         def run(block, x, rope, mask, padding_mask, weights):
-            y, aux, _ = block(
+            y, aux, kv = block(
                 x,
                 rope,
                 mask,
@@ -319,16 +326,18 @@ class MoETransformer(nnx.Module):
                 route_for=route_for,
                 expert_weights=weights,
             )
-            return y, aux
+            # Only when asked: more outputs of a remat block would change the training program.
+            return (y, aux, kv) if keep_kv else (y, aux, None)
 
         if self.config.remat != "none":
             run = nnx.remat(run, policy=_REMAT_POLICIES[self.config.remat])
-        x, auxes = self.embed(tokens, self.dtype), []
+        x, auxes, kvs = self.embed(tokens, self.dtype), [], []
         for block, weights in zip(self.layers, per_layer, strict=True):
-            x, aux = run(block, x, rope, mask, padding_mask, weights)
+            x, aux, kv = run(block, x, rope, mask, padding_mask, weights)
+            kvs.append(kv)
             if aux is not None:
                 auxes.append(aux)
-        return self.final_norm(x), LMAux.stack(auxes)
+        return self.final_norm(x), LMAux.stack(auxes), kvs if keep_kv else None
 
     def head(self, h: jax.Array) -> jax.Array:
         """The logits [..., V] of final-normed hidden states h [..., H], in h's dtype."""
@@ -350,6 +359,44 @@ class MoETransformer(nnx.Module):
         zeros = jnp.zeros(shape, self.dtype if dtype is None else dtype)
         return KVCache(k=zeros, v=zeros, lengths=jnp.zeros((batch,), jnp.int32))
 
+    def prefill(
+        self,
+        tokens: jax.Array,
+        *,
+        lengths: jax.Array | None = None,
+        max_len: int | None = None,
+        route_for: Callable | None = None,
+        expert_weights: Sequence | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """(the final-normed hidden states [B, S, H], the `KVCache` of the prompts) for prompts
+        tokens [B, S], each row's first lengths[b] tokens real and the rest padding (None: all
+        S). This is `hidden`'s forward with segment_ids 1 on the real tokens and 0 on the
+        padding, the training forward itself: `head` of the result gives `__call__`'s logits
+        bits for those tokens and segment ids. The cache holds max_len (None: S; at most
+        max_position) entries a row, the S tokens' keys and values first, and lengths; `decode`
+        continues from it. route_for, expert_weights: as `__call__`'s."""
+        tokens, _, _ = self._checked_inputs(tokens, None, None)
+        b, s = tokens.shape
+        max_len = s if max_len is None else max_len
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < s:
+            raise ValueError(f"prefill: max_len must be an int >= S ({s}), got {max_len!r}")
+        if max_len > self.config.max_position:
+            raise ValueError(
+                f"prefill: max_len ({max_len}) exceeds max_position ({self.config.max_position})"
+            )
+        if lengths is None:
+            segment_ids, lengths = None, jnp.full((b,), s, jnp.int32)
+        else:
+            if getattr(lengths, "shape", None) != (b,):
+                raise ValueError(f"prefill: lengths must be [{b}], got {lengths!r}")
+            _check_concrete_range("lengths", lengths, 0, s + 1)
+            lengths = jnp.asarray(lengths, jnp.int32)
+            segment_ids = (jnp.arange(s) < lengths[:, None]).astype(jnp.int32)
+        h, _, kvs = self._forward(tokens, segment_ids, None, route_for, expert_weights, True)
+        empty = [(0, 0), (0, 0), (0, max_len - s), (0, 0), (0, 0)]
+        k, v = (jnp.pad(jnp.stack(arrays), empty) for arrays in zip(*kvs))
+        return h, KVCache(k=k, v=v, lengths=lengths)
+
     def decode(
         self,
         tokens: jax.Array,
@@ -361,8 +408,9 @@ class MoETransformer(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:
         """(logits [B, T, V], the cache with them appended) for tokens [B, T] following each
         row's cached tokens: row b's tokens sit at positions cache.lengths[b] + arange(T) and
-        see only its own valid cache entries and themselves, causally. Prefill is a decode of
-        the prompts into `init_cache`'s empty cache.
+        see only its own valid cache entries and themselves, causally. The cache comes from
+        `prefill` (the training forward's bits) or `init_cache` (empty: the prompts decoded
+        like any tokens, in the attention's other summation order).
 
         new_lengths: [B] int, how many of each row's T tokens are real (rows of different
         prompt lengths in one batch, each prompt left-aligned, the rest padding: ignored by
