@@ -77,8 +77,8 @@ def expert_parallel_forward(
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     # Every rank computes with its own fp32 copy of each parameter (the experts' over the data
     # axes only, as they are split over the expert axis), so that its gradient leaves the ranks
-    # as per-rank partials, summed by `_OrderedCopies` in one fixed order.
-    copies = _OrderedCopies(mesh, expert_axis)
+    # as per-rank partials, summed by `OrderedCopies` in one fixed order.
+    copies = OrderedCopies(mesh, expert_axis)
     copy_specs = jax.tree_util.tree_map_with_path(lambda path, _: copies.spec(path), params)
     rest_specs = jax.tree_util.tree_map_with_path(
         lambda path, _: state_spec(path, expert_axis), rest
@@ -146,7 +146,7 @@ def state_spec(path, expert_axis: str) -> P:
     return P(expert_axis) if _in_experts(path) else P()
 
 
-class _OrderedCopies:
+class OrderedCopies:
     """params -> per-rank fp32 copies [n, ...] (n: the ranks of the copy axes, in mesh order),
     whose gradient is the copies' cotangents summed with `sum_in_order` over n in fp32 and
     rounded once to the parameter's dtype. Rank g = its linear index over the copy axes, so the
@@ -203,9 +203,14 @@ class _OrderedCopies:
 
             def rank_sum(local):
                 if n == 1:
-                    return local[0].astype(like.dtype)
-                every = jax.lax.all_gather(local[0], axes, axis=0)
-                return sum_in_order(every.astype(jnp.float32), axis=0, dtype=like.dtype)
+                    total = local[0].astype(like.dtype)
+                else:
+                    every = jax.lax.all_gather(local[0], axes, axis=0)
+                    total = sum_in_order(every.astype(jnp.float32), axis=0, dtype=like.dtype)
+                # Materialised without its copies axis at every degree: a reshape fused into
+                # the consumer (an optimizer's multiply-adds) changes which products XLA
+                # contracts into FMAs, and so the updated parameters' bits.
+                return jax.lax.optimization_barrier(total)
 
             return jax.shard_map(
                 rank_sum,
@@ -223,39 +228,61 @@ def _dtypes(params):
     return jax.tree.map(lambda p: jnp.zeros((0,), p.dtype), params)
 
 
-def place_on_mesh(model: MoE, mesh: Mesh, *, expert_axis: str = "ep") -> MoE:
-    """`model` with its state on `mesh`, laid out as `expert_parallel_forward` splits it: the
-    routed experts' parameters and variables (leading axis E; `jaxmoe.mxfp8_inference`'s MXFP8
-    copies too) split over `expert_axis` (`P(expert_axis)`, rank e holding experts
-    [e E/ep, (e + 1) E/ep), replicated over the other axes), every other parameter and variable
-    replicated (`P()`). Returns a new module; `model` is left as it is.
+def place_on_mesh(model: nnx.Module, mesh: Mesh, *, expert_axis: str = "ep") -> nnx.Module:
+    """`model` (a `MoE`, or any module holding MoE layers: `jaxmoe.models.MoETransformer`) with
+    its state on `mesh`, laid out as `expert_parallel_forward` splits it: the routed experts'
+    parameters and variables (leading axis E; `jaxmoe.mxfp8_inference`'s MXFP8 copies too)
+    split over `expert_axis` (`P(expert_axis)`, rank e holding experts [e E/ep, (e + 1) E/ep),
+    replicated over the other axes), every other parameter and variable replicated (`P()`).
+    Returns a new module; `model` is left as it is.
 
     An abstract model (`nnx.eval_shape`, `jax.ShapeDtypeStruct` leaves) gives the abstract placed
     model: ShapeDtypeStructs carrying their shardings, from which each parameter can be built
     directly on its devices (`jax.make_array_from_callback`; `bridge.megatron.build_moe(...,
-    mesh=...)` does). Raises ValueError when `expert_axis` is not a mesh axis or E does not
-    split over it."""
-    _check_mesh("place_on_mesh", mesh, expert_axis, model.config.num_experts)
+    mesh=...)` does). Raises ValueError when `expert_axis` is not a mesh axis or some layer's E
+    does not split over it."""
+    state = nnx.state(model)
+    shardings = _shardings("place_on_mesh", state, mesh, expert_axis)
 
-    def put(value, spec: P):
-        sharding = NamedSharding(mesh, spec)
+    def put(value, sharding: NamedSharding):
         if isinstance(value, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
         return jax.device_put(value, sharding)
 
-    state = jax.tree_util.tree_map_with_path(
-        lambda path, v: put(v, state_spec(path, expert_axis)), nnx.state(model)
-    )
-    return nnx.merge(nnx.graphdef(model), state)
+    return nnx.merge(nnx.graphdef(model), jax.tree.map(put, state, shardings))
 
 
-def _check_mesh(caller: str, mesh, expert_axis: str, num_experts: int) -> None:
-    """TypeError/ValueError unless `mesh` is a Mesh with `expert_axis` and E splits over it."""
+def mesh_shardings(tree, mesh: Mesh, *, expert_axis: str = "ep"):
+    """The `NamedSharding` of every array of a state pytree as `place_on_mesh` lays it out (by
+    `state_spec` of its key path): a module's state, its pure dicts, or an optimizer state over
+    them (whose per-parameter entries sit under the same keys). Use them as a jitted step's in
+    and out shardings, so that its outputs stay where its inputs were. Raises ValueError when
+    `expert_axis` is not a mesh axis or the leading axis E of a routed experts' array does not
+    split over it."""
+    return _shardings("mesh_shardings", tree, mesh, expert_axis)
+
+
+def _shardings(caller: str, tree, mesh: Mesh, expert_axis: str):
+    """`mesh_shardings` of `tree`, errors naming `caller`."""
+    _check_mesh(caller, mesh, expert_axis)
+
+    def sharding(path, leaf) -> NamedSharding:
+        spec = state_spec(path, expert_axis)
+        if spec != P():
+            _check_mesh(caller, mesh, expert_axis, leaf.shape[0])
+        return NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(sharding, tree)
+
+
+def _check_mesh(caller: str, mesh, expert_axis: str, num_experts: int | None = None) -> None:
+    """TypeError/ValueError unless `mesh` is a Mesh with `expert_axis` and E (when given) splits
+    over it."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"{caller}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if expert_axis not in mesh.axis_names:
         raise ValueError(f"{caller}: mesh {mesh.axis_names} has no {expert_axis!r}")
-    if num_experts % mesh.shape[expert_axis]:
+    if num_experts is not None and num_experts % mesh.shape[expert_axis]:
         raise ValueError(
             f"{caller}: {num_experts} experts do not split over "
             f"{expert_axis} = {mesh.shape[expert_axis]} ranks"

@@ -18,6 +18,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxmoe.ordered import row_sums_in_order, sum_in_order
 
@@ -112,11 +114,24 @@ class ClipState(NamedTuple):
 def global_norm_in_order(tree: Any) -> jax.Array:
     """sqrt of the sum of squares of every leaf, in fp32: each leaf's squares summed with
     `sum_in_order` over its flattened elements, then the leaves' sums over the leaves in tree
-    order (`jax.tree.leaves`)."""
-    sums = [sum_in_order(jnp.square(x.astype(F32)).reshape(-1)) for x in jax.tree.leaves(tree)]
+    order (`jax.tree.leaves`). A leaf split over a mesh (explicit axes: the routed experts'
+    gradients under `jaxmoe.models.parallel`) is gathered first, the same values and tree."""
+    sums = [
+        sum_in_order(jnp.square(_gathered(x).astype(F32)).reshape(-1))
+        for x in jax.tree.leaves(tree)
+    ]
     if not sums:
         return jnp.zeros((), F32)
     return jnp.sqrt(sum_in_order(jnp.stack(sums)))
+
+
+def _gathered(x: jax.Array) -> jax.Array:
+    """x replicated over its mesh: the tree's strided slices of a split array's flattened
+    elements have no sharding rule."""
+    sharding = jax.typeof(x).sharding
+    if all(axis is None for axis in sharding.spec):
+        return x
+    return jax.reshard(x, NamedSharding(sharding.mesh, P()))
 
 
 def clip_by_global_norm_in_order(max_norm: float | None) -> optax.GradientTransformation:

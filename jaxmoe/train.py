@@ -18,7 +18,10 @@ order. fp8 precisions quantize the experts' weights once a step (`quantize_exper
 shared by the micro-batches. Then one AdamW update, and each MoE layer with an expert bias
 updates it from the step's token counts (`jaxmoe.update_expert_bias`). `make_train_step` builds
 the step from a `loss_and_grads(params, rest, micro_batch, expert_weights) -> ((loss, metrics),
-grads)` (`make_loss_and_grads`), the seam where a mesh version replaces the single-device one.
+grads)` (`make_loss_and_grads`), the seam where a mesh version replaces the single-device one:
+with `TrainConfig.mesh = (data, ep)` the step runs over a ("data", "ep") device mesh
+(`jaxmoe.models.parallel`), with the same loss curve and parameters, bitwise, for every split
+of the same number of devices.
 
 Logged every step (metrics.jsonl; a line every log_every steps, under a tqdm bar on stderr):
 loss (the optimized objective), nll, aux and z losses, each MoE layer's expert load max/mean
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -48,12 +52,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from jaxmoe import PRECISION_PRESETS, update_expert_bias
 from jaxmoe import data as data_lib
 from jaxmoe.checkpoint import Checkpointer
+from jaxmoe.expert_parallel import mesh_shardings, place_on_mesh
 from jaxmoe.models import CONFIGS, LMConfig, MoETransformer, count_parameters
+from jaxmoe.models.parallel import (
+    global_batch,
+    make_mesh_loss_and_grads,
+    mesh_micro_batches,
+    training_mesh,
+)
 from jaxmoe.optim import last_gradient_norm, lm_loss, lr_schedule, make_optimizer
 
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak per GPU
@@ -79,7 +92,12 @@ class TrainConfig:
       keep: a checkpoint every that many steps (and at the end), the last `keep` kept.
     out: the run's directory; resume: continue from its last complete checkpoint (without it,
       a directory that holds checkpoints or metrics is an error: nothing is overwritten).
-    gmm_impl: the model's matmul implementation ("auto", "pallas", "xla")."""
+    gmm_impl: the model's matmul implementation ("auto", "pallas", "xla").
+    mesh: None (one device) or (data, ep): the step over a `jax.make_mesh((data, ep), ("data",
+      "ep"))` of the first data x ep devices (all processes' under `jax.distributed`), each
+      micro-batch's rows split over the data x ep ranks, the routed experts over ep
+      (`jaxmoe.models.parallel.make_mesh_loss_and_grads`); the batch's rows per micro-batch
+      and the experts must split over them."""
 
     model: str = "tiny"
     model_overrides: dict = dataclasses.field(default_factory=dict)
@@ -104,6 +122,7 @@ class TrainConfig:
     out: str = "runs/train"
     resume: bool = False
     gmm_impl: str = "auto"
+    mesh: tuple[int, int] | None = None
 
     def __post_init__(self):
         def fail(name: str, why: str):
@@ -155,6 +174,8 @@ class TrainConfig:
         if self.batch_size % self.micro_batches:
             fail("batch_size", f"must split into micro_batches ({self.micro_batches}) rows each")
         config = self.model_config()
+        if self.mesh is not None:
+            self._check_mesh(config, fail)
         if self.seq_len > config.max_position:
             fail("seq_len", f"exceeds the model's max_position ({config.max_position})")
         moe = config.moe
@@ -164,6 +185,29 @@ class TrainConfig:
                 "input_jitter_eps change its state in the forward pass, which the training "
                 f"step does not carry (got {moe.load_balancing_type!r}, {moe.input_jitter_eps!r})"
             )
+
+    def _check_mesh(self, config: LMConfig, fail: Callable) -> None:
+        """`mesh` as a (data, ep) tuple of ints >= 1 that the micro-batches' rows and the
+        experts split over, or a ValueError naming it."""
+        mesh = self.mesh
+        if isinstance(mesh, list | tuple):
+            object.__setattr__(self, "mesh", mesh := tuple(mesh))
+        if not (
+            isinstance(mesh, tuple)
+            and len(mesh) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in mesh)
+        ):
+            fail("mesh", "must be None or (data, ep), two ints >= 1")
+        ranks, ep = mesh[0] * mesh[1], mesh[1]
+        rows = self.batch_size // self.micro_batches
+        if rows % ranks:
+            fail(
+                "mesh",
+                f"a micro-batch's {rows} rows (batch_size {self.batch_size} / micro_batches "
+                f"{self.micro_batches}) do not split over its {ranks} ranks",
+            )
+        if config.moe.num_experts % ep:
+            fail("mesh", f"the {config.moe.num_experts} experts do not split over ep = {ep}")
 
     def model_config(self) -> LMConfig:
         """The `LMConfig` trained: the named config with the overrides and the precision."""
@@ -242,18 +286,23 @@ def make_train_step(
     micro_batches: int,
     quantized: bool,
     loss_and_grads: LossAndGrads | None = None,
+    split_micro_batches: Callable | None = None,
 ) -> Callable:
     """`step(params, rest, opt_state, batch) -> (params, rest, opt_state, metrics)`, to be
     jitted: the module docstring's step. `quantized`: the MoE experts are fp8 (their copies made
-    once a step); `loss_and_grads`: None for `make_loss_and_grads(graphdef, micro_batches)`.
+    once a step); `loss_and_grads`: None for `make_loss_and_grads(graphdef, micro_batches)`;
+    `split_micro_batches(batch, micro_batches)`: each [B, ...] array -> [micro_batches, B /
+    micro_batches, ...] (None: micro-batch i is rows [i B / micro_batches, (i + 1) B /
+    micro_batches); over a mesh `jaxmoe.models.parallel.mesh_micro_batches`).
     metrics: those of loss_and_grads summed over the micro-batches, with loss and grad_norm."""
     loss_and_grads = loss_and_grads or make_loss_and_grads(graphdef, micro_batches)
+    split_micro_batches = split_micro_batches or _contiguous_micro_batches
 
     def step(params, rest, opt_state, batch):
         model = nnx.merge(graphdef, params, rest)
         expert_weights = model.quantize_expert_weights() if quantized else None
         step_tokens = jnp.sum(batch["loss_mask"], dtype=jnp.int32)
-        micro = {k: v.reshape((micro_batches, -1) + v.shape[1:]) for k, v in batch.items()}
+        micro = split_micro_batches(batch, micro_batches)
 
         def one(index):
             micro_batch = {k: v[index] for k, v in micro.items()}
@@ -283,6 +332,11 @@ def make_train_step(
     return step
 
 
+def _contiguous_micro_batches(batch: dict, micro_batches: int) -> dict:
+    """Each [B, ...] array as [micro_batches, B / micro_batches, ...], in row order."""
+    return {k: v.reshape((micro_batches, -1) + v.shape[1:]) for k, v in batch.items()}
+
+
 def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
     """`evaluate(params, rest, batch) -> (nll, count, byte nll, byte count)`: the mean nll over
     the batch's loss tokens and over those whose target is a byte (id < 256)."""
@@ -298,6 +352,53 @@ def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
         return nll, count, byte_nll, byte_count
 
     return evaluate
+
+
+def jit_steps(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    state: tuple,
+    *,
+    micro_batches: int,
+    quantized: bool,
+    mesh: Mesh | None = None,
+) -> tuple[Callable, Callable, Callable]:
+    """(step, evaluate, feed): `make_train_step`'s step (donating its state) and
+    `make_eval_step`'s evaluation, jitted, and feed(batch), a host batch as the step takes it.
+    mesh None: one device. A ("data", "ep") mesh (`jaxmoe.models.parallel.training_mesh`): the
+    step of `make_mesh_loss_and_grads` and `mesh_micro_batches`, whose state (params, rest,
+    opt_state; `state`, placed by `mesh_shardings`) keeps that layout (in and out shardings),
+    fed by `global_batch`; the evaluation on every device with the parameters gathered."""
+    if mesh is None:
+        step = make_train_step(graphdef, tx, micro_batches=micro_batches, quantized=quantized)
+        return jax.jit(step, donate_argnums=(0, 1, 2)), jax.jit(make_eval_step(graphdef)), _same
+    step = make_train_step(
+        graphdef,
+        tx,
+        micro_batches=micro_batches,
+        quantized=quantized,
+        loss_and_grads=make_mesh_loss_and_grads(graphdef, mesh, micro_batches),
+        split_micro_batches=mesh_micro_batches(mesh),
+    )
+    placed, everywhere = mesh_shardings(state, mesh), NamedSharding(mesh, P())
+    jitted = jax.jit(
+        step,
+        donate_argnums=(0, 1, 2),
+        in_shardings=(*placed, NamedSharding(mesh, P(mesh.axis_names))),
+        out_shardings=(*placed, everywhere),  # the state stays where the compiled step reads it
+    )
+    # Every device evaluates the whole held-out batch with the gathered parameters (inside
+    # shard_map: the model's ops on local arrays, which explicit mesh axes need for ragged_dot).
+    evaluate = jax.shard_map(
+        make_eval_step(graphdef), mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False
+    )
+    gathered = lambda params, rest, batch: evaluate(*jax.reshard((params, rest), everywhere), batch)
+    return jitted, jax.jit(gathered), functools.partial(global_batch, mesh=mesh)
+
+
+def _same(batch: dict) -> dict:
+    """A host batch as the single-device step takes it: as it is."""
+    return batch
 
 
 # --------------------------------------------------------------------------- the run
@@ -427,6 +528,12 @@ def train(
     if isinstance(last, bool) or not isinstance(last, int) or not 1 <= last <= config.steps:
         raise ValueError(f"stop_after must be an int in [1, steps={config.steps}], got {last!r}")
     lm_config = config.model_config()
+    mesh = None if config.mesh is None else training_mesh(*config.mesh)
+    if mesh is not None and jax.process_count() > 1:
+        raise NotImplementedError(
+            "train: the checkpoints and metrics are written by one process; over processes, "
+            "build the step with jaxmoe.models.parallel (docs/expert_parallel.md)"
+        )
     out = Path(config.out)
     checkpoints, metrics_path, plot_path = (
         out / "checkpoints",
@@ -453,6 +560,8 @@ def train(
     ]
 
     model = MoETransformer(lm_config, rngs=nnx.Rngs(config.seed), gmm_impl=config.gmm_impl)
+    if mesh is not None:
+        model = place_on_mesh(model, mesh)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
     del model
@@ -465,6 +574,8 @@ def train(
         config.clip_norm,
     )
     opt_state = tx.init(params)
+    if mesh is not None:
+        opt_state = jax.device_put(opt_state, mesh_shardings(opt_state, mesh))
     checkpointer = Checkpointer(checkpoints, keep=config.keep)
     for name in checkpointer.discarded:
         print(f"discarded the unfinished checkpoint {checkpoints / name}")
@@ -490,17 +601,23 @@ def train(
     metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
     quantized = lm_config.moe.expert_precision != "bf16"
-    step_fn = make_train_step(graphdef, tx, micro_batches=config.micro_batches, quantized=quantized)
-    evaluate = jax.jit(make_eval_step(graphdef))
-    example = batches.batch_at(0)
-    began = time.perf_counter()
-    compiled = (
-        jax.jit(step_fn, donate_argnums=(0, 1, 2)).lower(params, rest, opt_state, example).compile()
+    jitted, evaluate, feed = jit_steps(
+        graphdef,
+        tx,
+        (params, rest, opt_state),
+        micro_batches=config.micro_batches,
+        quantized=quantized,
+        mesh=mesh,
     )
+    example = feed(batches.batch_at(0))
+    began = time.perf_counter()
+    compiled = jitted.lower(params, rest, opt_state, example).compile()
     print(f"compiled the training step in {time.perf_counter() - began:.1f} s")
     schedule = lr_schedule(config.lr, config.warmup, config.steps, config.min_lr_ratio)
     tokens = config.batch_size * config.seq_len
     peak = peak_flops(jax.devices()[0])
+    if peak is not None and mesh is not None:
+        peak *= mesh.size
     per_token = flops_per_token(lm_config, config.seq_len)
     losses, last_eval = {}, {}
     bar = tqdm(
@@ -508,7 +625,7 @@ def train(
     )
     with metrics_path.open("a") as log:
         for step in range(start + 1, last + 1):
-            batch = next(batches)
+            batch = feed(next(batches))
             began = time.perf_counter()
             params, rest, opt_state, metrics = compiled(params, rest, opt_state, batch)
             metrics = jax.device_get(metrics)

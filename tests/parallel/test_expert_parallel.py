@@ -354,7 +354,7 @@ def test_experts_without_data_axes_are_used_as_they_are():
     model, _, _ = make(BF16)
     params = nnx.split(model, nnx.Param, ...)[1]
     for ep, experts_dtype in ((8, jnp.bfloat16), (4, jnp.float32)):
-        copies = jaxmoe.expert_parallel._OrderedCopies(mesh_for(ep), "ep")(params)
+        copies = jaxmoe.expert_parallel.OrderedCopies(mesh_for(ep), "ep")(params)
         for path, leaf in jax.tree_util.tree_leaves_with_path(copies):
             routed = jax.tree_util.keystr(path).startswith("['experts']")
             assert leaf.dtype == (experts_dtype if routed else jnp.float32), path
