@@ -1,5 +1,6 @@
 # Two commands for a new machine:
-#   make run    install jaxmoe into .venv and run the demo (python -m jaxmoe.demo)
+#   make run    install jaxmoe into .venv, train the tiny MoE language model on CPU (python -m
+#               jaxmoe.train --preset cpu_tiny) into a new runs/ directory, then generate from it
 #   make test   install jaxmoe with the test and PyTorch-bridge extras into .venv, lint (ruff),
 #               run the tests (two workers)
 #   make test-quick   lint and the tests that do not interpret Pallas kernels (the inner loop)
@@ -29,8 +30,11 @@ $(VENV)/.installed-gpu: pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e ".[test,bridge,cuda]"
 	@touch $@
 
+# A new run directory each time: a run never writes over an earlier one.
 run: $(VENV)/.installed-run
-	$(PY) -m jaxmoe.demo $(ARGS)
+	@out=runs/cpu_tiny_$$(date +%Y%m%d_%H%M%S) && \
+	$(PY) -m jaxmoe.train --preset cpu_tiny --out $$out $(ARGS) && \
+	$(PY) -m jaxmoe.generate --checkpoint $$out --prompt "def main(" --max-new-tokens 160
 
 lint: $(VENV)/.installed-test
 	$(PY) -m ruff check .

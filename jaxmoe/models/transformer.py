@@ -312,9 +312,8 @@ class MoETransformer(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         padding_mask = None if segment_ids is None else segment_ids == 0
-        mask = segment_causal_mask(
-            jnp.ones((b, s), jnp.int32) if segment_ids is None else segment_ids
-        )
+        # One segment a row: the plain causal mask, which cuDNN applies without a mask array.
+        mask = None if segment_ids is None else segment_causal_mask(segment_ids)
         rope = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
 
         def run(block, x, rope, mask, padding_mask, weights):
