@@ -66,7 +66,8 @@ def make_mesh_loss_and_grads(
     except the auxiliary losses, which are per rank (means of the ranks' values). Multi-process
     (`jax.distributed`): as `jaxmoe.expert_parallel_forward`; pass the micro-batch as global
     arrays split over the mesh by rows (`global_batch`). transport: `jaxmoe.exchange.TRANSPORTS`
-    (the same bits)."""
+    (the same bits). Raises TypeError/ValueError for a mesh without `expert_axis` or an unknown
+    transport, and, when traced, for a micro-batch whose rows do not split over the R ranks."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"make_mesh_loss_and_grads: mesh must be a Mesh, got {type(mesh).__name__}")
     if expert_axis not in mesh.axis_names:
@@ -192,8 +193,8 @@ def global_batch(batch: dict[str, Any], mesh: Mesh) -> dict[str, jax.Array]:
     """A batch of [B, ...] host arrays as global arrays split over all of `mesh`'s axes by rows
     (`NamedSharding(mesh, P(mesh.axis_names))`, `make_mesh_loss_and_grads`'s layout), each
     process giving only the rows of its own devices
-    (`jax.make_array_from_process_local_data`; here sliced from the full batch, which every
-    process of `jaxmoe.train` reads). Raises ValueError when B does not split over the ranks."""
+    (`jax.make_array_from_process_local_data`; sliced here from the full batch, which every
+    process reads alike). Raises ValueError when B does not split over the ranks."""
     sharding = NamedSharding(mesh, P(mesh.axis_names))
     placed = {}
     for key, value in batch.items():

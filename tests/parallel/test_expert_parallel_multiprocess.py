@@ -22,9 +22,10 @@ from bitwise import assert_bitwise, differs
 PROCESSES, DEVICES_EACH, TIMEOUT_S = 2, 4, 240
 
 
-def run_workers(out: Path, logs: Path) -> None:
-    """Runs tests/support/ep_worker.py as `PROCESSES` processes of one jax.distributed job; fails the
-    test with their output if one fails or they take over TIMEOUT_S (then all are killed)."""
+def run_workers(out: Path, logs: Path, suite: str = "cpu") -> None:
+    """Runs tests/support/ep_worker.py's `suite` as `PROCESSES` processes of one jax.distributed
+    job; fails the test with their output if one fails or they take over TIMEOUT_S (then all are
+    killed)."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     env = dict(
         os.environ,
@@ -37,7 +38,7 @@ def run_workers(out: Path, logs: Path) -> None:
     procs = []
     for i in range(PROCESSES):
         log = open(logs / f"worker{i}.log", "w")
-        args = [sys.executable, str(worker), coordinator, str(PROCESSES), str(i), str(out)]
+        args = [sys.executable, str(worker), coordinator, str(PROCESSES), str(i), str(out), suite]
         procs.append(subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT))
         log.close()
     deadline, killed = time.monotonic() + TIMEOUT_S, set()

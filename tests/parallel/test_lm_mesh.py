@@ -6,6 +6,7 @@ the single-device step's within rounding; `jaxmoe.train.train` with a mesh runs 
 meshes are refused before anything is compiled."""
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -40,15 +41,19 @@ OVERRIDES = {
 }
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """Twenty small text files of pseudo-random words."""
-    directory = tmp_path_factory.mktemp("corpus")
+def write_corpus(directory) -> None:
+    """Twenty small text files of pseudo-random words, the same at every call."""
     rng = np.random.default_rng(0)
     words = ["def", "return", "self", "value", "import", "class", "for", "in", "if", "None"]
     for i in range(20):
         text = " ".join(rng.choice(words, size=rng.integers(20, 60)))
-        (directory / f"doc{i:02d}.txt").write_text(text + "\n")
+        (Path(directory) / f"doc{i:02d}.txt").write_text(text + "\n")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("corpus")
+    write_corpus(directory)
     return directory
 
 
@@ -99,8 +104,14 @@ class Run:
         if self.mesh is not None:
             opt_state = jax.device_put(opt_state, mesh_shardings(opt_state, self.mesh))
         self.initial = (params, rest, opt_state)
+        quantized = lm_config.moe.expert_precision != "bf16"
         step, _, self.feed = jit_steps(
-            graphdef, tx, self.initial, micro_batches=1, quantized=False, mesh=self.mesh
+            graphdef,
+            tx,
+            self.initial,
+            micro_batches=config.micro_batches,
+            quantized=quantized,
+            mesh=self.mesh,
         )
         self.step = step.lower(*self.initial, self.feed(example)).compile()
 
@@ -114,6 +125,15 @@ class Run:
             metrics.append(jax.device_get(step_metrics))
             losses.append(np.float32(metrics[-1]["loss"]))
         return np.array(losses), metrics, state[0], state[1]
+
+
+def changed_token(batches):
+    """The batches with one input token of the last rank's last row in the first one changed."""
+    changed = [dict(b) for b in batches]
+    inputs = changed[0]["inputs"].copy()
+    inputs[-1, 5] = (inputs[-1, 5] + 1) % 256
+    changed[0]["inputs"] = inputs
+    return changed
 
 
 def assert_same_trees(a, b):
@@ -136,9 +156,8 @@ def runs(corpus):
 def test_loss_curve_and_parameters_are_bitwise_the_same_at_every_mesh(runs, corpus):
     """Every step's loss, the final parameters and expert biases at (4, 2), (2, 4), (1, 8)
     bitwise those at (8, 1); the expert bias follows the global token counts (every rank's
-    tokens, top_k pairs each). Control: one changed token of the last rank's first row in
-    the first batch changes the first loss and every later bit of the run on the same
-    compiled step."""
+    tokens, top_k pairs each). Control: one changed token of the last rank's rows in the first
+    batch changes the first loss and the parameters, on the same compiled step."""
     losses, metrics, params, rest = runs[MESHES[0]][1]
     for mesh in MESHES[1:]:
         got_losses, _, got_params, got_rest = runs[mesh][1]
@@ -152,18 +171,31 @@ def test_loss_curve_and_parameters_are_bitwise_the_same_at_every_mesh(runs, corp
         assert step["tokens_per_expert"].sum(axis=-1).tolist() == [top_k * real]
     assert losses[0] != losses[1] and np.all(np.isfinite(losses))
 
-    changed = [dict(b) for b in batches]
-    inputs = changed[0]["inputs"].copy()
-    inputs[-1, 5] = (inputs[-1, 5] + 1) % 256
-    changed[0]["inputs"] = inputs
-    run = runs[MESHES[-1]][0]
-    other_losses, _, other_params, _ = run(changed)
+    other_losses, _, other_params, _ = runs[MESHES[-1]][0](changed_token(batches))
     assert differs(other_losses[:1], losses[:1])
     for name in ("embed", "layers"):
         assert any(
             differs(np.asarray(a), np.asarray(b))
             for a, b in zip(jax.tree.leaves(other_params[name]), jax.tree.leaves(params[name]))
         )
+
+
+@pytest.mark.exhaustive
+def test_mxfp8_experts_and_micro_batches_bitwise_at_8x1_and_1x8(corpus):
+    """MXFP8 experts (their weight copies made once a step, split over "ep" like the experts)
+    and two micro-batches of 8 sequences (each rank accumulating over its own rows): every
+    loss and the final parameters bitwise the same at (8, 1) and (1, 8). Control: a changed
+    token changes the first loss on the same compiled step."""
+    changes = dict(precision="mxfp8", batch_size=16, micro_batches=2)
+    batches = training_batches(config(corpus, **changes))
+    first, last = (
+        Run(config(corpus, mesh=mesh, **changes), batches[0]) for mesh in ((8, 1), (1, 8))
+    )
+    losses, _, params, _ = first(batches)
+    other_losses, _, other_params, _ = last(batches)
+    assert_bitwise(other_losses, losses)
+    assert_same_trees(other_params, params)
+    assert differs(last(changed_token(batches))[0][:1], losses[:1])
 
 
 def test_mesh_loss_agrees_with_one_device(runs):

@@ -1,6 +1,6 @@
 """One process of tests/parallel/test_expert_parallel_multiprocess.py (a helper, not a test module).
 
-    python tests/support/ep_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npz [cpu|gpu]
+    python tests/support/ep_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npz [cpu|gpu|lm]
 
 Joins `jax.distributed` and runs the layer's training step with `expert_parallel_forward` over
 meshes of all processes' devices; process 0 writes y, the auxiliary losses, d x and every
@@ -11,11 +11,15 @@ parameter gradient, gathered to the host, to OUT.npz (`save`; read back with `lo
   gpu            one GPU per process (process i takes local GPU i); the layer of
                  tests/gpu/test_gpu_expert_parallel.py's `MULTIPROCESS_CASE` at ep = 2 and 1;
                  entries "<case>/ep<degree>/<key path>"
+  lm             the language model's training run of tests/parallel/test_lm_mesh.py over
+                 tests/parallel/test_lm_mesh_multiprocess.py's `MULTIPROCESS_MESH` of all
+                 processes' host devices; entries "losses", "params<key path>", "rest<key path>"
 """
 
 import os
 import socket
 import sys
+import tempfile
 import traceback
 
 import jax
@@ -155,11 +159,29 @@ def cpu_suite() -> dict[str, np.ndarray]:
     return results
 
 
+def lm_suite() -> dict[str, np.ndarray]:
+    """tests/parallel/test_lm_mesh.py's STEPS training steps over `MULTIPROCESS_MESH` (every
+    process's devices): every step's loss and the final parameters and expert biases."""
+    from test_lm_mesh import Run, config, training_batches, write_corpus
+    from test_lm_mesh_multiprocess import MULTIPROCESS_MESH
+
+    corpus = tempfile.mkdtemp()
+    write_corpus(corpus)
+    cfg = config(corpus, mesh=MULTIPROCESS_MESH)
+    batches = training_batches(cfg)
+    losses, _, params, rest = Run(cfg, batches[0])(batches)
+    params, rest = multihost_utils.process_allgather((params, rest), tiled=True)
+    results = {"losses": losses}
+    for name, tree in (("params", params), ("rest", rest)):
+        results.update({name + key: value for key, value in flat(tree).items()})
+    return results
+
+
 def main(coordinator: str, num_processes: int, process_id: int, out: str, suite: str = "cpu"):
     local = dict(local_device_ids=[process_id]) if suite == "gpu" else {}
     jax.distributed.initialize(coordinator, num_processes, process_id, **local)
     assert jax.process_count() == num_processes
-    results = {"cpu": cpu_suite, "gpu": gpu_suite}[suite]()
+    results = {"cpu": cpu_suite, "gpu": gpu_suite, "lm": lm_suite}[suite]()
     if process_id == 0:
         save(out, results)
 
