@@ -134,7 +134,7 @@ FURTHER_CASES = frozenset(
         "kernels/test_gmm_mxfp8_pallas.py::test_forward_matches_dequantized_reference"
         "[ragged_tail_and_empty-dequantize]",
         "ops/test_permute.py::test_layer_dispatch_and_combine_are_each_others_transpose",
-        "benchmarks/test_router_benchmark.py::test_router_benchmark_times_every_config_with_the_same_bits"
+        "research/test_router_benchmark.py::test_router_benchmark_times_every_config_with_the_same_bits"
         "[every]",
         "ops/test_dense.py::test_host_group_sizes_give_the_bits_of_traced_ones[64]",
         "numerics/test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands"
@@ -176,6 +176,34 @@ FURTHER_CASES = frozenset(
         "numerics/test_fp8_blockwise.py::test_wgrad_kernel_equals_the_reference_on_exact_operands"
         "[l2_banded_pairs]",
         "numerics/test_fp8_blockwise.py::test_wgrad_kernel_lowers_at_real_shapes[l2_banded_pairs]",
+        # The research and profiling scripts' full runs (their parsing and one run of each stay);
+        # the kernels they drive are tested in tests/kernels.
+        "research/test_activation_benchmark.py::"
+        "test_activation_benchmark_runs_and_records_every_layout",
+        "research/test_gmm_fp8_blockwise_tiling_benchmark.py::test_tilings_give_the_heuristics_bits",
+        "research/test_gmm_mxfp8_benchmark.py::test_transposing_kernels_run_with_each_config",
+        "research/test_wire_gather_benchmark.py::"
+        "test_wire_gather_benchmark_times_every_route_with_the_same_bits",
+        "kernels/test_copies_pipeline.py::test_profile_script_runs_both_kernels",
+        # The expert-parallel benchmark's whole script at every degree (one module fixture): the
+        # exchange and the layer over meshes are tested in tests/parallel.
+        *(
+            f"benchmarks/test_benchmark_ep.py::{name}"
+            for name in (
+                "test_environment_says_where_it_ran",
+                "test_every_exchange_case_is_timed",
+                "test_the_plans_count_what_leaves_a_rank",
+                "test_the_layer_is_timed_at_every_degree_with_its_efficiency",
+                "test_every_layer_step_is_profiled",
+                "test_the_plot_is_recorded_or_skipped",
+                "test_without_matplotlib_the_plot_is_skipped_with_a_note",
+                "test_the_plot_is_drawn",
+            )
+        ),
+        # The compare tool as a subprocess (the same report is checked in process).
+        "bridge/test_bridge_reference.py::test_compare_tool_as_a_subprocess",
+        # The LM's two-process mesh step (the layer's two-process test stays).
+        "parallel/test_lm_mesh_multiprocess.py::test_two_processes_give_the_bits_of_one",
     }
 )
 
@@ -183,6 +211,12 @@ FURTHER_CASES = frozenset(
 @pytest.hookimpl(tryfirst=True)  # before -m / -k deselect anything
 def pytest_collection_modifyitems(config, items):
     collected = {item.nodeid.removeprefix("tests/") for item in items}
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    moved = sorted(
+        {c for c in FURTHER_CASES if not os.path.exists(os.path.join(tests_dir, c.split("::")[0]))}
+    )
+    if moved:
+        raise pytest.UsageError(f"FURTHER_CASES names test files that do not exist: {moved}")
     if not any("::" in arg for arg in config.args):  # whole files collected
         files = {node_id.split("::")[0] for node_id in collected}
         stale = {c for c in FURTHER_CASES if c.split("::")[0] in files} - collected
