@@ -34,7 +34,7 @@ $(VENV)/.installed-gpu: pyproject.toml | $(PY)
 run: $(VENV)/.installed-run
 	@out=runs/cpu_tiny_$$(date +%Y%m%d_%H%M%S) && \
 	$(PY) -m jaxmoe.train --preset cpu_tiny --out $$out $(ARGS) && \
-	$(PY) -m jaxmoe.generate --checkpoint $$out --prompt "def main(" --max-new-tokens 160
+	$(PY) -m jaxmoe.generate --checkpoint $$out --prompt "def main(" --max-new-tokens 160 --temperature 0.8 --top-p 0.95
 
 lint: $(VENV)/.installed-test
 	$(PY) -m ruff check .
